@@ -1,0 +1,139 @@
+"""What every architecture bridge provides, and the registry that picks one for an HF config.
+
+A bridge turns an HF config into Megatron's TransformerConfig + layer spec + GPTModel
+arguments. Architectures are chosen by the HF `architectures` field (never by substring).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch.nn.functional as F
+
+from parallel.layout import ModelShape, ParallelLayout
+
+VOCAB_DIVISOR = 128
+"""Vocab is padded to a multiple of lcm(128, tp): the same padding for tp in {1,2,4,8}, so a
+checkpoint saved under one layout loads under another (Megatron pads per TP size)."""
+
+_REGISTRY: dict[str, type["Bridge"]] = {}
+
+
+def register(cls: type["Bridge"]) -> type["Bridge"]:
+    for name in cls.architectures:
+        _REGISTRY[name] = cls
+    return cls
+
+
+def registered_architectures() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def bridge_for(hf_config: Any) -> "Bridge":
+    """The bridge for an HF config (transformers PretrainedConfig or its dict)."""
+    archs = _get(hf_config, "architectures", None) or []
+    for arch in archs:
+        if arch in _REGISTRY:
+            return _REGISTRY[arch](hf_config)
+    raise ValueError(
+        f"no bridge for architectures={archs} (model_type={_get(hf_config, 'model_type', None)!r}); "
+        f"supported: {registered_architectures()}"
+    )
+
+
+def _get(cfg: Any, key: str, default: Any = ...) -> Any:
+    value = cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
+    if value is ...:
+        raise ValueError(f"HF config lacks the field {key!r}")
+    return value
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    divisor = math.lcm(VOCAB_DIVISOR, tp)
+    return -(-vocab_size // divisor) * divisor
+
+
+class Bridge:
+    """Base class: HF config field access and the Megatron config shared by MoE decoders."""
+
+    architectures: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, hf_config: Any):
+        self.hf = hf_config
+
+    def get(self, key: str, default: Any = ...) -> Any:
+        return _get(self.hf, key, default)
+
+    # -- what subclasses describe ------------------------------------------------------------
+    def model_shape(self) -> ModelShape:
+        raise NotImplementedError
+
+    def transformer_config_kwargs(self) -> dict[str, Any]:
+        """Architecture-specific TransformerConfig fields."""
+        raise NotImplementedError
+
+    def layer_spec(self, config, use_te: bool):
+        raise NotImplementedError
+
+    # -- shared ------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.get("vocab_size")
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return bool(self.get("tie_word_embeddings", False))
+
+    @property
+    def rope_theta(self) -> float:
+        rope = self.get("rope_parameters", None) or {}
+        return float(rope.get("rope_theta", self.get("rope_theta", 10000.0)))
+
+    def transformer_config(self, layout: ParallelLayout, **overrides: Any):
+        """Megatron TransformerConfig for this model under `layout` (fp32 unless overridden)."""
+        import torch
+        from megatron.core.transformer import TransformerConfig
+
+        layout.check_model(self.model_shape())
+        kwargs: dict[str, Any] = dict(
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.expert_tp,
+            sequence_parallel=layout.sequence_parallel,
+            params_dtype=torch.float32,
+            pipeline_dtype=torch.float32,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            add_bias_linear=False,
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            bias_activation_fusion=False,
+            masked_softmax_fusion=False,
+            persist_layer_norm=False,
+            bias_dropout_fusion=False,
+            apply_rope_fusion=False,
+            gradient_accumulation_fusion=False,
+            use_cpu_initialization=True,  # layout-independent init, and CPU-only machines
+            init_method_std=float(self.get("initializer_range", 0.02)),
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=False,
+            moe_router_dtype="fp32",
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_router_fusion=False,  # R3 replay is skipped silently under router fusion
+            moe_permute_fusion=False,
+        )
+        kwargs.update(self.transformer_config_kwargs())
+        kwargs.update(overrides)
+        return TransformerConfig(**kwargs)
+
+    def gpt_model_kwargs(self, layout: ParallelLayout) -> dict[str, Any]:
+        return dict(
+            vocab_size=padded_vocab_size(self.vocab_size, layout.tp),
+            max_sequence_length=int(self.get("max_position_embeddings", 4096)),
+            position_embedding_type="rope",
+            rotary_base=self.rope_theta,
+            share_embeddings_and_output_weights=self.tie_word_embeddings,
+        )

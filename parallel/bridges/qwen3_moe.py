@@ -1,0 +1,71 @@
+"""Qwen3-MoE: GQA with per-head q/k RMSNorm, RoPE, SwiGLU experts, softmax top-k router
+(top-k weights renormalised when `norm_topk_prob`), no shared expert."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from parallel.bridges.base import Bridge, register
+from parallel.layout import ModelShape
+
+
+@register
+class Qwen3MoeBridge(Bridge):
+    architectures = ("Qwen3MoeForCausalLM",)
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.get("num_experts", None) or self.get("num_local_experts"))
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.get("head_dim", None) or self.get("hidden_size") // self.get("num_attention_heads"))
+
+    def moe_layer_pattern(self) -> list[int]:
+        """1 for an MoE layer, 0 for a dense one (HF `mlp_only_layers`, `decoder_sparse_step`)."""
+        dense = set(self.get("mlp_only_layers", None) or [])
+        step = int(self.get("decoder_sparse_step", 1) or 1)
+        return [
+            int(layer not in dense and (layer + 1) % step == 0)
+            for layer in range(self.get("num_hidden_layers"))
+        ]
+
+    def model_shape(self) -> ModelShape:
+        return ModelShape(
+            num_layers=self.get("num_hidden_layers"),
+            num_attention_heads=self.get("num_attention_heads"),
+            num_query_groups=self.get("num_key_value_heads"),
+            num_experts=self.num_experts,
+            vocab_size=self.vocab_size,
+        )
+
+    def transformer_config_kwargs(self) -> dict[str, Any]:
+        if self.get("attention_bias", False):
+            raise ValueError("Qwen3-MoE with attention_bias=true is not supported by this bridge")
+        return dict(
+            num_layers=self.get("num_hidden_layers"),
+            hidden_size=self.get("hidden_size"),
+            num_attention_heads=self.get("num_attention_heads"),
+            num_query_groups=self.get("num_key_value_heads"),
+            kv_channels=self.head_dim,
+            ffn_hidden_size=self.get("intermediate_size"),
+            normalization="RMSNorm",
+            layernorm_epsilon=float(self.get("rms_norm_eps")),
+            qk_layernorm=True,
+            num_moe_experts=self.num_experts,
+            moe_ffn_hidden_size=self.get("moe_intermediate_size"),
+            moe_router_topk=self.get("num_experts_per_tok"),
+            moe_layer_freq=self.moe_layer_pattern(),
+            moe_router_score_function="softmax",
+            # top-k then softmax over the k logits == softmax, top-k, renormalise
+            moe_router_pre_softmax=not self.get("norm_topk_prob", False),
+        )
+
+    def layer_spec(self, config, use_te: bool):
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_decoder_block_spec,
+        )
+
+        return get_gpt_decoder_block_spec(
+            config, use_transformer_engine=use_te, normalization="RMSNorm", qk_l2_norm=False
+        )

@@ -1,0 +1,1 @@
+"""One module per `moe-rl` command; see `moe_rl.cli`."""

@@ -1,0 +1,11 @@
+"""Weight sync: trainer -> inference engines, bucketed, versioned, atomic on the engine side.
+
+- `sync.bucket`: flat uint8 buckets (SGLang's flattened-bucket layout) + CRC-32 checksums.
+- `sync.group`: the weight-update process group (own TCPStore; gloo on CPU, NCCL on GPU).
+- `sync.engine_api`: `EngineEndpoint`, the protocol an engine client implements.
+- `sync.receiver`: `WeightReceiver`, what an engine server drives.
+- `sync.sender`: `WeightSender`, the trainer side (pause, stream buckets, commit, resume).
+- `sync.transports`: how bytes move (broadcast, disk, cuda_ipc), chosen by name, imported lazily.
+
+`sync` imports neither `parallel` nor `moe_rl`: it moves any iterable of `(hf_name, tensor)`.
+"""

@@ -1,0 +1,28 @@
+"""`moe-rl serve MODEL_DIR`: the embedded CPU engine (SGLang's HTTP API around a transformers MoE)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+COMMAND = ("serve",)
+HELP = "serve an HF MoE model directory with the embedded CPU engine (SGLang's HTTP API)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", help="HF model directory (config.json + *.safetensors)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--weight-version", default="0", help="initial weight version (integer string)")
+    parser.add_argument("--max-batch", type=int, default=64, help="most requests decoded together")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not (Path(args.model_dir) / "config.json").is_file():
+        raise ValueError(f"model_dir: {args.model_dir} has no config.json; pass an HF model directory")
+    if args.max_batch < 1:
+        raise ValueError("--max-batch must be >= 1")
+    from moe_rl.engine.embedded.server import serve
+
+    serve(args.model_dir, args.host, args.port, args.weight_version, args.max_batch)
+    return 0

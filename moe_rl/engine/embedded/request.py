@@ -1,0 +1,115 @@
+"""One generation request inside the embedded engine: sampling state, outputs and its SGLang response.
+
+The response has SGLang's shape: `output_ids` and `meta_info` with `id`, `finish_reason`
+({"type": "length"|"stop"|"abort", ...}), `prompt_tokens`, `completion_tokens`, `weight_version`,
+`weight_versions` (spans {version, start, end} over output tokens, as SGLang 0.5.23),
+`output_token_logprobs` ([logprob, token_id, None] per output token) and `routed_experts` (base64
+int32 [prompt + output - 1 - routed_experts_start_len, layers, topk]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Callable
+
+import numpy as np
+import torch
+
+from moe_rl.sample import encode_routed_experts
+
+
+@dataclasses.dataclass(kw_only=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    sampling_seed: int | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+
+@dataclasses.dataclass(kw_only=True, eq=False)
+class Request:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    return_logprob: bool = False
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    lora_name: str | None = None
+    on_done: Callable[[dict | Exception], None] = lambda result: None
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    version_spans: list[dict] = dataclasses.field(default_factory=list)
+    routed: list[np.ndarray] = dataclasses.field(default_factory=list)
+    num_routed_rows: int = 0
+
+    def __post_init__(self) -> None:
+        seed = self.params.sampling_seed
+        self.generator = torch.Generator().manual_seed(seed if seed is not None else random.getrandbits(63))
+
+    def sample(self, logprobs: torch.Tensor) -> int:
+        """Draw the next token from the raw log-softmax `logprobs` [V] with this request's params."""
+        p = self.params
+        if p.temperature == 0.0:
+            return int(torch.argmax(logprobs))
+        scores = logprobs / p.temperature
+        if 0 < p.top_k < scores.numel():
+            kth = torch.topk(scores, p.top_k).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            outside = sorted_probs.cumsum(-1) - sorted_probs > p.top_p  # keep the smallest set reaching top_p
+            probs = probs.clone()
+            probs[order[outside]] = 0.0
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def add_routing(self, rows: np.ndarray) -> None:
+        self.routed.append(rows)
+        self.num_routed_rows += rows.shape[0]
+
+    def append_token(self, token: int, logprob: float, version: str) -> None:
+        n = len(self.output_ids)
+        self.output_ids.append(token)
+        self.logprobs.append(logprob)
+        if self.version_spans and self.version_spans[-1]["version"] == version:
+            self.version_spans[-1]["end"] = n + 1
+        else:
+            self.version_spans.append({"version": version, "start": n, "end": n + 1})
+
+    def finish_reason_now(self) -> dict | None:
+        token = self.output_ids[-1]
+        if token in self.params.stop_token_ids or (not self.params.ignore_eos and token in self.eos_token_ids):
+            return {"type": "stop", "matched": token}
+        if len(self.output_ids) >= self.params.max_new_tokens:
+            return {"type": "length", "length": len(self.output_ids)}
+        return None
+
+    def finish(self, reason: dict, current_version: str) -> None:
+        self.on_done(self.response(reason, current_version))
+
+    def fail(self, error: Exception) -> None:
+        self.on_done(error)
+
+    def response(self, reason: dict, current_version: str) -> dict:
+        meta = {
+            "id": self.rid,
+            "finish_reason": reason,
+            "prompt_tokens": len(self.input_ids),
+            "completion_tokens": len(self.output_ids),
+            "weight_version": self.version_spans[-1]["version"] if self.version_spans else current_version,
+            "weight_versions": [dict(span) for span in self.version_spans],
+        }
+        if self.return_logprob:
+            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(self.logprobs, self.output_ids)]
+        if self.return_routed_experts and self.routed:
+            rows = np.concatenate(self.routed)[: len(self.input_ids) + len(self.output_ids) - 1]
+            meta["routed_experts"] = encode_routed_experts(rows[self.routed_experts_start_len:])
+        return {"output_ids": list(self.output_ids), "meta_info": meta}

@@ -1,0 +1,170 @@
+"""The embedded engine's model: a transformers MoE CausalLM on CPU, its KV-cached forward and the
+routed-expert capture.
+
+Routing is captured with forward hooks on the model's router modules: transformers 5 declares the
+router class of every MoE family in `_can_record_outputs["router_logits"]`, and each router returns
+`(logits, weights, topk_indices)`. Hooking the module that computes `topk_indices` gives the real
+routing for every family, including DeepSeek-V3 / GLM-4.5 (sigmoid + correction bias + group-limited
+top-k), where the top-k of the logits is not the routing. Dense layers keep rows of zeros, as
+SGLang's capture buffer does.
+
+Weights: the checkpoint-format state dict (HF names as on disk, per-expert tensors) is kept, so a
+weight update is "merge new checkpoint tensors -> build a staged model -> swap": transformers does
+the per-expert -> fused conversion, and no forward ever sees a half-loaded model.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from safetensors.torch import load_file
+from transformers import AutoConfig, DynamicCache
+
+from moe_rl.engine.embedded.lora import LoraAdapter, LoraSet
+
+_LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+
+
+def load_checkpoint_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the `*.safetensors` files in `model_dir`, under its checkpoint name."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {model_dir}: save the model with save_pretrained")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    return state
+
+
+class ModelRunner:
+    """Owns the live model, its routing hooks and the forward used by the scheduler.
+
+    Not thread-safe: only the scheduler thread calls `forward` and `swap`.
+    """
+
+    def __init__(self, model_dir: str | Path):
+        self.model_dir = str(model_dir)
+        self.config = AutoConfig.from_pretrained(self.model_dir)
+        architectures = getattr(self.config, "architectures", None) or []
+        if not architectures or not hasattr(transformers, architectures[0]):
+            raise ValueError(
+                f"{model_dir}/config.json names architectures={architectures}: the embedded engine needs "
+                "a transformers CausalLM class there (e.g. Qwen3MoeForCausalLM)"
+            )
+        self.model_class = getattr(transformers, architectures[0])
+        self.checkpoint = load_checkpoint_state(self.model_dir)
+        text_config = self.config.get_text_config()
+        self.num_layers = text_config.num_hidden_layers
+        self.topk = text_config.num_experts_per_tok
+        self.vocab_size = text_config.vocab_size
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks: list = []
+        self.lora = LoraSet()
+        self.model = self._install(self.model_class.from_pretrained(self.model_dir, dtype=torch.float32))
+
+    # -- model lifecycle -------------------------------------------------------------------------
+
+    def build_staged(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.nn.Module, dict]:
+        """A new model from the current checkpoint with `tensors` (checkpoint names) replaced.
+
+        Raises ValueError for names or shapes the checkpoint does not have. Does not touch the live
+        model: the caller swaps it in between forwards.
+        """
+        for name, tensor in tensors.items():
+            if name not in self.checkpoint:
+                raise ValueError(f"weight {name!r} is not a parameter of this checkpoint: send HF checkpoint names")
+            if tuple(tensor.shape) != tuple(self.checkpoint[name].shape):
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, checkpoint has {tuple(self.checkpoint[name].shape)}"
+                )
+        merged = {**self.checkpoint, **{k: v.to(self.checkpoint[k].dtype) for k, v in tensors.items()}}
+        model = self.model_class.from_pretrained(None, config=self.config, state_dict=merged, dtype=torch.float32)
+        return model, merged
+
+    def swap(self, model: torch.nn.Module, checkpoint: dict[str, torch.Tensor]) -> None:
+        """Make a staged model live (scheduler thread, between forwards)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self.model = self._install(model)
+        self.checkpoint = checkpoint
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a PEFT adapter under `name` (scheduler thread: re-installs the hooks)."""
+        self.lora.add(LoraAdapter(name, path), self.model)
+        self.swap(self.model, self.checkpoint)
+
+    def unload_lora(self, name: str) -> None:
+        if self.lora.adapters.pop(name, None) is None:
+            raise ValueError(f"lora_name: no adapter {name!r} is loaded")
+        self.swap(self.model, self.checkpoint)
+
+    def _install(self, model: torch.nn.Module) -> torch.nn.Module:
+        model.eval()
+        self._hooks.extend(self.lora.install(model))
+        recorder = getattr(model, "_can_record_outputs", {}).get("router_logits")
+        if recorder is None:
+            raise ValueError(f"{type(model).__name__} declares no router module: not a transformers MoE model")
+        router_class = recorder.target_class
+        for name, module in model.named_modules():
+            if isinstance(module, router_class):
+                match = _LAYER_INDEX.search(f".{name}.")
+                assert match, f"router {name} is not inside a decoder layer"
+                self._hooks.append(module.register_forward_hook(self._capture_hook(int(match.group(1)))))
+        if not self._hooks:
+            raise ValueError(f"{type(model).__name__} has no {router_class.__name__} modules")
+        return model
+
+    def _capture_hook(self, layer: int):
+        def hook(module, args, output):
+            self._captured[layer] = output[2].detach()  # (logits, weights, topk_indices)
+
+        return hook
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: DynamicCache,
+        adapters: list[str | None],
+    ) -> tuple[torch.Tensor, np.ndarray]:
+        """One forward over `input_ids` [B, S] after `cache`; `attention_mask` [B, past + S] (left pad);
+        `adapters`: the LoRA adapter of each row (None: base model).
+
+        Returns the log-softmax of the last position [B, V] (float32, temperature 1) and the routed
+        experts of every fed position, int32 [B, S, num_layers, topk]. Updates `cache` in place.
+        """
+        batch, seq = input_ids.shape
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -seq:]
+        self._captured.clear()
+        self.lora.row_adapters = adapters
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logprobs = torch.log_softmax(out.logits[:, -1, :].float(), dim=-1)
+        routed = np.zeros((batch, seq, self.num_layers, self.topk), dtype=np.int32)
+        for layer, indices in self._captured.items():
+            routed[:, :, layer, :] = indices.reshape(batch, seq, self.topk).numpy()
+        return logprobs, routed
+
+    def describe(self) -> dict:
+        return {
+            "architectures": list(self.config.architectures),
+            "model_type": self.config.model_type,
+            "num_hidden_layers": self.num_layers,
+            "num_experts_per_tok": self.topk,
+            "vocab_size": self.vocab_size,
+            "lora_adapters": sorted(self.lora.adapters),
+        }

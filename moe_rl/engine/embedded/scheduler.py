@@ -1,0 +1,215 @@
+"""Continuous batching for the embedded engine: one scheduler thread owns the model and the KV cache.
+
+Each iteration runs the control commands queued by the HTTP server (pause, abort, weight swap, ...),
+then, unless paused, admits waiting requests with one left-padded batched prefill, merges their KV
+into the running batch and runs one batched decode step for every running request. Finished rows
+leave the batch at once; new requests join at the next iteration (continuous batching).
+
+Pause modes (SGLang's): `abort` finishes every request now with finish reason abort and its partial
+tokens, logprobs and routing; `retract` drops the KV of running requests and puts them back at the
+head of the queue (recomputed on `continue`); `in_place` keeps everything and just stops stepping.
+
+Logprobs: each sampled token reports the raw model log-softmax (temperature 1, before top-k/top-p),
+i.e. log pi(token | prefix) of the policy, which is what the trainer recomputes.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+from typing import Callable
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from moe_rl.engine.embedded.request import Request
+from moe_rl.engine.embedded.runner import ModelRunner
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, weight_version: str, max_batch: int = 64):
+        self.runner = runner
+        self.weight_version = weight_version
+        self.max_batch = max_batch
+        self.paused = False
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._commands: collections.deque = collections.deque()
+        self._running: list[Request] = []
+        self._cache: DynamicCache | None = None
+        self._mask: torch.Tensor | None = None  # [B, T] 1 = real token, left padded
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="embedded-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- called from the HTTP thread ---------------------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        with self._cond:
+            self._waiting.append(request)
+            self._cond.notify()
+
+    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run `fn` on the scheduler thread between two steps; returns its future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._commands.append((fn, future))
+            self._cond.notify()
+        return future
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._running) + len(self._waiting)
+
+    # -- control commands (run on the scheduler thread via `call`) ---------------------------------
+
+    def pause(self, mode: str) -> None:
+        if mode == "abort":
+            self.abort(None)
+        elif mode == "retract":
+            for request in reversed(self._running):
+                self._waiting.appendleft(request)
+            self._drop_batch()
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def abort(self, rid: str | None) -> int:
+        """Finish the request `rid` (every request when None) with finish reason abort."""
+        aborted = 0
+        for request in [r for r in self._waiting if rid is None or r.rid == rid]:
+            self._waiting.remove(request)
+            request.finish({"type": "abort", "message": "Aborted"}, self.weight_version)
+            aborted += 1
+        doomed = [i for i, r in enumerate(self._running) if rid is None or r.rid == rid]
+        for i in doomed:
+            self._running[i].finish({"type": "abort", "message": "Aborted"}, self.weight_version)
+        self._remove_rows(doomed)
+        return aborted + len(doomed)
+
+    def set_weights(self, model: torch.nn.Module, checkpoint: dict, version: str) -> None:
+        """Swap in a staged model: the next forward uses it, tokens after it carry `version`."""
+        self.runner.swap(model, checkpoint)
+        self.weight_version = version
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopping or self._commands or (not self.paused and self.num_requests)):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                commands = list(self._commands)
+                self._commands.clear()
+            for fn, future in commands:
+                try:
+                    future.set_result(fn())
+                except Exception as error:  # reported to the caller, the loop keeps serving
+                    future.set_exception(error)
+            if self.paused:
+                continue
+            try:
+                self._admit()
+                if self._running:
+                    self._decode()
+            except Exception as error:  # a model error fails the batch's requests, not the server
+                for request in self._running + list(self._waiting):
+                    request.fail(error)
+                self._waiting.clear()
+                self._drop_batch()
+
+    def _admit(self) -> None:
+        with self._cond:
+            count = min(len(self._waiting), self.max_batch - len(self._running))
+            new = [self._waiting.popleft() for _ in range(count)]
+        if not new:
+            return
+        sequences = [r.input_ids + r.output_ids for r in new]
+        width = max(len(s) for s in sequences)
+        ids = torch.zeros(len(new), width, dtype=torch.long)
+        mask = torch.zeros(len(new), width, dtype=torch.long)
+        for row, seq in enumerate(sequences):
+            ids[row, width - len(seq):] = torch.tensor(seq)
+            mask[row, width - len(seq):] = 1
+        cache = DynamicCache()
+        logprobs, routed = self.runner.forward(ids, mask, cache, [r.lora_name for r in new])
+        for row, (request, seq) in enumerate(zip(new, sequences)):
+            fed = routed[row, width - len(seq):]
+            request.add_routing(fed[request.num_routed_rows:])
+        self._merge(new, cache, mask)
+        self._sample_and_finish(range(len(self._running) - len(new), len(self._running)), logprobs)
+
+    def _decode(self) -> None:
+        ids = torch.tensor([[r.output_ids[-1]] for r in self._running], dtype=torch.long)
+        self._mask = torch.cat([self._mask, torch.ones(len(self._running), 1, dtype=torch.long)], dim=1)
+        logprobs, routed = self.runner.forward(ids, self._mask, self._cache, [r.lora_name for r in self._running])
+        for row, request in enumerate(self._running):
+            request.add_routing(routed[row])
+        self._sample_and_finish(range(len(self._running)), logprobs)
+
+    def _sample_and_finish(self, rows, logprobs: torch.Tensor) -> None:
+        done = []
+        for row in rows:
+            request = self._running[row]
+            token = request.sample(logprobs[row])
+            request.append_token(token, float(logprobs[row, token]), self.weight_version)
+            reason = request.finish_reason_now()
+            if reason is not None:
+                request.finish(reason, self.weight_version)
+                done.append(row)
+        self._remove_rows(done)
+
+    # -- KV cache bookkeeping ----------------------------------------------------------------------
+
+    def _merge(self, new: list[Request], cache: DynamicCache, mask: torch.Tensor) -> None:
+        if not self._running:
+            self._running, self._cache, self._mask = list(new), cache, mask
+            return
+        width = max(self._mask.shape[1], mask.shape[1])
+
+        def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+            missing = width - t.shape[dim]
+            if missing == 0:
+                return t
+            shape = list(t.shape)
+            shape[dim] = missing
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        layers = [
+            (torch.cat([pad(old.keys, 2), pad(add.keys, 2)]), torch.cat([pad(old.values, 2), pad(add.values, 2)]))
+            for old, add in zip(self._cache.layers, cache.layers)
+        ]
+        self._cache = DynamicCache(ddp_cache_data=layers)
+        self._mask = torch.cat([pad(self._mask, 1), pad(mask, 1)])
+        self._running.extend(new)
+
+    def _remove_rows(self, rows: list[int]) -> None:
+        if not rows:
+            return
+        gone = set(rows)
+        keep = [i for i in range(len(self._running)) if i not in gone]
+        if not keep:
+            self._drop_batch()
+            return
+        self._running = [self._running[i] for i in keep]
+        index = torch.tensor(keep)
+        self._mask = self._mask[index]
+        start = int((self._mask.sum(0) > 0).nonzero()[0])  # drop columns that are padding for every row
+        self._mask = self._mask[:, start:]
+        for layer in self._cache.layers:
+            layer.keys = layer.keys[index, :, start:]
+            layer.values = layer.values[index, :, start:]
+
+    def _drop_batch(self) -> None:
+        self._running, self._cache, self._mask = [], None, None

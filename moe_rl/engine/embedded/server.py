@@ -1,0 +1,294 @@
+"""The embedded engine's HTTP server (aiohttp): SGLang's paths and fields around the scheduler.
+
+Every handler validates its body first (unknown or missing fields, bad values: HTTP 400 with
+`{"error": {"message": ...}}` naming the field, SGLang's error shape) and the server keeps serving.
+Long blocking work (loading weights, joining the weight-update group, receiving a bucket) runs in
+worker threads; only the final swap runs on the scheduler thread, between two decode steps.
+
+Weight updates (`sync.receiver.WeightReceiver` does the group and the staging):
+`/update_weights_from_disk` loads, swaps and sets the version at once (SGLang's behaviour);
+`/update_weights_from_distributed` stages one bucket; `/update_weight_version` commits the staged
+version (or, with nothing staged, relabels the served weights as SGLang does);
+`/continue_generation` drops an uncommitted staged version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from aiohttp import web
+
+from moe_rl.engine import protocol
+from moe_rl.engine.embedded.request import Request, SamplingParams
+from moe_rl.engine.embedded.runner import ModelRunner, load_checkpoint_state
+from moe_rl.engine.embedded.scheduler import Scheduler
+from sync.receiver import WeightReceiver
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def _check(body: object, path: str) -> dict:
+    if not isinstance(body, dict):
+        raise BadRequest(f"{path}: the body must be a JSON object")
+    unknown = protocol.unknown_fields(path, body)
+    if unknown:
+        raise BadRequest(f"{path}: unknown field(s) {unknown}; SGLang's fields are {sorted(protocol.REQUEST_FIELDS[path])}")
+    missing = [f for f in protocol.REQUIRED_FIELDS.get(path, ()) if f not in body]
+    if missing:
+        raise BadRequest(f"{path}: missing required field(s) {missing}")
+    return body
+
+
+def _int(value: object, name: str, low: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
+        raise BadRequest(f"{name} must be an integer{f' >= {low}' if low is not None else ''}, got {value!r}")
+    return value
+
+
+class EmbeddedServer:
+    def __init__(self, model_dir: str, weight_version: str = "0", max_batch: int = 64):
+        self.runner = ModelRunner(model_dir)
+        self.scheduler = Scheduler(self.runner, weight_version, max_batch)
+        self.receiver = WeightReceiver(version=int(weight_version) if weight_version.isdigit() else 0)
+        eos = getattr(self.runner.config.get_text_config(), "eos_token_id", None)
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.max_positions = getattr(self.runner.config.get_text_config(), "max_position_embeddings", 1 << 30)
+        self._rids: set[str] = set()
+        self._staged_version: str | None = None  # a distributed version received but not committed
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 30, middlewares=[self._errors])
+        routes = {
+            "/generate": self.generate, "/pause_generation": self.pause, "/continue_generation": self.resume,
+            "/abort_request": self.abort, "/update_weights_from_disk": self.update_from_disk,
+            "/init_weights_update_group": self.init_group, "/destroy_weights_update_group": self.destroy_group,
+            "/update_weights_from_distributed": self.update_from_distributed,
+            "/update_weight_version": self.update_version, "/load_lora_adapter": self.load_lora,
+            "/unload_lora_adapter": self.unload_lora,
+        }
+        for path, handler in routes.items():
+            app.router.add_post(path, handler)
+        app.router.add_put("/generate", self.generate)
+        app.router.add_route("*", "/flush_cache", self.flush_cache)
+        for path in ("/health", "/health_generate"):
+            app.router.add_get(path, self.health)
+        for path in ("/model_info", "/get_model_info"):
+            app.router.add_get(path, self.model_info)
+        app.on_shutdown.append(self._shutdown)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except ValueError as error:  # BadRequest and the receiver's / runner's input errors
+            return web.json_response({"error": {"message": str(error)}, "success": False, "message": str(error)}, status=400)
+        except RuntimeError as error:  # calls in the wrong order (e.g. a bucket before joining)
+            return web.json_response({"error": {"message": str(error)}, "success": False, "message": str(error)}, status=400)
+
+    async def _body(self, request: web.Request) -> dict:
+        if not request.can_read_body:
+            return _check({}, request.path)
+        try:
+            body = await request.json()
+        except ValueError:
+            raise BadRequest(f"{request.path}: the body is not valid JSON") from None
+        return _check(body, request.path)
+
+    async def _on_scheduler(self, fn):
+        return await asyncio.wrap_future(self.scheduler.call(fn))
+
+    async def _shutdown(self, app) -> None:
+        self.scheduler.stop()
+        self.receiver.leave()
+
+    # -- generation --------------------------------------------------------------------------------
+
+    async def generate(self, http: web.Request) -> web.Response:
+        request = self._parse_generate(await self._body(http))
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        request.on_done = lambda result: loop.call_soon_threadsafe(_resolve, done, result)
+        self._rids.add(request.rid)
+        try:
+            self.scheduler.submit(request)
+            return web.json_response(await done)
+        except asyncio.CancelledError:  # the client went away: stop generating for it
+            self.scheduler.call(lambda: self.scheduler.abort(request.rid))
+            raise
+        finally:
+            self._rids.discard(request.rid)
+
+    def _parse_generate(self, body: dict) -> Request:
+        for field, honoured in protocol.EMBEDDED_UNSUPPORTED.items():
+            value = body.get(field, (body.get("sampling_params") or {}).get(field, honoured))
+            if value != honoured:
+                raise BadRequest(f"{field}={value!r} is not supported by the embedded engine (use {honoured!r})")
+        ids = body["input_ids"]
+        if not isinstance(ids, list) or not ids:
+            raise BadRequest("input_ids must be a non-empty list of token ids")
+        vocab = self.runner.vocab_size
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"input_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
+        raw = body.get("sampling_params") or {}
+        if not isinstance(raw, dict):
+            raise BadRequest("sampling_params must be a JSON object")
+        params = SamplingParams(**{k: v for k, v in raw.items() if k not in protocol.EMBEDDED_UNSUPPORTED})
+        _int(params.max_new_tokens, "sampling_params.max_new_tokens", low=1)
+        _int(params.top_k, "sampling_params.top_k", low=-1)
+        if params.top_k == 0:
+            raise BadRequest("sampling_params.top_k must be -1 (all) or >= 1, got 0")
+        if not isinstance(params.temperature, (int, float)) or params.temperature < 0:
+            raise BadRequest(f"sampling_params.temperature must be >= 0, got {params.temperature!r}")
+        if not isinstance(params.top_p, (int, float)) or not 0 < params.top_p <= 1:
+            raise BadRequest(f"sampling_params.top_p must be in (0, 1], got {params.top_p!r}")
+        params.stop_token_ids = [_int(t, "sampling_params.stop_token_ids[]", 0) for t in params.stop_token_ids or []]
+        if params.sampling_seed is not None:
+            _int(params.sampling_seed, "sampling_params.sampling_seed")
+        if len(ids) + params.max_new_tokens > self.max_positions:
+            raise BadRequest(
+                f"len(input_ids) + max_new_tokens = {len(ids) + params.max_new_tokens} exceeds the model's "
+                f"max_position_embeddings {self.max_positions}"
+            )
+        rid = body.get("rid") or uuid.uuid4().hex
+        if not isinstance(rid, str) or rid in self._rids:
+            raise BadRequest(f"rid {rid!r} must be a string not used by a running request")
+        start = _int(body.get("routed_experts_start_len", 0), "routed_experts_start_len", 0)
+        if start > len(ids):
+            raise BadRequest(f"routed_experts_start_len={start} must be in [0, len(input_ids)={len(ids)}]")
+        lora = body.get("lora_path")
+        if lora is not None and lora not in self.runner.lora.adapters:
+            raise BadRequest(f"lora_path: adapter {lora!r} is not loaded; call /load_lora_adapter first")
+        return Request(
+            rid=rid, input_ids=list(ids), params=params, eos_token_ids=self.eos_token_ids,
+            return_logprob=bool(body.get("return_logprob")),
+            return_routed_experts=bool(body.get("return_routed_experts")),
+            routed_experts_start_len=start, lora_name=lora,
+        )
+
+    # -- control -----------------------------------------------------------------------------------
+
+    async def pause(self, http: web.Request) -> web.Response:
+        mode = (await self._body(http)).get("mode", "abort")
+        if mode not in protocol.PAUSE_MODES:
+            raise BadRequest(f"mode={mode!r}: use one of {protocol.PAUSE_MODES}")
+        await self._on_scheduler(lambda: self.scheduler.pause(mode))
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def resume(self, http: web.Request) -> web.Response:
+        await self._body(http)
+        self.receiver.abort()  # an uncommitted staged version is dropped (sync.engine_api)
+        self._staged_version = None
+        await self._on_scheduler(self.scheduler.resume)
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def abort(self, http: web.Request) -> web.Response:
+        body = await self._body(http)
+        rid = None if body.get("abort_all") else body.get("rid")
+        if rid is None and not body.get("abort_all"):
+            raise BadRequest("/abort_request: give rid, or abort_all=true")
+        await self._on_scheduler(lambda: self.scheduler.abort(rid))
+        return web.Response(status=200)
+
+    async def flush_cache(self, http: web.Request) -> web.Response:
+        if self.scheduler.num_requests and not self.scheduler.paused:
+            return web.Response(status=400, text="Flush cache failed: requests are running.\n")
+        return web.Response(status=200, text="Cache flushed.\n")
+
+    async def health(self, http: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def model_info(self, http: web.Request) -> web.Response:
+        return web.json_response({
+            "model_path": self.runner.model_dir, "is_generation": True,
+            "weight_version": self.scheduler.weight_version, **self.runner.describe(),
+        })
+
+    # -- weights -----------------------------------------------------------------------------------
+
+    async def _swap(self, tensors: dict, version: str, abort_all: bool) -> None:
+        model, checkpoint = await asyncio.to_thread(self.runner.build_staged, tensors)
+
+        def swap() -> None:
+            if abort_all:
+                self.scheduler.abort(None)
+            self.scheduler.set_weights(model, checkpoint, version)
+
+        await self._on_scheduler(swap)
+
+    async def update_from_disk(self, http: web.Request) -> web.Response:
+        body = await self._body(http)
+        version = str(body.get("weight_version") or self.scheduler.weight_version)
+        tensors = await asyncio.to_thread(load_checkpoint_state, body["model_path"])
+        await self._swap(tensors, version, bool(body.get("abort_all_requests")))
+        if version.isdigit():
+            self.receiver.version = max(self.receiver.version, int(version))
+        return web.json_response({"success": True, "message": f"Loaded {body['model_path']}", "num_paused_requests": 0})
+
+    async def init_group(self, http: web.Request) -> web.Response:
+        body = await self._body(http)
+        await asyncio.to_thread(
+            self.receiver.join, body["master_address"], _int(body["master_port"], "master_port", 1),
+            _int(body["rank_offset"], "rank_offset", 1), _int(body["world_size"], "world_size", 2),
+            body.get("group_name", "weight_update_group"), body.get("backend", "gloo"),
+        )
+        return web.json_response({"success": True, "message": "Joined the weight update group."})
+
+    async def destroy_group(self, http: web.Request) -> web.Response:
+        await self._body(http)
+        self.receiver.leave()
+        return web.json_response({"success": True, "message": "Left the weight update group."})
+
+    async def update_from_distributed(self, http: web.Request) -> web.Response:
+        body = await self._body(http)
+        if body.get("load_format") not in (None, "flattened_bucket"):
+            raise BadRequest(f"load_format={body['load_format']!r}: the embedded engine takes 'flattened_bucket'")
+        if body.get("weight_version") is None:
+            raise BadRequest("weight_version is required by the embedded engine: it stages buckets per version")
+        await asyncio.to_thread(
+            self.receiver.receive_bucket, body["names"], body["dtypes"], body["shapes"],
+            body["weight_version"], body.get("checksum"), body.get("group_name"),
+        )
+        self._staged_version = str(body["weight_version"])
+        return web.json_response({"success": True, "message": f"Staged {len(body['names'])} tensors."})
+
+    async def update_version(self, http: web.Request) -> web.Response:
+        body = await self._body(http)
+        version, abort_all = str(body["new_version"]), body.get("abort_all_requests", True)
+        if version == self.scheduler.weight_version:
+            return web.json_response({"success": True, "message": f"Already serving {version}."})
+        if self._staged_version is not None:
+            tensors, self._staged_version = self.receiver.commit(version), None
+            await self._swap(tensors, version, abort_all)
+        else:  # nothing staged: SGLang's plain relabel
+            await self._swap({}, version, abort_all)
+        return web.json_response({"success": True, "message": f"Serving weight version {version}."})
+
+    async def load_lora(self, http: web.Request) -> web.Response:
+        body = await self._body(http)
+        await self._on_scheduler(lambda: self.runner.load_lora(body["lora_name"], body["lora_path"]))
+        return web.json_response({"success": True, "loaded_adapters": {n: n for n in self.runner.lora.adapters}})
+
+    async def unload_lora(self, http: web.Request) -> web.Response:
+        body = await self._body(http)
+        await self._on_scheduler(lambda: self.runner.unload_lora(body["lora_name"]))
+        return web.json_response({"success": True, "loaded_adapters": {n: n for n in self.runner.lora.adapters}})
+
+
+def _resolve(future: asyncio.Future, result) -> None:
+    if future.done():
+        return
+    if isinstance(result, Exception):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
+
+
+def serve(model_dir: str, host: str, port: int, weight_version: str, max_batch: int = 64) -> None:
+    """Blocking: load the model and serve until SIGINT/SIGTERM."""
+    server = EmbeddedServer(model_dir, weight_version, max_batch)
+    web.run_app(server.app(), host=host, port=port, print=None, handle_signals=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import torch
 
@@ -106,9 +106,9 @@ def unpack(data: torch.Tensor, metas: list[TensorMeta]) -> list[tuple[str, torch
 class BucketPacker:
     """Packs a stream of `(name, tensor)` into buckets of at most `bucket_bytes` bytes.
 
-    `pack(named_tensors)` is a generator; the bucket it yields stays valid until `release`
-    (called by the consumer when its buffer may be reused, e.g. once the bucket was sent) has
-    been called for the bucket `num_buffers` positions earlier: packing waits on `wait_free`.
+    `pack(named_tensors)` is a lazy generator. Bucket i lives in buffer i % num_buffers, which
+    bucket i + num_buffers overwrites: be done with bucket i (e.g. sent it) before asking the
+    generator for bucket i + num_buffers. With 2 buffers: send bucket k while packing k + 1.
     """
 
     def __init__(self, bucket_bytes: int, device: torch.device | str = "cpu", num_buffers: int = 2):
@@ -125,12 +125,8 @@ class BucketPacker:
     def buffer_bytes(self) -> int:
         return sum(b.numel() for b in self.buffers)
 
-    def pack(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
-        wait_free: Callable[[int], None] = lambda index: None,
-    ) -> Iterator[Bucket]:
-        """Yield buckets; before writing bucket i into a buffer, calls `wait_free(i)`."""
+    def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[Bucket]:
+        """Yield the buckets of `named_tensors`, in order, each with its checksum."""
         index, metas, offset = 0, [], 0
         buffer = None
         for name, tensor in named_tensors:
@@ -145,7 +141,6 @@ class BucketPacker:
                 index += 1
                 continue
             if not metas:
-                wait_free(index)
                 buffer = self.buffers[index % len(self.buffers)]
             buffer[offset : offset + nbytes].copy_(_byte_view(tensor))
             metas.append(TensorMeta(name, tensor.dtype, tuple(tensor.shape), offset))

@@ -102,11 +102,17 @@ class WeightUpdateGroup:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """All ranks: `tensor` on `src` is copied into `tensor` on every rank (in place)."""
+        self.wait(self.broadcast_async(tensor, src))
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int = 0) -> dist.Work:
+        """`broadcast`, started; finish it with `wait(work)` (no extra memory: in place)."""
         if self._pg is None:
             raise RuntimeError(f"group {self.group_name!r} was destroyed; create a new one")
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0
-        work = self._pg.broadcast([tensor], opts)
+        return self._pg.broadcast([tensor], opts)
+
+    def wait(self, work: dist.Work) -> None:
         if not work.wait(self.timeout):
             raise TimeoutError(f"broadcast on {self.group_name!r} timed out after {self.timeout}")
 

@@ -1,0 +1,115 @@
+"""Trainer side of the weight sync: one call per training step moves a new version to every engine.
+
+    sender = WeightSender(engines, SyncConfig(transport="broadcast", bucket_bytes=512 << 20))
+    sender.update(export_stream, version)      # on the source rank; other ranks drain the export
+    sender.close()
+
+`export_stream` is any iterable of `(hf_name, tensor)`; with Megatron it is `parallel`'s
+streaming export, which runs gathers over TP/EP/ETP (and PP) on every trainer rank: the
+source rank (the first rank of the trainer world, rank 0 of the weight-update group) passes it to
+`update`, every other trainer rank iterates it in lockstep (`drain`). One shared group: the
+export delivers every pipeline stage's tensors to the source rank, which sends them all.
+
+`update` is the weight update, as numbered steps:
+  1. refuse a version that does not increase;
+  2. (re)open the transport if needed (forms the weight-update group with the live engines);
+  3. pause generation (`mode`) and flush the KV cache on every engine;
+  4. transport.send: stream buckets; every engine acknowledges every bucket;
+  5. commit: `update_weight_version` on every engine, only if step 4 fully succeeded;
+  6. continue generation on every engine, always. An engine that cannot even do that is
+     dead: it is dropped, and the next update re-forms the group without it.
+On failure, `SyncError` names the engine and bucket; engines stay on the previous version.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from sync.engine_api import EngineEndpoint
+from sync.engine_set import EngineSet, SyncError, describe
+from sync.transports import TransportConfig, make_transport
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass(kw_only=True)
+class SyncConfig(TransportConfig):
+    transport: str = "broadcast"
+    """How bytes move: "broadcast" (process group), "disk" (safetensors on shared storage)."""
+    pause_mode: str = "retract"
+    """`/pause_generation` mode: abort | retract | in_place (SGLang's)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode: {self.pause_mode!r} is not one of {PAUSE_MODES}")
+
+
+@dataclass
+class SyncStats:
+    version: int
+    bytes: int
+    seconds: float
+    engines: list[str] = field(default_factory=list)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+
+class WeightSender:
+    def __init__(self, engines: list[EngineEndpoint], config: SyncConfig, version: int = 0):
+        if not engines:
+            raise ValueError("engines: need at least one engine to sync weights to")
+        self.config = config
+        self.version = version  # the last committed version
+        self.engines = EngineSet(engines, config.timeout_s)
+        self.transport = make_transport(config.transport, config)
+
+    def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
+        """Source rank only. Returns what was sent; raises SyncError (engines keep the old version)."""
+        # 1. versions only increase
+        if version <= self.version:
+            raise ValueError(f"version: {version} is stale or repeated (last committed {self.version})")
+        start = time.perf_counter()
+        try:
+            # 2. (re)form the group
+            if self.transport.broken:
+                self.transport.close(self.engines)
+                self.transport.open(self.engines)
+            # 3. pause + flush
+            self._on_all("pause_generation", lambda e: e.pause_generation(self.config.pause_mode))
+            self._on_all("flush_cache", lambda e: e.flush_cache())
+            # 4. send every bucket, acknowledged by every engine
+            nbytes = self.transport.send(named_tensors, version, self.engines)
+            # 5. commit
+            self._on_all("update_weight_version", lambda e: e.update_weight_version(str(version)))
+            self.version = version
+        except BaseException:
+            drain(named_tensors)  # if we failed before sending: other ranks run the export
+            raise
+        finally:
+            # 6. resume, always; an engine that cannot is dead
+            if dead := self.engines.call(lambda e: e.continue_generation()):
+                self.engines.drop(set(dead))
+                self.transport.broken = True
+        return SyncStats(version, nbytes, time.perf_counter() - start, self.engines.names)
+
+    def _on_all(self, what: str, call) -> None:
+        if failed := self.engines.call(call):
+            raise SyncError(f"{what} failed: {describe(failed)}", engine=next(iter(failed)))
+
+    def close(self) -> None:
+        """Engines and this rank leave the group; the sender cannot be used afterwards."""
+        self.transport.close(self.engines)
+        self.engines.close()
+
+
+def drain(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Non-source trainer ranks: run the export (its collectives) without sending anything."""
+    for _ in named_tensors:
+        pass

@@ -1,0 +1,84 @@
+"""The transport interface (sender side) and its lazy registry.
+
+Lifecycle, called by `WeightSender` on the trainer's source rank only:
+
+    open(engines)                     once, or again after a failure tore things down
+    send(named_tensors, version, engines) -> bytes sent; engines acknowledged every piece
+    close(engines)                    release groups, buffers, files
+
+`send` moves the bytes and announces them, but never commits: the sender commits the version
+(`update_weight_version`) only after `send` returned. `send` raises `SyncError` naming the
+engine and bucket on any failure, after draining `named_tensors` (the export is a collective
+on the trainer ranks: the source must keep iterating in lockstep even when it stops sending).
+`broken` tells the sender that `open` must run again before the next `send`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Iterable
+
+import torch
+
+from sync.engine_set import EngineSet
+
+_REGISTRY = {
+    "broadcast": "sync.transports.broadcast:BroadcastTransport",
+    "disk": "sync.transports.disk:DiskTransport",
+}
+
+
+@dataclass(kw_only=True)
+class TransportConfig:
+    bucket_bytes: int = 512 << 20
+    """Upper bound of one bucket (a larger tensor travels alone). GPU: 512 MiB-1 GiB."""
+    backend: str | None = None
+    """Process-group backend for `broadcast`: "gloo" | "nccl"; None = nccl with CUDA, else gloo."""
+    master_address: str = "127.0.0.1"
+    """Address of the trainer source rank, reachable from every engine."""
+    master_port: int = 0
+    """Rendezvous port on the source rank; 0 picks a free one."""
+    group_name: str = "weight_update_group"
+    """Name of the weight-update group (SGLang's `group_name`)."""
+    timeout_s: float = 300.0
+    """Bound on each collective and each engine call."""
+    disk_dir: str | None = None
+    """`disk`: directory on storage shared with the engines; versions appear as `v{N}/`."""
+
+    def __post_init__(self):
+        if self.bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes: must be positive, got {self.bucket_bytes}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s: must be positive, got {self.timeout_s}")
+        if self.backend is None:
+            self.backend = "nccl" if torch.cuda.is_available() else "gloo"
+
+
+class Transport(ABC):
+    name: ClassVar[str]
+    broken: bool = True  # nothing opened yet
+
+    def __init__(self, config: TransportConfig):
+        self.config = config
+
+    @abstractmethod
+    def open(self, engines: EngineSet) -> None: ...
+
+    @abstractmethod
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, engines: EngineSet) -> int: ...
+
+    @abstractmethod
+    def close(self, engines: EngineSet) -> None: ...
+
+
+def available_transports() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def make_transport(name: str, config: TransportConfig) -> Transport:
+    if name not in _REGISTRY:
+        raise ValueError(f"transport: {name!r} is not one of {available_transports()}")
+    module, cls = _REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module), cls)(config)

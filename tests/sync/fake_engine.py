@@ -1,0 +1,166 @@
+"""FAKE engine for sync tests: a real aiohttp server in its own process, SGLang's weight routes,
+a real `WeightReceiver` in a real process group, but no model and no generation.
+
+`FakeEngineServer` serves a dict of tensors (the "model") and its version; `/debug_dump_weights`
+(test-only) writes them to a safetensors file so a test can compare them exactly.
+`FakeEngineClient` implements `sync.engine_api.EngineEndpoint` over HTTP (the real client lives
+in `moe_rl.engine`; sync's tests must not import moe_rl). `die_at_bucket=k` makes the server
+SIGKILL itself when bucket k is announced: an engine killed in the middle of a sync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import aiohttp
+import torch
+import torch.multiprocessing as mp
+from aiohttp import web
+from safetensors.torch import save_file
+
+from sync.receiver import WeightReceiver
+
+
+def _serve(port: int, die_at_bucket: int | None, timeout_s: float) -> None:
+    torch.set_num_threads(1)
+    receiver = WeightReceiver("cpu")
+    weights: dict[str, torch.Tensor] = {}
+    pool = ThreadPoolExecutor(1)  # collectives block: keep them off the event loop, in order
+    state = {"buckets": 0, "paused": False}
+
+    async def blocking(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    def route(fn):
+        async def handler(request: web.Request) -> web.Response:
+            body = await request.json() if request.can_read_body else {}
+            try:
+                result = await fn(body)
+            except Exception as error:  # SGLang's shape: success false + message, HTTP 400
+                return web.json_response({"success": False, "message": f"{type(error).__name__}: {error}"}, status=400)
+            return web.json_response({"success": True, "message": "", **(result or {})})
+        return handler
+
+    async def init_group(b):
+        await blocking(receiver.join, b["master_address"], b["master_port"], b["rank_offset"],
+                       b["world_size"], b["group_name"], b["backend"], timeout_s)
+
+    async def destroy_group(b):
+        await blocking(receiver.leave)
+
+    async def update_distributed(b):
+        if die_at_bucket is not None and state["buckets"] == die_at_bucket:
+            os.kill(os.getpid(), signal.SIGKILL)
+        state["buckets"] += 1
+        await blocking(receiver.receive_bucket, b["names"], b["dtypes"], b["shapes"],
+                       b["weight_version"], b.get("checksum"), b["group_name"])
+
+    async def update_disk(b):
+        await blocking(receiver.stage_from_disk, b["model_path"], b["weight_version"])
+
+    async def update_version(b):
+        weights.update(await blocking(receiver.commit, b["new_version"]))
+        return {"new_version": b["new_version"]}
+
+    async def pause(b):
+        state["paused"] = True
+
+    async def resume(b):
+        receiver.abort()
+        state["paused"] = False
+
+    async def flush(b):
+        pass
+
+    async def model_info(b):
+        return {"weight_version": str(receiver.version)}
+
+    async def dump(b):
+        save_file({k: v.contiguous() for k, v in weights.items()}, b["path"])
+
+    app = web.Application(client_max_size=1 << 30)
+    for path, fn in {
+        "/init_weights_update_group": init_group, "/destroy_weights_update_group": destroy_group,
+        "/update_weights_from_distributed": update_distributed, "/update_weights_from_disk": update_disk,
+        "/update_weight_version": update_version, "/pause_generation": pause,
+        "/continue_generation": resume, "/flush_cache": flush, "/model_info": model_info,
+        "/debug_dump_weights": dump,
+    }.items():
+        app.router.add_post(path, route(fn))
+    web.run_app(app, host="127.0.0.1", port=port, print=None, handle_signals=False)
+
+
+def start_engine(port: int, die_at_bucket: int | None = None, timeout_s: float = 30) -> mp.Process:
+    proc = mp.get_context("spawn").Process(target=_serve, args=(port, die_at_bucket, timeout_s), daemon=True)
+    proc.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            asyncio.run(_post(f"http://127.0.0.1:{port}/model_info", {}))
+            return proc
+        except (aiohttp.ClientError, OSError):
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"fake engine on port {port} did not start")
+
+
+async def _post(url: str, body: dict, timeout_s: float = 60) -> dict:
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with session.post(url, json=body) as response:
+            payload = await response.json()
+            if response.status != 200 or not payload.get("success", True):
+                raise RuntimeError(payload.get("message", f"HTTP {response.status}"))
+            return payload
+
+
+class FakeEngineClient:
+    """EngineEndpoint over HTTP for the fake engine (one rank in the weight-update group)."""
+
+    num_group_ranks = 1
+
+    def __init__(self, port: int, name: str | None = None, timeout_s: float = 60):
+        self.url = f"http://127.0.0.1:{port}"
+        self.name = name or f"fake-engine@{port}"
+        self.timeout_s = timeout_s
+
+    async def _call(self, route: str, **body) -> dict:
+        return await _post(self.url + route, body, self.timeout_s)
+
+    async def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name, backend):
+        await self._call("/init_weights_update_group", master_address=master_address, master_port=master_port,
+                         rank_offset=rank_offset, world_size=world_size, group_name=group_name, backend=backend)
+
+    async def destroy_weights_update_group(self, group_name):
+        await self._call("/destroy_weights_update_group", group_name=group_name)
+
+    async def update_weights_from_distributed(self, names, dtypes, shapes, group_name, weight_version, load_format, checksum):
+        await self._call("/update_weights_from_distributed", names=names, dtypes=dtypes, shapes=shapes,
+                         group_name=group_name, weight_version=weight_version, load_format=load_format,
+                         checksum=checksum)
+
+    async def update_weights_from_disk(self, model_path, weight_version):
+        await self._call("/update_weights_from_disk", model_path=model_path, weight_version=weight_version)
+
+    async def update_weight_version(self, new_version):
+        await self._call("/update_weight_version", new_version=new_version)
+
+    async def pause_generation(self, mode):
+        await self._call("/pause_generation", mode=mode)
+
+    async def continue_generation(self):
+        await self._call("/continue_generation")
+
+    async def flush_cache(self):
+        await self._call("/flush_cache")
+
+    # test-only helpers (synchronous)
+    def served_version(self) -> int:
+        return int(asyncio.run(self._call("/model_info"))["weight_version"])
+
+    def dump_weights(self, path: str) -> None:
+        asyncio.run(self._call("/debug_dump_weights", path=path))

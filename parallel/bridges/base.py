@@ -76,6 +76,35 @@ class Bridge:
     def layer_spec(self, config, use_te: bool):
         raise NotImplementedError
 
+    def mappings(self) -> tuple:
+        """The declarative table: every Megatron parameter (local spec) <-> HF names."""
+        raise NotImplementedError
+
+    # -- tables shared by the decoder families --------------------------------------------
+    def common_mappings(self) -> tuple:
+        """Embedding, final norm, output layer and the attention-block norms (HF Llama naming)."""
+        from parallel.mappings import Replicated, VocabParallel
+
+        return (
+            VocabParallel("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+            Replicated("decoder.final_layernorm.weight", "model.norm.weight"),
+            # Tied embeddings: the last stage's copy loads from the embedding, never exported.
+            VocabParallel("output_layer.weight", "model.embed_tokens.weight", export=False)
+            if self.tie_word_embeddings
+            else VocabParallel("output_layer.weight", "lm_head.weight"),
+            Replicated("decoder.layers.*.input_layernorm.weight", "model.layers.*.input_layernorm.weight"),
+            Replicated("decoder.layers.*.pre_mlp_layernorm.weight", "model.layers.*.post_attention_layernorm.weight"),
+        )
+
+    def dense_mlp_mappings(self, hf_mlp: str = "mlp") -> tuple:
+        from parallel.mappings import GatedColumn, RowParallel
+
+        return (
+            GatedColumn("decoder.layers.*.mlp.linear_fc1.weight",
+                        f"model.layers.*.{hf_mlp}.gate_proj.weight", f"model.layers.*.{hf_mlp}.up_proj.weight"),
+            RowParallel("decoder.layers.*.mlp.linear_fc2.weight", f"model.layers.*.{hf_mlp}.down_proj.weight"),
+        )
+
     # -- shared ------------------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
@@ -128,6 +157,9 @@ class Bridge:
         kwargs.update(self.transformer_config_kwargs())
         kwargs.update(overrides)
         return TransformerConfig(**kwargs)
+
+    def padded_vocab_size(self, tp: int) -> int:
+        return padded_vocab_size(self.vocab_size, tp)
 
     def gpt_model_kwargs(self, layout: ParallelLayout) -> dict[str, Any]:
         return dict(

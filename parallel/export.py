@@ -1,0 +1,134 @@
+"""Streaming export: a running Megatron world -> `(hf_name, full tensor)` in HF checkpoint naming.
+
+`plan(model, bridge)` lists one frozen task per local parameter of this rank's pipeline stage
+(every Megatron parameter must have a mapping: ValueError naming it otherwise).
+`export_hf_weights(model, bridge, bucket_bytes)` walks the plan bucket by bucket: it gathers
+each parameter over TP (ETP for experts), then EP (global expert = local + ep_rank *
+experts_per_rank), converts it to HF tensors with the global layer index, drops vocab padding,
+and yields them on the *source rank* of each stage: TP rank 0 / DP rank 0 / CP rank 0.
+
+Lockstep: the collectives of a task run inside TP, ETP and EP groups, whose members all sit in
+the same pipeline stage and hold the same list of local parameters (same layers, same number
+of local experts), so every member walks the same plan and no placeholders are needed; stages
+never talk to each other (each yields its own layers). Every rank of the world must exhaust
+the generator; non-source ranks receive nothing.
+
+Memory: beyond the model, at most one bucket of gathered tensors (`bucket_bytes`, or one
+parameter's tensors if that is larger) is alive inside the generator at a time; each item is
+released by the generator once yielded, so a consumer that drops items keeps that bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from parallel.bridges import Bridge
+from parallel.mappings import Axis, Mapping, ParallelContext, resolve
+
+DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
+
+
+def parallel_context(model, bridge: Bridge) -> ParallelContext:
+    """This rank's place in the Megatron world (after `init_model_parallel`)."""
+    from megatron.core import parallel_state as ps
+
+    layers = model.decoder.layers
+    num_experts = int(getattr(model.config, "num_moe_experts", None) or 0)
+    ep = ps.get_expert_model_parallel_world_size()
+    return ParallelContext(
+        tp=Axis(ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank(),
+                ps.get_tensor_model_parallel_world_size()),
+        etp=Axis(ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_rank(),
+                 ps.get_expert_tensor_parallel_world_size()),
+        ep=Axis(ps.get_expert_model_parallel_group(), ps.get_expert_model_parallel_rank(), ep),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        layer_offset=layers[0].layer_number - 1 if len(layers) else 0,
+        num_local_experts=num_experts // ep,
+        vocab_size=bridge.vocab_size,
+    )
+
+
+def is_export_source() -> bool:
+    """True on the rank that receives this stage's exported tensors (TP0 / DP0 / CP0)."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0)
+
+
+def export_source_ranks() -> dict[int, int]:
+    """{pipeline stage: global rank that yields its tensors}. Collective: every rank calls it."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    mine = (ps.get_pipeline_model_parallel_rank(), dist.get_rank()) if is_export_source() else None
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return dict(sorted(item for item in everyone if item is not None))
+
+
+@dataclass(frozen=True)
+class ExportTask:
+    """One local Megatron parameter: its mapping, indices and the bytes it gathers to."""
+
+    name: str
+    mapping: Mapping
+    indices: tuple[int, ...]
+    gathered_bytes: int
+
+
+def plan(model, bridge: Bridge, ctx: ParallelContext | None = None) -> tuple[ExportTask, ...]:
+    """The export tasks of this rank, in `named_parameters` order (identical on every member
+    of a TP/ETP/EP group). Local, no collective."""
+    ctx = ctx or parallel_context(model, bridge)
+    table = bridge.mappings()
+    tasks = []
+    for name, param in model.named_parameters():
+        mapping, indices = resolve(table, name)
+        if not mapping.exported:
+            continue
+        axis = mapping.axis(ctx)
+        copies = axis.size * (ctx.ep.size if mapping.expert else 1)
+        tasks.append(ExportTask(name, mapping, indices, param.numel() * param.element_size() * copies))
+    return tuple(tasks)
+
+
+def buckets(tasks: tuple[ExportTask, ...], bucket_bytes: int) -> Iterator[list[ExportTask]]:
+    """Consecutive tasks whose gathered size fits in `bucket_bytes` (a larger task goes alone)."""
+    bucket: list[ExportTask] = []
+    size = 0
+    for task in tasks:
+        if bucket and size + task.gathered_bytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(task)
+        size += task.gathered_bytes
+    if bucket:
+        yield bucket
+
+
+def export_hf_weights(model, bridge: Bridge, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(hf_name, tensor)` for this stage's parameters on the source rank.
+
+    Collective: every rank of the world iterates it to the end (see the module docstring).
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes}: must be positive")
+    ctx = parallel_context(model, bridge)
+    params = dict(model.named_parameters())
+    source = is_export_source()
+    with torch.no_grad():
+        for bucket in buckets(plan(model, bridge, ctx), bucket_bytes):
+            gathered: list[tuple[str, torch.Tensor]] = []
+            for task in bucket:
+                gathered.extend(task.mapping.export(params[task.name], ctx, task.indices))
+            gathered.reverse()
+            while gathered:
+                item = gathered.pop()
+                if source:
+                    yield item
+                del item

@@ -1,0 +1,48 @@
+"""Import: an HF safetensors checkpoint -> this rank's Megatron shards, for any layout.
+
+Each rank reads only the slices its parameters need (its TP/ETP rows or columns, its EP
+experts, its PP stage's layers) and copies them into the model in place. Every parameter must
+have a mapping and every HF tensor must be used by some rank: ValueError names the offender.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from parallel.bridges import Bridge
+from parallel.export import parallel_context
+from parallel.hf_checkpoint import HFCheckpointReader
+from parallel.mappings import resolve
+
+
+def load_hf_weights(model, bridge: Bridge, hf_dir: str | os.PathLike) -> None:
+    """Fill `model` (this rank's stage) from the HF checkpoint at `hf_dir`.
+
+    Collective: every rank of the world calls it (one all_gather_object of the HF names each
+    rank used, to check that no HF tensor was left unmapped). Memory: one parameter's slices.
+    """
+    reader = HFCheckpointReader(hf_dir)
+    ctx = parallel_context(model, bridge)
+    table = bridge.mappings()
+    used: set[str] = set()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            mapping, indices = resolve(table, name)
+            shard = mapping.load(reader, ctx, indices, param.shape)
+            param.copy_(shard.to(param.dtype))
+            used.update(mapping.hf_names(ctx, indices))
+    reader.close()
+    everyone: list = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
+    if dist.is_initialized():
+        dist.all_gather_object(everyone, sorted(used))
+    else:
+        everyone = [sorted(used)]
+    unused = reader.names() - set().union(*map(set, everyone))
+    if unused:
+        raise ValueError(
+            f"HF checkpoint {hf_dir} has {len(unused)} tensors no Megatron parameter maps to, e.g. "
+            f"{sorted(unused)[:5]}: the bridge for {type(bridge).__name__} lacks their mapping"
+        )

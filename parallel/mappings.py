@@ -1,0 +1,233 @@
+"""Mapping kinds: how one Megatron parameter relates to its HF checkpoint tensor(s).
+
+A bridge's table is a tuple of these. Each kind owns, once, the parallel logic of its
+parameter class:
+- TP / ETP: `gather` rebuilds the full Megatron tensor from the shards of a tensor-parallel
+  group, `read_shard` reads only this rank's slice from the HF file;
+- EP: an `expert=True` mapping uses the expert-tensor-parallel group instead of TP, and
+  all-gathers over the expert-parallel group, renaming local expert j of EP rank r to the
+  global expert j + r * experts_per_rank;
+- PP: Megatron numbers layers locally per stage; HF names use `layer_offset + local`.
+Patterns use `*` for the layer index, then (expert mappings) the expert index.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One parallel axis as seen by this rank."""
+
+    group: Any
+    rank: int
+    size: int
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Where this rank sits in the Megatron world, and the sizes the mappings need."""
+
+    tp: Axis
+    etp: Axis
+    ep: Axis
+    pp_rank: int
+    pp_size: int
+    layer_offset: int  # global index of this stage's first layer
+    num_local_experts: int
+    vocab_size: int  # the HF (unpadded) vocab size
+
+
+class ShardReader(Protocol):
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The HF tensor `name`, or its rows/columns [start, stop) along `dim`."""
+
+
+def all_gather(tensor: torch.Tensor, axis: Axis) -> list[torch.Tensor]:
+    """Every member of `axis.group` calls it; each gets all members' tensors (axis.size x memory)."""
+    if axis.size == 1:
+        return [tensor]
+    parts = [torch.empty_like(tensor) for _ in range(axis.size)]
+    dist.all_gather(parts, tensor.contiguous(), group=axis.group)
+    return parts
+
+
+def _pattern(template: str) -> re.Pattern:
+    return re.compile("^" + re.escape(template).replace(r"\*", r"(\d+)") + "$")
+
+
+def _fill(template: str, indices: tuple[int, ...]) -> str:
+    for index in indices:
+        template = template.replace("*", str(index), 1)
+    return template
+
+
+class Mapping:
+    """Base kind: a Megatron name pattern, HF name patterns, and export/import of one tensor.
+
+    Subclasses implement `gather` (collective over a TP/ETP axis), `to_hf` (full Megatron
+    tensor -> HF tensors, in `hf` order) and `read_shard` (HF file -> this rank's shard).
+    """
+
+    def __init__(self, megatron: str, *hf: str, expert: bool = False, export: bool = True):
+        self.megatron, self.hf, self.expert, self.exported = megatron, hf, expert, export
+        self.regex = _pattern(megatron)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.megatron!r} <-> {', '.join(self.hf)})"
+
+    def match(self, name: str) -> tuple[int, ...] | None:
+        found = self.regex.match(name)
+        return tuple(int(g) for g in found.groups()) if found else None
+
+    def hf_names(self, ctx: ParallelContext, indices: tuple[int, ...], ep_rank: int | None = None) -> list[str]:
+        """HF names for the Megatron parameter at local `indices` (layer[, expert])."""
+        indices = list(indices)
+        if indices:
+            indices[0] += ctx.layer_offset
+        if self.expert:
+            rank = ctx.ep.rank if ep_rank is None else ep_rank
+            indices[1] += rank * ctx.num_local_experts
+        return [_fill(name, tuple(indices)) for name in self.hf]
+
+    def axis(self, ctx: ParallelContext) -> Axis:
+        return ctx.etp if self.expert else ctx.tp
+
+    # -- export: collective over the TP/ETP group, then (experts) the EP group -------------
+    def export(self, local: torch.Tensor, ctx: ParallelContext, indices: tuple[int, ...]) -> list[tuple[str, torch.Tensor]]:
+        """All ranks of the param's TP/ETP (and EP) groups call it in lockstep; each gets every
+        HF tensor of the param (experts: of all EP ranks). Memory: the full tensors."""
+        tensors = self.to_hf(self.gather(local.detach(), self.axis(ctx)), ctx)
+        if not self.expert:
+            return list(zip(self.hf_names(ctx, indices), tensors))
+        out: list[tuple[str, torch.Tensor]] = []
+        per_rank = [all_gather(t, ctx.ep) for t in tensors]
+        for ep_rank in range(ctx.ep.size):
+            names = self.hf_names(ctx, indices, ep_rank)
+            out.extend((name, parts[ep_rank]) for name, parts in zip(names, per_rank))
+        return out
+
+    # -- import: no collective; reads only this rank's slices ------------------------------
+    def load(self, reader: ShardReader, ctx: ParallelContext, indices: tuple[int, ...], local_shape: torch.Size) -> torch.Tensor:
+        shard = self.read_shard(reader, self.hf_names(ctx, indices), self.axis(ctx), local_shape)
+        if tuple(shard.shape) != tuple(local_shape):
+            raise ValueError(
+                f"{self}: HF tensors give a shard of shape {tuple(shard.shape)} but the Megatron "
+                f"parameter is {tuple(local_shape)}: the HF config does not match the checkpoint"
+            )
+        return shard
+
+    def gather(self, local: torch.Tensor, axis: Axis) -> torch.Tensor:
+        raise NotImplementedError
+
+    def to_hf(self, full: torch.Tensor, ctx: ParallelContext) -> list[torch.Tensor]:
+        return [full]
+
+    def read_shard(self, reader: ShardReader, names: list[str], axis: Axis, local_shape: torch.Size) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Replicated(Mapping):
+    """Same tensor on every rank (norms, router)."""
+
+    def gather(self, local, axis):
+        return local
+
+    def read_shard(self, reader, names, axis, local_shape):
+        return reader.read(names[0])
+
+
+class ColumnParallel(Mapping):
+    """Split along dim 0 (output features) over TP (ETP for experts)."""
+
+    dim = 0
+
+    def gather(self, local, axis):
+        return torch.cat(all_gather(local, axis), dim=self.dim)
+
+    def read_shard(self, reader, names, axis, local_shape):
+        n = reader.shape(names[0])[self.dim] // axis.size
+        return reader.read(names[0], self.dim, axis.rank * n, (axis.rank + 1) * n)
+
+
+class RowParallel(ColumnParallel):
+    """Split along dim 1 (input features) over TP (ETP for experts)."""
+
+    dim = 1
+
+
+class VocabParallel(ColumnParallel):
+    """Embedding / output layer: rows split over TP, padded to Megatron's padded vocab.
+    Padded rows are zero after import and dropped on export."""
+
+    def to_hf(self, full, ctx):
+        return [full[: ctx.vocab_size]]
+
+    def read_shard(self, reader, names, axis, local_shape):
+        rows = local_shape[0]
+        start = axis.rank * rows
+        stop = min(start + rows, reader.shape(names[0])[0])
+        part = reader.read(names[0], 0, start, max(start, stop))
+        shard = part.new_zeros(local_shape)
+        shard[: part.shape[0]] = part
+        return shard
+
+
+class GatedColumn(Mapping):
+    """SwiGLU fc1 = [gate; up]. Each TP rank holds [gate_r; up_r], so the halves are gathered
+    separately. HF names: (gate, up)."""
+
+    def gather(self, local, axis):
+        gate, up = local.chunk(2, dim=0)
+        return torch.cat([torch.cat(all_gather(gate, axis)), torch.cat(all_gather(up, axis))])
+
+    def to_hf(self, full, ctx):
+        return list(full.chunk(2, dim=0))
+
+    def read_shard(self, reader, names, axis, local_shape):
+        n = reader.shape(names[0])[0] // axis.size
+        return torch.cat([reader.read(name, 0, axis.rank * n, (axis.rank + 1) * n) for name in names])
+
+
+class QKV(ColumnParallel):
+    """Fused attention input projection, laid out per query group as
+    [q (heads_per_group * head_dim); k (head_dim); v (head_dim)] and split over TP by groups.
+    HF names: (q, k, v)."""
+
+    def __init__(self, megatron: str, q: str, k: str, v: str, *, num_query_groups: int, head_dim: int):
+        super().__init__(megatron, q, k, v)
+        self.groups, self.head_dim = num_query_groups, head_dim
+
+    def to_hf(self, full, ctx):
+        per_group = full.shape[0] // self.groups
+        grouped = full.reshape(self.groups, per_group, -1)
+        q, k, v = grouped.split([per_group - 2 * self.head_dim, self.head_dim, self.head_dim], dim=1)
+        return [t.reshape(-1, full.shape[-1]).contiguous() for t in (q, k, v)]
+
+    def read_shard(self, reader, names, axis, local_shape):
+        groups = self.groups // axis.size
+        q_rows = reader.shape(names[0])[0] // self.groups
+        first = axis.rank * groups
+        q = reader.read(names[0], 0, first * q_rows, (first + groups) * q_rows)
+        k, v = (reader.read(n, 0, first * self.head_dim, (first + groups) * self.head_dim) for n in names[1:])
+        cols = q.shape[-1]
+        parts = [q.reshape(groups, q_rows, cols), k.reshape(groups, self.head_dim, cols), v.reshape(groups, self.head_dim, cols)]
+        return torch.cat(parts, dim=1).reshape(-1, cols)
+
+
+def resolve(table: tuple[Mapping, ...], name: str) -> tuple[Mapping, tuple[int, ...]]:
+    """The mapping of Megatron parameter `name` and its indices; ValueError if none matches."""
+    for mapping in table:
+        indices = mapping.match(name)
+        if indices is not None:
+            return mapping, indices
+    raise ValueError(f"Megatron parameter {name!r} has no mapping in this bridge's table: add one")
+

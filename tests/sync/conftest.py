@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel.world import free_port
 from tests.sync.fake_engine import FakeEngineClient, start_engine
 
 
@@ -41,10 +40,9 @@ def qwen3_moe_state(tmp_path_factory) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def engines(request):
-    """Two fake engines (separate processes); `request.param` may be a list of die_at_bucket."""
+    """Two fake engines (separate processes); `request.param` may list each one's `die_at`."""
     dies = getattr(request, "param", [None, None])
-    ports = [free_port() for _ in dies]
-    procs = [start_engine(port, die, timeout_s=20) for port, die in zip(ports, dies)]
+    procs, ports = zip(*[start_engine(die, timeout_s=20) for die in dies])
     yield [FakeEngineClient(port, name=f"engine-{i}") for i, port in enumerate(ports)], procs
     for proc in procs:
         proc.kill()

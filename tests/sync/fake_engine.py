@@ -4,8 +4,8 @@ a real `WeightReceiver` in a real process group, but no model and no generation.
 `FakeEngineServer` serves a dict of tensors (the "model") and its version; `/debug_dump_weights`
 (test-only) writes them to a safetensors file so a test can compare them exactly.
 `FakeEngineClient` implements `sync.engine_api.EngineEndpoint` over HTTP (the real client lives
-in `moe_rl.engine`; sync's tests must not import moe_rl). `die_at_bucket=k` makes the server
-SIGKILL itself when bucket k is announced: an engine killed in the middle of a sync.
+in `moe_rl.engine`; sync's tests must not import moe_rl). `die_at=(version, k)` makes the server
+SIGKILL itself when bucket k of that version is announced: an engine killed in mid-sync.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
@@ -25,12 +24,12 @@ from safetensors.torch import save_file
 from sync.receiver import WeightReceiver
 
 
-def _serve(port: int, die_at_bucket: int | None, timeout_s: float) -> None:
+def _serve(ports, die_at: tuple[int, int] | None, timeout_s: float) -> None:
     torch.set_num_threads(1)
     receiver = WeightReceiver("cpu")
     weights: dict[str, torch.Tensor] = {}
     pool = ThreadPoolExecutor(1)  # collectives block: keep them off the event loop, in order
-    state = {"buckets": 0, "paused": False}
+    buckets: dict[int, int] = {}  # version -> buckets announced
 
     async def blocking(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
@@ -53,9 +52,10 @@ def _serve(port: int, die_at_bucket: int | None, timeout_s: float) -> None:
         await blocking(receiver.leave)
 
     async def update_distributed(b):
-        if die_at_bucket is not None and state["buckets"] == die_at_bucket:
+        version = int(b["weight_version"])
+        if die_at == (version, buckets.get(version, 0)):
             os.kill(os.getpid(), signal.SIGKILL)
-        state["buckets"] += 1
+        buckets[version] = buckets.get(version, 0) + 1
         await blocking(receiver.receive_bucket, b["names"], b["dtypes"], b["shapes"],
                        b["weight_version"], b.get("checksum"), b["group_name"])
 
@@ -66,12 +66,11 @@ def _serve(port: int, die_at_bucket: int | None, timeout_s: float) -> None:
         weights.update(await blocking(receiver.commit, b["new_version"]))
         return {"new_version": b["new_version"]}
 
-    async def pause(b):
-        state["paused"] = True
+    async def pause(b):  # nothing to pause: the fake engine does not generate
+        pass
 
     async def resume(b):
         receiver.abort()
-        state["paused"] = False
 
     async def flush(b):
         pass
@@ -91,21 +90,29 @@ def _serve(port: int, die_at_bucket: int | None, timeout_s: float) -> None:
         "/debug_dump_weights": dump,
     }.items():
         app.router.add_post(path, route(fn))
-    web.run_app(app, host="127.0.0.1", port=port, print=None, handle_signals=False)
+
+    async def main():
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)  # the OS picks the port: no race
+        await site.start()
+        ports.put(site._server.sockets[0].getsockname()[1])
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
 
 
-def start_engine(port: int, die_at_bucket: int | None = None, timeout_s: float = 30) -> mp.Process:
-    proc = mp.get_context("spawn").Process(target=_serve, args=(port, die_at_bucket, timeout_s), daemon=True)
+def start_engine(die_at: tuple[int, int] | None = None, timeout_s: float = 30) -> tuple[mp.Process, int]:
+    """Start a fake engine process; returns it and its HTTP port once it listens."""
+    ctx = mp.get_context("spawn")
+    ports = ctx.Queue()
+    proc = ctx.Process(target=_serve, args=(ports, die_at, timeout_s), daemon=True)
     proc.start()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            asyncio.run(_post(f"http://127.0.0.1:{port}/model_info", {}))
-            return proc
-        except (aiohttp.ClientError, OSError):
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"fake engine on port {port} did not start")
+    try:
+        return proc, ports.get(timeout=60)
+    except Exception:
+        proc.kill()
+        raise RuntimeError("fake engine did not start within 60 s") from None
 
 
 async def _post(url: str, body: dict, timeout_s: float = 60) -> dict:

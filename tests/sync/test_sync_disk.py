@@ -1,0 +1,35 @@
+"""Disk transport: safetensors published by atomic rename, engines load them by path."""
+
+from __future__ import annotations
+
+import pytest
+
+from sync.sender import SyncConfig, WeightSender
+from sync.transports import available_transports, make_transport
+from sync.transports.base import TransportConfig
+from tests.sync.test_sync_broadcast import assert_same, served
+
+
+def test_disk_sync_exact(engines, qwen3_moe_state, tmp_path):
+    clients, _ = engines
+    shared = tmp_path / "shared"
+    sender = WeightSender(clients, SyncConfig(transport="disk", disk_dir=str(shared), bucket_bytes=16384, timeout_s=20))
+    try:
+        sender.update(iter(qwen3_moe_state.items()), version=1)
+        assert len(list((shared / "v1").glob("*.safetensors"))) > 1  # sharded by bucket_bytes
+        state2 = {k: v * 2 for k, v in qwen3_moe_state.items()}
+        sender.update(iter(state2.items()), version=2)
+        assert sorted(p.name for p in shared.iterdir()) == ["v2"]  # published, old one removed
+        for engine in clients:
+            assert engine.served_version() == 2
+            assert_same(served(engine, tmp_path), state2)
+    finally:
+        sender.close()
+
+
+def test_registry_names_what_is_missing():
+    assert {"broadcast", "disk"} <= set(available_transports())
+    with pytest.raises(ValueError, match="not one of"):
+        make_transport("carrier-pigeon", TransportConfig())
+    with pytest.raises(ValueError, match="disk_dir"):
+        make_transport("disk", TransportConfig())

@@ -148,7 +148,7 @@ class Scheduler:
             fed = routed[row, width - len(seq):]
             request.add_routing(fed[request.num_routed_rows:])
         self._merge(new, cache, mask)
-        self._sample_and_finish(range(len(self._running) - len(new), len(self._running)), logprobs)
+        self._sample_and_finish(len(self._running) - len(new), logprobs)
 
     def _decode(self) -> None:
         ids = torch.tensor([[r.output_ids[-1]] for r in self._running], dtype=torch.long)
@@ -156,14 +156,16 @@ class Scheduler:
         logprobs, routed = self.runner.forward(ids, self._mask, self._cache, [r.lora_name for r in self._running])
         for row, request in enumerate(self._running):
             request.add_routing(routed[row])
-        self._sample_and_finish(range(len(self._running)), logprobs)
+        self._sample_and_finish(0, logprobs)
 
-    def _sample_and_finish(self, rows, logprobs: torch.Tensor) -> None:
+    def _sample_and_finish(self, first: int, logprobs: torch.Tensor) -> None:
+        """Sample the next token of running rows first.. from `logprobs` [rows, V]; retire finished."""
         done = []
-        for row in rows:
+        for i, row_logprobs in enumerate(logprobs):
+            row = first + i
             request = self._running[row]
-            token = request.sample(logprobs[row])
-            request.append_token(token, float(logprobs[row, token]), self.weight_version)
+            token = request.sample(row_logprobs)
+            request.append_token(token, float(row_logprobs[token]), self.weight_version)
             reason = request.finish_reason_now()
             if reason is not None:
                 request.finish(reason, self.weight_version)

@@ -88,6 +88,11 @@ class EmbeddedServer:
             return web.json_response({"error": {"message": str(error)}, "success": False, "message": str(error)}, status=400)
         except RuntimeError as error:  # calls in the wrong order (e.g. a bucket before joining)
             return web.json_response({"error": {"message": str(error)}, "success": False, "message": str(error)}, status=400)
+        except web.HTTPException:
+            raise
+        except Exception as error:  # an engine fault: reported, the server keeps serving
+            message = f"{type(error).__name__}: {error}"
+            return web.json_response({"error": {"message": message}, "success": False, "message": message}, status=500)
 
     async def _body(self, request: web.Request) -> dict:
         if not request.can_read_body:

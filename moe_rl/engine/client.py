@@ -1,0 +1,250 @@
+"""`EngineClient`: one async client for SGLang and the embedded engine, over SGLang's HTTP API.
+
+Every method is one route with SGLang 0.5.23's field names (`moe_rl.engine.protocol`). Errors:
+`EngineError` (a RuntimeError) carries the route, HTTP status and the engine's message. Transient
+failures (connection refused/reset, timeouts, HTTP 502/503/504) are retried with exponential
+backoff; `/generate` is retried only when the request never reached the engine (connect errors,
+503), so a retry cannot run a rollout twice.
+
+The client implements `sync.engine_api.EngineEndpoint` (the weight sender drives it). Sessions are
+kept per event loop, so one client may be used from the trainer's loop and the sender's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import uuid
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from moe_rl.engine import protocol
+from moe_rl.sample import decode_routed_experts
+
+TRANSIENT_STATUS = (502, 503, 504)
+KINDS = ("embedded", "sglang")
+
+
+class EngineError(RuntimeError):
+    def __init__(self, engine: str, path: str, status: int | None, message: str):
+        super().__init__(f"{engine} {path}: HTTP {status}: {message}" if status else f"{engine} {path}: {message}")
+        self.path, self.status, self.message = path, status, message
+
+
+@dataclasses.dataclass(kw_only=True)
+class GenerateResult:
+    rid: str
+    output_ids: list[int]
+    logprobs: list[float] | None
+    """Per output token: the model's log-softmax at temperature 1 of the sampled token."""
+    finish_reason: str
+    """"stop" | "length" | "abort" (SGLang's finish_reason["type"])."""
+    weight_version: str
+    weight_versions: list[str]
+    """Weight version of each output token (from SGLang's `weight_versions` spans when present)."""
+    routed_experts: np.ndarray | None
+    """int32 [prompt + output - 1 - routed_experts_start_len, num_hidden_layers, topk], or None."""
+    meta_info: dict[str, Any]
+
+
+class EngineClient:
+    def __init__(
+        self,
+        url: str,
+        *,
+        kind: str = "embedded",
+        name: str | None = None,
+        num_hidden_layers: int | None = None,
+        topk: int | None = None,
+        num_group_ranks: int = 1,
+        timeout_s: float = 60.0,
+        generate_timeout_s: float = 3600.0,
+        retries: int = 3,
+        backoff_s: float = 0.25,
+    ):
+        if kind not in KINDS:
+            raise ValueError(f"kind={kind!r}: use one of {KINDS}")
+        self.url, self.kind = url.rstrip("/"), kind
+        self.name = name or f"{kind} engine ({self.url})"
+        self.num_group_ranks = num_group_ranks
+        self.timeout_s, self.generate_timeout_s = timeout_s, generate_timeout_s
+        self.retries, self.backoff_s = retries, backoff_s
+        self._layout = (num_hidden_layers, topk) if num_hidden_layers and topk else None
+        self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
+
+    # -- transport ---------------------------------------------------------------------------------
+
+    def _session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        session = self._sessions.get(loop)
+        if session is None or session.closed:
+            session = self._sessions[loop] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        return session
+
+    async def close(self) -> None:
+        session = self._sessions.pop(asyncio.get_running_loop(), None)
+        if session is not None:
+            await session.close()
+
+    async def _request(self, method: str, path: str, body: dict | None = None, *, timeout_s: float | None = None,
+                       idempotent: bool = True) -> Any:
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
+        for attempt in range(self.retries + 1):
+            try:
+                async with self._session().request(method, self.url + path, json=body, timeout=timeout) as response:
+                    text = await response.text()
+                    if response.status in TRANSIENT_STATUS and attempt < self.retries:
+                        await asyncio.sleep(self.backoff_s * 2**attempt)
+                        continue
+                    return self._parse(path, response.status, text)
+            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, asyncio.TimeoutError) as error:
+                never_sent = isinstance(error, aiohttp.ClientConnectorError)
+                if attempt == self.retries or not (idempotent or never_sent):
+                    raise EngineError(self.name, path, None, f"{type(error).__name__}: {error}") from error
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def _parse(self, path: str, status: int, text: str) -> Any:
+        try:
+            data = json.loads(text) if text else None
+        except ValueError:
+            data = text
+        if status != 200 or (isinstance(data, dict) and data.get("success") is False):
+            message = data
+            if isinstance(data, dict):
+                error = data.get("error")
+                message = (error.get("message") if isinstance(error, dict) else error) or data.get("message") or data
+            raise EngineError(self.name, path, status, str(message).strip())
+        return data
+
+    # -- generation --------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        stop_token_ids: list[int] | None = None,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        return_logprob: bool = True,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
+        rid: str | None = None,
+        lora_path: str | None = None,
+    ) -> GenerateResult:
+        """POST /generate for one prompt; see `GenerateResult`."""
+        sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+                    "ignore_eos": ignore_eos}
+        if stop_token_ids:
+            sampling["stop_token_ids"] = list(stop_token_ids)
+        if seed is not None:
+            sampling["sampling_seed"] = seed
+        body = {"rid": rid or uuid.uuid4().hex, "input_ids": list(input_ids), "sampling_params": sampling,
+                "return_logprob": return_logprob, "return_routed_experts": return_routed_experts}
+        if routed_experts_start_len:
+            body["routed_experts_start_len"] = routed_experts_start_len
+        if lora_path is not None:
+            body["lora_path"] = lora_path
+        data = await self._request("POST", "/generate", body, timeout_s=self.generate_timeout_s, idempotent=False)
+        return await self._result(body["rid"], data)
+
+    async def _result(self, rid: str, data: dict) -> GenerateResult:
+        meta = data["meta_info"]
+        output_ids = list(data["output_ids"])
+        logprobs = [float(entry[0]) for entry in meta["output_token_logprobs"]] if "output_token_logprobs" in meta else None
+        versions = [str(meta["weight_version"])] * len(output_ids)
+        for span in meta.get("weight_versions") or []:
+            versions[span["start"]:span["end"]] = [str(span["version"])] * (span["end"] - span["start"])
+        routed = None
+        if meta.get("routed_experts") is not None:
+            layers, topk = await self._routing_layout()
+            routed = decode_routed_experts(meta["routed_experts"], layers, topk)
+        reason = meta.get("finish_reason") or {}
+        return GenerateResult(
+            rid=rid, output_ids=output_ids, logprobs=logprobs,
+            finish_reason=reason.get("type", "abort") if isinstance(reason, dict) else str(reason),
+            weight_version=str(meta["weight_version"]), weight_versions=versions, routed_experts=routed,
+            meta_info=meta,
+        )
+
+    async def _routing_layout(self) -> tuple[int, int]:
+        if self._layout is None:
+            info = await self.model_info()
+            if "num_hidden_layers" not in info or "num_experts_per_tok" not in info:
+                raise ValueError(
+                    f"{self.name}: /model_info does not say num_hidden_layers/num_experts_per_tok; pass "
+                    "num_hidden_layers= and topk= to EngineClient to decode routed experts"
+                )
+            self._layout = (int(info["num_hidden_layers"]), int(info["num_experts_per_tok"]))
+        return self._layout
+
+    # -- control -----------------------------------------------------------------------------------
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        if mode not in protocol.PAUSE_MODES:
+            raise ValueError(f"mode={mode!r}: use one of {protocol.PAUSE_MODES}")
+        await self._request("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        await self._request("POST", "/continue_generation", {})
+
+    async def abort_request(self, rid: str | None = None) -> None:
+        """Abort one request by rid, or every request when rid is None."""
+        await self._request("POST", "/abort_request", {"rid": rid} if rid else {"abort_all": True})
+
+    async def flush_cache(self) -> None:
+        await self._request("POST", "/flush_cache")
+
+    async def model_info(self) -> dict:
+        return await self._request("GET", "/model_info")
+
+    async def health(self) -> bool:
+        try:
+            await self._request("GET", "/health", timeout_s=min(self.timeout_s, 10.0))
+            return True
+        except EngineError:
+            return False
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        await self._request("POST", "/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path})
+
+    # -- weights (sync.engine_api.EngineEndpoint) --------------------------------------------------
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str, abort_all_requests: bool = False) -> None:
+        await self._request("POST", "/update_weights_from_disk", {
+            "model_path": str(model_path), "weight_version": str(weight_version),
+            "abort_all_requests": abort_all_requests,
+        }, timeout_s=max(self.timeout_s, 600.0))
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str) -> None:
+        await self._request("POST", "/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend,
+        }, timeout_s=max(self.timeout_s, 600.0), idempotent=False)
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self._request("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str, weight_version: str, load_format: str,
+                                              checksum: str | None) -> None:
+        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                "weight_version": str(weight_version), "load_format": load_format, "flush_cache": False}
+        if checksum is not None and self.kind == "embedded":  # not an SGLang field (sync.engine_api)
+            body["checksum"] = checksum
+        await self._request("POST", "/update_weights_from_distributed", body,
+                            timeout_s=max(self.timeout_s, 600.0), idempotent=False)
+
+    async def update_weight_version(self, new_version: str) -> None:
+        # abort_all_requests=False: requests paused in place keep going under the new version.
+        await self._request("POST", "/update_weight_version",
+                            {"new_version": str(new_version), "abort_all_requests": False},
+                            timeout_s=max(self.timeout_s, 600.0))

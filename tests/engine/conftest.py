@@ -1,0 +1,24 @@
+"""Fixtures for engine tests: tiny random MoE checkpoints and embedded engines (real subprocesses)."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_rl.engine.process import launch_embedded
+from tests.engine.engine_helpers import save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    return save_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"))
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory):
+    return save_tiny_model("mixtral", tmp_path_factory.mktemp("mixtral"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_engine(qwen3_dir):
+    with launch_embedded(qwen3_dir, weight_version="0") as engine:
+        yield engine

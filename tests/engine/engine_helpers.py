@@ -1,0 +1,58 @@
+"""Tiny random MoE checkpoints and the transformers reference the engine is checked against."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import torch
+
+
+def tiny_config(arch: str):
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, num_experts_per_tok=2, max_position_embeddings=512)
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=32, num_experts=4, norm_topk_prob=True,
+                              architectures=["Qwen3MoeForCausalLM"], **common)
+    if arch == "mixtral":
+        return MixtralConfig(intermediate_size=32, num_local_experts=4, sliding_window=None,
+                             architectures=["MixtralForCausalLM"], **common)
+    raise ValueError(arch)
+
+
+def save_tiny_model(arch: str, path: Path, seed: int = 0) -> Path:
+    """A random tiny model saved with save_pretrained (float32) into `path`."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = tiny_config(arch)
+    model = getattr(transformers, config.architectures[0])(config)
+    model.save_pretrained(path)
+    return path
+
+
+def load_reference(path: Path):
+    import transformers
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    return getattr(transformers, config.architectures[0]).from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def reference(model, prompt: list[int], output: list[int]) -> tuple[list[float], torch.Tensor]:
+    """Log-softmax of each output token on the full sequence, and the top-k routing of the
+    router logits for every token but the last, [len - 1, layers, topk] (all layers MoE here)."""
+    ids = torch.tensor([prompt + output])
+    out = model(input_ids=ids, output_router_logits=True)
+    logprobs = torch.log_softmax(out.logits[0].float(), dim=-1)
+    token_logprobs = [float(logprobs[len(prompt) - 1 + i, t]) for i, t in enumerate(output)]
+    k = model.config.num_experts_per_tok
+    routing = torch.stack([torch.topk(r, k, dim=-1).indices for r in out.router_logits], dim=1)
+    return token_logprobs, routing[: ids.shape[1] - 1].to(torch.int32)
+
+
+def run(coro):
+    return asyncio.run(coro)

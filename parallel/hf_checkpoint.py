@@ -104,8 +104,9 @@ def write_shards(items: Iterable[tuple[str, torch.Tensor]], tmp_dir: str | os.Pa
 
 
 def finalize_hf_checkpoint(tmp_dir: str | os.PathLike, out_dir: str | os.PathLike, weight_map: dict[str, str],
-                           hf_config: dict[str, Any], extra_files: dict[str, str] | None = None) -> None:
-    """Rename shards to HF's numbering, write index + config, then move `tmp_dir` to `out_dir`."""
+                           hf_config: dict[str, Any], extra_files: dict[str, bytes] | None = None) -> None:
+    """Rename shards to HF's numbering, write index + config + `extra_files`, then move
+    `tmp_dir` to `out_dir` (replacing it). One rank calls it, after every writer finished."""
     tmp, out = Path(tmp_dir), Path(out_dir)
     files = sorted(set(weight_map.values()))
     renamed = {old: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i, old in enumerate(files)}
@@ -116,8 +117,8 @@ def finalize_hf_checkpoint(tmp_dir: str | os.PathLike, out_dir: str | os.PathLik
              "weight_map": {name: renamed[file] for name, file in sorted(weight_map.items())}}
     (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
     (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
-    for name, text in (extra_files or {}).items():
-        (tmp / name).write_text(text)
+    for name, data in (extra_files or {}).items():  # tokenizer, generation config
+        (tmp / name).write_bytes(data)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

@@ -1,0 +1,199 @@
+"""`moe-rl convert hf-to-megatron | megatron-to-hf`: checkpoint conversion through the bridges.
+
+hf-to-megatron: every rank builds its stage of the Megatron model for the requested layout,
+reads only its slices of the HF safetensors, and all ranks write one Megatron
+dist_checkpointing (torch_dist) checkpoint of `model.sharded_state_dict()` (plain keys, no
+prefix: load it with `dist_checkpointing.load(model.sharded_state_dict(), dir)` at any layout)
+plus `moe_rl_meta.json` (the HF config) and the HF side files (tokenizer, generation config)
+under `hf_files/`.
+megatron-to-hf: loads such a checkpoint at any layout, streams the HF tensors out of each
+pipeline stage and writes safetensors shards + index + config that
+`transformers.AutoModelForCausalLM.from_pretrained` loads.
+
+Runs as spawned gloo ranks on one machine, or joins the world under torchrun
+(`scripts/convert_*.sh`). Output goes to `<out>.tmp` and is renamed to `<out>` when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+COMMAND = ("convert",)
+HELP = "convert checkpoints between HF safetensors and Megatron dist_checkpointing"
+META_FILE = "moe_rl_meta.json"
+HF_FILES_DIR = "hf_files"
+
+
+def add_arguments(parser) -> None:
+    directions = parser.add_subparsers(dest="direction", required=True)
+    to_megatron = directions.add_parser("hf-to-megatron", help="HF safetensors -> Megatron torch_dist")
+    to_megatron.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
+    to_hf = directions.add_parser("megatron-to-hf", help="Megatron torch_dist -> HF safetensors")
+    to_hf.add_argument("--megatron", required=True, help="checkpoint written by hf-to-megatron")
+    to_hf.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file")
+    to_hf.add_argument("--bucket-mb", type=float, default=512, help="export gather bucket size")
+    for sub in (to_megatron, to_hf):
+        sub.add_argument("--out", required=True, help="output directory (replaced when complete)")
+        for axis in ("tp", "pp", "ep"):
+            sub.add_argument(f"--{axis}", type=int, default=1, help=f"{axis.upper()} size of the conversion world")
+        sub.add_argument("--etp", type=int, default=None, help="expert TP size (default: --tp)")
+        sub.add_argument("--world-size", type=int, default=None,
+                         help="ranks to spawn when not under torchrun (default: the smallest that fits)")
+
+
+def run(args) -> int:
+    from parallel.layout import ParallelLayout
+    from parallel.world import launched_by_torchrun, spawn, init_distributed
+
+    etp = args.etp or args.tp
+    if launched_by_torchrun():
+        world_size = init_distributed()[1]
+    else:
+        world_size = args.world_size or math.lcm(args.tp, args.ep * etp) * args.pp
+    layout = ParallelLayout(world_size=world_size, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
+                            sequence_parallel=args.tp > 1)
+    if args.direction == "hf-to-megatron":
+        fn, source = hf_to_megatron, args.hf
+        extra = ()
+    else:
+        fn, source = megatron_to_hf, args.megatron
+        extra = (int(args.max_shard_gb * 2**30), int(args.bucket_mb * 2**20))
+    if not Path(source).is_dir():
+        raise ValueError(f"{source} is not a directory: pass an existing checkpoint")
+    _check_before_launch(args.direction, source, layout)
+    if launched_by_torchrun():
+        fn(layout, source, args.out, *extra)
+    else:
+        spawn(fn, world_size, layout, source, args.out, *extra)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _check_before_launch(direction: str, source: str, layout) -> None:
+    """Unknown architecture or a layout that cannot split the model: ValueError, no ranks started."""
+    from parallel.bridges import bridge_for
+    from parallel.hf_checkpoint import load_hf_config
+
+    if direction == "hf-to-megatron":
+        hf_config = load_hf_config(source)
+    else:
+        meta = Path(source) / META_FILE
+        if not meta.exists():
+            raise ValueError(f"{source} has no {META_FILE}: pass a checkpoint written by hf-to-megatron")
+        hf_config = json.loads(meta.read_text())["hf_config"]
+    layout.check_model(bridge_for(hf_config).model_shape())
+
+
+def _build(hf_config: dict, layout):
+    from parallel.bridges import bridge_for
+    from parallel.model import build_gpt_model, init_model_parallel
+
+    bridge = bridge_for(hf_config)  # ValueError for an unknown architecture, before any work
+    init_model_parallel(layout, seed=0)
+    return bridge, build_gpt_model(bridge, layout)
+
+
+def _fresh_tmp(out: str) -> Path:
+    """Rank 0 empties `<out>.tmp`; every rank calls it (barrier)."""
+    import torch.distributed as dist
+
+    tmp = Path(f"{out}.tmp")
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    return tmp
+
+
+def hf_to_megatron(layout, hf_dir: str, out: str) -> None:
+    """Rank function (every rank): import this rank's shards, save torch_dist, rename."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from parallel.hf_checkpoint import load_hf_config
+    from parallel.hf_import import load_hf_weights
+
+    hf_config = load_hf_config(hf_dir)
+    bridge, model = _build(hf_config, layout)
+    tmp = _fresh_tmp(out)
+    _say(f"importing {hf_dir} at tp={layout.tp} pp={layout.pp} ep={layout.ep} etp={layout.expert_tp}")
+    load_hf_weights(model, bridge, hf_dir)
+    _say(f"saving torch_dist checkpoint to {tmp}")
+    dist_checkpointing.save(model.sharded_state_dict(), str(tmp))
+    if dist.get_rank() == 0:
+        (tmp / META_FILE).write_text(json.dumps({"hf_config": hf_config, "format": "torch_dist",
+                                                 "state_dict": "model.sharded_state_dict()"}, indent=2))
+        side = tmp / HF_FILES_DIR
+        side.mkdir()
+        for path in Path(hf_dir).iterdir():
+            if path.is_file() and not path.name.endswith(".safetensors") and path.name != "model.safetensors.index.json":
+                shutil.copy(path, side / path.name)
+        _replace(tmp, Path(out))
+    dist.barrier()
+
+
+def megatron_to_hf(layout, ckpt_dir: str, out: str, max_shard_bytes: int, bucket_bytes: int) -> None:
+    """Rank function (every rank): load torch_dist at `layout`, stream HF tensors, write shards."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    from parallel.export import export_hf_weights
+    from parallel.hf_checkpoint import finalize_hf_checkpoint, write_shards
+
+    hf_config = json.loads((Path(ckpt_dir) / META_FILE).read_text())["hf_config"]
+    bridge, model = _build(hf_config, layout)
+    tmp = _fresh_tmp(out)
+    _say(f"loading {ckpt_dir} at tp={layout.tp} pp={layout.pp} ep={layout.ep} etp={layout.expert_tp}")
+    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), ckpt_dir))
+    items = export_hf_weights(model, bridge, bucket_bytes=bucket_bytes)
+    prefix = f"stage{ps.get_pipeline_model_parallel_rank():03d}"
+    with _progress(f"writing HF shards ({prefix})") as advance:
+        weight_map = write_shards(items, tmp, prefix, max_shard_bytes, progress=advance)
+    maps: list = [None] * dist.get_world_size()
+    dist.all_gather_object(maps, weight_map)
+    if dist.get_rank() == 0:
+        merged = {name: file for part in maps for name, file in part.items()}
+        side = {p.name: p.read_bytes() for p in (Path(ckpt_dir) / HF_FILES_DIR).glob("*") if p.name != "config.json"}
+        finalize_hf_checkpoint(tmp, out, merged, hf_config, extra_files=side)
+    dist.barrier()
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+
+
+def _say(message: str) -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        print(f"[convert] {message}", flush=True)
+
+
+class _progress:
+    """A rich progress bar of bytes written, shown on global rank 0 only."""
+
+    def __init__(self, title: str):
+        import torch.distributed as dist
+
+        self.title, self.bar = title, None
+        if dist.get_rank() == 0:
+            from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
+
+            self.bar = Progress(*Progress.get_default_columns()[:1], DownloadColumn(), TransferSpeedColumn())
+
+    def __enter__(self):
+        if self.bar is None:
+            return lambda nbytes: None
+        self.bar.start()
+        task = self.bar.add_task(self.title, total=None)
+        return lambda nbytes: self.bar.advance(task, nbytes)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()

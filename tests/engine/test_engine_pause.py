@@ -1,0 +1,106 @@
+"""Pause modes in the middle of 8 concurrent generations, and single-request aborts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from moe_rl.engine.client import EngineClient
+from tests.engine.engine_helpers import load_reference, reference, run
+
+PROMPTS = [[(5 * i + 11 * j) % 256 for j in range(2 + i)] for i in range(8)]
+
+
+def consistent(prompt, result):
+    n = len(result.output_ids)
+    assert len(result.logprobs) == n == len(result.weight_versions)
+    assert result.routed_experts.shape[0] == len(prompt) + n - 1
+
+
+async def start_all(client, max_new_tokens):
+    tasks = [
+        asyncio.create_task(client.generate(p, max_new_tokens=max_new_tokens, seed=i, ignore_eos=True,
+                                            return_routed_experts=True))
+        for i, p in enumerate(PROMPTS)
+    ]
+    await asyncio.sleep(0.3)  # the batch is decoding by now
+    assert not any(t.done() for t in tasks), "a request finished before the pause: raise max_new_tokens"
+    return tasks
+
+
+def test_abort_returns_consistent_partial_outputs(qwen3_engine, qwen3_dir):
+    async def go(client):
+        tasks = await start_all(client, max_new_tokens=400)
+        await client.pause_generation("abort")
+        results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
+        await client.continue_generation()
+        after = await client.generate(PROMPTS[0], max_new_tokens=3, seed=0, ignore_eos=True)
+        return results, after
+
+    results, after = run(_with_client(qwen3_engine.url, go))
+    assert all(r.finish_reason == "abort" for r in results)
+    assert any(0 < len(r.output_ids) < 400 for r in results)
+    for prompt, result in zip(PROMPTS, results):
+        consistent(prompt, result)
+    model = load_reference(qwen3_dir)
+    for prompt, result in zip(PROMPTS[:2], results[:2]):  # partial outputs are real model outputs
+        logprobs, routing = reference(model, prompt, result.output_ids)
+        assert np.allclose(result.logprobs, logprobs, atol=1e-4)
+        assert np.array_equal(result.routed_experts, routing.numpy())
+    assert after.finish_reason == "length" and len(after.output_ids) == 3
+
+
+def test_retract_and_in_place_continue_to_full_length(qwen3_engine, qwen3_dir):
+    """Both modes finish every request at max_new_tokens, like an uninterrupted run, and the
+    continued tokens still match the model (retract recomputes the KV cache)."""
+    max_new = 200
+
+    async def go(client, mode):
+        tasks = await start_all(client, max_new_tokens=max_new)
+        await client.pause_generation(mode)
+        await asyncio.sleep(0.5)
+        assert not any(t.done() for t in tasks), f"{mode}: a request finished while paused"
+        await client.continue_generation()
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
+
+    async def uninterrupted(client):
+        return await asyncio.gather(*(
+            client.generate(p, max_new_tokens=max_new, seed=i, ignore_eos=True, return_routed_experts=True)
+            for i, p in enumerate(PROMPTS)
+        ))
+
+    baseline = run(_with_client(qwen3_engine.url, uninterrupted))
+    model = load_reference(qwen3_dir)
+    for mode in ("retract", "in_place"):
+        results = run(_with_client(qwen3_engine.url, go, mode))
+        assert [len(r.output_ids) for r in results] == [len(r.output_ids) for r in baseline] == [max_new] * 8
+        for prompt, result in zip(PROMPTS, results):
+            assert result.finish_reason == "length"
+            consistent(prompt, result)
+        logprobs, routing = reference(model, PROMPTS[7], results[7].output_ids)
+        assert np.allclose(results[7].logprobs, logprobs, atol=1e-4), mode
+        assert np.array_equal(results[7].routed_experts, routing.numpy()), mode
+
+
+def test_abort_one_request_by_rid(qwen3_engine):
+    async def go(client):
+        long = asyncio.create_task(client.generate(PROMPTS[3], max_new_tokens=400, ignore_eos=True, rid="victim",
+                                                   return_routed_experts=True))
+        short = asyncio.create_task(client.generate(PROMPTS[4], max_new_tokens=5, ignore_eos=True))
+        await asyncio.sleep(0.5)
+        await client.abort_request("victim")
+        return await asyncio.wait_for(long, 10), await short
+
+    long, short = run(_with_client(qwen3_engine.url, go))
+    assert long.finish_reason == "abort" and len(long.output_ids) < 400
+    consistent(PROMPTS[3], long)
+    assert short.finish_reason == "length" and len(short.output_ids) == 5
+
+
+async def _with_client(url, fn, *args):
+    client = EngineClient(url)
+    try:
+        return await fn(client, *args)
+    finally:
+        await client.close()

@@ -71,6 +71,14 @@ def export_source_ranks() -> dict[int, int]:
     return dict(sorted(item for item in everyone if item is not None))
 
 
+def model_tensors(model) -> dict[str, torch.Tensor]:
+    """Parameters plus persistent buffers (e.g. the router's `expert_bias`): what a checkpoint holds."""
+    persistent = model.state_dict(keep_vars=True)
+    tensors = dict(model.named_parameters())
+    tensors.update((name, b) for name, b in model.named_buffers() if name in persistent)
+    return tensors
+
+
 @dataclass(frozen=True)
 class ExportTask:
     """One local Megatron parameter: its mapping, indices and the bytes it gathers to."""
@@ -82,12 +90,12 @@ class ExportTask:
 
 
 def plan(model, bridge: Bridge, ctx: ParallelContext | None = None) -> tuple[ExportTask, ...]:
-    """The export tasks of this rank, in `named_parameters` order (identical on every member
+    """The export tasks of this rank, in `model_tensors` order (identical on every member
     of a TP/ETP/EP group). Local, no collective."""
     ctx = ctx or parallel_context(model, bridge)
     table = bridge.mappings()
     tasks = []
-    for name, param in model.named_parameters():
+    for name, param in model_tensors(model).items():
         mapping, indices = resolve(table, name)
         if not mapping.exported:
             continue
@@ -119,7 +127,7 @@ def export_hf_weights(model, bridge: Bridge, bucket_bytes: int = DEFAULT_BUCKET_
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes}: must be positive")
     ctx = parallel_context(model, bridge)
-    params = dict(model.named_parameters())
+    params = model_tensors(model)
     source = is_export_source()
     with torch.no_grad():
         for bucket in buckets(plan(model, bridge, ctx), bucket_bytes):

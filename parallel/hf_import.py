@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.bridges import Bridge
-from parallel.export import parallel_context
+from parallel.export import model_tensors, parallel_context
 from parallel.hf_checkpoint import HFCheckpointReader
 from parallel.mappings import resolve
 
@@ -29,7 +29,7 @@ def load_hf_weights(model, bridge: Bridge, hf_dir: str | os.PathLike) -> None:
     table = bridge.mappings()
     used: set[str] = set()
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in model_tensors(model).items():
             mapping, indices = resolve(table, name)
             shard = mapping.load(reader, ctx, indices, param.shape)
             param.copy_(shard.to(param.dtype))

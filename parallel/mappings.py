@@ -208,9 +208,10 @@ class QKV(ColumnParallel):
 
     def to_hf(self, full, ctx):
         per_group = full.shape[0] // self.groups
-        grouped = full.reshape(self.groups, per_group, -1)
+        rest = full.shape[1:]  # (hidden,) for the weight, () for the bias
+        grouped = full.reshape(self.groups, per_group, *rest)
         q, k, v = grouped.split([per_group - 2 * self.head_dim, self.head_dim, self.head_dim], dim=1)
-        return [t.reshape(-1, full.shape[-1]).contiguous() for t in (q, k, v)]
+        return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
 
     def read_shard(self, reader, names, axis, local_shape):
         groups = self.groups // axis.size
@@ -218,9 +219,9 @@ class QKV(ColumnParallel):
         first = axis.rank * groups
         q = reader.read(names[0], 0, first * q_rows, (first + groups) * q_rows)
         k, v = (reader.read(n, 0, first * self.head_dim, (first + groups) * self.head_dim) for n in names[1:])
-        cols = q.shape[-1]
-        parts = [q.reshape(groups, q_rows, cols), k.reshape(groups, self.head_dim, cols), v.reshape(groups, self.head_dim, cols)]
-        return torch.cat(parts, dim=1).reshape(-1, cols)
+        rest = q.shape[1:]
+        parts = [t.reshape(groups, -1, *rest) for t in (q, k, v)]
+        return torch.cat(parts, dim=1).reshape(-1, *rest)
 
 
 def resolve(table: tuple[Mapping, ...], name: str) -> tuple[Mapping, tuple[int, ...]]:

@@ -96,6 +96,30 @@ class Bridge:
             Replicated("decoder.layers.*.pre_mlp_layernorm.weight", "model.layers.*.post_attention_layernorm.weight"),
         )
 
+    @property
+    def head_dim(self) -> int:
+        return int(self.get("head_dim", None) or self.get("hidden_size") // self.get("num_attention_heads"))
+
+    def attention_mappings(self, *, qk_norm: bool, qkv_bias: bool = False) -> tuple:
+        """GQA attention (HF q/k/v/o_proj, optional per-head q/k RMSNorm and q/k/v bias)."""
+        from parallel.mappings import QKV, Replicated, RowParallel
+
+        attn = "model.layers.*.self_attn"
+        qkv = "decoder.layers.*.self_attention.linear_qkv"
+        groups = dict(num_query_groups=self.get("num_key_value_heads"), head_dim=self.head_dim)
+        table = [
+            QKV(f"{qkv}.weight", f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight", **groups),
+            RowParallel("decoder.layers.*.self_attention.linear_proj.weight", f"{attn}.o_proj.weight"),
+        ]
+        if qkv_bias:
+            table.append(QKV(f"{qkv}.bias", f"{attn}.q_proj.bias", f"{attn}.k_proj.bias", f"{attn}.v_proj.bias", **groups))
+        if qk_norm:
+            table += [
+                Replicated("decoder.layers.*.self_attention.q_layernorm.weight", f"{attn}.q_norm.weight"),
+                Replicated("decoder.layers.*.self_attention.k_layernorm.weight", f"{attn}.k_norm.weight"),
+            ]
+        return tuple(table)
+
     def dense_mlp_mappings(self, hf_mlp: str = "mlp") -> tuple:
         from parallel.mappings import GatedColumn, RowParallel
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from parallel.bridges.base import Bridge, register
 from parallel.layout import ModelShape
-from parallel.mappings import QKV, GatedColumn, Replicated, RowParallel
+from parallel.mappings import GatedColumn, Replicated, RowParallel
 
 
 @register
@@ -17,10 +17,6 @@ class Qwen3MoeBridge(Bridge):
     @property
     def num_experts(self) -> int:
         return int(self.get("num_experts", None) or self.get("num_local_experts"))
-
-    @property
-    def head_dim(self) -> int:
-        return int(self.get("head_dim", None) or self.get("hidden_size") // self.get("num_attention_heads"))
 
     def moe_layer_pattern(self) -> list[int]:
         """1 for an MoE layer, 0 for a dense one (HF `mlp_only_layers`, `decoder_sparse_step`)."""
@@ -71,23 +67,11 @@ class Qwen3MoeBridge(Bridge):
             config, use_transformer_engine=use_te, normalization="RMSNorm", qk_l2_norm=False
         )
 
-    def attention_mappings(self) -> tuple:
-        """GQA with per-head q/k RMSNorm (shared with other Llama-style attention bridges)."""
-        attn = "model.layers.*.self_attn"
-        return (
-            QKV("decoder.layers.*.self_attention.linear_qkv.weight",
-                f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight",
-                num_query_groups=self.get("num_key_value_heads"), head_dim=self.head_dim),
-            RowParallel("decoder.layers.*.self_attention.linear_proj.weight", f"{attn}.o_proj.weight"),
-            Replicated("decoder.layers.*.self_attention.q_layernorm.weight", f"{attn}.q_norm.weight"),
-            Replicated("decoder.layers.*.self_attention.k_layernorm.weight", f"{attn}.k_norm.weight"),
-        )
-
     def mappings(self) -> tuple:
         experts = "model.layers.*.mlp.experts.*"
         return (
             *self.common_mappings(),
-            *self.attention_mappings(),
+            *self.attention_mappings(qk_norm=True),
             *self.dense_mlp_mappings(),
             Replicated("decoder.layers.*.mlp.router.weight", "model.layers.*.mlp.gate.weight"),
             GatedColumn("decoder.layers.*.mlp.experts.local_experts.*.linear_fc1.weight",

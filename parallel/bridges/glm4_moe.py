@@ -1,0 +1,106 @@
+"""GLM-4.5 class (Glm4Moe): GQA with q/k/v bias and optional per-head q/k RMSNorm, partial
+RoPE, the first `first_k_dense_replace` layers dense, then MoE layers with a shared expert and
+a sigmoid router with expert-score correction bias, group-limited top-k, renormalised top-k
+weights scaled by `routed_scaling_factor`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from parallel.bridges.base import Bridge, register
+from parallel.layout import ModelShape
+from parallel.mappings import GatedColumn, Replicated, RowParallel
+
+
+@register
+class Glm4MoeBridge(Bridge):
+    architectures = ("Glm4MoeForCausalLM",)
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.get("n_routed_experts"))
+
+    def model_shape(self) -> ModelShape:
+        return ModelShape(
+            num_layers=self.get("num_hidden_layers"),
+            num_attention_heads=self.get("num_attention_heads"),
+            num_query_groups=self.get("num_key_value_heads"),
+            num_experts=self.num_experts,
+            vocab_size=self.vocab_size,
+        )
+
+    def transformer_config_kwargs(self) -> dict[str, Any]:
+        return dict(
+            num_layers=self.get("num_hidden_layers"),
+            hidden_size=self.get("hidden_size"),
+            num_attention_heads=self.get("num_attention_heads"),
+            num_query_groups=self.get("num_key_value_heads"),
+            kv_channels=self.head_dim,
+            ffn_hidden_size=self.get("intermediate_size"),
+            normalization="RMSNorm",
+            layernorm_epsilon=float(self.get("rms_norm_eps")),
+            qk_layernorm=bool(self.get("use_qk_norm", False)),
+            add_qkv_bias=bool(self.get("attention_bias", False)),
+            moe_layer_freq=[int(i >= self.get("first_k_dense_replace")) for i in range(self.get("num_hidden_layers"))],
+            **sigmoid_router_kwargs(self),
+        )
+
+    def gpt_model_kwargs(self, layout) -> dict[str, Any]:
+        rope = self.get("rope_parameters", None) or {}
+        partial = rope.get("partial_rotary_factor", self.get("partial_rotary_factor", 1.0))
+        return dict(super().gpt_model_kwargs(layout), rotary_percent=float(partial))
+
+    def layer_spec(self, config, use_te: bool):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+
+    def mappings(self) -> tuple:
+        qk_norm, bias = bool(self.get("use_qk_norm", False)), bool(self.get("attention_bias", False))
+        return (
+            *self.common_mappings(),
+            *self.attention_mappings(qk_norm=qk_norm, qkv_bias=bias),
+            *self.dense_mlp_mappings(),
+            *routed_and_shared_expert_mappings(),
+        )
+
+
+def sigmoid_router_kwargs(bridge: Bridge) -> dict[str, Any]:
+    """DeepSeek-V3 / GLM-4.5 routing in Megatron's terms (shared by both bridges)."""
+    experts, top_k = bridge.num_experts, int(bridge.get("num_experts_per_tok"))
+    groups, group_topk = int(bridge.get("n_group", 1) or 1), int(bridge.get("topk_group", 1) or 1)
+    if not bridge.get("norm_topk_prob", True) and top_k > 1:
+        raise ValueError("norm_topk_prob=false with a sigmoid router: Megatron always renormalises the "
+                         "top-k weights; this bridge needs norm_topk_prob=true")
+    if groups > 1 and top_k // group_topk != 2:
+        raise ValueError(f"n_group={groups}: HF scores a group by its top-2 experts, Megatron by its top "
+                         f"num_experts_per_tok/topk_group={top_k}/{group_topk}; make that ratio 2")
+    return dict(
+        num_moe_experts=experts,
+        moe_ffn_hidden_size=bridge.get("moe_intermediate_size"),
+        moe_router_topk=top_k,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=0.0,  # HF's correction bias is loaded, never updated here
+        moe_router_num_groups=groups if groups > 1 else None,
+        moe_router_group_topk=group_topk if groups > 1 else None,
+        moe_router_topk_scaling_factor=float(bridge.get("routed_scaling_factor", 1.0)),
+        moe_shared_expert_intermediate_size=int(bridge.get("n_shared_experts")) * bridge.get("moe_intermediate_size"),
+        moe_shared_expert_overlap=False,
+    )
+
+
+def routed_and_shared_expert_mappings() -> tuple:
+    """HF `mlp.gate` (+ correction bias), `mlp.experts.{e}`, `mlp.shared_experts` (DeepSeek-V3 / GLM-4.5)."""
+    experts, shared = "model.layers.*.mlp.experts.*", "model.layers.*.mlp.shared_experts"
+    return (
+        Replicated("decoder.layers.*.mlp.router.weight", "model.layers.*.mlp.gate.weight"),
+        Replicated("decoder.layers.*.mlp.router.expert_bias", "model.layers.*.mlp.gate.e_score_correction_bias"),
+        GatedColumn("decoder.layers.*.mlp.experts.local_experts.*.linear_fc1.weight",
+                    f"{experts}.gate_proj.weight", f"{experts}.up_proj.weight", expert=True),
+        RowParallel("decoder.layers.*.mlp.experts.local_experts.*.linear_fc2.weight",
+                    f"{experts}.down_proj.weight", expert=True),
+        GatedColumn("decoder.layers.*.mlp.shared_experts.linear_fc1.weight",
+                    f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"),
+        RowParallel("decoder.layers.*.mlp.shared_experts.linear_fc2.weight", f"{shared}.down_proj.weight"),
+    )

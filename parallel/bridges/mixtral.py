@@ -1,0 +1,64 @@
+"""Mixtral: GQA attention (no q/k norm), RoPE, SwiGLU experts under `block_sparse_moe`
+(w1 gate, w3 up, w2 down), softmax top-k router with the k weights renormalised, every layer MoE."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from parallel.bridges.base import Bridge, register
+from parallel.layout import ModelShape
+from parallel.mappings import GatedColumn, Replicated, RowParallel
+
+
+@register
+class MixtralBridge(Bridge):
+    architectures = ("MixtralForCausalLM",)
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.get("num_local_experts"))
+
+    def model_shape(self) -> ModelShape:
+        return ModelShape(
+            num_layers=self.get("num_hidden_layers"),
+            num_attention_heads=self.get("num_attention_heads"),
+            num_query_groups=self.get("num_key_value_heads"),
+            num_experts=self.num_experts,
+            vocab_size=self.vocab_size,
+        )
+
+    def transformer_config_kwargs(self) -> dict[str, Any]:
+        if self.get("sliding_window", None) is not None:
+            raise ValueError("Mixtral with sliding_window set is not supported by this bridge: set it to null")
+        return dict(
+            num_layers=self.get("num_hidden_layers"),
+            hidden_size=self.get("hidden_size"),
+            num_attention_heads=self.get("num_attention_heads"),
+            num_query_groups=self.get("num_key_value_heads"),
+            kv_channels=self.head_dim,
+            ffn_hidden_size=self.get("intermediate_size"),
+            normalization="RMSNorm",
+            layernorm_epsilon=float(self.get("rms_norm_eps")),
+            num_moe_experts=self.num_experts,
+            moe_ffn_hidden_size=self.get("intermediate_size"),
+            moe_router_topk=self.get("num_experts_per_tok"),
+            moe_router_score_function="softmax",
+            moe_router_pre_softmax=False,  # softmax over the k logits == softmax, top-k, renormalise
+        )
+
+    def layer_spec(self, config, use_te: bool):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+
+    def mappings(self) -> tuple:
+        experts = "model.layers.*.block_sparse_moe.experts.*"
+        return (
+            *self.common_mappings(),
+            *self.attention_mappings(qk_norm=False),
+            Replicated("decoder.layers.*.mlp.router.weight", "model.layers.*.block_sparse_moe.gate.weight"),
+            GatedColumn("decoder.layers.*.mlp.experts.local_experts.*.linear_fc1.weight",
+                        f"{experts}.w1.weight", f"{experts}.w3.weight", expert=True),
+            RowParallel("decoder.layers.*.mlp.experts.local_experts.*.linear_fc2.weight",
+                        f"{experts}.w2.weight", expert=True),
+        )

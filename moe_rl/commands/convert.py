@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -68,7 +69,8 @@ def run(args) -> int:
         fn(layout, source, args.out, *extra)
     else:
         spawn(fn, world_size, layout, source, args.out, *extra)
-    print(f"wrote {args.out}")
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"wrote {args.out}")
     return 0
 
 

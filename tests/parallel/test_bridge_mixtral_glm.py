@@ -41,3 +41,4 @@ def test_roundtrip_and_logits(tmp_path, make_config):
     tokens = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     per_rank = spawn(check_layouts, 4, str(hf_dir), LAYOUTS, tokens, 4096)
     assert_layout_results(per_rank, hf_dir, hf_reference(hf_dir, tokens), tokens)
+

@@ -7,6 +7,7 @@ can be checked (and rejected with a clear message) before any process starts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -52,27 +53,27 @@ class ParallelLayout:
         for name in ("world_size", "tp", "pp", "ep", "micro_batch_size", "global_batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"layout.{name}={value!r}: must be a positive integer")
+                raise ValueError(f"{self.config_name}.{name}={value!r}: must be a positive integer")
         if self.etp is not None and (not isinstance(self.etp, int) or self.etp < 1):
-            raise ValueError(f"layout.etp={self.etp!r}: must be a positive integer or null")
+            raise ValueError(f"{self.config_name}.etp={self.etp!r}: must be a positive integer or null")
         if self.world_size % (self.tp * self.pp):
             raise ValueError(
-                f"layout.world_size={self.world_size} is not divisible by tp*pp="
+                f"{self.config_name}.world_size={self.world_size} is not divisible by tp*pp="
                 f"{self.tp}*{self.pp}={self.tp * self.pp}: change world_size to a multiple of "
                 f"{self.tp * self.pp} or lower tp/pp"
             )
         if self.world_size % (self.expert_tp * self.ep * self.pp):
             raise ValueError(
-                f"layout.world_size={self.world_size} is not divisible by etp*ep*pp="
+                f"{self.config_name}.world_size={self.world_size} is not divisible by etp*ep*pp="
                 f"{self.expert_tp}*{self.ep}*{self.pp}: change world_size to a multiple of "
                 f"{self.expert_tp * self.ep * self.pp} or lower ep/etp"
             )
         if self.sequence_parallel and self.tp == 1:
-            raise ValueError("layout.sequence_parallel=true needs layout.tp > 1: set it to false")
+            raise ValueError(f"{self.config_name}.sequence_parallel=true needs {self.config_name}.tp > 1: set it to false")
         per_step = self.micro_batch_size * self.dp
         if self.global_batch_size % per_step:
             raise ValueError(
-                f"layout.global_batch_size={self.global_batch_size} is not divisible by "
+                f"{self.config_name}.global_batch_size={self.global_batch_size} is not divisible by "
                 f"micro_batch_size*dp={self.micro_batch_size}*{self.dp}={per_step}: use a "
                 f"multiple of {per_step}"
             )
@@ -99,33 +100,33 @@ class ParallelLayout:
         """Raise ValueError if this layout cannot split a model of `shape`."""
         if shape.num_attention_heads % self.tp:
             raise ValueError(
-                f"layout.tp={self.tp} does not divide the model's {shape.num_attention_heads} "
+                f"{self.config_name}.tp={self.tp} does not divide the model's {shape.num_attention_heads} "
                 f"attention heads: choose tp among {_divisors(shape.num_attention_heads)}"
             )
         if shape.num_query_groups % self.tp:
             raise ValueError(
-                f"layout.tp={self.tp} does not divide the model's {shape.num_query_groups} KV "
+                f"{self.config_name}.tp={self.tp} does not divide the model's {shape.num_query_groups} KV "
                 f"groups (num_key_value_heads): choose tp among "
                 f"{_divisors(shape.num_query_groups)}"
             )
         if shape.num_layers % self.pp:
             raise ValueError(
-                f"layout.pp={self.pp} does not divide the model's {shape.num_layers} layers: "
+                f"{self.config_name}.pp={self.pp} does not divide the model's {shape.num_layers} layers: "
                 f"choose pp among {_divisors(shape.num_layers)}"
             )
         if shape.num_experts == 0:
             if self.ep > 1:
-                raise ValueError(f"layout.ep={self.ep} but the model has no experts: set ep=1")
+                raise ValueError(f"{self.config_name}.ep={self.ep} but the model has no experts: set ep=1")
             return
         if shape.num_experts % self.ep:
             raise ValueError(
-                f"layout.ep={self.ep} does not divide the model's {shape.num_experts} experts: "
+                f"{self.config_name}.ep={self.ep} does not divide the model's {shape.num_experts} experts: "
                 f"choose ep among {_divisors(shape.num_experts)}"
             )
         if self.tp > 1 and not self.sequence_parallel:
             raise ValueError(
-                f"layout.tp={self.tp} with an MoE model requires sequence parallel "
-                f"(Megatron's MoE dispatch): set layout.sequence_parallel=true"
+                f"{self.config_name}.tp={self.tp} with an MoE model requires sequence parallel "
+                f"(Megatron's MoE dispatch): set {self.config_name}.sequence_parallel=true"
             )
 
 

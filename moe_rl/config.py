@@ -1,0 +1,215 @@
+"""Typed run configuration: nested kw-only dataclasses loaded from YAML + dotted overrides.
+
+`load_config("cfg.yaml", ["trainer.tp=2"])` returns a validated `RunConfig`; every error is a
+ValueError that names the field (e.g. `trainer.tp`) and the fix, raised before any process
+starts. Components receive the sub-config they need, never the whole tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import yaml
+
+from parallel.layout import ParallelLayout
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Which model to train: an HF directory, or an inline HF config for a random-init model."""
+
+    path: str | None = None
+    """HF model directory (config.json, optionally safetensors weights and a tokenizer)."""
+    hf_config: dict[str, Any] | None = None
+    """Inline HF config fields (with `model_type` and `architectures`) for a tiny random model."""
+
+    def __post_init__(self):
+        if (self.path is None) == (self.hf_config is None):
+            raise ValueError("model: set exactly one of model.path (HF dir) or model.hf_config")
+        if self.path is not None and not (Path(self.path) / "config.json").is_file():
+            raise ValueError(f"model.path={self.path!r}: no config.json there; point it at an HF model dir")
+        if self.hf_config is not None:
+            for key in ("model_type", "architectures"):
+                if key not in self.hf_config:
+                    raise ValueError(f"model.hf_config lacks {key!r} (e.g. model_type: qwen3_moe, "
+                                     f"architectures: [Qwen3MoeForCausalLM])")
+
+    def load_hf_config(self):
+        """The transformers config object (reads config.json; no weights)."""
+        from transformers import AutoConfig
+
+        if self.path is not None:
+            return AutoConfig.from_pretrained(self.path)
+        fields = dict(self.hf_config)
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """Megatron's Adam optimizer (fp32 here; bf16 with fp32 main params on GPUs)."""
+
+    lr: float = 1e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW)."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Clip the global grad norm (over all ranks) to this value; 0 disables clipping."""
+    distributed: bool = False
+    """Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer)."""
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ValueError(f"optimizer.lr={self.lr}: must be > 0")
+        if self.clip_grad < 0:
+            raise ValueError(f"optimizer.clip_grad={self.clip_grad}: must be >= 0 (0 disables)")
+
+
+@dataclass(kw_only=True)
+class TrainerConfig(ParallelLayout):
+    """The Megatron trainer: its parallel layout (the inherited fields) plus training settings."""
+
+    config_name: ClassVar[str] = "trainer"
+
+    seed: int = 1234
+    """Seed of every RNG (Megatron's tracker forks per TP/EP rank from it)."""
+    recompute: bool = False
+    """Full activation recompute of every layer (less memory, one more forward)."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Supervised data: a JSONL file of {"input_ids": [...]} rows, or a seeded synthetic batch."""
+
+    path: str | None = None
+    """JSONL with one `input_ids` list per line; None means synthetic random tokens."""
+    seq_length: int = 32
+    """Tokens per training sequence (longer rows are cut, shorter ones padded and masked)."""
+
+    def __post_init__(self):
+        if self.seq_length < 2:
+            raise ValueError(f"data.seq_length={self.seq_length}: must be >= 2")
+        if self.path is not None and not Path(self.path).is_file():
+            raise ValueError(f"data.path={self.path!r}: file not found")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """One `moe-rl train` run."""
+
+    model: ModelConfig
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    output_dir: str = "runs/default"
+    """Where metrics, checkpoints and plots go."""
+    steps: int = 10
+    """Optimizer steps."""
+    save_checkpoint: bool = True
+    """Save a Megatron dist checkpoint (model, optimizer, RNG) at the end."""
+
+    def __post_init__(self):
+        if self.steps < 1:
+            raise ValueError(f"steps={self.steps}: must be >= 1")
+        from parallel.bridges import bridge_for
+
+        self.trainer.check_model(bridge_for(self.model.load_hf_config()).model_shape())
+
+
+# -- loading --------------------------------------------------------------------------------
+def load_config(path: str | Path, overrides: list[str] = (), cls: type = RunConfig):
+    """Read YAML, apply `a.b.c=value` overrides (values parsed as YAML), build and validate."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {str(path)!r} not found")
+    data = yaml.safe_load(path.read_text()) or {}
+    for override in overrides:
+        apply_override(data, override)
+    return from_dict(cls, data)
+
+
+def apply_override(data: dict, override: str) -> None:
+    key, sep, raw = override.partition("=")
+    if not sep or not key:
+        raise ValueError(f"override {override!r}: write it as dotted.key=value, e.g. trainer.tp=2")
+    *parents, leaf = key.strip().split(".")
+    node = data
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override {override!r}: {part!r} is not a section")
+    node[leaf] = yaml.safe_load(raw)
+
+
+def from_dict(cls: type, data: Any, prefix: str = ""):
+    """Build dataclass `cls` from a dict, checking names and types field by field."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix or 'config'}: expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        name = unknown[0]
+        close = difflib.get_close_matches(name, fields, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else f"; known: {sorted(fields)}"
+        raise ValueError(f"unknown config field {prefix + name!r}{hint}")
+    kwargs = {name: _convert(hints[name], value, f"{prefix}{name}") for name, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as error:  # a required field is missing
+        raise ValueError(f"{prefix or 'config'}: {error}") from None
+
+
+def _convert(hint: Any, value: Any, name: str):
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _convert(option, value, name)
+            except ValueError:
+                continue
+        raise ValueError(f"{name}={value!r}: expected {_describe(hint)}")
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, prefix=f"{name}.")
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{name}={value!r}: expected a mapping")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{name}={value!r}: expected a list")
+        (item,) = typing.get_args(hint) or (Any,)
+        return [_convert(item, v, f"{name}[{i}]") for i, v in enumerate(value)]
+    if hint is Any:
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and not (type(value) is hint):
+        raise ValueError(f"{name}={value!r}: expected {hint.__name__}")
+    return value
+
+
+def _describe(hint: Any) -> str:
+    return " or ".join(getattr(a, "__name__", str(a)) for a in typing.get_args(hint))
+
+
+def to_dict(config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def dump_config(config, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(to_dict(config), indent=2, default=str))

@@ -1,0 +1,1 @@
+"""The Megatron trainer: model, optimizer, train steps, dist checkpoints."""

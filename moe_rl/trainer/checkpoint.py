@@ -1,0 +1,116 @@
+"""Megatron dist checkpoints of a trainer: model, optimizer, RNG, step.
+
+Format: megatron-core `dist_checkpointing` (torch_dist), which stores every tensor by its
+global shape and offset, so a checkpoint saved under one layout (TP2+EP2) loads under
+another (PP2). Optimizer state uses the layout-independent `fully_reshardable` format
+(also for the distributed optimizer). RNG states are per rank and only restored when the
+layout is the same (a different layout has different ranks); otherwise they restart from
+the seed, and a warning says so.
+
+Writes go to `<dir>.tmp` and are renamed when every rank has finished, so a crash never
+leaves a half-written checkpoint under the final name.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+LAYOUT_FILE = "moe_rl_layout.json"
+_OPTIMIZER_METADATA = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "chained_optim_avoid_prefix": True,  # same keys whether expert params get their own optimizer
+}
+
+
+def _layout_record(trainer) -> dict:
+    c = trainer.config
+    return dict(world_size=c.world_size, tp=c.tp, pp=c.pp, ep=c.ep, etp=c.expert_tp,
+                sequence_parallel=c.sequence_parallel)
+
+
+def _rng_object(rank: int, world_size: int, state=None):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    if state is None:
+        state = dict(
+            random=random.getstate(),
+            numpy=np.random.get_state(),
+            torch=torch.get_rng_state(),
+            tracker=get_cuda_rng_tracker().get_states(),
+        )
+    return ShardedObject("rng_state", state, (world_size,), (rank,), replica_id=0)
+
+
+def _sharded_state(trainer, with_rng: bool, is_loading: bool) -> dict:
+    model_state = trainer.model.module.sharded_state_dict()
+    state = {
+        "model": model_state,
+        "optimizer": trainer.optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata=_OPTIMIZER_METADATA
+        ),
+        "step": trainer.step,
+    }
+    if with_rng:
+        state["rng_state"] = _rng_object(dist.get_rank(), dist.get_world_size())
+    return state
+
+
+def save_checkpoint(trainer, directory: str | Path) -> Path:
+    """Save on every rank (collective); returns the final directory."""
+    from megatron.core import dist_checkpointing
+
+    final = Path(directory)
+    staging = final.with_name(final.name + ".tmp")
+    if dist.get_rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(trainer, with_rng=True, is_loading=False), str(staging))
+    if dist.get_rank() == 0:
+        (staging / LAYOUT_FILE).write_text(json.dumps(_layout_record(trainer)))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        staging.rename(final)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(trainer, directory: str | Path, load_optimizer: bool = True) -> None:
+    """Load into an already-built trainer of any layout (collective)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    directory = Path(directory)
+    if not (directory / LAYOUT_FILE).is_file():
+        raise ValueError(f"{str(directory)!r} is not a moe-rl trainer checkpoint ({LAYOUT_FILE} missing)")
+    saved_layout = json.loads((directory / LAYOUT_FILE).read_text())
+    same_layout = saved_layout == _layout_record(trainer)
+    request = _sharded_state(trainer, with_rng=same_layout, is_loading=True)
+    if not load_optimizer:
+        request.pop("optimizer")
+    state = dist_checkpointing.load(request, str(directory))
+    trainer.model.module.load_state_dict(state["model"])
+    if load_optimizer:
+        trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.step = int(state["step"])
+    if same_layout:
+        rng = state["rng_state"]
+        random.setstate(rng["random"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        get_cuda_rng_tracker().set_states(rng["tracker"])
+    elif dist.get_rank() == 0:
+        warnings.warn(
+            f"checkpoint layout {saved_layout} differs from {_layout_record(trainer)}: "
+            f"model and optimizer resharded, RNG states restart from the seed"
+        )

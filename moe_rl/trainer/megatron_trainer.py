@@ -1,0 +1,193 @@
+"""One rank of the Megatron trainer: model stage + DDP + Megatron optimizer + train steps.
+
+Every rank of the trainer world constructs a `MegatronTrainer` and calls each method in
+lockstep (they run collectives). The same code runs on gloo/CPU (after `cpu_compat`) and on
+NCCL/GPUs. Losses are summed per token and normalised by the number of loss tokens of the
+whole global batch (Megatron's `calculate_per_token_loss`), so the loss and the gradients do
+not depend on the layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.config import TrainerConfig
+from moe_rl.trainer.batch import Batch, check_batch, microbatches, pad_sequence_dim
+from moe_rl.trainer.logprobs import token_logprobs
+from parallel.bridges import bridge_for
+from parallel.model import build_gpt_model, init_model_parallel
+
+LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+"""(logprobs [mb, L], microbatch) -> (loss summed over tokens, number of tokens, sums to report).
+`microbatch` tensors are aligned with logprobs: column t is the prediction of token t + 1."""
+
+
+def next_token_loss(logprobs: torch.Tensor, microbatch: Batch):
+    """Supervised cross-entropy over the tokens selected by `loss_mask`."""
+    mask = microbatch["loss_mask"].float()
+    loss = -(logprobs * mask).sum()
+    return loss, mask.sum().to(torch.int), {"loss": loss.detach()}
+
+
+def _expert_params_own_optimizer(model) -> None:
+    """Give expert weights their own grad buffers and optimizer at EP=1 too.
+
+    Megatron marks expert params `allreduce=False` only when EP > 1, so at EP=1 they join the
+    dense optimizer and a checkpoint's optimizer structure (one vs two chained optimizers)
+    depends on the layout: an EP2 checkpoint could not load at EP1. At EP=1 the expert
+    data-parallel group equals the dense one, so reducing them separately changes nothing.
+    """
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    for module in model.modules():
+        if isinstance(module, SequentialMLP):
+            for param in module.parameters():
+                param.allreduce = False
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step reports; identical on every rank."""
+
+    step: int
+    loss: float
+    """Token-mean of the loss over the global batch."""
+    grad_norm: float
+    """Global grad norm before clipping (over all ranks and all parameters)."""
+    num_tokens: int
+    skipped: bool
+    sums: dict[str, float]
+    """Every quantity the loss function reported, summed over the global batch."""
+
+
+class MegatronTrainer:
+    def __init__(self, config: TrainerConfig, hf_config: Any):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.config = config
+        self.bridge = bridge_for(hf_config)
+        init_model_parallel(config, config.seed)
+        recompute = (
+            dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+            if config.recompute
+            else {}
+        )
+        model = build_gpt_model(self.bridge, config, calculate_per_token_loss=True, **recompute)
+        _expert_params_own_optimizer(model)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            use_distributed_optimizer=config.optimizer.distributed,
+            average_in_collective=False,  # per-token loss: grads are summed, then / num_tokens
+        )
+        self.model = DistributedDataParallel(model.config, ddp_config, model)
+        opt = config.optimizer
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=opt.lr,
+                weight_decay=opt.weight_decay,
+                adam_beta1=opt.adam_beta1,
+                adam_beta2=opt.adam_beta2,
+                adam_eps=opt.adam_eps,
+                clip_grad=opt.clip_grad,
+                use_distributed_optimizer=opt.distributed,
+                params_dtype=model.config.params_dtype,
+            ),
+            [self.model],
+        )
+        # What Megatron-LM's training loop wires into the model config for the schedules.
+        model.config.finalize_model_grads_func = finalize_model_grads
+        model.config.grad_scale_func = self.optimizer.scale_loss
+        model.config.no_sync_func = self.model.no_sync
+        self.step = 0
+
+    # -- ranks --------------------------------------------------------------------------------
+    @property
+    def is_last_stage(self) -> bool:
+        from megatron.core import parallel_state
+
+        return parallel_state.is_pipeline_last_stage()
+
+    def dp_rank_and_size(self) -> tuple[int, int]:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+    # -- training -----------------------------------------------------------------------------
+    def train_step(self, batch: Batch, loss_fn: LossFn = next_token_loss) -> StepResult:
+        """One optimizer step on a global batch (every rank passes the same whole batch)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        check_batch(batch)
+        if batch["tokens"].shape[0] != self.config.global_batch_size:
+            raise ValueError(
+                f"batch has {batch['tokens'].shape[0]} sequences but trainer.global_batch_size="
+                f"{self.config.global_batch_size}: make them equal"
+            )
+        batch = pad_sequence_dim(batch, self.config.tp if self.config.sequence_parallel else 1)
+        dp_rank, dp_size = self.dp_rank_and_size()
+        parts = microbatches(batch, dp_size, dp_rank, self.config.micro_batch_size)
+
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reports = get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, loss_fn),
+            data_iterator=iter(parts),
+            model=[self.model],
+            num_microbatches=len(parts),
+            seq_length=batch["tokens"].shape[1] - 1,
+            micro_batch_size=self.config.micro_batch_size,
+            forward_only=False,
+        )
+        updated, grad_norm, _ = self.optimizer.step()
+        self.step += 1
+        sums = self._reduce_reports(reports)
+        tokens = sums.pop("num_tokens", 0.0)
+        return StepResult(
+            step=self.step,
+            loss=sums.get("loss", 0.0) / max(tokens, 1.0),
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            num_tokens=int(tokens),
+            skipped=not updated,
+            sums=sums,
+        )
+
+    def _forward_step(self, loss_fn: LossFn, data_iterator, model):
+        microbatch = next(data_iterator)
+        tokens = microbatch["tokens"]
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        aligned = {key: tensor[:, 1:] for key, tensor in microbatch.items()}
+        positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
+        output = model(inputs, positions, attention_mask=None)
+
+        def loss(logits):
+            logprobs = token_logprobs(logits, targets, self.bridge.vocab_size)
+            loss_sum, num_tokens, report = loss_fn(logprobs, aligned)
+            return loss_sum, num_tokens, {**report, "num_tokens": num_tokens.detach()}
+
+        return output, loss
+
+    def _reduce_reports(self, reports: list[dict]) -> dict[str, float]:
+        """Sum what the last stage's microbatches reported over DP; every rank gets the sums."""
+        from megatron.core import parallel_state
+
+        local: dict[str, float] = {}
+        if self.is_last_stage and parallel_state.get_tensor_model_parallel_rank() == 0:
+            for report in reports:
+                for key, value in report.items():
+                    local[key] = local.get(key, 0.0) + float(value)
+        gathered: list[dict[str, float]] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(gathered, local)
+        sums: dict[str, float] = {}
+        for part in gathered:
+            for key, value in part.items():
+                sums[key] = sums.get(key, 0.0) + value
+        return sums

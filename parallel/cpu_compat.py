@@ -43,6 +43,7 @@ def apply() -> None:
     _alltoall_split_sizes_as_lists()
     _uneven_gather_and_reduce_scatter()
     _router_gating_without_te()
+    _distributed_optimizer_checkpoint_without_te()
     _applied = True
 
 
@@ -302,3 +303,41 @@ def _router_gating_without_te() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+# -- patch 8: distributed-optimizer checkpoints with torch's Adam (0.16.1, no Apex/TE) -------
+def _distributed_optimizer_checkpoint_without_te() -> None:
+    """Without Apex/TE the distributed optimizer wraps torch's Adam, and two of its checkpoint
+    paths only work with TE's FusedAdam (0.16.1):
+    - `state_dict()` asserts exactly one Adam `step` value, so describing a freshly built
+      optimizer for a load (`sharded_state_dict(is_loading=True)`) fails: its state is created
+      first with Megatron's own placeholder step, which the load then overwrites;
+    - the `fully_reshardable` load copies every Adam state key, including `step`, which the
+      checkpoint keeps in param_groups instead: KeyError. Only the saved keys are copied;
+      `load_state_dict` restores `step` from param_groups.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    describe = DistributedOptimizer.sharded_state_dict
+
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, **kwargs):
+        if is_loading and not self.optimizer.state:
+            self._init_optimizer_states_with_dummy_values()
+        return describe(self, model_sharded_state_dict or {}, is_loading, **kwargs)
+
+    def set_states(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        destinations = {"param": main_param, **self.optimizer.state[main_param]}
+        for key, tensor in tensors.items():
+            destinations[key].copy_(tensor)
+
+    DistributedOptimizer.sharded_state_dict = sharded_state_dict
+    if not _has_fused_adam():
+        DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
+def _has_fused_adam() -> bool:
+    from megatron.core.optimizer import distrib_optimizer
+
+    return bool(getattr(distrib_optimizer, "HAVE_APEX_OR_TE", False))

@@ -1,0 +1,81 @@
+"""Group-relative advantages: one scalar per sample from the rewards of its group.
+
+A group is the set of samples generated from the same prompt (`Sample.group_id`). For a group
+with rewards r_1..r_G, mean m and unbiased (Bessel-corrected, as in verl and TRL) std s:
+- grpo, gspo: A_i = (r_i - m) / (s + adv_eps)
+- dr_grpo:    A_i = r_i - m
+A group whose rewards are all equal (or that has one sample) has zero variance: every A_i is
+exactly 0 and it carries no learning signal. With `drop_zero_variance_groups` its samples are
+reported as not kept, and the caller leaves them out of the batch; otherwise they stay and only
+add tokens to the normaliser. The per-token `advantages` tensor the loss reads is A_i broadcast
+over sample i's response tokens; building it is the batch builder's job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from moe_rl.algorithms.config import AlgorithmConfig
+from moe_rl.sample import Sample
+
+
+@dataclass(frozen=True)
+class GroupAdvantages:
+    """Per-sample results, in the order of the input."""
+
+    advantages: torch.Tensor
+    """float32 [n]: the advantage of each sample."""
+    zero_variance: torch.Tensor
+    """bool [n]: the sample's group has all-equal rewards (or a single sample)."""
+    keep: torch.Tensor
+    """bool [n]: train on this sample; False only for zero-variance groups when
+    `drop_zero_variance_groups` is set."""
+
+
+def group_advantages(
+    rewards: torch.Tensor | Sequence[float], group_ids: Sequence[Hashable], config: AlgorithmConfig
+) -> GroupAdvantages:
+    """Advantages of `rewards` [n], where sample i belongs to group `group_ids[i]`."""
+    rewards = torch.as_tensor(rewards, dtype=torch.float64)
+    if rewards.ndim != 1 or rewards.numel() != len(group_ids):
+        raise ValueError(
+            f"rewards has shape {tuple(rewards.shape)} but there are {len(group_ids)} group ids: "
+            "give one reward and one group id per sample"
+        )
+    if not torch.isfinite(rewards).all():
+        raise ValueError("rewards contain NaN or inf: fix the reward function")
+    advantages = torch.zeros_like(rewards)
+    zero_variance = torch.zeros(rewards.numel(), dtype=torch.bool)
+    for members in _groups(group_ids).values():
+        index = torch.tensor(members)
+        group = rewards[index]
+        if group.numel() < 2 or bool((group == group[0]).all()):
+            zero_variance[index] = True  # advantages stay exactly 0
+            continue
+        centred = group - group.mean()
+        if config.advantage_estimator == "dr_grpo":
+            advantages[index] = centred
+        else:
+            advantages[index] = centred / (group.std(unbiased=True) + config.adv_eps)
+    keep = ~zero_variance if config.drop_zero_variance_groups else torch.ones_like(zero_variance)
+    return GroupAdvantages(advantages.to(torch.float32), zero_variance, keep)
+
+
+def sample_advantages(samples: Sequence[Sample], config: AlgorithmConfig) -> GroupAdvantages:
+    """`group_advantages` from `Sample.reward` and `Sample.group_id`."""
+    for i, sample in enumerate(samples):
+        if sample.reward is None:
+            raise ValueError(f"samples[{i}].reward is None: score every sample before advantages")
+        if not sample.group_id:
+            raise ValueError(f"samples[{i}].group_id is empty: give samples of one prompt one group id")
+    return group_advantages([s.reward for s in samples], [s.group_id for s in samples], config)
+
+
+def _groups(group_ids: Sequence[Hashable]) -> dict[Hashable, list[int]]:
+    groups: dict[Hashable, list[int]] = {}
+    for i, group_id in enumerate(group_ids):
+        groups.setdefault(group_id, []).append(i)
+    return groups

@@ -1,0 +1,120 @@
+"""`AlgorithmConfig`: every knob of the RL objective (advantages, PPO clip, KL, off-policy fixes).
+
+It is the `algorithm:` section of a run config. Validation happens at construction: every
+error is a ValueError naming the field (`algorithm.<name>`) and the fix. The formulas each
+option selects are written out in `advantages.py` and `policy_loss.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ESTIMATORS = ("grpo", "dr_grpo", "gspo")
+KL_ESTIMATORS = ("k1", "k3", "low_var_kl")
+OFF_POLICY = ("tis", "icepop", "mis", "none")
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    """GRPO-family policy optimisation with an off-policy correction for async rollouts."""
+
+    advantage_estimator: str = "grpo"
+    """How advantages and the loss normaliser are formed:
+    "grpo": A = (r - mean_group) / (std_group + adv_eps), token-level PPO-clip, loss averaged
+    over all loss tokens of the global batch;
+    "dr_grpo": A = r - mean_group (no std), token-level PPO-clip, loss summed over tokens and
+    divided by the constant `dr_grpo_norm_len` x number of sequences (Dr.GRPO, Liu et al. 2025);
+    "gspo": GRPO advantages, sequence-level ratio s = exp(mean_t(logp - old_logp)) clipped per
+    sequence, each sequence's token-mean averaged over sequences (GSPO, Zheng et al. 2025)."""
+    adv_eps: float = 1e-6
+    """Added to the group std before dividing (grpo, gspo)."""
+    dr_grpo_norm_len: int | None = None
+    """Dr.GRPO only: the constant per-sequence normaliser, normally the rollout's max_new_tokens."""
+    clip_low: float = 0.2
+    """PPO clip below: the ratio is clipped at 1 - clip_low. GSPO needs ~3e-4 (sequence ratios)."""
+    clip_high: float = 0.2
+    """PPO clip above: the ratio is clipped at 1 + clip_high ("clip-higher", DAPO uses 0.28).
+    GSPO needs ~4e-4."""
+    kl_coef: float = 0.0
+    """Weight of the per-token KL to the frozen reference policy; 0 means no reference model."""
+    kl_estimator: str = "low_var_kl"
+    """"k1": logp - ref; "k3": exp(ref - logp) - (ref - logp) - 1; "low_var_kl": k3 with the
+    log-ratio clamped to [-20, 20] and the result to [-10, 10] (verl's form)."""
+    off_policy: str = "tis"
+    """Correction for the gap between the rollout engine's policy and the trainer's old policy,
+    from the per-token ratio w = exp(old_logprob - rollout_logprob):
+    "tis": weight each token's loss by min(w, tis_cap) (truncated importance sampling);
+    "icepop": weight by w inside [icepop_low, icepop_high], 0 outside (IcePop);
+    "mis": drop whole sequences whose geometric-mean ratio exp(mean_t log w) lies outside
+    [mis_low, mis_high] (sequence-level masked importance sampling, geometric form);
+    "none": no correction; allowed only with max_staleness 0 (see `check_staleness`)."""
+    tis_cap: float = 2.0
+    """TIS: upper truncation of the token ratio w."""
+    icepop_low: float = 0.5
+    """IcePop: tokens with w below this are masked out."""
+    icepop_high: float = 5.0
+    """IcePop: tokens with w above this are masked out."""
+    mis_low: float = 0.5
+    """MIS: sequences whose geometric-mean ratio is below this are masked out."""
+    mis_high: float = 2.0
+    """MIS: sequences whose geometric-mean ratio is above this are masked out."""
+    mask_stale_tokens: bool = False
+    """Drop tokens the caller marks in the per-token `stale_mask` (1 = produced by weights too old
+    to train on) from the loss and from the normaliser."""
+    drop_zero_variance_groups: bool = False
+    """Groups whose rewards are all equal carry no signal: report them as not kept, so the caller
+    leaves them out of the batch (DAPO's dynamic sampling)."""
+
+    def __post_init__(self):
+        _choice("advantage_estimator", self.advantage_estimator, ESTIMATORS)
+        _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _choice("off_policy", self.off_policy, OFF_POLICY)
+        if self.adv_eps <= 0:
+            raise ValueError(f"algorithm.adv_eps={self.adv_eps}: must be > 0 (e.g. 1e-6)")
+        if self.advantage_estimator == "dr_grpo":
+            if self.dr_grpo_norm_len is None or self.dr_grpo_norm_len < 1:
+                raise ValueError(
+                    f"algorithm.dr_grpo_norm_len={self.dr_grpo_norm_len}: dr_grpo needs a positive "
+                    "constant normaliser; set it to the rollout's max_new_tokens"
+                )
+        elif self.dr_grpo_norm_len is not None:
+            raise ValueError(
+                f"algorithm.dr_grpo_norm_len={self.dr_grpo_norm_len} is only used by "
+                f"advantage_estimator='dr_grpo' (got {self.advantage_estimator!r}): remove it"
+            )
+        if not 0 < self.clip_low < 1:
+            raise ValueError(f"algorithm.clip_low={self.clip_low}: must be in (0, 1), e.g. 0.2")
+        if self.clip_high <= 0:
+            raise ValueError(f"algorithm.clip_high={self.clip_high}: must be > 0, e.g. 0.28")
+        if self.kl_coef < 0:
+            raise ValueError(f"algorithm.kl_coef={self.kl_coef}: must be >= 0 (0 disables KL)")
+        if self.tis_cap < 1:
+            raise ValueError(f"algorithm.tis_cap={self.tis_cap}: must be >= 1, e.g. 2.0")
+        _band("icepop", self.icepop_low, self.icepop_high)
+        _band("mis", self.mis_low, self.mis_high)
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the trainer must compute `ref_logprobs` with a frozen reference model."""
+        return self.kl_coef > 0
+
+    def check_staleness(self, max_staleness: int) -> None:
+        """Rollouts up to `max_staleness` versions old are off-policy: require a correction."""
+        if max_staleness > 0 and self.off_policy == "none":
+            raise ValueError(
+                f"algorithm.off_policy='none' with max_staleness={max_staleness}: stale rollouts "
+                "need an off-policy correction; set algorithm.off_policy to tis, icepop or mis"
+            )
+
+
+def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ValueError(f"algorithm.{name}={value!r}: use one of {options}")
+
+
+def _band(prefix: str, low: float, high: float) -> None:
+    if not 0 < low < 1 < high:
+        raise ValueError(
+            f"algorithm.{prefix}_low={low}, algorithm.{prefix}_high={high}: need "
+            f"0 < {prefix}_low < 1 < {prefix}_high, e.g. 0.5 and 2.0"
+        )

@@ -27,8 +27,10 @@ serving the previous version. On SGLang a failed distributed sync leaves weights
 (SGLang's own warning says so); the sender then reports the engine and bucket and does not
 commit the version, and the orchestrator must resync that engine before trusting it.
 
-Integrity: `checksum` ("crc32:%08x" of the bucket's bytes, see `sync.bucket`) is not an SGLang
-field; a client for SGLang leaves it out of the request, the embedded engine verifies it.
+Integrity: `checksum` ("crc32:%08x#k": CRC-32 of the bucket's bytes, see `sync.bucket`, and
+the bucket's index k in the version) is not an SGLang field; a client for SGLang leaves it out
+of the request, the embedded engine verifies it and uses k to run the collectives in bucket
+order (the sender keeps two buckets in flight, whose HTTP calls may arrive in either order).
 
 Group membership follows SGLang's `/init_weights_update_group` (master_address, master_port,
 rank_offset, world_size, group_name, backend): the trainer source is rank 0 and each engine

@@ -18,21 +18,40 @@ Versions are integers sent as decimal strings (SGLang's `weight_version` is a st
 version above the committed one is accepted; a stale or repeated one raises ValueError before
 any collective, so the server can answer `success: false` without touching the group.
 
-Memory: staged tensors are copies (one received buffer per bucket) until commit: an engine
-holds the served weights plus one staged version. A failed collective leaves the group
-unusable: the receiver drops what it staged, leaves the group and re-raises; the sender then
-forms a new group with the engines still alive.
+Storage (why a sync runs at wire speed): the receiver keeps two sets of weight storage, one
+holding the served version and one the version being staged, and swaps them at commit. A set
+is a few flat uint8 segments, one per bucket layout (names, dtypes, shapes); a bucket is
+broadcast straight into its segment (no per-bucket allocation, no copy) and the staged
+tensors are views of it. Segments are allocated by the first two versions and reused by every
+later one (a layout no longer sent is freed at the next commit of that set).
+Memory cost: 2 x the bytes of a version (served + staged), the same bound as a fresh copy per
+version but without page faults and allocator churn. `commit` returns views of the served
+set; they stay valid until the version after next is staged into the same set, so an engine
+must load them into its model (copy) or stop using them by then.
+
+Concurrency: `receive_bucket` may be called from several threads at once (an HTTP server with a
+thread per request; the sender keeps two buckets in flight). Collectives run one at a time in
+bucket order: the sender tags each checksum with the bucket's index in the version
+("crc32:XXXXXXXX#k"), and an untagged call takes the next index on arrival (SGLang-style
+serial callers). The checksum of bucket k runs after its collective, outside that order, so it
+overlaps the receive of bucket k+1. A bucket's call returns (the ack) once it is verified.
+
+A failed collective leaves the group unusable: the receiver drops what it staged, leaves the
+group and re-raises; the sender then forms a new group with the engines still alive.
 """
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
 
+from sync.bucket import TensorMeta, layout, unpack
 from sync.bucket import checksum as bucket_checksum
-from sync.bucket import layout, unpack
 from sync.group import WeightUpdateGroup
+
+_Key = tuple  # a bucket layout: ((name, dtype, shape), ...)
 
 
 class WeightReceiver:
@@ -40,9 +59,16 @@ class WeightReceiver:
         self.device = torch.device(device)
         self.version = version  # the committed (served) weight version
         self.group: WeightUpdateGroup | None = None
+        self._sets: list[dict[_Key, torch.Tensor]] = [{}, {}]  # storage: served, staging
+        self._staging = 1  # index of the set being staged into
+        self._used: set[_Key] = set()  # segments the staged version wrote
         self._staged: dict[str, torch.Tensor] = {}
         self._staged_version: int | None = None
-        self._buckets_received = 0
+        self._rejected: str | None = None  # why the staged version can no longer commit
+        self._state = threading.RLock()
+        self._turn = threading.Condition(self._state)  # orders collectives by bucket index
+        self._tickets = 0  # buckets of the staged version announced so far
+        self._buckets = 0  # buckets of the staged version whose collective ran
 
     # -- group lifecycle -------------------------------------------------------------------
     def join(
@@ -90,24 +116,48 @@ class WeightReceiver:
             raise RuntimeError("receive_bucket before join(): call /init_weights_update_group first")
         if group_name is not None and group_name != self.group.group_name:
             raise ValueError(f"group_name: {group_name!r} is not the joined {self.group.group_name!r}")
-        version = self._begin(weight_version)
         metas = layout(names, dtypes, shapes)
-        data = torch.empty(sum(m.nbytes for m in metas), dtype=torch.uint8, device=self.group.device)
-        bucket = self._buckets_received
+        checksum, index = _split_tag(checksum)
+        with self._state:
+            version = self._begin(weight_version)
+            if index is None:  # untagged: arrival order
+                index = self._tickets
+            self._tickets += 1
+            if not self._turn.wait_for(lambda: self._buckets == index, self._timeout_s()):
+                raise RuntimeError(f"version {version}: bucket {index} waited for bucket {self._buckets} "
+                                   f"until the timeout; was it announced?")
+        failure = None
         try:
-            self.group.broadcast(data, src=0)
-        except Exception as error:
+            with self._state:
+                group = self.group  # None if an earlier bucket's collective failed meanwhile
+                if group is not None:
+                    data, bucket = self._segment(metas), index
+            if group is not None:
+                group.broadcast(data, src=0)
+        except Exception as error:  # noqa: BLE001 - re-raised below, after the turn passed on
+            failure = error
+        finally:
+            with self._state:
+                self._buckets += 1
+                self._turn.notify_all()
+        if group is None:
+            raise RuntimeError(f"version {version}: the group was left after a failed receive")
+        if failure is not None:
             self.leave()
-            raise RuntimeError(f"bucket {bucket} of version {version}: receive failed: {error}") from error
+            raise RuntimeError(f"bucket {bucket} of version {version}: receive failed: {failure}") from failure
+        # Outside the turn: this checksum overlaps the next bucket's receive.
         if checksum is not None and (got := bucket_checksum(data)) != checksum:
-            self.abort()
+            with self._state:
+                self._rejected = f"bucket {bucket} failed its checksum"
             raise ValueError(
                 f"bucket {bucket} of version {version}: checksum mismatch (announced {checksum}, "
                 f"received {got}); bucket rejected, still serving version {self.version}"
             )
         tensors = [(name, t.to(self.device)) for name, t in unpack(data, metas)]
-        self._staged.update(tensors)
-        self._buckets_received += 1
+        with self._state:
+            if self._rejected is not None or self._staged_version != version:
+                raise ValueError(f"version {version} was dropped ({self._rejected or 'aborted'}); resend it")
+            self._staged.update(tensors)
         return tensors
 
     def stage_from_disk(self, model_path: str | Path, weight_version: str | int) -> list[str]:
@@ -117,25 +167,39 @@ class WeightReceiver:
         files = sorted(Path(model_path).glob("*.safetensors"))
         if not files:
             raise ValueError(f"model_path: no *.safetensors files in {model_path}")
-        self._begin(weight_version)
-        for file in files:
-            self._staged.update(load_file(file, device=str(self.device)))
-        return sorted(self._staged)
+        with self._state:
+            self._begin(weight_version)
+            for file in files:
+                self._staged.update(load_file(file, device=str(self.device)))
+            return sorted(self._staged)
 
     def commit(self, weight_version: str | int) -> dict[str, torch.Tensor]:
-        """Make the staged version the served one; returns its tensors (by HF name)."""
+        """Make the staged version the served one; returns its tensors (by HF name, views of
+        the served storage: see the module docstring for how long they stay valid)."""
         version = _parse_version(weight_version)
-        if self._staged_version != version:
-            raise RuntimeError(
-                f"commit of version {version}, but the staged version is {self._staged_version}"
-            )
-        tensors, self._staged = self._staged, {}
-        self.version, self._staged_version = version, None
-        return tensors
+        with self._state:
+            if self._staged_version != version or self._rejected is not None:
+                raise RuntimeError(
+                    f"commit of version {version}, but the staged version is {self._staged_version}"
+                    + (f" and it was rejected ({self._rejected})" if self._rejected else "")
+                )
+            staging = self._sets[self._staging]
+            for key in set(staging) - self._used:  # layouts this version did not use
+                del staging[key]
+            tensors = self._staged
+            self._staging = 1 - self._staging  # the old served set takes the next version
+            self.version = version
+            self._reset()
+            return tensors
 
     def abort(self) -> None:
         """Drop an uncommitted staged version (the engine keeps serving `self.version`)."""
-        self._staged, self._staged_version, self._buckets_received = {}, None, 0
+        with self._state:
+            self._reset()
+
+    def _reset(self) -> None:
+        self._staged, self._staged_version, self._rejected, self._used = {}, None, None, set()
+        self._tickets = self._buckets = 0
 
     def _begin(self, weight_version: str | int) -> int:
         version = _parse_version(weight_version)
@@ -145,9 +209,32 @@ class WeightReceiver:
                 f"versions must increase"
             )
         if self._staged_version != version:  # a new version: forget an abandoned one
-            self.abort()
+            self._reset()
             self._staged_version = version
         return version
+
+    def _timeout_s(self) -> float:
+        return self.group.timeout.total_seconds() if self.group is not None else 0.0
+
+    def _segment(self, metas: list[TensorMeta]) -> torch.Tensor:
+        """The staging set's storage for this bucket layout (allocated on first use)."""
+        key = tuple((m.name, m.dtype, m.shape) for m in metas)
+        storage = self._sets[self._staging]
+        if key not in storage:
+            nbytes = sum(m.nbytes for m in metas)
+            storage[key] = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
+        self._used.add(key)
+        return storage[key]
+
+
+def _split_tag(tag: str | None) -> tuple[str | None, int | None]:
+    """"crc32:XXXXXXXX#k" -> ("crc32:XXXXXXXX", k); a plain checksum has no bucket index."""
+    if tag is None or "#" not in tag:
+        return tag, None
+    checksum, index = tag.rsplit("#", 1)
+    if not index.isdigit():
+        raise ValueError(f"checksum: {tag!r} should be 'crc32:XXXXXXXX#<bucket index>'")
+    return checksum, int(index)
 
 
 def _parse_version(weight_version: str | int) -> int:

@@ -4,8 +4,10 @@ Per bucket, on the trainer source rank (group rank 0):
   - announce it to every engine (`update_weights_from_distributed`, load_format
     "flattened_bucket", names/dtypes/shapes, weight_version, checksum) on the engine loop,
   - broadcast its flat buffer over the weight-update group, concurrently with the announce,
-  - wait for every engine's ack (the announce call returning) before announcing the next one,
-    so each engine sees bucket k's collective before bucket k+1's.
+  - announce bucket k+1 only once the broadcast of bucket k completed (so each engine sees
+    bucket k's collective before bucket k+1's), and wait for every engine's ack of bucket k
+    (received and checksum verified) before bucket k+2: the engines' check of k overlaps the
+    transfer of k+1.
 Packing bucket k+1 (the export's gathers + copy + checksum, on the calling thread) overlaps
 sending bucket k (on one worker thread): double buffering.
 
@@ -16,6 +18,7 @@ plus any tensor larger than a bucket (sent from its own memory, no copy).
 from __future__ import annotations
 
 import concurrent.futures as cf
+from collections import deque
 from typing import Iterable
 
 import torch
@@ -67,34 +70,52 @@ class BroadcastTransport(Transport):
         self.broken = False
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, engines: EngineSet) -> int:
-        """Source rank only; returns the bytes sent. Raises SyncError after draining the export."""
+        """Source rank only; returns the bytes sent. Raises SyncError after draining the export.
+
+        At most two buckets are unacknowledged: bucket k+1 is announced and broadcast once the
+        broadcast of k completed, while the engines still verify k (its checksum overlaps the
+        transfer of k+1); the acks of k are awaited before bucket k+2 starts.
+        """
         stream = iter(named_tensors)
-        sent_bytes, pending = 0, None
+        sent_bytes, pending, unacked = 0, None, deque()
         try:
             for bucket in self.packer.pack(stream):
                 if pending is not None:
-                    sent_bytes += pending.result()
-                pending = self._worker.submit(self._send_bucket, bucket, version, engines)
+                    unacked.append(pending.result())  # broadcast k-1 done: its buffer is free
+                    pending = None
+                while len(unacked) > 1:
+                    sent_bytes += self._acknowledged(*unacked.popleft(), version, engines)
+                pending = self._worker.submit(self._broadcast, bucket, version, engines)
             if pending is not None:
-                sent_bytes += pending.result()
+                unacked.append(pending.result())
+                pending = None
+            while unacked:
+                sent_bytes += self._acknowledged(*unacked.popleft(), version, engines)
         except BaseException:
+            # Every announced bucket finishes its collective and its acks before we report,
+            # so the group stays in lockstep (and usable when only a checksum failed).
             if pending is not None:
                 cf.wait([pending])
+                if pending.exception() is None:
+                    unacked.append(pending.result())
+            for bucket_id, acks in unacked:
+                engines.wait(acks)
             for _ in stream:  # keep the export's collectives in lockstep with the other ranks
                 pass
             raise
         return sent_bytes
 
-    def _send_bucket(self, bucket: Bucket, version: int, engines: EngineSet) -> int:
+    def _broadcast(self, bucket: Bucket, version: int, engines: EngineSet) -> tuple[tuple, dict]:
+        """Worker thread: announce bucket k to every engine and broadcast it; returns its acks."""
         fields = bucket.announcement()
+        bucket_id = (bucket.index, len(bucket.metas), bucket.nbytes, bucket.metas[0].name)
         acks = engines.submit(
             lambda e: e.update_weights_from_distributed(
                 **fields, group_name=self.config.group_name, weight_version=str(version),
-                load_format="flattened_bucket", checksum=bucket.checksum,
+                load_format="flattened_bucket", checksum=f"{bucket.checksum}#{bucket.index}",
             )
         )
         work = self.group.broadcast_async(bucket.data)
-        broadcast_error = None
         try:
             # An engine that fails before joining the collective would leave the broadcast
             # hanging until the timeout: watch the acks, and tear the group down at once.
@@ -104,20 +125,25 @@ class BroadcastTransport(Transport):
                     raise RuntimeError("an engine failed during the broadcast")
             self.group.wait(work)
         except Exception as error:  # the group is unusable now: peers blocked on it fail fast
-            broadcast_error = error
             self.broken = True
             self.group.destroy()
+            self._acknowledged(bucket_id, acks, version, engines, broadcast_error=error)
+        return bucket_id, acks
+
+    def _acknowledged(self, bucket_id: tuple, acks: dict, version: int, engines: EngineSet,
+                      broadcast_error: Exception | None = None) -> int:
+        """Wait for one bucket's acks; raise SyncError naming the engine and bucket if any failed."""
+        index, count, nbytes, first = bucket_id
         failed = engines.wait(acks)
         if failed or broadcast_error:
             engine = next(iter(failed), None)
             detail = describe(failed) if failed else f"broadcast: {broadcast_error}"
             raise SyncError(
-                f"bucket {bucket.index} ({len(bucket.metas)} tensors, {bucket.nbytes} bytes, first "
-                f"{bucket.metas[0].name}) of version {version} failed on "
-                f"{engine or 'the broadcast'}: {detail}",
-                engine=engine, bucket=bucket.index,
+                f"bucket {index} ({count} tensors, {nbytes} bytes, first {first}) of version "
+                f"{version} failed on {engine or 'the broadcast'}: {detail}",
+                engine=engine, bucket=index,
             )
-        return bucket.nbytes
+        return nbytes
 
     def close(self, engines: EngineSet) -> None:
         """Engines leave the group (best effort: a dead one cannot), then this rank."""

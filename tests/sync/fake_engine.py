@@ -28,7 +28,7 @@ def _serve(ports, die_at: tuple[int, int] | None, timeout_s: float) -> None:
     torch.set_num_threads(1)
     receiver = WeightReceiver("cpu")
     weights: dict[str, torch.Tensor] = {}
-    pool = ThreadPoolExecutor(1)  # collectives block: keep them off the event loop, in order
+    pool = ThreadPoolExecutor(4)  # collectives block: keep them off the event loop (the receiver orders them)
     buckets: dict[int, int] = {}  # version -> buckets announced
 
     async def blocking(fn, *args):

@@ -19,10 +19,10 @@ class CorruptingBroadcast(BroadcastTransport):
 
     corrupt_bucket = 2
 
-    def _send_bucket(self, bucket, version, engines):
+    def _broadcast(self, bucket, version, engines):
         if bucket.index == self.corrupt_bucket:
             bucket.data[0] ^= 0xFF
-        return super()._send_bucket(bucket, version, engines)
+        return super()._broadcast(bucket, version, engines)
 
 
 def test_corrupted_bucket_rejected_engines_keep_old_version(engines, qwen3_moe_state, tmp_path):

@@ -44,6 +44,7 @@ def apply() -> None:
     _uneven_gather_and_reduce_scatter()
     _router_gating_without_te()
     _distributed_optimizer_checkpoint_without_te()
+    _mla_without_te()
     _applied = True
 
 
@@ -341,3 +342,21 @@ def _has_fused_adam() -> bool:
     from megatron.core.optimizer import distrib_optimizer
 
     return bool(getattr(distrib_optimizer, "HAVE_APEX_OR_TE", False))
+
+
+# -- patch 9: Multi-Latent Attention without Transformer Engine (0.16.1) ----------------------
+def _mla_without_te() -> None:
+    """`megatron.core.extensions.transformer_engine` imports without TE and leaves MagicMock
+    placeholders for its classes, so 0.16.1's `multi_latent_attention` sets `HAVE_TE = True`
+    and then calls `isinstance(self.linear_proj, TELinear)` with a mock: TypeError when any
+    MLA layer (DeepSeek-V3) is built without TE. `HAVE_TE = False` skips that fp8-only TE
+    branch; the local spec's linears are picked as before."""
+    try:
+        import transformer_engine  # noqa: F401
+
+        return
+    except ImportError:
+        pass
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.HAVE_TE = False

@@ -71,6 +71,11 @@ def export_source_ranks() -> dict[int, int]:
     return dict(sorted(item for item in everyone if item is not None))
 
 
+def uses_transformer_engine(model) -> bool:
+    """True when the model was built from the TE spec (its table has TE's fused names)."""
+    return any(type(m).__module__.startswith("megatron.core.extensions.transformer_engine") for m in model.modules())
+
+
 def model_tensors(model) -> dict[str, torch.Tensor]:
     """Parameters plus persistent buffers (e.g. the router's `expert_bias`): what a checkpoint holds."""
     persistent = model.state_dict(keep_vars=True)
@@ -93,7 +98,7 @@ def plan(model, bridge: Bridge, ctx: ParallelContext | None = None) -> tuple[Exp
     """The export tasks of this rank, in `model_tensors` order (identical on every member
     of a TP/ETP/EP group). Local, no collective."""
     ctx = ctx or parallel_context(model, bridge)
-    table = bridge.mappings()
+    table = bridge.mappings(te=uses_transformer_engine(model))
     tasks = []
     for name, param in model_tensors(model).items():
         mapping, indices = resolve(table, name)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.bridges import Bridge
-from parallel.export import model_tensors, parallel_context
+from parallel.export import model_tensors, parallel_context, uses_transformer_engine
 from parallel.hf_checkpoint import HFCheckpointReader
 from parallel.mappings import resolve
 
@@ -26,7 +26,7 @@ def load_hf_weights(model, bridge: Bridge, hf_dir: str | os.PathLike) -> None:
     """
     reader = HFCheckpointReader(hf_dir)
     ctx = parallel_context(model, bridge)
-    table = bridge.mappings()
+    table = bridge.mappings(te=uses_transformer_engine(model))
     used: set[str] = set()
     with torch.no_grad():
         for name, param in model_tensors(model).items():

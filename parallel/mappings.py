@@ -224,6 +224,44 @@ class QKV(ColumnParallel):
         return torch.cat(parts, dim=1).reshape(-1, *rest)
 
 
+class RopeRows(ColumnParallel):
+    """A projection whose rows come in blocks (one per head, or one latent block) ending in
+    `rope` rotary rows; split over TP along rows (`split=False`: replicated, as TE's duplicated
+    linear). Megatron's MLA rotates interleaved pairs (x0,x1 | x2,x3 ...: it de-interleaves to
+    [even; odd] before rotating halves), the layout of DeepSeek's checkpoints
+    (`rope_interleave=true`). A checkpoint with `rope_interleave=false` rotates halves directly,
+    so its rotary rows are re-interleaved on import (HF row i -> Megatron row [even; odd][i]),
+    and export undoes it; q.k only sees rows after rotation, so logits are unchanged."""
+
+    def __init__(self, megatron: str, hf: str, *, block: int, rope: int, hf_interleaved: bool, split: bool = True):
+        super().__init__(megatron, hf)
+        self.block, self.rope, self.split = block, rope, split
+        halves = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+        self.hf_order = None if hf_interleaved else halves  # Megatron rows -> HF order
+
+    def _reorder(self, rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        blocks = rows.reshape(-1, self.block, *rows.shape[1:])
+        rope = blocks[:, self.block - self.rope:]
+        return torch.cat([blocks[:, : self.block - self.rope], rope[:, order]], dim=1).reshape(rows.shape)
+
+    def gather(self, local, axis):
+        return super().gather(local, axis) if self.split else local
+
+    def to_hf(self, full, ctx):
+        return [full if self.hf_order is None else self._reorder(full, self.hf_order)]
+
+    def read_shard(self, reader, names, axis, local_shape):
+        rows = reader.shape(names[0])[0]
+        n = rows // axis.size if self.split else rows
+        start = axis.rank * n if self.split else 0
+        first, last = start // self.block, -(-(start + n) // self.block)  # whole blocks covering the shard
+        part = reader.read(names[0], 0, first * self.block, last * self.block)
+        if self.hf_order is not None:
+            part = self._reorder(part, torch.argsort(self.hf_order))
+        offset = start - first * self.block
+        return part[offset: offset + n]
+
+
 def resolve(table: tuple[Mapping, ...], name: str) -> tuple[Mapping, tuple[int, ...]]:
     """The mapping of Megatron parameter `name` and its indices; ValueError if none matches."""
     for mapping in table:

@@ -76,16 +76,33 @@ class Bridge:
     def layer_spec(self, config, use_te: bool):
         raise NotImplementedError
 
-    def mappings(self) -> tuple:
-        """The declarative table: every Megatron parameter (local spec) <-> HF names."""
+    def mappings(self, te: bool = False) -> tuple:
+        """The declarative table: every Megatron parameter <-> HF names, for the local spec
+        or (`te=True`) the Transformer Engine spec, whose fused modules rename the norms
+        (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`) and whose grouped
+        experts (TEGroupedMLP) hold `experts.linear_fc1.weight{j}` for local expert j."""
         raise NotImplementedError
 
+    def megatron_config_class(self):
+        from megatron.core.transformer import TransformerConfig
+
+        return TransformerConfig
+
     # -- tables shared by the decoder families --------------------------------------------
-    def common_mappings(self) -> tuple:
-        """Embedding, final norm, output layer and the attention-block norms (HF Llama naming)."""
+    def common_mappings(self, te: bool = False) -> tuple:
+        """Embedding, final norm, output layer and the attention-block norms (HF Llama naming).
+        TE: GQA layers fuse the input norm into `linear_qkv` and dense layers the pre-MLP norm
+        into `linear_fc1` (MoE layers and MLA keep separate norm modules)."""
         from parallel.mappings import Replicated, VocabParallel
 
+        te_norms = (
+            Replicated("decoder.layers.*.self_attention.linear_qkv.layer_norm_weight",
+                       "model.layers.*.input_layernorm.weight"),
+            Replicated("decoder.layers.*.mlp.linear_fc1.layer_norm_weight",
+                       "model.layers.*.post_attention_layernorm.weight"),
+        ) if te else ()
         return (
+            *te_norms,
             VocabParallel("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
             Replicated("decoder.final_layernorm.weight", "model.norm.weight"),
             # Tied embeddings: the last stage's copy loads from the embedding, never exported.
@@ -120,6 +137,24 @@ class Bridge:
             ]
         return tuple(table)
 
+    def expert_mappings(self, experts: str, gate: str, up: str, down: str, te: bool = False) -> tuple:
+        """Routed experts (HF `{experts}.{e}.{gate|up|down}.weight`, `experts` with `*` for layer
+        and expert): SequentialMLP's `local_experts.{j}` (local spec, and TE without grouped GEMM),
+        plus TEGroupedMLP's `linear_fc1.weight{j}` / `linear_fc2.weight{j}` on the TE spec (same
+        per-expert layout, [gate_r; up_r] per ETP rank)."""
+        from parallel.mappings import GatedColumn, RowParallel
+
+        layouts = ["decoder.layers.*.mlp.experts.local_experts.*.linear_fc{}.weight"]
+        if te:
+            layouts.append("decoder.layers.*.mlp.experts.linear_fc{}.weight*")
+        table = []
+        for megatron in layouts:
+            table += [
+                GatedColumn(megatron.format(1), f"{experts}.{gate}.weight", f"{experts}.{up}.weight", expert=True),
+                RowParallel(megatron.format(2), f"{experts}.{down}.weight", expert=True),
+            ]
+        return tuple(table)
+
     def dense_mlp_mappings(self, hf_mlp: str = "mlp") -> tuple:
         from parallel.mappings import GatedColumn, RowParallel
 
@@ -146,8 +181,6 @@ class Bridge:
     def transformer_config(self, layout: ParallelLayout, **overrides: Any):
         """Megatron TransformerConfig for this model under `layout` (fp32 unless overridden)."""
         import torch
-        from megatron.core.transformer import TransformerConfig
-
         layout.check_model(self.model_shape())
         kwargs: dict[str, Any] = dict(
             tensor_model_parallel_size=layout.tp,
@@ -180,7 +213,7 @@ class Bridge:
         )
         kwargs.update(self.transformer_config_kwargs())
         kwargs.update(overrides)
-        return TransformerConfig(**kwargs)
+        return self.megatron_config_class()(**kwargs)
 
     def padded_vocab_size(self, tp: int) -> int:
         return padded_vocab_size(self.vocab_size, tp)

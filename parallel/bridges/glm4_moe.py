@@ -55,13 +55,13 @@ class Glm4MoeBridge(Bridge):
 
         return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
 
-    def mappings(self) -> tuple:
+    def mappings(self, te: bool = False) -> tuple:
         qk_norm, bias = bool(self.get("use_qk_norm", False)), bool(self.get("attention_bias", False))
         return (
-            *self.common_mappings(),
+            *self.common_mappings(te),
             *self.attention_mappings(qk_norm=qk_norm, qkv_bias=bias),
             *self.dense_mlp_mappings(),
-            *routed_and_shared_expert_mappings(),
+            *routed_and_shared_expert_mappings(self, te),
         )
 
 
@@ -90,16 +90,13 @@ def sigmoid_router_kwargs(bridge: Bridge) -> dict[str, Any]:
     )
 
 
-def routed_and_shared_expert_mappings() -> tuple:
+def routed_and_shared_expert_mappings(bridge: Bridge, te: bool = False) -> tuple:
     """HF `mlp.gate` (+ correction bias), `mlp.experts.{e}`, `mlp.shared_experts` (DeepSeek-V3 / GLM-4.5)."""
-    experts, shared = "model.layers.*.mlp.experts.*", "model.layers.*.mlp.shared_experts"
+    shared = "model.layers.*.mlp.shared_experts"
     return (
         Replicated("decoder.layers.*.mlp.router.weight", "model.layers.*.mlp.gate.weight"),
         Replicated("decoder.layers.*.mlp.router.expert_bias", "model.layers.*.mlp.gate.e_score_correction_bias"),
-        GatedColumn("decoder.layers.*.mlp.experts.local_experts.*.linear_fc1.weight",
-                    f"{experts}.gate_proj.weight", f"{experts}.up_proj.weight", expert=True),
-        RowParallel("decoder.layers.*.mlp.experts.local_experts.*.linear_fc2.weight",
-                    f"{experts}.down_proj.weight", expert=True),
+        *bridge.expert_mappings("model.layers.*.mlp.experts.*", "gate_proj", "up_proj", "down_proj", te),
         GatedColumn("decoder.layers.*.mlp.shared_experts.linear_fc1.weight",
                     f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"),
         RowParallel("decoder.layers.*.mlp.shared_experts.linear_fc2.weight", f"{shared}.down_proj.weight"),

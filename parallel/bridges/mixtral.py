@@ -7,7 +7,7 @@ from typing import Any
 
 from parallel.bridges.base import Bridge, register
 from parallel.layout import ModelShape
-from parallel.mappings import GatedColumn, Replicated, RowParallel
+from parallel.mappings import Replicated
 
 
 @register
@@ -51,14 +51,10 @@ class MixtralBridge(Bridge):
 
         return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
 
-    def mappings(self) -> tuple:
-        experts = "model.layers.*.block_sparse_moe.experts.*"
+    def mappings(self, te: bool = False) -> tuple:
         return (
-            *self.common_mappings(),
+            *self.common_mappings(te),
             *self.attention_mappings(qk_norm=False),
             Replicated("decoder.layers.*.mlp.router.weight", "model.layers.*.block_sparse_moe.gate.weight"),
-            GatedColumn("decoder.layers.*.mlp.experts.local_experts.*.linear_fc1.weight",
-                        f"{experts}.w1.weight", f"{experts}.w3.weight", expert=True),
-            RowParallel("decoder.layers.*.mlp.experts.local_experts.*.linear_fc2.weight",
-                        f"{experts}.w2.weight", expert=True),
+            *self.expert_mappings("model.layers.*.block_sparse_moe.experts.*", "w1", "w3", "w2", te),
         )

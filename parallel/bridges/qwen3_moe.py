@@ -7,7 +7,7 @@ from typing import Any
 
 from parallel.bridges.base import Bridge, register
 from parallel.layout import ModelShape
-from parallel.mappings import GatedColumn, Replicated, RowParallel
+from parallel.mappings import Replicated
 
 
 @register
@@ -67,15 +67,11 @@ class Qwen3MoeBridge(Bridge):
             config, use_transformer_engine=use_te, normalization="RMSNorm", qk_l2_norm=False
         )
 
-    def mappings(self) -> tuple:
-        experts = "model.layers.*.mlp.experts.*"
+    def mappings(self, te: bool = False) -> tuple:
         return (
-            *self.common_mappings(),
+            *self.common_mappings(te),
             *self.attention_mappings(qk_norm=True),
             *self.dense_mlp_mappings(),
             Replicated("decoder.layers.*.mlp.router.weight", "model.layers.*.mlp.gate.weight"),
-            GatedColumn("decoder.layers.*.mlp.experts.local_experts.*.linear_fc1.weight",
-                        f"{experts}.gate_proj.weight", f"{experts}.up_proj.weight", expert=True),
-            RowParallel("decoder.layers.*.mlp.experts.local_experts.*.linear_fc2.weight",
-                        f"{experts}.down_proj.weight", expert=True),
+            *self.expert_mappings("model.layers.*.mlp.experts.*", "gate_proj", "up_proj", "down_proj", te),
         )

@@ -1,0 +1,15 @@
+"""The rollout side of the async RL loop (DESIGN.md flows 1 and 4).
+
+- `config`: `RolloutConfig` (task, reward, sampling, staleness, partial-rollout options).
+- `manager`: `RolloutManager`, generates scored groups through the `EnginePool` into the buffer,
+  resumes requests cut by a weight-swap pause.
+- `buffer`: `RolloutBuffer`, staleness-bounded admission and consumption, group ledger, metrics.
+- `partial`: `continue_sample` and the resume request of a partial sample.
+"""
+
+from moe_rl.rollout.buffer import RolloutBuffer, staleness
+from moe_rl.rollout.config import RolloutConfig
+from moe_rl.rollout.manager import RolloutManager
+from moe_rl.rollout.partial import continue_sample
+
+__all__ = ["RolloutBuffer", "RolloutConfig", "RolloutManager", "continue_sample", "staleness"]

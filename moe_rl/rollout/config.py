@@ -1,0 +1,82 @@
+"""`RolloutConfig`: what the rollout manager generates, how it scores it and how stale it may get."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from moe_rl.rollout.buffer import STALE_POLICIES
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    task: str = "copy_digits"
+    """A registered task (`moe_rl.tasks.task_names()`), or "jsonl" for `dataset`."""
+    task_options: dict[str, Any] = field(default_factory=dict)
+    """Keyword options of the task, e.g. {"length": 3} for the digit tasks."""
+    dataset: str | None = None
+    """JSONL file of prompts (`prompt` or `prompt_ids`, `answer`, `metadata`) when task="jsonl"."""
+    reward: str | None = None
+    """None: the task's own reward; else "math", a task name, or "package.module:function"."""
+    n_samples_per_prompt: int = 4
+    """Responses per prompt (one GRPO group)."""
+    groups_per_step: int = 4
+    """Groups per training batch (one round of generation)."""
+    max_new_tokens: int = 16
+    """Response budget per sample, across all its partial segments."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1: the whole vocabulary."""
+    max_staleness: int = 1
+    """Trainer version minus the oldest token version allowed in a batch; 0 = synchronous RL."""
+    stale_policy: str = "drop"
+    """Groups over the bound at consumption: "drop" (count, replace with a fresh prompt) or
+    "requeue" (count, regenerate the same prompt under the same group id)."""
+    partial_rollout: bool = True
+    """A request cut by an abort-mode pause is resumed (prompt + partial response, remaining
+    budget, new weights); False restarts it from the prompt and discards the partial tokens."""
+    mask_stale_tokens: bool = False
+    """Set loss_mask 0 on response tokens older than the newest weight version in their sample
+    (only partial rollouts mix versions); their logprobs and routing are kept."""
+    return_routed_experts: bool = True
+    """Ask engines for routed experts (routing replay needs them)."""
+    drop_zero_variance_groups: bool = False
+    """Drop groups whose samples all got the same reward (zero GRPO advantage), and refill."""
+    oversample_factor: float = 1.0
+    """Start ceil(factor * groups_per_step) groups per round, keep the first groups_per_step that
+    complete (and pass filters), abort and count the rest."""
+    reward_workers: int = 2
+    """Threads that run reward functions, off the event loop."""
+    seed: int = 0
+    """Seed of the prompt order."""
+
+    def __post_init__(self):
+        positive = ("n_samples_per_prompt", "groups_per_step", "max_new_tokens", "reward_workers")
+        for name in positive:
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"rollout.{name}={getattr(self, name)!r}: must be an integer >= 1")
+        if self.max_staleness < 0:
+            raise ValueError(f"rollout.max_staleness={self.max_staleness}: must be >= 0 (0 = synchronous)")
+        if self.stale_policy not in STALE_POLICIES:
+            raise ValueError(f"rollout.stale_policy={self.stale_policy!r}: use one of {STALE_POLICIES}")
+        if self.temperature < 0:
+            raise ValueError(f"rollout.temperature={self.temperature}: must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p={self.top_p}: must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"rollout.top_k={self.top_k}: use -1 (all tokens) or >= 1")
+        if self.oversample_factor < 1:
+            raise ValueError(f"rollout.oversample_factor={self.oversample_factor}: must be >= 1")
+        if self.drop_zero_variance_groups and self.n_samples_per_prompt < 2:
+            raise ValueError("rollout.drop_zero_variance_groups needs rollout.n_samples_per_prompt >= 2")
+        if (self.task == "jsonl") != (self.dataset is not None):
+            raise ValueError("rollout.dataset goes with rollout.task='jsonl': set both or neither")
+
+    def sampling(self) -> dict[str, Any]:
+        """Sampling keyword arguments of `EngineClient.generate`."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+
+    def replace(self, **changes) -> "RolloutConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,194 @@
+"""`RolloutManager`: generates scored groups into the `RolloutBuffer`, on one asyncio loop.
+
+Rounds: round r is the r-th training batch. The manager starts round r once the buffer admits it
+(`RolloutBuffer.wait_to_start`, the staleness capacity rule), launches
+ceil(oversample_factor * groups_per_step) groups for it, puts the first groups_per_step that
+complete into the buffer and aborts the rest (counted `dropped_oversampled`). A group dropped
+for zero reward variance is replaced by a fresh prompt in the same round. Several rounds run at
+once, up to `max_staleness` ahead of the trainer.
+
+A group = `n_samples_per_prompt` generations of one prompt through the `EnginePool` (which keeps
+a group on one engine), each with logprobs and routed experts, then the rewards, computed in a
+thread pool. When the orchestrator pauses engines in abort mode for a weight swap, in-flight
+requests return with finish reason "abort" and their partial tokens; the manager resubmits each
+as prompt + partial response with the remaining budget (`moe_rl.rollout.partial`). In retract
+and in-place modes the engine keeps the request and its per-token versions show the switch.
+
+Accounting: every group id the manager creates ends in exactly one of `buffer.delivered` or
+`buffer.dropped` (reasons: zero_variance, oversampled, stale, stopped), or is still queued or
+generating when the run stops; see `accounting()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import math
+from pathlib import Path
+
+from moe_rl.engine.pool import EnginePool
+from moe_rl.rollout.buffer import Group, RolloutBuffer
+from moe_rl.rollout.config import RolloutConfig
+from moe_rl.rollout.partial import continue_sample, mask_older_tokens, resume_request
+from moe_rl.sample import Sample
+from moe_rl.tasks import Prompt, Task, get_reward, make_task
+
+
+class RolloutManager:
+    def __init__(self, config: RolloutConfig, pool: EnginePool, *, task: Task | None = None,
+                 tokenizer_dir: str | Path | None = None, version: int = 0):
+        self.config, self.pool = config, pool
+        if task is None:
+            options = dict(config.task_options)
+            if config.task == "jsonl":
+                options.update(path=config.dataset, tokenizer_dir=tokenizer_dir, reward=config.reward or "math")
+            task = make_task(config.task, **options)
+        self.task = task
+        self.reward_fn = get_reward(config.reward) if config.reward else task.reward
+        self.buffer = RolloutBuffer(groups_per_step=config.groups_per_step, max_staleness=config.max_staleness,
+                                    stale_policy=config.stale_policy, version=version, on_reject=self._replace)
+        self._prompts = task.prompts(config.seed)
+        self._executor = concurrent.futures.ThreadPoolExecutor(config.reward_workers, thread_name_prefix="reward")
+        self._next_group = 0
+        self._open: dict[asyncio.Task, str] = {}  # every running group task -> its group id
+        self._fills: set[asyncio.Task] = set()  # replacements of stale groups
+        self.started_ids: set[str] = set()
+        self.resumed_requests = 0
+        self.discarded_tokens = 0
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    async def run(self, num_rounds: int | None = None) -> None:
+        """Generate rounds 0, 1, ... (forever, or `num_rounds`) until cancelled. On the way out,
+        every group still generating is aborted on its engine and counted `dropped_stopped`."""
+        rounds = []
+        try:
+            r = 0
+            while num_rounds is None or r < num_rounds:
+                await self.buffer.wait_to_start(r)
+                rounds.append(asyncio.create_task(self._run_round(r)))
+                r += 1
+            await asyncio.gather(*rounds)
+        finally:
+            for task in rounds + list(self._fills):
+                task.cancel()
+            await asyncio.gather(*rounds, *self._fills, return_exceptions=True)
+            await self._cancel(list(self._open), "stopped")
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False)
+
+    async def _run_round(self, r: int) -> None:
+        need = self.config.groups_per_step
+        running: set[asyncio.Task] = set()
+        for _ in range(math.ceil(self.config.oversample_factor * need)):
+            running.add(self._launch(self._new_group(), r))
+        accepted = 0
+        try:
+            while accepted < need:
+                done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    group = task.result()
+                    if group is None:  # dropped (zero variance): refill the round if it is short
+                        if accepted + len(running) < need:
+                            running.add(self._launch(self._new_group(), r))
+                    elif accepted < need:
+                        accepted += 1
+                        await self.buffer.put(group)
+                    else:
+                        self.buffer.drop(group[0].group_id, "oversampled")
+        finally:
+            await self._cancel(running, "oversampled" if accepted >= need else "stopped")
+
+    def _replace(self, group: Group) -> None:
+        """Buffer callback for a group rejected as stale: regenerate it, or a fresh prompt."""
+        gid = group[0].group_id
+        requeue = gid not in self.buffer.dropped
+        meta = group[0].metadata
+        prompt = Prompt(prompt_ids=group[0].prompt_ids, answer=meta.get("answer"), metadata=meta.get("prompt", {}))
+        task = asyncio.get_running_loop().create_task(self._fill((gid, prompt) if requeue else self._new_group()))
+        self._fills.add(task)
+        task.add_done_callback(self._fills.discard)
+
+    async def _fill(self, group: tuple[str, Prompt]) -> None:
+        """Generate one group outside any round, replacing a stale one; retry past filters."""
+        while True:
+            result = await self._launch(group, round_index=-1)
+            if result is not None:
+                await self.buffer.put(result)
+                return
+            group = self._new_group()
+
+    # -- one group ---------------------------------------------------------------------------------
+
+    def _new_group(self) -> tuple[str, Prompt]:
+        gid = f"g{self.config.seed}-{self._next_group}"
+        self._next_group += 1
+        return gid, next(self._prompts)
+
+    def _launch(self, group: tuple[str, Prompt], round_index: int) -> asyncio.Task:
+        gid, prompt = group
+        self.started_ids.add(gid)
+        task = asyncio.get_running_loop().create_task(self._generate_group(gid, prompt, round_index))
+        self._open[task] = gid
+        task.add_done_callback(lambda t: self._open.pop(t, None))
+        return task
+
+    async def _cancel(self, tasks, reason: str) -> None:
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+                self.buffer.drop(self._open[task], reason)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _generate_group(self, gid: str, prompt: Prompt, round_index: int) -> Group | None:
+        try:
+            samples = await asyncio.gather(*[
+                self._generate_sample(gid, prompt, round_index) for _ in range(self.config.n_samples_per_prompt)
+            ])
+        finally:
+            self.pool.release_group(gid)
+        rewards = await asyncio.get_running_loop().run_in_executor(self._executor, self._score, samples)
+        if self.config.drop_zero_variance_groups and len(set(rewards)) == 1:
+            self.buffer.drop(gid, "zero_variance")
+            return None
+        for sample, reward in zip(samples, rewards):
+            sample.reward = reward
+        if self.config.mask_stale_tokens:
+            samples = [mask_older_tokens(s) for s in samples]
+        return samples
+
+    def _score(self, samples: list[Sample]) -> list[float]:
+        return [float(self.reward_fn(self.task.decode(s.response_ids), s.metadata.get("answer"), s)) for s in samples]
+
+    async def _generate_sample(self, gid: str, prompt: Prompt, round_index: int) -> Sample:
+        cfg = self.config
+        sample = Sample(prompt_ids=list(prompt.prompt_ids), group_id=gid, metadata={
+            "answer": prompt.answer, "prompt": prompt.metadata, "round": round_index, "num_segments": 0})
+        while True:
+            input_ids, start = resume_request(sample)
+            result = await self.pool.generate(
+                input_ids, group_id=gid, max_new_tokens=cfg.max_new_tokens - len(sample.response_ids),
+                stop_token_ids=self.task.stop_token_ids or None, return_logprob=True,
+                return_routed_experts=cfg.return_routed_experts, routed_experts_start_len=start, **cfg.sampling())
+            sample = continue_sample(sample, result)
+            if result.finish_reason != "abort" or len(sample.response_ids) >= cfg.max_new_tokens:
+                if sample.status == "aborted":  # the abort came exactly at the end of the budget
+                    sample.status = "truncated"
+                return sample
+            self.resumed_requests += 1
+            if not cfg.partial_rollout:
+                self.discarded_tokens += len(sample.response_ids)
+                sample = Sample(prompt_ids=sample.prompt_ids, group_id=gid, metadata=sample.metadata)
+
+    # -- reporting ---------------------------------------------------------------------------------
+
+    def accounting(self) -> dict[str, int]:
+        """Group ids: started = delivered + dropped (by reason) + queued (in the buffer) + open."""
+        settled = set(self.buffer.delivered) | set(self.buffer.dropped) | self.buffer.queued_ids()
+        return {"started": len(self.started_ids), "queued": len(self.buffer),
+                "open": len(self.started_ids - settled), **self.buffer.accounting()}
+
+    def metrics(self) -> dict[str, float]:
+        return {**self.buffer.metrics(), "rollout/resumed_requests": self.resumed_requests,
+                "rollout/discarded_tokens": self.discarded_tokens, "rollout/groups_started": len(self.started_ids)}

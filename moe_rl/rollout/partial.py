@@ -1,0 +1,71 @@
+"""Partial rollouts: turn engine results into `Sample`s and resume samples cut by a pause.
+
+A request cut by an abort-mode pause returns finish reason "abort" with the tokens it made so
+far. It is resumed by generating again from prompt + partial response with the remaining budget
+and `routed_experts_start_len = prompt_len + partial_len - 1`, so the engine returns routing only
+for the positions the partial sample lacks. `continue_sample` concatenates the two exactly:
+tokens, logprobs, loss mask and per-token versions append; routed-expert rows append (the
+partial's rows cover positions [0, P + n - 1), the continuation's [P + n - 1, P + n + m - 1)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from moe_rl.engine.client import GenerateResult
+from moe_rl.sample import Sample
+
+STATUS_OF_FINISH = {"stop": "completed", "length": "truncated", "abort": "aborted"}
+
+
+def resume_request(sample: Sample) -> tuple[list[int], int]:
+    """(input ids, routed_experts_start_len) that continue `sample` on an engine."""
+    generated = len(sample.response_ids)
+    start = len(sample.prompt_ids) + generated - 1 if generated else 0
+    return sample.prompt_ids + sample.response_ids, start
+
+
+def continue_sample(partial: Sample, result: GenerateResult) -> Sample:
+    """`partial` extended by `result`, the engine's answer to `resume_request(partial)`.
+
+    A partial with no response yet takes the result as its first segment. Raises ValueError when
+    the result's routing does not have the rows the continuation needs.
+    """
+    n_new = len(result.output_ids)
+    logprobs = result.logprobs if result.logprobs is not None else [0.0] * n_new
+    if len(logprobs) != n_new or len(result.weight_versions) != n_new:
+        raise ValueError(f"engine result {result.rid}: {n_new} tokens but {len(logprobs)} logprobs and "
+                         f"{len(result.weight_versions)} versions")
+    routed = partial.routed_experts
+    if result.routed_experts is not None and n_new:
+        _, start = resume_request(partial)
+        expected = len(partial.prompt_ids) + len(partial.response_ids) + n_new - 1 - start
+        if result.routed_experts.shape[0] != expected:
+            raise ValueError(
+                f"engine result {result.rid}: routed_experts has {result.routed_experts.shape[0]} rows, expected "
+                f"{expected} (prompt + partial + new - 1 - routed_experts_start_len={start}); does the engine "
+                "honour routed_experts_start_len?")
+        routed = result.routed_experts if routed is None else np.concatenate([routed, result.routed_experts])
+    metadata = dict(partial.metadata)
+    metadata["num_segments"] = metadata.get("num_segments", 0) + 1
+    return dataclasses.replace(
+        partial,
+        response_ids=partial.response_ids + list(result.output_ids),
+        rollout_logprobs=partial.rollout_logprobs + list(logprobs),
+        loss_mask=partial.loss_mask + [1] * n_new,
+        weight_versions=partial.weight_versions + list(result.weight_versions),
+        routed_experts=routed,
+        status=STATUS_OF_FINISH.get(result.finish_reason, "aborted"),
+        metadata=metadata,
+    )
+
+
+def mask_older_tokens(sample: Sample) -> Sample:
+    """loss_mask 0 on tokens whose weight version is older than the sample's newest one."""
+    if not sample.weight_versions:
+        return sample
+    newest = max(int(v) for v in sample.weight_versions)
+    mask = [m if int(v) == newest else 0 for m, v in zip(sample.loss_mask, sample.weight_versions)]
+    return dataclasses.replace(sample, loss_mask=mask)

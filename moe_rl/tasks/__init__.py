@@ -1,0 +1,14 @@
+"""Tasks and rewards for RL: prompt sources with verifiable rewards.
+
+- `registry`: `Task`, `Prompt`, `@register_task`, `@register_reward`, `make_task`, `get_reward`
+  (registered names, task names, or `module:function`).
+- `math`: the `"math"` reward (final \\boxed{} answer or last number vs the reference).
+- `digits`: built-in tasks with their own token vocabulary (`copy_digits`, `reverse_digits`,
+  `sum_mod10`) that a tiny random-init model learns on CPU.
+- `dataset`: the `"jsonl"` task for user data (text or token-id prompts, answer, metadata).
+"""
+
+from moe_rl.tasks import dataset, digits, math  # noqa: F401  (registers the built-ins)
+from moe_rl.tasks.registry import Prompt, Task, get_reward, make_task, register_reward, register_task, task_names
+
+__all__ = ["Prompt", "Task", "get_reward", "make_task", "register_reward", "register_task", "task_names"]

@@ -31,8 +31,9 @@ Report (all sums, so the trainer can add them over microbatches and ranks):
 - `loss`, `pg_loss` (loss without the KL term): aggregated like loss_sum, mean = x / num_tokens;
 - over the `tokens` in the loss (mean = x / tokens): `kl`, `clip_fraction` (clipped tokens),
   `ratio` (r_t), `entropy_estimate` (-logp_t, a sampled estimate: the loss sees no logits),
-  `logprob_diff_abs` and the off-policy method's counts, `stale_tokens` (dropped);
-- `sequences`, `mis_masked_sequences` (mean = x / sequences).
+  `logprob_diff_abs` and the off-policy method's counts;
+- `mis_masked_sequences` (mean = x / sequences);
+- counts, kept as they are: `tokens`, `sequences` (with a loss token), `stale_tokens` (dropped).
 `policy_metrics(sums, num_tokens)` does those divisions. The max of |old - rollout| cannot be
 summed and is not reported: the caller has both tensors and can take it.
 """
@@ -107,8 +108,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 
 def policy_metrics(sums: dict[str, float], num_tokens: float) -> dict[str, float]:
     """Means from the summed report of one step (`StepResult.sums`, `StepResult.num_tokens`)."""
-    per_sequence = {"sequences", "mis_masked_sequences"}
-    counts = {"tokens", "sequences"}
+    counts = {"tokens", "sequences", "stale_tokens"}
     tokens, sequences = max(sums.get("tokens", 0.0), 1.0), max(sums.get("sequences", 0.0), 1.0)
     metrics = {}
     for key, value in sums.items():
@@ -116,7 +116,7 @@ def policy_metrics(sums: dict[str, float], num_tokens: float) -> dict[str, float
             metrics[key] = value / max(num_tokens, 1.0)
         elif key in counts:
             metrics[key] = value
-        elif key in per_sequence:
+        elif key == "mis_masked_sequences":
             metrics[key] = value / sequences
         else:
             metrics[key] = value / tokens

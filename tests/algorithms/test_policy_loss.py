@@ -117,6 +117,7 @@ def test_stale_tokens_leave_loss_and_normaliser():
     loss, tokens, report = run(AlgorithmConfig(off_policy="none", mask_stale_tokens=True), logprobs, microbatch)
     assert loss == pytest.approx(-1.1 + 0.85 + 0.8 - 0.5)  # row 0 col 2 and row 3 dropped
     assert tokens == 4 and report["stale_tokens"] == 2 and report["sequences"] == 3
+    assert policy_metrics(report, tokens)["stale_tokens"] == 2
     with pytest.raises(ValueError, match="stale_mask"):
         make_policy_loss(AlgorithmConfig(off_policy="none", mask_stale_tokens=True))(
             logprobs, {k: v for k, v in microbatch.items() if k != "stale_mask"})

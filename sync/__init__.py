@@ -5,6 +5,7 @@
 - `sync.engine_api`: `EngineEndpoint`, the protocol an engine client implements.
 - `sync.receiver`: `WeightReceiver`, what an engine server drives.
 - `sync.sender`: `WeightSender`, the trainer side (pause, stream buckets, commit, resume).
+- `sync.pipeline`: `stage_stream`, funnels every pipeline stage's export to the sender's rank.
 - `sync.transports`: how bytes move (broadcast, disk, cuda_ipc), chosen by name, imported lazily.
 
 `sync` imports neither `parallel` nor `moe_rl`: it moves any iterable of `(hf_name, tensor)`.

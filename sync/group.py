@@ -4,8 +4,8 @@ Rank 0 is the trainer's source rank and hosts the TCPStore at (master_address, m
 engine ranks follow it (SGLang's `rank_offset` / `world_size` convention). The group is a
 `ProcessGroupGloo` (CPU) or `ProcessGroupNCCL` (GPU) built directly on a `PrefixStore`, so it
 neither needs nor touches `torch.distributed`'s default group: the trainer's world stays as it
-is and engine processes need none. One shared group per sender; with pipeline parallelism the
-export hands every stage's tensors to the single source rank (see `sync.sender`).
+is and engine processes need none. One shared group per sender; with pipeline parallelism
+`sync.pipeline.stage_stream` funnels every stage's tensors to the single source rank.
 
 Every member must call `WeightUpdateGroup.join(...)` (the rendezvous: it blocks until all
 `world_size` ranks joined or `timeout_s` passed), then the same sequence of `broadcast` calls,

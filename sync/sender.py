@@ -5,10 +5,19 @@
     sender.close()
 
 `export_stream` is any iterable of `(hf_name, tensor)`; with Megatron it is `parallel`'s
-streaming export, which runs gathers over TP/EP/ETP (and PP) on every trainer rank: the
-source rank (the first rank of the trainer world, rank 0 of the weight-update group) passes it to
-`update`, every other trainer rank iterates it in lockstep (`drain`). One shared group: the
-export delivers every pipeline stage's tensors to the source rank, which sends them all.
+streaming export, which runs gathers over TP/EP/ETP on every trainer rank: the source rank
+(rank 0 of the weight-update group) passes it to `update`, every other trainer rank iterates it
+in lockstep (`drain`).
+
+Pipeline parallelism (PP > 1): one weight-update group, fed through a funnel. Each stage's
+export yields its layers on that stage's source rank; wrap the export in
+`sync.pipeline.stage_stream(export, parallel.export.export_source_ranks())` on every rank, and
+the first stage's source (`sync.pipeline.sync_source`) owns the sender and receives the other
+stages' tensors point-to-point while it broadcasts (see `sync.pipeline` for why not one group
+per stage, and the cost: (PP-1)/PP of the bytes cross the trainer network once more).
+
+    stream = stage_stream(export_hf_weights(model, bridge, bucket_bytes), sources)
+    sender.update(stream, version) if rank == sync_source(sources) else drain(stream)
 
 `update` is the weight update, as numbered steps:
   1. refuse a version that does not increase;

@@ -1,0 +1,90 @@
+"""Pipeline parallelism: every stage's exported tensors reach the one sync source rank (a funnel).
+
+With PP > 1, the streaming export yields each stage's layers on that stage's own source rank
+(TP0/DP0 of the stage). `stage_stream` funnels them to the sync source, the source of the first
+stage (the rank that owns the `WeightSender` and is rank 0 of the weight-update group): there
+it yields its own stage's tensors, then every other stage's in stage order, received
+point-to-point over the trainer's default world (`torch.distributed`, gloo or NCCL); each
+other stage's source sends its tensors there as its export yields them; every other rank only
+runs the export. The sender then packs and broadcasts them like any single-stage stream.
+
+Why a funnel and not one weight-update group per stage: an engine (SGLang or the embedded one)
+handles weight-update calls one at a time, so several stages broadcasting at once to the same
+engines deadlock when two engines take the stages' buckets in different orders; per-stage groups
+therefore need a cross-stage lock (slime serializes its per-PP groups with one), which leaves
+the engines' inbound link, the bottleneck, exactly as busy as the funnel does. The funnel keeps
+one group, one pause/commit/resume and SGLang's single-group protocol unchanged, and the engines
+need nothing new. Its cost: (PP-1)/PP of the bytes cross the trainer network once more into
+the sync source; that receive overlaps the broadcast of the previous bucket (the sender packs
+bucket k+1 while bucket k is on the wire).
+
+Collective contract: every rank of the trainer world calls `stage_stream` with its own export
+generator and iterates the result to the end (`WeightSender.update` on the sync source,
+`sync.sender.drain` elsewhere). Stage sources other than the first block in their sends until
+the sync source reaches their stage (bounded by the default group's timeout). Memory on the sync
+source: one received tensor at a time, on top of the sender's two buckets.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from sync.bucket import dtype_from_name, dtype_name
+
+
+def stage_stream(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], stage_sources: dict[int, int]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """All trainer ranks. `stage_sources` = {pipeline stage: global rank that yields its
+    tensors} (`parallel.export.export_source_ranks()`); yields every stage's tensors on the
+    sync source (the first stage's source), nothing elsewhere."""
+    if not stage_sources:
+        raise ValueError("stage_sources: empty; pass parallel.export.export_source_ranks()")
+    rank = dist.get_rank()
+    stages = sorted(stage_sources)
+    sync_source = stage_sources[stages[0]]
+    if rank == sync_source:
+        yield from named_tensors
+        for stage in stages[1:]:
+            yield from _receive(stage_sources[stage])
+    elif rank in stage_sources.values():
+        _send(named_tensors, sync_source)
+    else:
+        for _ in named_tensors:  # this rank's share of the export's collectives
+            pass
+
+
+def sync_source(stage_sources: dict[int, int]) -> int:
+    """The global rank that owns the sender: the first pipeline stage's source."""
+    return stage_sources[min(stage_sources)]
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _send(named_tensors: Iterable[tuple[str, torch.Tensor]], dst: int) -> None:
+    device = _device()
+    for name, tensor in named_tensors:
+        header = [(name, dtype_name(tensor.dtype), tuple(tensor.shape))]
+        dist.send_object_list(header, dst=dst, device=device)
+        dist.send(tensor.detach().contiguous().to(device), dst=dst)
+    dist.send_object_list([None], dst=dst, device=device)  # end of this stage
+
+
+def _receive(src: int) -> Iterator[tuple[str, torch.Tensor]]:
+    device = _device()
+    while True:
+        header = [None]
+        dist.recv_object_list(header, src=src, device=device)
+        if header[0] is None:
+            return
+        name, dtype, shape = header[0]
+        tensor = torch.empty(shape, dtype=dtype_from_name(dtype), device=device)
+        dist.recv(tensor, src=src)
+        yield name, tensor

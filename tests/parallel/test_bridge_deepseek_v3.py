@@ -28,7 +28,7 @@ def deepseek_v3_config(**overrides):
 
 
 YARN = dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
-                                 beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))
+                                 beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.5))
 VARIANTS = {
     "mla": (dict(), 4, FOUR_RANK_LAYOUTS),
     "mla_8ranks": (dict(), 8, EIGHT_RANK_LAYOUTS),

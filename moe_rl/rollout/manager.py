@@ -1,6 +1,6 @@
 """`RolloutManager`: generates scored groups into the `RolloutBuffer`, on one asyncio loop.
 
-Rounds: round r is the r-th training batch. The manager starts round r once the buffer admits it
+Rounds: round r is the batch the trainer consumes at version r (a run starts at the buffer's version). The manager starts round r once the buffer admits it
 (`RolloutBuffer.wait_to_start`, the staleness capacity rule), launches
 ceil(oversample_factor * groups_per_step) groups for it, puts the first groups_per_step that
 complete into the buffer and aborts the rest (counted `dropped_oversampled`). A group dropped
@@ -59,12 +59,13 @@ class RolloutManager:
     # -- the loop ----------------------------------------------------------------------------------
 
     async def run(self, num_rounds: int | None = None) -> None:
-        """Generate rounds 0, 1, ... (forever, or `num_rounds`) until cancelled. On the way out,
+        """Generate rounds v, v+1, ... (v = the buffer's version; forever, or `num_rounds`) until
+        cancelled. On the way out,
         every group still generating is aborted on its engine and counted `dropped_stopped`."""
         rounds = []
         try:
-            r = 0
-            while num_rounds is None or r < num_rounds:
+            first = r = self.buffer.version
+            while num_rounds is None or r < first + num_rounds:
                 await self.buffer.wait_to_start(r)
                 rounds.append(asyncio.create_task(self._run_round(r)))
                 r += 1

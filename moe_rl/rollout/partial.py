@@ -6,6 +6,7 @@ and `routed_experts_start_len = prompt_len + partial_len - 1`, so the engine ret
 for the positions the partial sample lacks. `continue_sample` concatenates the two exactly:
 tokens, logprobs, loss mask and per-token versions append; routed-expert rows append (the
 partial's rows cover positions [0, P + n - 1), the continuation's [P + n - 1, P + n + m - 1)).
+`metadata["num_segments"]` counts the engine requests behind a sample, `metadata["rids"]` names them.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def continue_sample(partial: Sample, result: GenerateResult) -> Sample:
         routed = result.routed_experts if routed is None else np.concatenate([routed, result.routed_experts])
     metadata = dict(partial.metadata)
     metadata["num_segments"] = metadata.get("num_segments", 0) + 1
+    metadata["rids"] = [*metadata.get("rids", []), result.rid]  # the engine requests behind the sample
     return dataclasses.replace(
         partial,
         response_ids=partial.response_ids + list(result.output_ids),

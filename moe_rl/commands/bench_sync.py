@@ -1,83 +1,113 @@
-"""`moe-rl bench sync CONFIG`: full weight sync vs a raw broadcast of the same bytes, one run.
+"""`moe-rl bench sync CONFIG`: full weight sync of a real Megatron export vs a raw broadcast.
 
-Full = stream the weights (here: a random Qwen3-MoE state dict held in memory, iterated as
-`(name, tensor)`; the Megatron export is not wired in yet) + pack + broadcast + engines verify,
-stage and commit (`WeightReceiver` in separate processes, driven over pipes: receivers without
-a model). Raw = one flat uint8 tensor of the same byte count broadcast over the same group.
-Both are warmed up once, then timed. Prints bytes, seconds, GB/s, ratio raw/full (time), and
-the source rank's peak extra memory (bucket buffers + any tensor larger than a bucket).
+Trainer: a Megatron GPTModel (random init) built from `model` (Qwen3MoeConfig fields) on a gloo
+world of `layout.world_size` ranks (`parallel.world.spawn`); rank 0 owns the `WeightSender`, the
+others drain the export. Full = export (TP/EP gathers) + pack + broadcast + engines verify the
+checksum, stage into their reused storage and commit. Engines: `num_engines` receiver
+processes (a `WeightReceiver` each, no model; not the embedded engine, whose commit rebuilds a
+transformers model, which is model loading, not transfer), driven over a socket by the same
+calls an HTTP server makes, with a thread per call. Raw = one flat uint8 tensor of the same byte
+count broadcast over the same group into a preallocated buffer. Two warm-up syncs (both storage
+sets of every engine) and one raw broadcast come first; then `repeats` timed pairs.
 
-CONFIG (YAML): `model` (Qwen3MoeConfig fields), `dtype` (bfloat16), `bucket_mb` (256),
-`num_engines` (2), `output` (JSON path, default bench_sync.json).
+Reports bytes, seconds, GB/s and ratio raw/full (time) per pair and their range, and the source
+rank's peak extra memory: the sender's two bucket buffers (allocated once) plus the peak RSS
+growth during a timed sync (export gathers, the largest tensor when it travels alone).
+
+CONFIG (YAML): model, layout (ParallelLayout fields), bucket_mb, export_bucket_mb, num_engines,
+repeats, output (JSON path). Example: configs/bench/sync_1g.yaml.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 import yaml
 
-from sync.receiver import WeightReceiver
-from sync.sender import SyncConfig, WeightSender
-
 COMMAND = ("bench", "sync")
-HELP = "Benchmark the weight sync (full pipeline) against a raw broadcast of the same bytes."
+HELP = "Benchmark the weight sync of a Megatron export against a raw broadcast of the same bytes."
+FIELDS = {"model", "layout", "bucket_mb", "export_bucket_mb", "num_engines", "repeats", "output"}
+_AUTH = b"moe-rl-bench-sync"
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("config", help="YAML: model (Qwen3MoeConfig fields), dtype, bucket_mb, num_engines, output")
+    parser.add_argument("config", help="YAML: model, layout, bucket_mb, export_bucket_mb, num_engines, repeats, output")
 
 
-def _receiver_main(conn) -> None:
-    """Bench receiver process: executes WeightReceiver calls sent over `conn` (no model)."""
+def _receiver_main(addresses) -> None:
+    """Bench engine process: serves WeightReceiver calls over a socket, one thread per call."""
+    from sync.receiver import WeightReceiver
+
     torch.set_num_threads(1)
-    receiver = WeightReceiver("cpu")
-    raw = torch.empty(0, dtype=torch.uint8)  # preallocated after the warm-up: raw's best case
-    while True:
-        method, kwargs = conn.recv()
+    receiver, raw = WeightReceiver("cpu"), {}
+    with Listener(("127.0.0.1", 0), authkey=_AUTH) as listener:
+        addresses.put(listener.address)
+        conn = listener.accept()
+    send_lock, pool = threading.Lock(), ThreadPoolExecutor(4)
+
+    def execute(call_id, method, kwargs):
         try:
-            if method == "raw_receive":
-                if raw.numel() != kwargs["nbytes"]:
-                    raw = torch.empty(kwargs["nbytes"], dtype=torch.uint8)
-                receiver.group.broadcast(raw)
-                result = None
-            elif method == "stop":
-                receiver.leave()
-                conn.send(("ok", None))
-                return
+            if method == "raw_receive":  # preallocated on the warm-up call: raw's best case
+                buffer = raw.setdefault(kwargs["nbytes"], torch.empty(kwargs["nbytes"], dtype=torch.uint8))
+                receiver.group.broadcast(buffer)
+                result = ("ok", None)
             else:
-                result = getattr(receiver, method)(**kwargs)
-                result = None if method != "commit" else len(result)
-            conn.send(("ok", result))
+                out = getattr(receiver, method)(**kwargs)
+                result = ("ok", len(out) if method == "commit" else None)
         except Exception as error:  # reported to the sender, which names this engine
-            conn.send(("error", f"{type(error).__name__}: {error}"))
+            result = ("error", f"{type(error).__name__}: {error}")
+        with send_lock:
+            conn.send((call_id, *result))
+
+    while True:
+        call_id, method, kwargs = conn.recv()
+        if method == "stop":
+            receiver.leave()
+            conn.send((call_id, "ok", None))
+            return
+        pool.submit(execute, call_id, method, kwargs)
 
 
-class PipeEngine:
-    """EngineEndpoint for a bench receiver process: each call is one request over a pipe."""
+class SocketEngine:
+    """EngineEndpoint for a bench receiver process (calls may overlap, like HTTP requests)."""
 
     num_group_ranks = 1
 
-    def __init__(self, name: str):
-        self.name = name
-        self._conn, child = mp.get_context("spawn").Pipe()
-        self.process = mp.get_context("spawn").Process(target=_receiver_main, args=(child,), daemon=True)
-        self.process.start()
+    def __init__(self, name: str, address):
+        self.name, self._conn = name, Client(tuple(address), authkey=_AUTH)
+        self._ids, self._calls, self._lock = itertools.count(), {}, threading.Lock()
+        threading.Thread(target=self._read, daemon=True).start()
 
-    def request(self, method: str, **kwargs):
-        self._conn.send((method, kwargs))
-        status, result = self._conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"{self.name}: {result}")
-        return result
+    def _read(self) -> None:
+        while True:
+            try:
+                call_id, status, result = self._conn.recv()
+            except (EOFError, OSError):
+                return
+            future = self._calls.pop(call_id)
+            if status == "ok":
+                future.set_result(result)
+            else:
+                future.set_exception(RuntimeError(f"{self.name}: {result}"))
+
+    def request(self, method: str, **kwargs) -> Future:
+        future, call_id = Future(), next(self._ids)
+        self._calls[call_id] = future
+        with self._lock:
+            self._conn.send((call_id, method, kwargs))
+        return future
 
     async def _call(self, method: str, **kwargs):
-        return await asyncio.get_running_loop().run_in_executor(None, lambda: self.request(method, **kwargs))
+        return await asyncio.wrap_future(self.request(method, **kwargs))
 
     async def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name, backend):
         await self._call("join", master_address=master_address, master_port=master_port, rank=rank_offset,
@@ -106,64 +136,118 @@ class PipeEngine:
         pass
 
 
-def random_state(model_fields: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**model_fields))
-    gen = torch.Generator().manual_seed(0)
-    return {name: torch.randn(p.shape, generator=gen, dtype=torch.float32).to(dtype)
-            for name, p in model.state_dict().items()}
+def _memory_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
 
 
-def run(args) -> int:
-    cfg = yaml.safe_load(Path(args.config).read_text()) or {}
-    unknown = set(cfg) - {"model", "dtype", "bucket_mb", "num_engines", "output"}
-    if unknown:
-        raise ValueError(f"{args.config}: unknown fields {sorted(unknown)}")
-    num_engines = int(cfg.get("num_engines", 2))
-    if num_engines < 1:
-        raise ValueError(f"num_engines: must be >= 1, got {num_engines}")
-    bucket_bytes = int(cfg.get("bucket_mb", 256)) << 20
-    state = random_state(cfg.get("model", {}), getattr(torch, cfg.get("dtype", "bfloat16")))
-    nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    largest = max(t.numel() * t.element_size() for t in state.values())
-    engines = [PipeEngine(f"bench-engine-{i}") for i in range(num_engines)]
+def _trainer(cfg: dict, addresses: list) -> dict | None:
+    """Rank function: build this rank's Megatron stage; rank 0 syncs, the others drain exports."""
+    import torch.distributed as dist
+    from transformers import Qwen3MoeConfig
+
+    from parallel.bridges import bridge_for
+    from parallel.export import export_hf_weights
+    from parallel.layout import ParallelLayout
+    from parallel.model import build_gpt_model, init_model_parallel
+    from sync.sender import SyncConfig, WeightSender, drain
+
+    layout = ParallelLayout(**cfg["layout"])
+    bridge = bridge_for(Qwen3MoeConfig(**cfg["model"]))
+    init_model_parallel(layout, seed=0)
+    model = build_gpt_model(bridge, layout)
+    export_bytes, repeats = int(cfg.get("export_bucket_mb", 64)) << 20, int(cfg.get("repeats", 3))
+    exports = 2 + repeats
+    if dist.get_rank() != 0:
+        for _ in range(exports):
+            drain(export_hf_weights(model, bridge, bucket_bytes=export_bytes))
+        return None
+
+    largest = [0]
+
+    def stream():
+        for name, tensor in export_hf_weights(model, bridge, bucket_bytes=export_bytes):
+            largest[0] = max(largest[0], tensor.numel() * tensor.element_size())
+            yield name, tensor
+
+    bucket_bytes = int(cfg.get("bucket_mb", 128)) << 20
+    engines = [SocketEngine(f"bench-engine-{i}", address) for i, address in enumerate(addresses)]
     sender = WeightSender(engines, SyncConfig(bucket_bytes=bucket_bytes, backend="gloo", timeout_s=600))
+    pairs, transient = [], 0
     try:
-        full_s = raw_s = 0.0
-        flat = torch.empty(nbytes, dtype=torch.uint8)
-        for version in (1, 2):  # version 1 warms up (page faults, connections)
-            full_s = sender.update(iter(state.items()), version).seconds
-            raw_s = raw_broadcast(sender, engines, flat)
-        extra = sender.transport.packer.buffer_bytes + (largest if largest > bucket_bytes else 0)
+        for version in (1, 2):  # warm-up: the group, both storage sets of every engine, page faults
+            nbytes = sender.update(stream(), version).bytes
+        flat = torch.zeros(nbytes, dtype=torch.uint8)
+        _raw_broadcast(sender, engines, flat)
+        for version in range(3, 3 + repeats):
+            Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark
+            before = _memory_kb("VmRSS")
+            full_s = sender.update(stream(), version).seconds
+            transient = max(transient, (_memory_kb("VmHWM") - before) << 10)
+            pairs.append((full_s, _raw_broadcast(sender, engines, flat)))
     finally:
         sender.close()
         for engine in engines:
-            engine.request("stop")
-    result = dict(
-        bytes=nbytes, tensors=len(state), num_engines=num_engines, bucket_bytes=bucket_bytes,
-        full_seconds=full_s, full_gb_per_s=nbytes / full_s / 1e9,
-        raw_seconds=raw_s, raw_gb_per_s=nbytes / raw_s / 1e9, ratio_raw_over_full=raw_s / full_s,
-        peak_extra_bytes_source=extra, largest_tensor_bytes=largest,
-        stream="random HF state dict in memory (not the Megatron export)",
+            engine.request("stop").result(60)
+    ratios = [raw / full for full, raw in pairs]
+    buffers = 2 * bucket_bytes
+    return dict(
+        bytes=nbytes, num_engines=len(engines), layout=cfg["layout"], bucket_bytes=bucket_bytes,
+        export_bucket_bytes=export_bytes,
+        full_seconds=[p[0] for p in pairs], raw_seconds=[p[1] for p in pairs],
+        full_gb_per_s=[nbytes / p[0] / 1e9 for p in pairs], raw_gb_per_s=[nbytes / p[1] / 1e9 for p in pairs],
+        ratio_raw_over_full=ratios, ratio_min=min(ratios), ratio_max=max(ratios),
+        largest_tensor_bytes=largest[0], sender_buffer_bytes=buffers, peak_transient_bytes_source=transient,
+        peak_extra_bytes_source=buffers + transient,
+        peak_extra_within_2_buckets_plus_largest=buffers + transient <= buffers + largest[0],
+        stream="Megatron export (parallel.export.export_hf_weights), random init",
+        engines="WeightReceiver processes (no model), a thread per call",
     )
+
+
+def _raw_broadcast(sender, engines: list[SocketEngine], flat: torch.Tensor) -> float:
+    """One broadcast of `flat` over the sender's group; the engines receive it in parallel."""
+    start = time.perf_counter()
+    receives = [e.request("raw_receive", nbytes=flat.numel()) for e in engines]
+    sender.transport.group.broadcast(flat)
+    for receive in receives:
+        receive.result(600)
+    return time.perf_counter() - start
+
+
+def run(args) -> int:
+    from parallel.layout import ParallelLayout
+    from parallel.world import spawn
+
+    cfg = yaml.safe_load(Path(args.config).read_text()) or {}
+    if unknown := set(cfg) - FIELDS:
+        raise ValueError(f"{args.config}: unknown fields {sorted(unknown)}; known: {sorted(FIELDS)}")
+    for field in ("model", "layout"):
+        if not isinstance(cfg.get(field), dict):
+            raise ValueError(f"{args.config}: `{field}` must be a mapping (see configs/bench/sync_1g.yaml)")
+    layout = ParallelLayout(**cfg["layout"])
+    num_engines = int(cfg.get("num_engines", 2))
+    if num_engines < 1 or int(cfg.get("repeats", 3)) < 1:
+        raise ValueError(f"{args.config}: num_engines and repeats must be >= 1")
+    ctx = mp.get_context("spawn")
+    addresses = ctx.Queue()
+    procs = [ctx.Process(target=_receiver_main, args=(addresses,), daemon=True) for _ in range(num_engines)]
+    for proc in procs:
+        proc.start()
+    try:
+        result = spawn(_trainer, layout.world_size, cfg, [addresses.get(timeout=120) for _ in procs],
+                       timeout_s=3600)[0]
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
     for key, value in result.items():
-        print(f"{key:>26}: {value:.4g}" if isinstance(value, float) else f"{key:>26}: {value}")
+        shown = [round(v, 3) for v in value] if isinstance(value, list) and value and isinstance(value[0], float) else value
+        print(f"{key:>42}: {shown:.4g}" if isinstance(shown, float) else f"{key:>42}: {shown}")
     output = Path(cfg.get("output", "bench_sync.json"))
     output.write_text(json.dumps(result, indent=2))
     print(f"wrote {output}")
     return 0
-
-
-def raw_broadcast(sender: WeightSender, engines: list[PipeEngine], flat: torch.Tensor) -> float:
-    """One broadcast of `flat` over the sender's group; the engines receive it in parallel."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(len(engines)) as pool:
-        start = time.perf_counter()
-        receives = [pool.submit(e.request, "raw_receive", nbytes=flat.numel()) for e in engines]
-        sender.transport.group.broadcast(flat)
-        for receive in receives:
-            receive.result()
-        return time.perf_counter() - start

@@ -90,3 +90,15 @@ class EngineEndpoint(Protocol):
 
     async def flush_cache(self) -> None:
         """POST /flush_cache."""
+
+
+@runtime_checkable
+class ColocatedEngineEndpoint(EngineEndpoint, Protocol):
+    """An engine on the trainer's own GPUs, for the `cuda_ipc` transport (SGLang 0.5.23)."""
+
+    async def update_weights_from_tensor(
+        self, serialized_named_tensors: list[str], load_format: str, weight_version: str
+    ) -> None:
+        """POST /update_weights_from_tensor with `serialized_named_tensors` (one base64
+        `MultiprocessingSerializer` payload per engine TP rank), `load_format`
+        ("flattened_bucket"), `weight_version`, `flush_cache: false`: load one bucket (the ack)."""

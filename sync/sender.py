@@ -48,7 +48,8 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 @dataclass(kw_only=True)
 class SyncConfig(TransportConfig):
     transport: str = "broadcast"
-    """How bytes move: "broadcast" (process group), "disk" (safetensors on shared storage)."""
+    """How bytes move: "broadcast" (process group), "disk" (safetensors on shared storage),
+    "cuda_ipc" (colocated engines: CUDA-IPC handles via /update_weights_from_tensor)."""
     pause_mode: str = "retract"
     """`/pause_generation` mode: abort | retract | in_place (SGLang's)."""
 

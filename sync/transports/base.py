@@ -27,6 +27,7 @@ from sync.engine_set import EngineSet
 _REGISTRY = {
     "broadcast": "sync.transports.broadcast:BroadcastTransport",
     "disk": "sync.transports.disk:DiskTransport",
+    "cuda_ipc": "sync.transports.cuda_ipc:CudaIpcTransport",
 }
 
 

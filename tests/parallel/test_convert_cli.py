@@ -1,23 +1,26 @@
 """`moe-rl convert`: HF -> Megatron torch_dist at layout A (TP2xEP2) -> HF at layout B
 (PP2xEP2), through the real CLI and spawned gloo ranks, equals the original file bit for bit
-and loads in transformers with identical logits."""
+and loads in transformers with identical logits (Qwen3-MoE and DeepSeek-V3)."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from moe_rl.cli import main
 from parallel.hf_checkpoint import HFCheckpointReader
 from test_bridge_harness import save_tiny_hf_model
+from test_bridge_deepseek_v3 import deepseek_v3_config
 from test_bridge_qwen3_moe import qwen3_moe_config
 
 
-def test_hf_megatron_hf_roundtrip_across_layouts(tmp_path):
+@pytest.mark.parametrize("make_config", [qwen3_moe_config, deepseek_v3_config], ids=["qwen3_moe", "deepseek_v3"])
+def test_hf_megatron_hf_roundtrip_across_layouts(tmp_path, make_config):
     from transformers import AutoModelForCausalLM
 
-    hf = save_tiny_hf_model(qwen3_moe_config(), tmp_path / "hf")
+    hf = save_tiny_hf_model(make_config(), tmp_path / "hf")
     megatron, back = tmp_path / "megatron", tmp_path / "hf_back"
     assert main(["convert", "hf-to-megatron", "--hf", str(hf), "--out", str(megatron),
                  "--tp", "2", "--ep", "2"]) == 0

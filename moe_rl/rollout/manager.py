@@ -180,7 +180,9 @@ class RolloutManager:
             self.resumed_requests += 1
             if not cfg.partial_rollout:
                 self.discarded_tokens += len(sample.response_ids)
-                sample = Sample(prompt_ids=sample.prompt_ids, group_id=gid, metadata=sample.metadata)
+                restarts = sample.metadata.get("restarts", 0) + 1
+                sample = Sample(prompt_ids=sample.prompt_ids, group_id=gid,
+                                metadata={**sample.metadata, "num_segments": 0, "rids": [], "restarts": restarts})
 
     # -- reporting ---------------------------------------------------------------------------------
 

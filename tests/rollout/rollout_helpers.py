@@ -1,0 +1,53 @@
+"""Helpers for rollout tests: a pool that records every engine request, and a transformers reference."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from moe_rl.engine.client import EngineClient
+from moe_rl.engine.pool import EnginePool
+from tests.rollout.conftest import LAYERS, TOPK
+
+
+class RecordingPool(EnginePool):
+    """A real EnginePool that also keeps (input_ids, kwargs, result) of every generate call."""
+
+    def __init__(self, clients):
+        super().__init__(clients)
+        self.calls = []
+
+    async def generate(self, input_ids, *, group_id=None, **kwargs):
+        result = await super().generate(input_ids, group_id=group_id, **kwargs)
+        self.calls.append((list(input_ids), kwargs, result))
+        return result
+
+
+def make_pool(url: str, recording: bool = False) -> EnginePool:
+    client = EngineClient(url, num_hidden_layers=LAYERS, topk=TOPK)
+    return RecordingPool([client]) if recording else EnginePool([client])
+
+
+async def swap_weights(pool: EnginePool, model_dir, version: int, mode: str = "abort") -> None:
+    """What the orchestrator does for one weight update: pause, load, resume."""
+    for client in pool.clients:
+        await client.pause_generation(mode)
+        await client.update_weights_from_disk(str(model_dir), str(version))
+        await client.continue_generation()
+
+
+async def cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+@torch.no_grad()
+def reference(model_dir, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' log-softmax [len, V] and top-k routing [len, layers, topk] on `ids`."""
+    from transformers import Qwen3MoeForCausalLM
+
+    model = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = model(input_ids=torch.tensor([ids]), output_router_logits=True)
+    routing = torch.stack([torch.topk(r, TOPK, dim=-1).indices for r in out.router_logits], dim=1)
+    return torch.log_softmax(out.logits[0].float(), -1), routing.to(torch.int32)

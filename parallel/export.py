@@ -8,8 +8,8 @@ experts_per_rank), converts it to HF tensors with the global layer index, drops 
 and yields them on the *source rank* of each stage: TP rank 0 / DP rank 0 / CP rank 0.
 
 Lockstep: the collectives of a task run inside TP, ETP and EP groups, whose members all sit in
-the same pipeline stage and hold the same list of local parameters (same layers, same number
-of local experts), so every member walks the same plan and no placeholders are needed; stages
+the same pipeline stage and hold the same list of local parameters (same chunks and layers,
+same number of local experts), so every member walks the same plan and no placeholders are needed; stages
 never talk to each other (each yields its own layers). Every rank of the world must exhaust
 the generator; non-source ranks receive nothing.
 
@@ -124,16 +124,28 @@ def buckets(tasks: tuple[ExportTask, ...], bucket_bytes: int) -> Iterator[list[E
         yield bucket
 
 
+def model_chunks(model) -> list:
+    """A model or, under virtual pipeline parallelism, the list of this rank's chunks."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
 def export_hf_weights(model, bridge: Bridge, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(hf_name, tensor)` for this stage's parameters on the source rank.
+    """Yield `(hf_name, tensor)` for this stage's parameters on the source rank. `model` is
+    a GPTModel or the list of virtual-pipeline chunks (each numbers its layers globally, so
+    every chunk exports under its own layer offset, in chunk order).
 
     Collective: every rank of the world iterates it to the end (see the module docstring).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes}: must be positive")
+    source = is_export_source()
+    for chunk in model_chunks(model):
+        yield from _export_chunk(chunk, bridge, bucket_bytes, source)
+
+
+def _export_chunk(model, bridge: Bridge, bucket_bytes: int, source: bool) -> Iterator[tuple[str, torch.Tensor]]:
     ctx = parallel_context(model, bridge)
     params = model_tensors(model)
-    source = is_export_source()
     with torch.no_grad():
         for bucket in buckets(plan(model, bridge, ctx), bucket_bytes):
             gathered: list[tuple[str, torch.Tensor]] = []

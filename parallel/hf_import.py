@@ -13,27 +13,29 @@ import torch
 import torch.distributed as dist
 
 from parallel.bridges import Bridge
-from parallel.export import model_tensors, parallel_context, uses_transformer_engine
+from parallel.export import model_chunks, model_tensors, parallel_context, uses_transformer_engine
 from parallel.hf_checkpoint import HFCheckpointReader
 from parallel.mappings import resolve
 
 
 def load_hf_weights(model, bridge: Bridge, hf_dir: str | os.PathLike) -> None:
-    """Fill `model` (this rank's stage) from the HF checkpoint at `hf_dir`.
+    """Fill `model` (this rank's stage: a GPTModel, or the list of its virtual-pipeline chunks)
+    from the HF checkpoint at `hf_dir`.
 
     Collective: every rank of the world calls it (one all_gather_object of the HF names each
     rank used, to check that no HF tensor was left unmapped). Memory: one parameter's slices.
     """
     reader = HFCheckpointReader(hf_dir)
-    ctx = parallel_context(model, bridge)
-    table = bridge.mappings(te=uses_transformer_engine(model))
     used: set[str] = set()
     with torch.no_grad():
-        for name, param in model_tensors(model).items():
-            mapping, indices = resolve(table, name)
-            shard = mapping.load(reader, ctx, indices, param.shape)
-            param.copy_(shard.to(param.dtype))
-            used.update(mapping.hf_names(ctx, indices))
+        for chunk in model_chunks(model):
+            ctx = parallel_context(chunk, bridge)
+            table = bridge.mappings(te=uses_transformer_engine(chunk))
+            for name, param in model_tensors(chunk).items():
+                mapping, indices = resolve(table, name)
+                shard = mapping.load(reader, ctx, indices, param.shape)
+                param.copy_(shard.to(param.dtype))
+                used.update(mapping.hf_names(ctx, indices))
     reader.close()
     everyone: list = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
     if dist.is_initialized():

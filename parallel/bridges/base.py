@@ -73,7 +73,7 @@ class Bridge:
         """Architecture-specific TransformerConfig fields."""
         raise NotImplementedError
 
-    def layer_spec(self, config, use_te: bool):
+    def layer_spec(self, config, use_te: bool, vp_stage: int | None = None):
         raise NotImplementedError
 
     def mappings(self, te: bool = False) -> tuple:

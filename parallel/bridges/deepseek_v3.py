@@ -17,7 +17,7 @@ from typing import Any
 from parallel.bridges.base import Bridge, register
 from parallel.bridges.glm4_moe import routed_and_shared_expert_mappings, sigmoid_router_kwargs
 from parallel.layout import ModelShape
-from parallel.mappings import Replicated, RopeRows, RowParallel, ColumnParallel
+from parallel.mappings import ColumnParallel, Replicated, RopeRows, RowParallel
 
 
 @register
@@ -96,10 +96,11 @@ class DeepseekV3Bridge(Bridge):
                                  f"MLA's down projections over TP; pick a tp that divides it")
         return super().transformer_config(layout, **overrides)
 
-    def layer_spec(self, config, use_te: bool):
+    def layer_spec(self, config, use_te: bool, vp_stage: int | None = None):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
+                                          vp_stage=vp_stage)
         if not use_te:  # the local spec's DotProductAttention cannot take MLA's head sizes
             from parallel.bridges.mla_attention import MLACoreAttention
 

@@ -50,10 +50,10 @@ class Glm4MoeBridge(Bridge):
         partial = rope.get("partial_rotary_factor", self.get("partial_rotary_factor", 1.0))
         return dict(super().gpt_model_kwargs(layout), rotary_percent=float(partial))
 
-    def layer_spec(self, config, use_te: bool):
+    def layer_spec(self, config, use_te: bool, vp_stage: int | None = None):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage)
 
     def mappings(self, te: bool = False) -> tuple:
         qk_norm, bias = bool(self.get("use_qk_norm", False)), bool(self.get("attention_bias", False))

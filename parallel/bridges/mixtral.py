@@ -46,10 +46,10 @@ class MixtralBridge(Bridge):
             moe_router_pre_softmax=False,  # softmax over the k logits == softmax, top-k, renormalise
         )
 
-    def layer_spec(self, config, use_te: bool):
+    def layer_spec(self, config, use_te: bool, vp_stage: int | None = None):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage)
 
     def mappings(self, te: bool = False) -> tuple:
         return (

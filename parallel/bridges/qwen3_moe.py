@@ -58,13 +58,13 @@ class Qwen3MoeBridge(Bridge):
             moe_router_pre_softmax=not self.get("norm_topk_prob", False),
         )
 
-    def layer_spec(self, config, use_te: bool):
+    def layer_spec(self, config, use_te: bool, vp_stage: int | None = None):
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_decoder_block_spec,
         )
 
         return get_gpt_decoder_block_spec(
-            config, use_transformer_engine=use_te, normalization="RMSNorm", qk_l2_norm=False
+            config, use_transformer_engine=use_te, normalization="RMSNorm", qk_l2_norm=False, vp_stage=vp_stage
         )
 
     def mappings(self, te: bool = False) -> tuple:

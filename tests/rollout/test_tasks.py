@@ -1,0 +1,84 @@
+"""Tasks and rewards: registry, math answers, digit tasks, JSONL datasets with a real HF tokenizer."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from moe_rl.sample import Sample
+from moe_rl.tasks import get_reward, make_task, task_names
+from moe_rl.tasks.digits import DIGIT0, SEP
+from moe_rl.tasks.math import extract_answer
+
+SAMPLE = Sample(prompt_ids=[1])
+
+
+def user_reward(response, answer, sample):  # loaded as "test_tasks:user_reward"
+    return float(len(response))
+
+
+@pytest.mark.parametrize("text, answer", [
+    ("so the result is \\boxed{\\frac{1}{2}}.", "0.5"), ("x = 3, then 1,234.", "1234"),
+    ("\\boxed{x^{2}} or 7", "x^{2}"), ("answer: -4", "-4"),
+])
+def test_math_reward_matches_final_answers(text, answer):
+    assert get_reward("math")(text, answer, SAMPLE) == 1.0
+    assert get_reward("math")(text, "999", SAMPLE) == 0.0
+
+
+def test_math_reward_without_an_answer_is_zero():
+    assert extract_answer("no digits here") is None and get_reward("math")("nothing", "1", SAMPLE) == 0.0
+
+
+def test_reward_registry_resolves_names_tasks_and_module_functions():
+    assert {"copy_digits", "reverse_digits", "sum_mod10", "jsonl"} <= set(task_names())
+    assert get_reward("test_tasks:user_reward")("abc", None, SAMPLE) == 3.0
+    assert get_reward("copy_digits")("12", "13", SAMPLE) == 0.5
+    for bad in ("nope", "no_such_module:f", "math_mod:"):
+        with pytest.raises(ValueError, match="rollout.reward"):
+            get_reward(bad)
+    with pytest.raises(ValueError, match="rollout.task"):
+        make_task("nope")
+
+
+def test_digit_tasks_are_seeded_and_score_positions():
+    task = make_task("reverse_digits", length=3)
+    first = list(itertools.islice(task.prompts(7), 5))
+    assert first == list(itertools.islice(task.prompts(7), 5)) != list(itertools.islice(task.prompts(8), 5))
+    prompt = first[0]
+    digits = prompt.metadata["digits"]
+    assert prompt.prompt_ids == [1] + [DIGIT0 + d for d in digits] + [SEP] and prompt.answer == "".join(map(str, digits[::-1]))
+    right = [DIGIT0 + d + 30 for d in digits[::-1]]  # any id reads as id % 10
+    assert task.reward(task.decode(right), prompt.answer, SAMPLE) == 1.0
+    wrong_last = right[:2] + [right[2] + 1]
+    assert task.reward(task.decode(wrong_last), prompt.answer, SAMPLE) == pytest.approx(2 / 3)
+    sums = make_task("sum_mod10", length=4)
+    p = next(sums.prompts(0))
+    assert p.answer == str(sum(p.metadata["digits"]) % 10)
+
+
+def test_jsonl_dataset_with_text_and_ids(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[UNK]", "what", "is", "2+2", "?", "4", "\\boxed{4}"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(tmp_path / "model")
+    rows = [{"prompt": "what is 2+2 ?", "answer": "4", "metadata": {"source": "t"}},
+            {"prompt_ids": [1, 2, 3], "answer": 4}]
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    task = make_task("jsonl", path=path, tokenizer_dir=tmp_path / "model")
+    prompts = list(itertools.islice(task.prompts(0), 4))
+    assert sorted(map(tuple, (p.prompt_ids for p in prompts[:2]))) == [(1, 2, 3), (1, 2, 3, 4)]
+    assert {p.metadata.get("source") for p in prompts} == {"t", None}
+    assert task.reward(task.decode([6]), "4", SAMPLE) == 1.0  # decoded "\boxed{4}" through the tokenizer
+    path.write_text('{"prompt": "x"}\n')
+    with pytest.raises(ValueError, match="answer"):
+        make_task("jsonl", path=path, tokenizer_dir=tmp_path / "model")
+    path.write_text('{"prompt": "x", "answer": 1}\n')
+    with pytest.raises(ValueError, match="tokenizer"):
+        make_task("jsonl", path=path)

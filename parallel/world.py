@@ -46,11 +46,12 @@ def init_distributed(timeout_s: float = 300) -> tuple[int, int]:
     return rank, world_size
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600) -> list[Any]:
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float | None = 600) -> list[Any]:
     """Run `fn(*args)` on `world_size` fresh local processes joined in one gloo world.
 
     Returns each rank's return value (picklable), in rank order. If a rank raises or dies,
-    the others are killed and RuntimeError carries that rank's traceback.
+    the others are killed and RuntimeError carries that rank's traceback. `timeout_s=None`
+    waits as long as the ranks run (training jobs).
     """
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
@@ -75,9 +76,9 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
             proc.join(timeout=10)
 
 
-def _collect(procs, results, world_size: int, timeout_s: float) -> list[Any]:
+def _collect(procs, results, world_size: int, timeout_s: float | None) -> list[Any]:
     outputs: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while len(outputs) < world_size:
         while not results.empty():
             status, rank, payload = results.get()
@@ -90,7 +91,7 @@ def _collect(procs, results, world_size: int, timeout_s: float) -> list[Any]:
         if dead and results.empty():
             code = procs[dead[0]].exitcode
             raise RuntimeError(f"rank {dead[0]} died with exit code {code} before returning")
-        if time.monotonic() > deadline:
+        if deadline is not None and time.monotonic() > deadline:
             missing = sorted(set(range(world_size)) - set(outputs))
             raise RuntimeError(f"ranks {missing} did not finish within {timeout_s:.0f} s")
         time.sleep(0.02)

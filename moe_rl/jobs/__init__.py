@@ -1,0 +1,1 @@
+"""Jobs that `moe-rl train` runs: one module each."""

@@ -1,0 +1,91 @@
+"""Supervised next-token training on the Megatron trainer (smoke run and warm start).
+
+Rank function: every rank of the trainer world runs `run(config)`. Global rank 0 shows the
+progress bar and writes metrics; the last step saves a dist checkpoint (model, optimizer, RNG).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.config import DataConfig, RunConfig, dump_config
+
+
+def load_batch(data: DataConfig, rows: int, vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
+    """A fixed global batch: rows from the JSONL file (cut/padded) or seeded random tokens."""
+    if data.path is None:
+        generator = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, vocab_size, (rows, data.seq_length), generator=generator)
+        mask = torch.ones_like(tokens)
+        mask[:, 0] = 0
+        return {"tokens": tokens, "loss_mask": mask}
+    lines = [json.loads(line) for line in Path(data.path).read_text().splitlines() if line.strip()]
+    if len(lines) < rows:
+        raise ValueError(f"data.path has {len(lines)} rows; trainer.global_batch_size needs {rows}")
+    tokens = torch.zeros(rows, data.seq_length, dtype=torch.long)
+    mask = torch.zeros(rows, data.seq_length, dtype=torch.long)
+    for row, line in enumerate(lines[:rows]):
+        ids = line["input_ids"][: data.seq_length]
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise ValueError(f"data.path row {row}: token ids must be in [0, {vocab_size})")
+        tokens[row, : len(ids)] = torch.tensor(ids)
+        mask[row, 1 : len(ids)] = 1
+    return {"tokens": tokens, "loss_mask": mask}
+
+
+def run(config: RunConfig) -> list[float]:
+    """Train `config.steps` steps on one fixed batch; returns the loss curve (every rank)."""
+    from moe_rl.metrics import MetricsLogger
+    from moe_rl.trainer.checkpoint import save_checkpoint
+    from moe_rl.trainer.megatron_trainer import MegatronTrainer
+
+    is_logger = dist.get_rank() == 0
+    trainer = MegatronTrainer(config.trainer, config.model.load_hf_config())
+    batch = load_batch(config.data, config.trainer.global_batch_size, trainer.bridge.vocab_size,
+                       config.trainer.seed)
+    run_dir = Path(config.output_dir)
+    logger = None
+    if is_logger:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(config, run_dir / "config.json")
+        logger = MetricsLogger(run_dir)
+    losses = []
+    with _progress(is_logger, config.steps) as advance:
+        for _ in range(config.steps):
+            result = trainer.train_step(batch)
+            losses.append(result.loss)
+            if logger:
+                logger.log(result.step, {"train/loss": result.loss, "train/grad_norm": result.grad_norm,
+                                         "train/tokens": result.num_tokens})
+            advance(f"loss {result.loss:.4f}  grad norm {result.grad_norm:.3f}")
+    if config.save_checkpoint:
+        save_checkpoint(trainer, run_dir / "checkpoint")
+    if logger:
+        logger.close()
+    return losses
+
+
+class _progress:
+    """A rich progress bar over steps on the logging rank; a no-op elsewhere."""
+
+    def __init__(self, enabled: bool, total: int):
+        self.bar, self.total = None, total
+        if enabled:
+            from rich.progress import Progress
+
+            self.bar = Progress(*Progress.get_default_columns(), "{task.fields[status]}")
+
+    def __enter__(self):
+        if self.bar is None:
+            return lambda status: None
+        self.bar.start()
+        task = self.bar.add_task("train", total=self.total, status="")
+        return lambda status: self.bar.update(task, advance=1, status=status)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()

@@ -1,0 +1,69 @@
+"""Run configs: YAML + dotted overrides, typed fields, clear errors before any process starts."""
+
+import pytest
+import yaml
+
+from moe_rl import cli
+from moe_rl.config import RunConfig, load_config
+
+TINY_MODEL = {
+    "hf_config": {
+        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 256,
+        "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "num_experts": 4, "num_experts_per_tok": 2,
+    }
+}
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"model": TINY_MODEL, "trainer": {"world_size": 4, "ep": 2}}))
+    return path
+
+
+def test_yaml_and_overrides_build_typed_config(config_file):
+    config = load_config(config_file, ["trainer.tp=2", "trainer.sequence_parallel=true",
+                                       "trainer.optimizer.lr=1", "steps=3"])
+    assert isinstance(config, RunConfig)
+    assert (config.trainer.tp, config.trainer.ep, config.trainer.dp) == (2, 2, 2)
+    assert config.trainer.expert_dp == 1
+    assert config.trainer.optimizer.lr == 1.0 and isinstance(config.trainer.optimizer.lr, float)
+    assert config.steps == 3
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.world_size=3"], r"trainer.world_size=3 is not divisible by etp\*ep\*pp"),
+    (["trainer.ep=3", "trainer.world_size=3"], r"trainer.ep=3 does not divide the model's 4 experts"),
+    (["trainer.tp=4", "trainer.ep=1", "trainer.sequence_parallel=true"], r"trainer.tp=4 does not divide the model's 2 KV groups"),
+    (["trainer.tp=8", "trainer.ep=1", "trainer.world_size=8"], r"trainer.tp=8 does not divide the model's 4 attention heads"),
+    (["trainer.pp=3", "trainer.ep=1", "trainer.world_size=3"], r"trainer.pp=3 does not divide the model's 4 layers"),
+    (["trainer.tp=2"], r"requires sequence parallel.*set trainer.sequence_parallel=true"),
+    (["trainer.sequence_parallel=true"], r"sequence_parallel=true needs trainer.tp > 1"),
+    (["trainer.global_batch_size=3"], r"global_batch_size=3 is not divisible by micro_batch_size\*dp"),
+    (["trainer.tpp=2"], r"unknown config field 'trainer.tpp'; did you mean 'tp'"),
+    (["trainer.tp=two"], r"trainer.tp='two': expected int"),
+    (["trainer.optimizer.lr=-1"], r"optimizer.lr=-1.0: must be > 0"),
+    (["steps"], r"write it as dotted.key=value"),
+])
+def test_impossible_configs_name_the_field_and_fix(config_file, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(config_file, overrides)
+
+
+def test_unknown_architecture_is_named(config_file):
+    with pytest.raises(ValueError, match=r"no bridge for architectures=\['LlamaForCausalLM'\]"):
+        load_config(config_file, ["model.hf_config.architectures=[LlamaForCausalLM]",
+                                  "model.hf_config.model_type=llama"])
+
+
+def test_cli_rejects_a_bad_layout_without_spawning(config_file, monkeypatch, capsys):
+    import parallel.world
+
+    def no_spawn(*args, **kwargs):
+        raise AssertionError("a process was spawned for an invalid config")
+
+    monkeypatch.setattr(parallel.world, "spawn", no_spawn)
+    assert cli.main(["train", str(config_file), "trainer.ep=3", "trainer.world_size=3"]) == 2
+    assert "trainer.ep=3" in capsys.readouterr().err

@@ -4,6 +4,9 @@ They define their own token-level vocabulary, so they need no tokenizer and no d
 prompt digit `d` is token `DIGIT0 + d`, `SEP` ends the prompt, and every response token `t`
 reads as the digit `t % 10` (a uniformly random policy over any vocabulary is right about one
 time in ten per position). Prompts are generated from a seed, endlessly.
+Measured: `copy_digits` at its default length 1 goes from reward ~0.1 to 0.95 in ~200 GRPO steps
+(16 groups x 4 samples, Adam lr 1e-3, a 64-hidden 2-layer Qwen3-MoE, ~25 s on one CPU core);
+longer strings and `sum_mod10` need many more steps.
 
 - `copy_digits`: the response repeats the prompt's digits; reward = fraction of positions right.
 - `reverse_digits`: the response is the digits in reverse order; same partial credit.
@@ -24,7 +27,7 @@ BOS, SEP, DIGIT0 = 1, 2, 10
 class DigitTask(Task):
     """Shared vocabulary, prompt generator and per-position reward of the digit tasks."""
 
-    def __init__(self, length: int = 2):
+    def __init__(self, length: int = 1):
         if not 1 <= length <= 32:
             raise ValueError(f"digit task length={length}: use 1..32 digits")
         self.length = length

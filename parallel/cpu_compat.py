@@ -315,7 +315,10 @@ def _distributed_optimizer_checkpoint_without_te() -> None:
       first with Megatron's own placeholder step, which the load then overwrites;
     - the `fully_reshardable` load copies every Adam state key, including `step`, which the
       checkpoint keeps in param_groups instead: KeyError. Only the saved keys are copied;
-      `load_state_dict` restores `step` from param_groups.
+      `load_state_dict` restores `step` from param_groups;
+    - that restore gives every parameter the *same* `step` tensor, which torch's Adam then
+      increments in place once per parameter: every update after a resume uses a wrong bias
+      correction. Each parameter gets its own copy.
     """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -333,9 +336,18 @@ def _distributed_optimizer_checkpoint_without_te() -> None:
         for key, tensor in tensors.items():
             destinations[key].copy_(tensor)
 
+    load = DistributedOptimizer.load_state_dict
+
+    def load_state_dict(self, state_dict):
+        load(self, state_dict)
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
     DistributedOptimizer.sharded_state_dict = sharded_state_dict
     if not _has_fused_adam():
         DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+        DistributedOptimizer.load_state_dict = load_state_dict
 
 
 def _has_fused_adam() -> bool:

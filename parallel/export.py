@@ -157,3 +157,35 @@ def _export_chunk(model, bridge: Bridge, bucket_bytes: int, source: bool) -> Ite
                 if source:
                     yield item
                 del item
+
+
+def save_hf_checkpoint(model, bridge: Bridge, out_dir, hf_config: dict, *, max_shard_bytes: int = 5 * 2**30,
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, extra_files: dict[str, bytes] | None = None,
+                       progress=None) -> None:
+    """Write the model as an HF checkpoint (safetensors shards + index + config) to `out_dir`.
+
+    Collective: every rank calls it. Each stage's source rank writes its own shards into
+    `<out_dir>.tmp`; global rank 0 merges the index and renames the directory when complete.
+    """
+    import shutil
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from parallel.hf_checkpoint import finalize_hf_checkpoint, write_shards
+
+    tmp = Path(f"{out_dir}.tmp")
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    prefix = f"stage{ps.get_pipeline_model_parallel_rank():03d}"
+    items = export_hf_weights(model, bridge, bucket_bytes=bucket_bytes)
+    weight_map = write_shards(items, tmp, prefix, max_shard_bytes, progress=progress)
+    maps: list = [None] * dist.get_world_size()
+    dist.all_gather_object(maps, weight_map)
+    if dist.get_rank() == 0:
+        merged = {name: file for part in maps for name, file in part.items()}
+        finalize_hf_checkpoint(tmp, out_dir, merged, hf_config, extra_files=extra_files)
+    dist.barrier()

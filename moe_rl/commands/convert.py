@@ -139,29 +139,18 @@ def hf_to_megatron(layout, hf_dir: str, out: str) -> None:
 
 def megatron_to_hf(layout, ckpt_dir: str, out: str, max_shard_bytes: int, bucket_bytes: int) -> None:
     """Rank function (every rank): load torch_dist at `layout`, stream HF tensors, write shards."""
-    import torch.distributed as dist
     from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
 
-    from parallel.export import export_hf_weights
-    from parallel.hf_checkpoint import finalize_hf_checkpoint, write_shards
+    from parallel.export import save_hf_checkpoint
 
     hf_config = json.loads((Path(ckpt_dir) / META_FILE).read_text())["hf_config"]
     bridge, model = _build(hf_config, layout)
-    tmp = _fresh_tmp(out)
     _say(f"loading {ckpt_dir} at tp={layout.tp} pp={layout.pp} ep={layout.ep} etp={layout.expert_tp}")
     model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), ckpt_dir))
-    items = export_hf_weights(model, bridge, bucket_bytes=bucket_bytes)
-    prefix = f"stage{ps.get_pipeline_model_parallel_rank():03d}"
-    with _progress(f"writing HF shards ({prefix})") as advance:
-        weight_map = write_shards(items, tmp, prefix, max_shard_bytes, progress=advance)
-    maps: list = [None] * dist.get_world_size()
-    dist.all_gather_object(maps, weight_map)
-    if dist.get_rank() == 0:
-        merged = {name: file for part in maps for name, file in part.items()}
-        side = {p.name: p.read_bytes() for p in (Path(ckpt_dir) / HF_FILES_DIR).glob("*") if p.name != "config.json"}
-        finalize_hf_checkpoint(tmp, out, merged, hf_config, extra_files=side)
-    dist.barrier()
+    side = {p.name: p.read_bytes() for p in (Path(ckpt_dir) / HF_FILES_DIR).glob("*") if p.name != "config.json"}
+    with _progress("writing HF shards") as advance:
+        save_hf_checkpoint(model, bridge, out, hf_config, max_shard_bytes=max_shard_bytes,
+                           bucket_bytes=bucket_bytes, extra_files=side, progress=advance)
 
 
 def _replace(tmp: Path, out: Path) -> None:

@@ -50,6 +50,11 @@ def _expert_params_own_optimizer(model) -> None:
                 param.allreduce = False
 
 
+def _keep_logprobs(logprobs: torch.Tensor, microbatch: Batch):
+    """A forward-only "loss" that hands the logprobs back through the schedule."""
+    return torch.zeros(()), torch.zeros((), dtype=torch.int), {"logprobs": logprobs.detach()}
+
+
 @dataclass
 class StepResult:
     """What one optimizer step reports; identical on every rank."""
@@ -120,33 +125,33 @@ class MegatronTrainer:
 
         return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
 
+    # -- weights ------------------------------------------------------------------------------
+    def load_hf_weights(self, hf_dir: str) -> None:
+        """Fill this rank's shards from an HF safetensors directory (collective)."""
+        from parallel.hf_import import load_hf_weights
+
+        load_hf_weights(self.model.module, self.bridge, hf_dir)
+
+    def export_hf_weights(self, bucket_bytes: int):
+        """`(hf_name, tensor)` stream of the current weights on each stage's source rank.
+        Collective: every rank iterates it to the end (see parallel.export)."""
+        from parallel.export import export_hf_weights
+
+        return export_hf_weights(self.model.module, self.bridge, bucket_bytes=bucket_bytes)
+
+    def save_hf_checkpoint(self, out_dir: str, hf_config: dict) -> None:
+        """Write the current weights as an HF checkpoint the engines can serve (collective)."""
+        from parallel.export import save_hf_checkpoint
+
+        save_hf_checkpoint(self.model.module, self.bridge, out_dir, hf_config)
+
     # -- training -----------------------------------------------------------------------------
     def train_step(self, batch: Batch, loss_fn: LossFn = next_token_loss) -> StepResult:
         """One optimizer step on a global batch (every rank passes the same whole batch)."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        check_batch(batch)
-        if batch["tokens"].shape[0] != self.config.global_batch_size:
-            raise ValueError(
-                f"batch has {batch['tokens'].shape[0]} sequences but trainer.global_batch_size="
-                f"{self.config.global_batch_size}: make them equal"
-            )
-        batch = pad_sequence_dim(batch, self.config.tp if self.config.sequence_parallel else 1)
-        dp_rank, dp_size = self.dp_rank_and_size()
-        parts = microbatches(batch, dp_size, dp_rank, self.config.micro_batch_size)
-
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        reports = get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, loss_fn),
-            data_iterator=iter(parts),
-            model=[self.model],
-            num_microbatches=len(parts),
-            seq_length=batch["tokens"].shape[1] - 1,
-            micro_batch_size=self.config.micro_batch_size,
-            forward_only=False,
-        )
+        reports = self._run_schedule(batch, partial(self._forward_step, loss_fn), forward_only=False)
         updated, grad_norm, _ = self.optimizer.step()
         self.step += 1
         sums = self._reduce_reports(reports)
@@ -158,6 +163,37 @@ class MegatronTrainer:
             num_tokens=int(tokens),
             skipped=not updated,
             sums=sums,
+        )
+
+    @torch.no_grad()
+    def forward_logprobs(self, batch: Batch) -> torch.Tensor:
+        """log p(tokens[:, t+1] | tokens[:, :t+1]) as [B, S-1] for the whole batch, returned on
+        every rank (collective). Used for the PPO behaviour policy and the reference model."""
+        self.model.eval()
+        reports = self._run_schedule(batch, partial(self._forward_step, _keep_logprobs), forward_only=True)
+        self.model.train()
+        return self._gather_rows(reports, "logprobs", batch["tokens"].shape[1] - 1)
+
+    def _run_schedule(self, batch: Batch, forward_step, forward_only: bool) -> list[dict]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        check_batch(batch)
+        if batch["tokens"].shape[0] != self.config.global_batch_size:
+            raise ValueError(
+                f"batch has {batch['tokens'].shape[0]} sequences but trainer.global_batch_size="
+                f"{self.config.global_batch_size}: make them equal"
+            )
+        batch = pad_sequence_dim(batch, self.config.tp if self.config.sequence_parallel else 1)
+        dp_rank, dp_size = self.dp_rank_and_size()
+        parts = microbatches(batch, dp_size, dp_rank, self.config.micro_batch_size)
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(parts),
+            model=[self.model],
+            num_microbatches=len(parts),
+            seq_length=batch["tokens"].shape[1] - 1,
+            micro_batch_size=self.config.micro_batch_size,
+            forward_only=forward_only,
         )
 
     def _forward_step(self, loss_fn: LossFn, data_iterator, model):
@@ -174,6 +210,19 @@ class MegatronTrainer:
             return loss_sum, num_tokens, {**report, "num_tokens": num_tokens.detach()}
 
         return output, loss
+
+    def _gather_rows(self, reports: list[dict], key: str, columns: int) -> torch.Tensor:
+        """Reassemble per-row tensors that the last stage's TP0 ranks reported per microbatch
+        (their DP shard, in order) into the whole batch, on every rank."""
+        from megatron.core import parallel_state
+
+        mine = None
+        if self.is_last_stage and parallel_state.get_tensor_model_parallel_rank() == 0:
+            mine = (self.dp_rank_and_size()[0], torch.cat([r[key] for r in reports])[:, :columns])
+        shards: list = [None] * dist.get_world_size()
+        dist.all_gather_object(shards, mine)
+        by_dp_rank = dict(shard for shard in shards if shard is not None)
+        return torch.cat([by_dp_rank[rank] for rank in sorted(by_dp_rank)])
 
     def _reduce_reports(self, reports: list[dict]) -> dict[str, float]:
         """Sum what the last stage's microbatches reported over DP; every rank gets the sums."""

@@ -29,6 +29,9 @@ class ParallelLayout:
     world = ETP x EP x EDP x PP (EDP derived). CP is fixed at 1 here.
     """
 
+    config_name: ClassVar[str] = "layout"
+    """How errors name this section (a run config calls it `trainer`)."""
+
     world_size: int = 1
     """Total trainer ranks (gloo processes on CPU, GPUs on a cluster)."""
     tp: int = 1
@@ -69,7 +72,10 @@ class ParallelLayout:
                 f"{self.expert_tp * self.ep * self.pp} or lower ep/etp"
             )
         if self.sequence_parallel and self.tp == 1:
-            raise ValueError(f"{self.config_name}.sequence_parallel=true needs {self.config_name}.tp > 1: set it to false")
+            raise ValueError(
+                f"{self.config_name}.sequence_parallel=true needs {self.config_name}.tp > 1: "
+                f"set it to false"
+            )
         per_step = self.micro_batch_size * self.dp
         if self.global_batch_size % per_step:
             raise ValueError(

@@ -84,6 +84,9 @@ class TrainerConfig(ParallelLayout):
     """Seed of every RNG (Megatron's tracker forks per TP/EP rank from it)."""
     recompute: bool = False
     """Full activation recompute of every layer (less memory, one more forward)."""
+    routing_replay: bool = False
+    """R3: replay the rollout's routed experts in the trainer's forward and in backward
+    recompute (megatron-core's router replay), so training routes tokens as generation did."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
 
 

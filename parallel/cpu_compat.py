@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import importlib.machinery
 import sys
+import threading
 import types
 
 import torch
@@ -23,7 +24,6 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 _applied = False
-_device_mode: TorchFunctionMode | None = None
 
 
 def needed() -> bool:
@@ -31,14 +31,21 @@ def needed() -> bool:
 
 
 def apply() -> None:
-    """Apply every patch once, when CUDA is unavailable."""
+    """Apply every patch once, when CUDA is unavailable.
+
+    The device-literal patch is a torch-function mode, and torch keeps modes per thread: a
+    thread that calls Megatron (e.g. a Ray actor's executor thread) calls `apply()` itself; the
+    other patches are process-wide and applied once.
+    """
     global _applied
-    if _applied or not needed():
+    if not needed():
+        return
+    _enter_device_mode_on_this_thread()
+    if _applied:
         return
     _stub_triton_kernels()
     _cuda_runtime_as_noops()
     _cuda_rng_on_cpu_generator()
-    _cuda_device_literals_to_cpu()
     _sequence_parallel_torch_norm()
     _alltoall_split_sizes_as_lists()
     _uneven_gather_and_reduce_scatter()
@@ -213,10 +220,14 @@ class CudaLiteralsToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _cuda_device_literals_to_cpu() -> None:
-    global _device_mode
-    _device_mode = CudaLiteralsToCpu()
-    _device_mode.__enter__()  # process-wide for the main thread, which runs Megatron
+_threads_in_mode: set[int] = set()
+
+
+def _enter_device_mode_on_this_thread() -> None:
+    thread = threading.get_ident()
+    if thread not in _threads_in_mode:
+        CudaLiteralsToCpu().__enter__()  # stays on this thread's mode stack for its lifetime
+        _threads_in_mode.add(thread)
 
 
 # -- patch 4: norms under sequence parallel ---------------------------------------------------

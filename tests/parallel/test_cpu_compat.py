@@ -151,3 +151,18 @@ def test_mla_layer_builds_and_runs_without_transformer_engine():
 
     assert multi_latent_attention.HAVE_TE is False
     assert spawn(_build_mla_layer, 1) == [[5, 1, 32]]
+
+
+def test_device_literals_also_land_on_cpu_in_another_thread():
+    import threading
+
+    devices = []
+
+    def worker():
+        cpu_compat.apply()  # what a thread that runs Megatron does (e.g. a Ray actor's executor)
+        devices.append(torch.zeros(1, device="cuda").device.type)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert devices == ["cpu"]

@@ -4,11 +4,13 @@ Every rank of the trainer world constructs a `MegatronTrainer` and calls each me
 lockstep (they run collectives). The same code runs on gloo/CPU (after `cpu_compat`) and on
 NCCL/GPUs. Losses are summed per token and normalised by the number of loss tokens of the
 whole global batch (Megatron's `calculate_per_token_loss`), so the loss and the gradients do
-not depend on the layout.
+not depend on the layout. With `routing_replay`, batches carrying `routed_experts` are routed as
+the rollout routed them (R3, see moe_rl.trainer.routing_replay).
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
@@ -19,6 +21,7 @@ import torch.distributed as dist
 from moe_rl.config import TrainerConfig
 from moe_rl.trainer.batch import Batch, check_batch, microbatches, pad_sequence_dim
 from moe_rl.trainer.logprobs import token_logprobs
+from moe_rl.trainer.routing_replay import RoutingReplay
 from parallel.bridges import bridge_for
 from parallel.model import build_gpt_model, init_model_parallel
 
@@ -84,8 +87,10 @@ class MegatronTrainer:
             if config.recompute
             else {}
         )
-        model = build_gpt_model(self.bridge, config, calculate_per_token_loss=True, **recompute)
+        replay = dict(moe_enable_routing_replay=True) if config.routing_replay else {}
+        model = build_gpt_model(self.bridge, config, calculate_per_token_loss=True, **recompute, **replay)
         _expert_params_own_optimizer(model)
+        self.routing = RoutingReplay(model) if config.routing_replay else None
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             use_distributed_optimizer=config.optimizer.distributed,
@@ -151,7 +156,8 @@ class MegatronTrainer:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        reports = self._run_schedule(batch, partial(self._forward_step, loss_fn), forward_only=False)
+        reports = self._run_schedule(batch, partial(self._forward_step, loss_fn), forward_only=False,
+                                     routing=self._routing_mode(batch, None))
         updated, grad_norm, _ = self.optimizer.step()
         self.step += 1
         sums = self._reduce_reports(reports)
@@ -166,15 +172,40 @@ class MegatronTrainer:
         )
 
     @torch.no_grad()
-    def forward_logprobs(self, batch: Batch) -> torch.Tensor:
+    def forward_logprobs(self, batch: Batch, replay: bool | None = None) -> torch.Tensor:
         """log p(tokens[:, t+1] | tokens[:, :t+1]) as [B, S-1] for the whole batch, returned on
-        every rank (collective). Used for the PPO behaviour policy and the reference model."""
+        every rank (collective). Used for the PPO behaviour policy and the reference model.
+        `replay`: route as `batch["routed_experts"]` says (True), naturally (False), or
+        (None) replay when trainer.routing_replay is on and the batch carries routed experts."""
         self.model.eval()
-        reports = self._run_schedule(batch, partial(self._forward_step, _keep_logprobs), forward_only=True)
+        reports = self._run_schedule(batch, partial(self._forward_step, _keep_logprobs), forward_only=True,
+                                     routing=self._routing_mode(batch, replay))
         self.model.train()
         return self._gather_rows(reports, "logprobs", batch["tokens"].shape[1] - 1)
 
-    def _run_schedule(self, batch: Batch, forward_step, forward_only: bool) -> list[dict]:
+    @torch.no_grad()
+    def routing_agreement(self, batch: Batch) -> dict[int, float]:
+        """{HF layer index: mean over real tokens of |trainer top-k ∩ batch top-k| / topk} for every
+        MoE layer, from a forward with natural routing; on every rank (collective)."""
+        self._require_routing("routing_agreement")
+        self.model.eval()
+        self._run_schedule(batch, partial(self._forward_step, _keep_logprobs), forward_only=True, routing="record")
+        self.model.train()
+        return self.routing.agreement()
+
+    def _require_routing(self, what: str) -> None:
+        if self.routing is None:
+            raise ValueError(f"{what} needs routers built for replay: set trainer.routing_replay=true")
+
+    def _routing_mode(self, batch: Batch, replay: bool | None) -> str | None:
+        if replay is None:
+            replay = self.routing is not None and "routed_experts" in batch
+        if replay:
+            self._require_routing("routing replay")
+        return "replay" if replay else None
+
+    def _run_schedule(self, batch: Batch, forward_step, forward_only: bool, routing: str | None = None) -> list[dict]:
+        """`routing`: None (natural), "replay" or "record" (see RoutingReplay)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         check_batch(batch)
@@ -183,18 +214,21 @@ class MegatronTrainer:
                 f"batch has {batch['tokens'].shape[0]} sequences but trainer.global_batch_size="
                 f"{self.config.global_batch_size}: make them equal"
             )
+        if routing is not None:
+            self.routing.check(batch)
         batch = pad_sequence_dim(batch, self.config.tp if self.config.sequence_parallel else 1)
         dp_rank, dp_size = self.dp_rank_and_size()
         parts = microbatches(batch, dp_size, dp_rank, self.config.micro_batch_size)
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(parts),
-            model=[self.model],
-            num_microbatches=len(parts),
-            seq_length=batch["tokens"].shape[1] - 1,
-            micro_batch_size=self.config.micro_batch_size,
-            forward_only=forward_only,
-        )
+        with nullcontext() if routing is None else self.routing.running(routing):
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(parts),
+                model=[self.model],
+                num_microbatches=len(parts),
+                seq_length=batch["tokens"].shape[1] - 1,
+                micro_batch_size=self.config.micro_batch_size,
+                forward_only=forward_only,
+            )
 
     def _forward_step(self, loss_fn: LossFn, data_iterator, model):
         microbatch = next(data_iterator)
@@ -202,7 +236,11 @@ class MegatronTrainer:
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         aligned = {key: tensor[:, 1:] for key, tensor in microbatch.items()}
         positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
+        if self.routing is not None:
+            self.routing.before_forward(microbatch)
         output = model(inputs, positions, attention_mask=None)
+        if self.routing is not None:
+            self.routing.after_forward(microbatch)
 
         def loss(logits):
             logprobs = token_logprobs(logits, targets, self.bridge.vocab_size)

@@ -136,7 +136,8 @@ def _build_mla_layer() -> list[int]:
     model_parallel_cuda_manual_seed(0)  # the layer trains: attention dropout forks Megatron's RNG
     config = MLATransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16,
                                   qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6, rope_type="rope",
-                                  use_cpu_initialization=True, add_bias_linear=False)
+                                  use_cpu_initialization=True, add_bias_linear=False, qk_layernorm=True,
+                                  normalization="RMSNorm")
     spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = MLACoreAttention
     from megatron.core.transformer.spec_utils import build_module

@@ -18,7 +18,10 @@ from typing import Any, ClassVar
 
 import yaml
 
+from moe_rl.algorithms.config import AlgorithmConfig
+from moe_rl.rollout.config import RolloutConfig
 from parallel.layout import ParallelLayout
+from sync.sender import SyncConfig
 
 
 @dataclass(kw_only=True)
@@ -106,9 +109,63 @@ class DataConfig:
             raise ValueError(f"data.path={self.path!r}: file not found")
 
 
+ENGINE_KINDS = ("embedded", "sglang")
+RL_MODES = ("sync", "one_step_off", "fully_async")
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """The rollout engines (one Ray actor each, owning the server process)."""
+
+    kind: str = "embedded"
+    """"embedded" (the CPU engine, `moe-rl serve`) or "sglang" (GPU clusters)."""
+    count: int = 1
+    """Number of engine servers; generation is spread over them, groups stay on one engine."""
+    max_batch: int = 64
+    """Most requests one engine decodes together."""
+    threads: int = 1
+    """CPU threads per embedded engine process."""
+
+    def __post_init__(self):
+        if self.kind not in ENGINE_KINDS:
+            raise ValueError(f"engines.kind={self.kind!r}: use one of {ENGINE_KINDS}")
+        for name in ("count", "max_batch", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"engines.{name}={getattr(self, name)}: must be >= 1")
+
+
+@dataclass(kw_only=True)
+class RLConfig:
+    """How generation and training overlap, and what the RL job writes at the end."""
+
+    mode: str = "fully_async"
+    """"sync": generate, train, sync (staleness 0, the baseline); "one_step_off": staleness 1,
+    in-flight generation drains before each weight sync (no sample mixes versions);
+    "fully_async": staleness `rollout.max_staleness` >= 1, generation only stops for the weight
+    swap, requests cut by it resume as partial rollouts (pause_mode abort) or continue in place."""
+    save_hf: bool = True
+    """Write the final policy as an HF checkpoint (`final_hf/`) that the engines can serve."""
+    report: bool = True
+    """Write the PNG plots of `moe-rl report` into `plots/` at the end."""
+    wandb_project: str | None = None
+    """Also log to Weights & Biases under this project (needs `pip install wandb`)."""
+
+    def __post_init__(self):
+        if self.mode not in RL_MODES:
+            raise ValueError(f"rl.mode={self.mode!r}: use one of {RL_MODES}")
+
+    def staleness(self, rollout: RolloutConfig) -> int:
+        """The staleness bound this mode trains with."""
+        return {"sync": 0, "one_step_off": 1}.get(self.mode, rollout.max_staleness)
+
+    @property
+    def drain_before_sync(self) -> bool:
+        return self.mode == "one_step_off"
+
+
 @dataclass(kw_only=True)
 class RunConfig:
-    """One `moe-rl train` run."""
+    """One `moe-rl train` run: supervised without a `rollout` section, RL with one."""
 
     model: ModelConfig
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -119,6 +176,16 @@ class RunConfig:
     """Optimizer steps."""
     save_checkpoint: bool = True
     """Save a Megatron dist checkpoint (model, optimizer, RNG) at the end."""
+    rollout: RolloutConfig | None = None
+    """RL: what to generate and how stale it may be. Present = `moe-rl train` runs the RL job."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """RL: the policy objective (advantages, clipping, off-policy correction)."""
+    sync: SyncConfig = field(default_factory=lambda: SyncConfig(bucket_bytes=64 << 20))
+    """RL: trainer -> engine weight sync (transport, bucket size, pause mode)."""
+    engines: EngineConfig = field(default_factory=EngineConfig)
+    """RL: the rollout engines."""
+    rl: RLConfig = field(default_factory=RLConfig)
+    """RL: the loop's mode and end-of-run outputs."""
 
     def __post_init__(self):
         if self.steps < 1:
@@ -126,6 +193,45 @@ class RunConfig:
         from parallel.bridges import bridge_for
 
         self.trainer.check_model(bridge_for(self.model.load_hf_config()).model_shape())
+        if self.rollout is not None:
+            self._check_rl()
+
+    @property
+    def is_rl(self) -> bool:
+        return self.rollout is not None
+
+    def _check_rl(self) -> None:
+        rollout, mode = self.rollout, self.rl.mode
+        rows = rollout.groups_per_step * rollout.n_samples_per_prompt
+        if self.trainer.global_batch_size != rows:
+            raise ValueError(
+                f"trainer.global_batch_size={self.trainer.global_batch_size} but one RL step trains "
+                f"rollout.groups_per_step x n_samples_per_prompt = {rows} sequences: make them equal")
+        if mode == "fully_async" and rollout.max_staleness < 1:
+            raise ValueError("rl.mode='fully_async' with rollout.max_staleness=0: set max_staleness >= 1, "
+                             "or use rl.mode='sync'")
+        self.algorithm.check_staleness(self.rl.staleness(rollout))
+        if self.algorithm.needs_reference:
+            raise ValueError(f"algorithm.kl_coef={self.algorithm.kl_coef}: the RL job builds no reference "
+                             "model yet; set algorithm.kl_coef: 0")
+        if self.trainer.routing_replay and not rollout.return_routed_experts:
+            raise ValueError("trainer.routing_replay needs the engines' routing: set "
+                             "rollout.return_routed_experts: true")
+        if self.engines.kind == "sglang" and not __import__("torch").cuda.is_available():
+            raise ValueError("engines.kind='sglang' needs GPUs; use engines.kind: embedded on CPU")
+        if self.sync.transport == "cuda_ipc":
+            raise ValueError("sync.transport='cuda_ipc' needs colocated GPU engines, which the RL job "
+                             "does not place yet: use broadcast or disk")
+
+    def effective_rollout(self) -> RolloutConfig:
+        """The rollout section with the staleness bound the mode implies."""
+        staleness = self.rl.staleness(self.rollout)
+        if staleness != self.rollout.max_staleness and self.rl.mode != "fully_async":
+            import warnings
+
+            warnings.warn(f"rl.mode={self.rl.mode!r} trains with staleness {staleness}; "
+                          f"rollout.max_staleness={self.rollout.max_staleness} is ignored")
+        return self.rollout.replace(max_staleness=staleness)
 
 
 # -- loading --------------------------------------------------------------------------------

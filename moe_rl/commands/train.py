@@ -1,13 +1,15 @@
-"""`moe-rl train CONFIG [a.b=value ...]`: validate the config, then run the job on a trainer world.
+"""`moe-rl train CONFIG [a.b=value ...]`: validate the config, then run its job.
 
-On one machine the trainer world is spawned as gloo ranks; under torchrun this process is
-one rank of it. The config is fully validated (layout vs model included) before any rank starts.
+A config with a `rollout:` section runs the RL job (`moe_rl.jobs.rl`: Ray actors for the trainer
+world, the engines and the rollout manager); otherwise the supervised job runs on a trainer
+world, spawned as gloo ranks on one machine or joined under torchrun. The config is fully
+validated (layout vs model included) before any process starts.
 """
 
 from __future__ import annotations
 
 COMMAND = ("train",)
-HELP = "train a model from a YAML config (dotted overrides: trainer.tp=2)"
+HELP = "train a model from a YAML config (dotted overrides: trainer.tp=2); RL when it has a rollout section"
 
 
 def add_arguments(parser) -> None:
@@ -17,10 +19,19 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from moe_rl.config import load_config
+
+    config = load_config(args.config, args.overrides)
+    if config.is_rl:
+        from moe_rl.jobs import rl
+
+        summary = rl.run(config)
+        print(f"reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f} over {config.steps} steps "
+              f"({config.rl.mode}); {summary['wall_s']:.0f} s wall ({summary['setup_s']:.0f} s start-up); "
+              f"run dir: {config.output_dir}")
+        return 0
     from moe_rl.jobs import supervised
     from parallel.world import init_distributed, launched_by_torchrun, spawn
 
-    config = load_config(args.config, args.overrides)
     if launched_by_torchrun():
         init_distributed()
         losses = supervised.run(config)

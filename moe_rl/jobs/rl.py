@@ -1,0 +1,112 @@
+"""The RL job: the async loop of DESIGN.md flows 1-4, on Ray actors (see `moe_rl.rl.cluster`).
+
+One loop serves every mode; modes only set the staleness bound and whether generation drains
+before a weight sync (`RLConfig`): `sync` = staleness 0 (round v+1 is not admitted until the
+engines serve v+1, so generation and training alternate), `one_step_off` = staleness 1 +
+drain-before-sync, `fully_async` = staleness >= 1, generation paused only for the weight swap
+(requests cut by it are resumed as partial rollouts). Runs on the driver; returns a summary.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import ray
+
+from moe_rl.config import RunConfig, dump_config, to_dict
+from moe_rl.metrics import MetricsLogger
+from moe_rl.rl.batch import build_batch
+from moe_rl.rl.cluster import RLCluster
+
+
+def run(config: RunConfig) -> dict:
+    """Train `config.steps` RL steps; writes metrics, plots and `final_hf/` to `config.output_dir`."""
+    _check_task(config)
+    run_dir = Path(config.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_config(config, run_dir / "config.json")
+    rollout = config.effective_rollout()
+    start = time.perf_counter()
+    logger = MetricsLogger(run_dir, wandb_project=config.rl.wandb_project, config=to_dict(config))
+    cluster = RLCluster(config, run_dir)
+    rewards, trained, ledger = [], [], None
+    try:
+        setup_s = time.perf_counter() - start
+        generated = 0.0
+        with _Progress(config.steps) as progress:
+            for version in range(config.steps):
+                metrics, step_start = {}, time.perf_counter()
+                groups = ray.get(cluster.rollout.get_batch.remote(rollout.groups_per_step))
+                metrics["time/trainer_wait_s"] = time.perf_counter() - step_start
+                batch, info = build_batch(groups, config.algorithm, version, rollout.max_staleness)
+                trained += info.group_ids
+                metrics.update(cluster.trainer.call("step", batch, config.algorithm))
+                metrics.update(_update_weights(cluster, config, version + 1))
+                rollout_metrics = ray.get(cluster.rollout.metrics.remote())
+                metrics.update({**info.metrics(), **rollout_metrics})
+                metrics["time/step_s"] = time.perf_counter() - step_start
+                new_tokens = rollout_metrics["rollout/generated_tokens"] - generated
+                generated = rollout_metrics["rollout/generated_tokens"]
+                metrics["rollout/step_generated_tokens_per_s"] = new_tokens / metrics["time/step_s"]
+                logger.log(version + 1, metrics)
+                rewards.append(metrics["rollout/reward_mean"])
+                progress.advance(f"reward {rewards[-1]:.3f}  staleness {metrics['rollout/staleness_mean']:.2f}  "
+                                 f"sync {metrics['time/sync_s']:.2f}s  step {metrics['time/step_s']:.2f}s")
+        train_s = time.perf_counter() - start - setup_s
+        if config.rl.save_hf:
+            cluster.trainer.call("save_hf", str(run_dir / "final_hf"))
+    finally:
+        ledger = cluster.close()
+        logger.close()
+    if config.rl.report:
+        from moe_rl.report import write_report
+
+        write_report(run_dir)
+    window = max(1, min(10, len(rewards) // 4))
+    return {"reward_first": sum(rewards[:window]) / window, "reward_last": sum(rewards[-window:]) / window,
+            "rewards": rewards, "setup_s": setup_s, "train_s": train_s, "wall_s": time.perf_counter() - start,
+            "trained_group_ids": trained, "ledger": ledger, "run_dir": str(run_dir)}
+
+
+def _update_weights(cluster: RLCluster, config: RunConfig, version: int) -> dict[str, float]:
+    """The weight update, as numbered steps."""
+    metrics = {}
+    # 1. one_step_off: let in-flight generation finish, so no sample mixes two versions
+    if config.rl.drain_before_sync:
+        metrics["time/drain_s"] = ray.get(cluster.rollout.drain.remote())
+    # 2. pause engines (sync.pause_mode), stream buckets, commit `version`, resume (WeightSender)
+    metrics["time/sync_s"] = cluster.trainer.call("sync_weights", version, config.sync.bucket_bytes)
+    # 3. the engines serve `version`: admit the rounds it allows (the staleness bound)
+    ray.get(cluster.rollout.set_version.remote(version))
+    return metrics
+
+
+def _check_task(config: RunConfig) -> None:
+    """Build the task once here, so a bad task name or option fails before any process starts."""
+    import moe_rl.rl.long_tail  # noqa: F401  (registers the benchmark task)
+    from moe_rl.tasks import make_task
+
+    if config.rollout.task != "jsonl":
+        make_task(config.rollout.task, **config.rollout.task_options)
+
+
+class _Progress:
+    """A rich progress bar over RL steps."""
+
+    def __init__(self, total: int):
+        from rich.progress import Progress
+
+        self.bar = Progress(*Progress.get_default_columns(), "{task.fields[status]}")
+        self.total = total
+
+    def __enter__(self):
+        self.bar.start()
+        self.task = self.bar.add_task("rl", total=self.total, status="starting")
+        return self
+
+    def advance(self, status: str) -> None:
+        self.bar.update(self.task, advance=1, status=status)
+
+    def __exit__(self, *exc):
+        self.bar.stop()

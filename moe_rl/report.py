@@ -1,0 +1,111 @@
+"""PNG plots of a run directory's `metrics.jsonl` (`moe-rl report RUN_DIR`, and the RL job's end).
+
+Writes into `RUN_DIR/plots/`: `reward.png` (mean reward per step and a moving average),
+`staleness.png` (histogram of sample staleness over the run), `routing_agreement.png` (per-layer
+routing agreement between trainer and engine without replay, and the logprob gap with and
+without replay), `time.png` (per-step time breakdown: trainer wait, old logprobs, train step,
+drain, weight sync). A plot whose metrics the run did not log is skipped. Returns the paths.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from moe_rl.metrics import read_metrics
+
+
+def write_report(run_dir: str | Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise ValueError(f"{run_dir}: no metrics.jsonl; pass a run directory written by `moe-rl train`")
+    rows = read_metrics(run_dir)
+    out = run_dir / "plots"
+    out.mkdir(exist_ok=True)
+    written = []
+    for name, plot in (("reward", _reward), ("staleness", _staleness), ("routing_agreement", _routing),
+                       ("time", _time)):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        if plot(ax, rows):
+            fig.tight_layout()
+            fig.savefig(out / f"{name}.png", dpi=100)
+            written.append(out / f"{name}.png")
+        plt.close(fig)
+    return written
+
+
+def _series(rows, key):
+    points = [(r["step"], r[key]) for r in rows if key in r]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def _reward(ax, rows) -> bool:
+    steps, reward = _series(rows, "rollout/reward_mean")
+    if not steps:
+        return False
+    window = max(1, len(reward) // 20)
+    smooth = [sum(reward[max(0, i - window + 1): i + 1]) / len(reward[max(0, i - window + 1): i + 1])
+              for i in range(len(reward))]
+    ax.plot(steps, reward, alpha=0.35, label="mean reward")
+    ax.plot(steps, smooth, label=f"moving average ({window})")
+    ax.set(xlabel="step", ylabel="reward", title="Reward")
+    ax.legend()
+    return True
+
+
+def _staleness(ax, rows) -> bool:
+    counts: dict[int, float] = {}
+    for row in rows:
+        for key, value in row.items():
+            if match := re.fullmatch(r"rollout/staleness_count/(\d+)", key):
+                counts[int(match[1])] = counts.get(int(match[1]), 0) + value
+    if not counts:
+        return False
+    ax.bar(list(counts), list(counts.values()))
+    ax.set(xlabel="staleness (trainer version - oldest token version)", ylabel="samples",
+           title="Staleness of trained samples")
+    ax.set_xticks(sorted(counts))
+    return True
+
+
+def _routing(ax, rows) -> bool:
+    layers = sorted({k for r in rows for k in r if k.startswith("routing/agreement/")},
+                    key=lambda k: int(re.sub(r"\D", "", k) or 0))
+    plotted = False
+    for key in layers:
+        steps, values = _series(rows, key)
+        ax.plot(steps, values, label=key.rsplit("/", 1)[-1])
+        plotted = True
+    if plotted:
+        ax.set(xlabel="step", ylabel="agreement (top-k overlap)", title="Routing agreement without replay")
+        ax.legend(fontsize=7, ncol=2)
+        return True
+    for key in ("consistency/logprob_diff_mean", "consistency/logprob_diff_no_replay_mean"):
+        steps, values = _series(rows, key)
+        if steps:
+            ax.plot(steps, values, label=key.split("/")[-1])
+            plotted = True
+    if plotted:
+        ax.set(xlabel="step", ylabel="|trainer - engine| logprob", title="Train/rollout logprob gap")
+        ax.legend()
+    return plotted
+
+
+def _time(ax, rows) -> bool:
+    parts = ["time/trainer_wait_s", "time/old_logprobs_s", "time/train_step_s", "time/drain_s", "time/sync_s"]
+    parts = [p for p in parts if any(p in r for r in rows)]
+    if not parts:
+        return False
+    bottom = None
+    for key in parts:
+        steps, values = _series(rows, key)
+        ax.bar(steps, values, bottom=bottom, label=key.split("/")[1].removesuffix("_s"), width=1.0)
+        bottom = values if bottom is None else [a + b for a, b in zip(bottom, values)]
+    ax.set(xlabel="step", ylabel="seconds", title="Time per step")
+    ax.legend(fontsize=8)
+    return True

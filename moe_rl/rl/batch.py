@@ -1,0 +1,103 @@
+"""Scored groups of `Sample`s -> one trainer batch (a dict of [B, S, ...] tensors, see trainer.batch).
+
+Row i is sample i: tokens = prompt + response, right-padded with 0 to the longest row. Every
+per-token tensor sits at the token's own position t (the trainer aligns column t + 1 of it with
+the prediction of token t + 1):
+- `loss_mask`: the sample's loss mask on its response positions, 0 elsewhere (and on every token
+  of a sample the advantage step says not to keep);
+- `advantages`: the sample's group advantage on its response positions;
+- `rollout_logprobs`: the engine's logprob of each response token;
+- `stale_mask`: 1 on response tokens more than `max_token_staleness` versions old;
+- `routed_experts` (when the samples carry routing): int32 [B, S, layers, topk], row t = the
+  experts token t was routed to; rows without routing (the last token, padding) hold the distinct
+  experts 0..topk-1, so a replayed router never sees a duplicate index.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from moe_rl.algorithms import AlgorithmConfig, sample_advantages, stale_token_mask
+from moe_rl.rollout import staleness
+from moe_rl.sample import Sample
+
+
+@dataclass
+class BatchInfo:
+    """What the loop logs about one batch."""
+
+    group_ids: list[str]
+    rewards: list[float]
+    response_lengths: list[int]
+    staleness: list[int]
+    """Per sample: trainer version minus its oldest token's version."""
+    segments: list[int]
+    """Per sample: engine requests behind it (> 1 = resumed across a weight swap)."""
+
+    def metrics(self) -> dict[str, float]:
+        n = max(len(self.rewards), 1)
+        counts = Counter(self.staleness)
+        return {
+            "rollout/reward_mean": sum(self.rewards) / n,
+            "rollout/reward_max": max(self.rewards, default=0.0),
+            "rollout/response_length_mean": sum(self.response_lengths) / n,
+            "rollout/response_length_max": max(self.response_lengths, default=0),
+            "rollout/staleness_mean": sum(self.staleness) / n,
+            "rollout/staleness_max": max(self.staleness, default=0),
+            "rollout/partial_samples": sum(s > 1 for s in self.segments),
+            **{f"rollout/staleness_count/{k}": v for k, v in sorted(counts.items())},
+        }
+
+
+def build_batch(groups: list[list[Sample]], algorithm: AlgorithmConfig, version: int,
+                max_token_staleness: int) -> tuple[dict[str, torch.Tensor], BatchInfo]:
+    """The trainer batch of `groups` consumed at trainer `version`, and what to log about it."""
+    samples = [s for group in groups for s in group]
+    advantages = sample_advantages(samples, algorithm)
+    rows, seq = len(samples), max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    tokens = torch.zeros(rows, seq, dtype=torch.long)
+    loss_mask = torch.zeros(rows, seq, dtype=torch.long)
+    adv = torch.zeros(rows, seq)
+    rollout_lp = torch.zeros(rows, seq)
+    stale = torch.zeros(rows, seq, dtype=torch.long)
+    routed = _routing_tensor(samples, rows, seq)
+    for i, sample in enumerate(samples):
+        p, r = len(sample.prompt_ids), len(sample.response_ids)
+        tokens[i, : p + r] = torch.tensor(sample.prompt_ids + sample.response_ids)
+        if r == 0:
+            continue
+        response = slice(p, p + r)
+        keep = bool(advantages.keep[i])
+        loss_mask[i, response] = torch.tensor(sample.loss_mask) * int(keep)
+        adv[i, response] = advantages.advantages[i]
+        rollout_lp[i, response] = torch.tensor(sample.rollout_logprobs)
+        stale[i, response] = stale_token_mask(sample.weight_versions, version, max_token_staleness).long()
+        if routed is not None:
+            routed[i, : p + r - 1] = torch.as_tensor(sample.routed_experts.copy())
+    batch = {"tokens": tokens, "loss_mask": loss_mask, "advantages": adv, "rollout_logprobs": rollout_lp,
+             "stale_mask": stale}
+    if routed is not None:
+        batch["routed_experts"] = routed
+    info = BatchInfo(
+        group_ids=[g[0].group_id for g in groups],
+        rewards=[float(s.reward) for s in samples],
+        response_lengths=[len(s.response_ids) for s in samples],
+        staleness=[staleness(s, version) for s in samples],
+        segments=[int(s.metadata.get("num_segments", 1)) for s in samples],
+    )
+    return batch, info
+
+
+def _routing_tensor(samples: list[Sample], rows: int, seq: int) -> torch.Tensor | None:
+    with_routing = [s.routed_experts is not None for s in samples]
+    if not any(with_routing):
+        return None
+    if not all(with_routing):
+        raise ValueError("some samples carry routed experts and some do not: an engine ignored "
+                         "return_routed_experts; routing replay needs every sample's routing")
+    _, layers, topk = samples[0].routed_experts.shape
+    filler = torch.arange(topk, dtype=torch.int32)
+    return filler.expand(rows, seq, layers, topk).clone()

@@ -1,0 +1,101 @@
+"""Ray actors of the generation side: an engine server per `EngineServer`, one `RolloutWorker`.
+
+`EngineServer` owns an engine server process (the embedded CPU engine here; SGLang through the
+same launcher on GPUs) for its lifetime: Ray places and restarts actors, the actor starts and
+stops its process. `RolloutWorker` is an async actor: the `RolloutManager` runs on its event
+loop and keeps generating while the driver trains; the driver's calls (`get_batch`,
+`set_version`, `drain`) are coroutines on the same loop, so they never block generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from moe_rl.engine.client import EngineClient
+from moe_rl.engine.pool import EnginePool
+from moe_rl.rollout import RolloutConfig, RolloutManager
+
+
+class EngineServer:
+    """One engine server process (a Ray actor)."""
+
+    def __init__(self, model_dir: str, kind: str, max_batch: int, threads: int, log_path: str):
+        from moe_rl.engine.process import launch_embedded
+
+        if kind != "embedded":
+            raise ValueError(f"engines.kind={kind!r}: the RL job launches embedded engines; start SGLang "
+                             "servers with moe_rl.engine.sglang_launcher on GPU nodes")
+        self.process = launch_embedded(model_dir, weight_version="0", max_batch=max_batch,
+                                       log_path=log_path, threads=threads)
+
+    def url(self) -> str:
+        return self.process.url
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+class CountingPool(EnginePool):
+    """An `EnginePool` that counts every generated token (resumed segments included)."""
+
+    generated_tokens = 0
+
+    async def generate(self, input_ids, *, group_id=None, **kwargs):
+        result = await super().generate(input_ids, group_id=group_id, **kwargs)
+        self.generated_tokens += len(result.output_ids)
+        return result
+
+
+class RolloutWorker:
+    """The rollout manager as an async Ray actor."""
+
+    def __init__(self, config: RolloutConfig, urls: list[str], kind: str, layers: int, topk: int):
+        self.config, self.urls, self.kind, self.layout = config, urls, kind, (layers, topk)
+        self.manager = self.task = None
+
+    async def start(self) -> None:
+        import moe_rl.rl.long_tail  # noqa: F401  registers the benchmark's long-tailed task
+
+        clients = [EngineClient(url, kind=self.kind, name=f"engine-{i}", num_hidden_layers=self.layout[0],
+                                topk=self.layout[1]) for i, url in enumerate(self.urls)]
+        self.pool = CountingPool(clients)
+        self.manager = RolloutManager(self.config, self.pool)
+        self.task = asyncio.get_running_loop().create_task(self.manager.run())
+        self.started = time.perf_counter()
+
+    async def get_batch(self, n_groups: int):
+        """The next staleness-bounded batch (waits for it); raises if generation failed."""
+        batch = asyncio.ensure_future(self.manager.buffer.get_batch(n_groups))
+        await asyncio.wait({batch, self.task}, return_when=asyncio.FIRST_COMPLETED)
+        if not batch.done():
+            batch.cancel()
+            self.task.result()  # raises generation's error
+            raise RuntimeError("rollout manager stopped before the batch was complete")
+        return batch.result()
+
+    async def set_version(self, version: int) -> None:
+        await self.manager.buffer.set_version(version)
+
+    async def drain(self) -> float:
+        """Wait until no group is generating or being scored (drain-before-sync); seconds waited."""
+        start = time.perf_counter()
+        while self.manager.accounting()["open"] and not self.task.done():
+            await asyncio.sleep(0.005)
+        return time.perf_counter() - start
+
+    async def metrics(self) -> dict[str, float]:
+        return {**self.manager.metrics(), "rollout/generated_tokens": self.pool.generated_tokens,
+                "rollout/generated_tokens_per_s": self.pool.generated_tokens / (time.perf_counter() - self.started)}
+
+    async def stop(self) -> dict:
+        """Stop generating; queued groups are dropped ("unused"). Returns the ledger."""
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        buffer = self.manager.buffer
+        for gid in sorted(buffer.queued_ids()):
+            buffer.drop(gid, "unused")
+        self.manager.close()
+        await self.pool.close()
+        return {"accounting": self.manager.accounting(), "delivered": dict(buffer.delivered),
+                "dropped": dict(buffer.dropped), "started": sorted(self.manager.started_ids)}

@@ -1,0 +1,161 @@
+"""The Megatron trainer world as Ray actors: one `TrainerRank` per rank, driven in lockstep.
+
+`TrainerGroup` (driver side) creates the actors in a placement group (one bundle per rank: CPUs
+here, one GPU each on clusters), lets rank 0 pick the rendezvous (its node address and a free
+port), and calls every actor's method at once: each method runs collectives, so every rank must
+enter it. Results are rank 0's (the ranks agree). Each actor calls `cpu_compat.apply()` on the
+thread that runs Megatron (the CPU patches are per thread for the device-literal mode).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import ray
+import torch
+
+from moe_rl.algorithms import AlgorithmConfig, make_policy_loss, policy_metrics
+
+
+class TrainerRank:
+    """One rank of the trainer world (a Ray actor)."""
+
+    def __init__(self, rank: int, world_size: int, threads: int):
+        self.rank, self.world_size = rank, world_size
+        torch.set_num_threads(threads)
+        self.trainer = self.sender = None
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0: the address and a free port for the gloo/NCCL world."""
+        from parallel.world import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, master: tuple[str, int], trainer_config, model_config) -> None:
+        """Join the world and build this rank's model, DDP and optimizer (collective)."""
+        from moe_rl.trainer.megatron_trainer import MegatronTrainer
+        from parallel import cpu_compat
+        from parallel.world import init_distributed
+
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
+                          MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
+        init_distributed()
+        if not torch.cuda.is_available():
+            cpu_compat.apply()
+        self.hf_config = model_config.load_hf_config()
+        self.trainer = MegatronTrainer(trainer_config, self.hf_config)
+        if model_config.path is not None:
+            self.trainer.load_hf_weights(model_config.path)
+
+    def _enter(self) -> None:
+        if not torch.cuda.is_available():
+            from parallel import cpu_compat
+
+            cpu_compat.apply()  # idempotent; Ray may run a method on another thread
+
+    def save_hf(self, out_dir: str) -> None:
+        self._enter()
+        self.trainer.save_hf_checkpoint(out_dir, self.hf_config.to_dict())
+
+    def connect(self, urls: list[str], sync_config, kind: str) -> None:
+        """Find each pipeline stage's export source; the sync source builds the WeightSender."""
+        from moe_rl.engine.client import EngineClient
+        from parallel.export import export_source_ranks
+        from sync.pipeline import sync_source
+        from sync.sender import WeightSender
+
+        self._enter()
+        self.sources = export_source_ranks()
+        if self.rank == sync_source(self.sources):
+            clients = [EngineClient(url, kind=kind, name=f"engine-{i}") for i, url in enumerate(urls)]
+            self.sender = WeightSender(clients, sync_config)
+
+    def sync_weights(self, version: int, bucket_bytes: int) -> float:
+        """Stream the new weights to the engines as `version` (collective); returns seconds."""
+        from sync.pipeline import stage_stream
+        from sync.sender import drain
+
+        self._enter()
+        start = time.perf_counter()
+        stream = stage_stream(self.trainer.export_hf_weights(bucket_bytes), self.sources)
+        if self.sender is not None:
+            self.sender.update(stream, version)
+        else:
+            drain(stream)
+        return time.perf_counter() - start
+
+    def step(self, batch: dict[str, torch.Tensor], algorithm: AlgorithmConfig) -> dict[str, float]:
+        """Old logprobs (behaviour policy, with R3 when configured), consistency metrics, one
+        optimizer step (collective). Returns the step's metrics."""
+        self._enter()
+        trainer, mask = self.trainer, batch["loss_mask"][:, 1:].bool()
+        start = time.perf_counter()
+        old = trainer.forward_logprobs(batch)
+        metrics = {"time/old_logprobs_s": time.perf_counter() - start,
+                   **_logprob_diff(old, batch, mask, "consistency/logprob_diff")}
+        if trainer.config.routing_replay and hasattr(trainer, "routing_agreement"):  # TEMP: until R3 lands
+            natural = trainer.forward_logprobs(batch, replay=False)
+            metrics.update(_logprob_diff(natural, batch, mask, "consistency/logprob_diff_no_replay"))
+            for layer, agreement in trainer.routing_agreement(batch).items():
+                metrics[f"routing/agreement/layer{layer}"] = float(agreement)
+        batch = {**batch, "old_logprobs": torch.cat([torch.zeros_like(old[:, :1]), old], dim=1)}
+        start = time.perf_counter()
+        result = trainer.train_step(batch, make_policy_loss(algorithm))
+        metrics["time/train_step_s"] = time.perf_counter() - start
+        metrics.update({f"policy/{k}": v for k, v in policy_metrics(result.sums, result.num_tokens).items()})
+        metrics.update({"train/grad_norm": result.grad_norm, "train/loss": result.loss,
+                        "train/tokens": result.num_tokens, "train/skipped": float(result.skipped)})
+        return metrics
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _logprob_diff(logprobs: torch.Tensor, batch, mask: torch.Tensor, name: str) -> dict[str, float]:
+    """|trainer - engine| logprob over the loss tokens: mean and max."""
+    diff = (logprobs - batch["rollout_logprobs"][:, 1:]).abs()[mask]
+    if diff.numel() == 0:
+        return {}
+    return {f"{name}_mean": float(diff.mean()), f"{name}_max": float(diff.max())}
+
+
+class TrainerGroup:
+    """Driver side: the trainer world's actors, every call issued to all ranks at once."""
+
+    def __init__(self, world_size: int, trainer_config, model_config, *, use_gpus: bool):
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = {"GPU": 1, "CPU": 1} if use_gpus else {"CPU": 1}
+        self.placement = placement_group([bundle] * world_size, strategy="PACK")
+        ray.get(self.placement.ready())
+        threads = max(1, (os.cpu_count() or 1) // (2 * world_size))
+        actor = ray.remote(TrainerRank)
+        self.actors = [
+            actor.options(num_cpus=1, num_gpus=1 if use_gpus else 0,
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, i)
+                          ).remote(i, world_size, threads)
+            for i in range(world_size)
+        ]
+        master = ray.get(self.actors[0].rendezvous.remote())
+        self.call("setup", master, trainer_config, model_config)
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Run `method(*args)` on every rank (a collective); rank 0's result."""
+        refs = [ray.put(a) if isinstance(a, dict) else a for a in args]
+        return ray.get([getattr(actor, method).remote(*refs) for actor in self.actors])[0]
+
+    def close(self) -> None:
+        try:
+            self.call("close")
+        finally:
+            for actor in self.actors:
+                ray.kill(actor)
+            ray.util.remove_placement_group(self.placement)

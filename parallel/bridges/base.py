@@ -66,8 +66,23 @@ class Bridge:
         return _get(self.hf, key, default)
 
     # -- what subclasses describe ------------------------------------------------------------
-    def model_shape(self) -> ModelShape:
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer (the HF field's name differs per architecture)."""
         raise NotImplementedError
+
+    @property
+    def num_query_groups(self) -> int:
+        return int(self.get("num_key_value_heads"))
+
+    def model_shape(self) -> ModelShape:
+        return ModelShape(
+            num_layers=self.get("num_hidden_layers"),
+            num_attention_heads=self.get("num_attention_heads"),
+            num_query_groups=self.num_query_groups,
+            num_experts=self.num_experts,
+            vocab_size=self.vocab_size,
+        )
 
     def transformer_config_kwargs(self) -> dict[str, Any]:
         """Architecture-specific TransformerConfig fields."""

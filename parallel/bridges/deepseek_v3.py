@@ -16,7 +16,6 @@ from typing import Any
 
 from parallel.bridges.base import Bridge, register
 from parallel.bridges.glm4_moe import routed_and_shared_expert_mappings, sigmoid_router_kwargs
-from parallel.layout import ModelShape
 from parallel.mappings import ColumnParallel, Replicated, RopeRows, RowParallel
 
 
@@ -32,14 +31,9 @@ class DeepseekV3Bridge(Bridge):
     def q_lora_rank(self) -> int | None:
         return self.get("q_lora_rank", None)
 
-    def model_shape(self) -> ModelShape:
-        return ModelShape(
-            num_layers=self.get("num_hidden_layers"),
-            num_attention_heads=self.get("num_attention_heads"),
-            num_query_groups=self.get("num_attention_heads"),  # MLA: every head has its own k/v
-            num_experts=self.num_experts,
-            vocab_size=self.vocab_size,
-        )
+    @property
+    def num_query_groups(self) -> int:
+        return int(self.get("num_attention_heads"))  # MLA: every head has its own k/v
 
     def megatron_config_class(self):
         from megatron.core.transformer.transformer_config import MLATransformerConfig

@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 from parallel.bridges.base import Bridge, register
-from parallel.layout import ModelShape
 from parallel.mappings import GatedColumn, Replicated, RowParallel
 
 
@@ -19,15 +18,6 @@ class Glm4MoeBridge(Bridge):
     @property
     def num_experts(self) -> int:
         return int(self.get("n_routed_experts"))
-
-    def model_shape(self) -> ModelShape:
-        return ModelShape(
-            num_layers=self.get("num_hidden_layers"),
-            num_attention_heads=self.get("num_attention_heads"),
-            num_query_groups=self.get("num_key_value_heads"),
-            num_experts=self.num_experts,
-            vocab_size=self.vocab_size,
-        )
 
     def transformer_config_kwargs(self) -> dict[str, Any]:
         return dict(

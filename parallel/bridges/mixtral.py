@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 from parallel.bridges.base import Bridge, register
-from parallel.layout import ModelShape
 from parallel.mappings import Replicated
 
 
@@ -17,15 +16,6 @@ class MixtralBridge(Bridge):
     @property
     def num_experts(self) -> int:
         return int(self.get("num_local_experts"))
-
-    def model_shape(self) -> ModelShape:
-        return ModelShape(
-            num_layers=self.get("num_hidden_layers"),
-            num_attention_heads=self.get("num_attention_heads"),
-            num_query_groups=self.get("num_key_value_heads"),
-            num_experts=self.num_experts,
-            vocab_size=self.vocab_size,
-        )
 
     def transformer_config_kwargs(self) -> dict[str, Any]:
         if self.get("sliding_window", None) is not None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 from parallel.bridges.base import Bridge, register
-from parallel.layout import ModelShape
 from parallel.mappings import Replicated
 
 
@@ -26,15 +25,6 @@ class Qwen3MoeBridge(Bridge):
             int(layer not in dense and (layer + 1) % step == 0)
             for layer in range(self.get("num_hidden_layers"))
         ]
-
-    def model_shape(self) -> ModelShape:
-        return ModelShape(
-            num_layers=self.get("num_hidden_layers"),
-            num_attention_heads=self.get("num_attention_heads"),
-            num_query_groups=self.get("num_key_value_heads"),
-            num_experts=self.num_experts,
-            vocab_size=self.vocab_size,
-        )
 
     def transformer_config_kwargs(self) -> dict[str, Any]:
         if self.get("attention_bias", False):

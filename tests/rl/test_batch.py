@@ -1,0 +1,54 @@
+"""build_batch: samples -> trainer tensors at the right positions (hand-built samples, exact checks)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moe_rl.algorithms import AlgorithmConfig
+from moe_rl.rl.batch import build_batch
+from moe_rl.sample import Sample
+
+LAYERS, TOPK = 2, 2
+
+
+def sample(prompt, response, reward, gid, versions, routed=True):
+    n = len(prompt) + len(response) - 1
+    routing = np.arange(n * LAYERS * TOPK, dtype=np.int32).reshape(n, LAYERS, TOPK) % 4 if routed else None
+    return Sample(prompt_ids=prompt, response_ids=response, rollout_logprobs=[-0.5 - i for i in range(len(response))],
+                  loss_mask=[1] * len(response), weight_versions=versions, routed_experts=routing,
+                  reward=reward, group_id=gid, metadata={"num_segments": 2 if len(set(versions)) > 1 else 1})
+
+
+def test_positions_advantages_staleness_and_routing():
+    groups = [[sample([1, 5, 2], [7, 8], 1.0, "a", ["3", "3"]), sample([1, 5, 2], [9], 0.0, "a", ["2"])],
+              [sample([1, 6, 2], [4, 4, 4], 0.5, "b", ["1", "2", "3"]), sample([1, 6, 2], [3], 0.5, "b", ["3"])]]
+    batch, info = build_batch(groups, AlgorithmConfig(), version=3, max_token_staleness=1)
+    assert batch["tokens"].tolist() == [[1, 5, 2, 7, 8, 0], [1, 5, 2, 9, 0, 0], [1, 6, 2, 4, 4, 4], [1, 6, 2, 3, 0, 0]]
+    assert batch["loss_mask"].tolist() == [[0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 0, 0], [0, 0, 0, 1, 1, 1],
+                                           [0, 0, 0, 1, 0, 0]]
+    # group a: rewards 1, 0 -> (r - mean) / (unbiased std + eps) = +-0.5 / sqrt(0.5)
+    a = 0.5 / (np.sqrt(0.5) + 1e-6)
+    torch.testing.assert_close(batch["advantages"][0, 3:5], torch.full((2,), a))
+    torch.testing.assert_close(batch["advantages"][1, 3], torch.tensor(-a, dtype=torch.float32))
+    assert batch["advantages"][2:].abs().sum() == 0  # zero-variance group b
+    assert batch["rollout_logprobs"][2].tolist() == [0, 0, 0, -0.5, -1.5, -2.5]
+    assert batch["stale_mask"][2].tolist() == [0, 0, 0, 1, 0, 0]  # version 1 at trainer 3, bound 1
+    routed = batch["routed_experts"]
+    assert routed.shape == (4, 6, LAYERS, TOPK) and routed.dtype == torch.int32
+    assert torch.equal(routed[0, :4], torch.from_numpy(groups[0][0].routed_experts))
+    assert torch.equal(routed[1, 3:], torch.arange(TOPK, dtype=torch.int32).expand(3, LAYERS, TOPK))
+    assert info.group_ids == ["a", "b"] and info.staleness == [0, 1, 2, 0] and info.segments == [1, 1, 2, 1]
+    metrics = info.metrics()
+    assert metrics["rollout/reward_mean"] == 0.5 and metrics["rollout/staleness_count/2"] == 1
+    assert metrics["rollout/partial_samples"] == 1
+
+
+def test_dropped_zero_variance_groups_are_masked_and_mixed_routing_is_refused():
+    groups = [[sample([1, 2], [3], 1.0, "a", ["0"]), sample([1, 2], [4], 1.0, "a", ["0"])]]
+    batch, _ = build_batch(groups, AlgorithmConfig(drop_zero_variance_groups=True), 0, 0)
+    assert batch["loss_mask"].sum() == 0
+    mixed = [[sample([1, 2], [3], 1.0, "a", ["0"]), sample([1, 2], [4], 0.0, "a", ["0"], routed=False)]]
+    with pytest.raises(ValueError, match="routed experts"):
+        build_batch(mixed, AlgorithmConfig(), 0, 0)

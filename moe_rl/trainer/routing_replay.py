@@ -21,13 +21,13 @@ How rows are aligned (`routed_experts` is int [B, S, num_hidden_layers, topk]):
   contiguous chunk [r * S'/tp, (r + 1) * S'/tp) of the S' = S - 1 inputs (S' is padded to a
   multiple of tp by the trainer). Expert ids are global (EP needs no mapping).
 
-megatron-core 0.16.1 quirks handled here (see NOTES.md): actions are per RouterReplay and
-0.16.1 never switches to REPLAY_BACKWARD itself, so `running("replay")` wraps the schedules'
-`backward_step` in `running("replay")` (activation recompute then pops each microbatch's own indices from the
-per-router FIFO that `set_target_indices` fills, in forward order = 1F1B backward order);
-nothing checks shapes or ids, so `check` does; the FIFO only shrinks under recompute, so
-indices are cleared after every schedule. Only this model's RouterReplay objects are driven
-(never the process-global list, which also holds other models' routers).
+megatron-core 0.16.1 quirks handled here (see NOTES.md): 0.16.1 never switches to
+REPLAY_BACKWARD itself, so `running("replay")` wraps the schedules' `backward_step`; activation
+recompute then pops each microbatch's own indices from the per-router FIFO that
+`set_target_indices` fills (forward order = 1F1B backward order). Nothing checks shapes or ids,
+so `check` does. The FIFO only shrinks under recompute, so indices are cleared after every
+schedule. Only this model's RouterReplay objects are driven, never through the process-global
+list (which also holds the routers of every other model built in the process).
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ class TrainerRank:
         old = trainer.forward_logprobs(batch)
         metrics = {"time/old_logprobs_s": time.perf_counter() - start,
                    **_logprob_diff(old, batch, mask, "consistency/logprob_diff")}
-        if trainer.config.routing_replay and hasattr(trainer, "routing_agreement"):  # TEMP: until R3 lands
+        if trainer.config.routing_replay:
             natural = trainer.forward_logprobs(batch, replay=False)
             metrics.update(_logprob_diff(natural, batch, mask, "consistency/logprob_diff_no_replay"))
             for layer, agreement in trainer.routing_agreement(batch).items():

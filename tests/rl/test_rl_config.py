@@ -1,0 +1,53 @@
+"""RL sections of the run config: validated before any process starts; modes set the staleness."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moe_rl.config import load_config
+from moe_rl.report import write_report
+
+DEMO = "configs/demo_cpu.yaml"
+
+
+def test_demo_config_is_rl_and_modes_set_staleness():
+    config = load_config(DEMO)
+    assert config.is_rl and config.rl.mode == "fully_async"
+    assert config.effective_rollout().max_staleness == config.rollout.max_staleness
+    with pytest.warns(UserWarning, match="ignored"):
+        assert load_config(DEMO, ["rl.mode=sync"]).effective_rollout().max_staleness == 0
+    assert load_config(DEMO, ["rl.mode=one_step_off", "rollout.max_staleness=1"]).rl.drain_before_sync
+    assert not load_config("configs/smoke_cpu.yaml").is_rl
+
+
+@pytest.mark.parametrize("override, field", [
+    ("trainer.global_batch_size=32", "trainer.global_batch_size"),
+    ("rollout.max_staleness=0", "max_staleness"),
+    ("rl.mode=async", "rl.mode"),
+    ("algorithm.kl_coef=0.1", "algorithm.kl_coef"),
+    ("engines.count=0", "engines.count"),
+    ("rollout.return_routed_experts=false", "routing_replay"),
+    ("sync.pause_mode=stop", "pause_mode"),
+])
+def test_bad_rl_settings_name_the_field(override, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        load_config(DEMO, [override])
+
+
+def test_off_policy_none_needs_staleness_zero():
+    with pytest.raises(ValueError, match="off_policy"):
+        load_config(DEMO, ["algorithm.off_policy=none"])
+    load_config(DEMO, ["algorithm.off_policy=none", "rl.mode=sync", "rollout.max_staleness=0"])
+
+
+def test_report_writes_every_plot(tmp_path):
+    rows = [{"step": s, "rollout/reward_mean": s / 10, "rollout/staleness_count/0": 3, "rollout/staleness_count/1": s,
+             "routing/agreement/layer0": 0.9, "routing/agreement/layer1": 0.8, "time/trainer_wait_s": 0.1,
+             "time/train_step_s": 0.2, "time/sync_s": 0.05} for s in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    names = {p.name for p in write_report(tmp_path)}
+    assert names == {"reward.png", "staleness.png", "routing_agreement.png", "time.png"}
+    with pytest.raises(ValueError, match="metrics.jsonl"):
+        write_report(tmp_path / "missing")

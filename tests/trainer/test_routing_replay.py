@@ -155,6 +155,7 @@ def run_world(hf_dir, batch, real, rollout_routing):
         if not recompute:
             out["pp"] = replay_mismatches(trainer, batch, real)
             out["pp_natural_agreement"] = trainer.routing_agreement(batch)
+            out["pp_logprobs_replay"] = trainer.forward_logprobs(rollout_batch, replay=True)
         result = trainer.train_step(batch)
         steps.append((result.loss, result.grad_norm, [p.detach().clone() for p in trainer.model.module.parameters()]))
     (loss_a, norm_a, params_a), (loss_b, norm_b, params_b) = steps
@@ -215,6 +216,9 @@ def test_replay_shrinks_logprob_gap(world):
     print(f"agreement {agreement}; |logprob gap| replay {gap_replay:.2e} vs natural {gap_natural:.2e}")
     assert gap_replay < 0.5 * gap_natural, (gap_replay, gap_natural)
     assert torch.equal(out["logprobs_default"], out["logprobs_replay"])  # routing_replay=True + routed_experts
+    # PP stages replay their own layers (global layer = stage offset + local index): same result.
+    pp_gap = (out["pp_logprobs_replay"] - out["logprobs_replay"])[trained].abs().max()
+    assert pp_gap < 1e-4, pp_gap
 
 
 def test_recompute_replays_each_microbatch(world):

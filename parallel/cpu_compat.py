@@ -52,6 +52,7 @@ def apply() -> None:
     _router_gating_without_te()
     _distributed_optimizer_checkpoint_without_te()
     _mla_without_te()
+    _device_mode_in_recompute()
     _applied = True
 
 
@@ -383,3 +384,21 @@ def _mla_without_te() -> None:
     from megatron.core.transformer import multi_latent_attention
 
     multi_latent_attention.HAVE_TE = False
+
+
+# -- patch 10: activation recompute in backward ----------------------------------------------
+def _device_mode_in_recompute() -> None:
+    """Torch-function modes are off while autograd runs backward, so Megatron's activation
+    recompute (`CheckpointFunction.backward` re-running the layer's forward) reaches the
+    `device="cuda"` literal of `get_default_causal_mask` without patch 3: "Torch not compiled
+    with CUDA enabled" with `recompute_granularity="full"` (all versions). The recompute runs
+    inside the device mode."""
+    from megatron.core.tensor_parallel.random import CheckpointFunction
+
+    backward = CheckpointFunction.backward
+
+    def backward_in_device_mode(ctx, *grads):
+        with CudaLiteralsToCpu():
+            return backward(ctx, *grads)
+
+    CheckpointFunction.backward = staticmethod(backward_in_device_mode)

@@ -167,3 +167,23 @@ def test_device_literals_also_land_on_cpu_in_another_thread():
     thread.start()
     thread.join()
     assert devices == ["cpu"]
+
+
+def _train_with_recompute() -> float:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+    from tiny_qwen3 import hf_config
+
+    from moe_rl.config import TrainerConfig
+    from moe_rl.trainer.megatron_trainer import MegatronTrainer
+
+    trainer = MegatronTrainer(TrainerConfig(world_size=1, recompute=True, global_batch_size=2), hf_config())
+    tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    return trainer.train_step({"tokens": tokens, "loss_mask": torch.ones_like(tokens)}).grad_norm
+
+
+def test_activation_recompute_runs_backward_on_cpu():
+    (grad_norm,) = spawn(_train_with_recompute, 1)
+    assert grad_norm > 0

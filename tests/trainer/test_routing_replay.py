@@ -109,23 +109,6 @@ def bad_input_errors(trainer, batch) -> list[str]:
     return messages + [f"router calls: {sum(len(calls) for calls in maps.values())}"]
 
 
-def cpu_device_mode_in_recompute():
-    """CPU workaround, reported for parallel/cpu_compat.py: torch-function modes are off inside
-    autograd backward, so Megatron's recompute (CheckpointFunction.backward) reaches the
-    `device="cuda"` literal of `get_default_causal_mask` without cpu_compat's device mode."""
-    from megatron.core.tensor_parallel.random import CheckpointFunction
-
-    from parallel.cpu_compat import CudaLiteralsToCpu
-
-    backward = CheckpointFunction.backward
-
-    def backward_in_device_mode(ctx, *grads):
-        with CudaLiteralsToCpu():
-            return backward(ctx, *grads)
-
-    CheckpointFunction.backward = staticmethod(backward_in_device_mode)
-
-
 def run_world(hf_dir, batch, real, rollout_routing):
     from moe_rl.config import TrainerConfig
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
@@ -150,8 +133,6 @@ def run_world(hf_dir, batch, real, rollout_routing):
                                micro_batch_size=1, global_batch_size=ROWS)
         trainer = MegatronTrainer(config, hf_config())
         trainer.load_hf_weights(hf_dir)
-        if recompute and not torch.cuda.is_available():
-            cpu_device_mode_in_recompute()
         if not recompute:
             out["pp"] = replay_mismatches(trainer, batch, real)
             out["pp_natural_agreement"] = trainer.routing_agreement(batch)

@@ -125,13 +125,65 @@ class EngineConfig:
     """Most requests one engine decodes together."""
     threads: int = 1
     """CPU threads per embedded engine process."""
+    tp: int = 1
+    """SGLang `--tp-size`: GPUs per engine (attention/dense layers split over them)."""
+    ep: int = 1
+    """SGLang `--ep-size`: experts split over this many of the engine's GPUs (divides tp)."""
+    dp: int = 1
+    """SGLang `--dp-size` (DP attention): attention replicated over dp groups of tp/dp GPUs."""
+    mem_fraction_static: float = 0.85
+    """SGLang `--mem-fraction-static`: share of GPU memory for weights + KV cache."""
 
     def __post_init__(self):
         if self.kind not in ENGINE_KINDS:
             raise ValueError(f"engines.kind={self.kind!r}: use one of {ENGINE_KINDS}")
-        for name in ("count", "max_batch", "threads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"engines.{name}={getattr(self, name)}: must be >= 1")
+        for name in ("count", "max_batch", "threads", "tp", "ep", "dp"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"engines.{name}={getattr(self, name)!r}: must be an integer >= 1")
+        for name in ("ep", "dp"):
+            if self.tp % getattr(self, name):
+                raise ValueError(f"engines.{name}={getattr(self, name)} does not divide engines.tp={self.tp} "
+                                 f"(SGLang splits an engine's tp GPUs into {name} groups): make it a divisor")
+        if self.kind == "embedded" and self.gpus_per_engine > 1:
+            raise ValueError(f"engines.tp={self.tp}: the embedded engine is one CPU process; set engines.tp: 1 "
+                             "or use engines.kind: sglang")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"engines.mem_fraction_static={self.mem_fraction_static}: must be in (0, 1)")
+
+    @property
+    def gpus_per_engine(self) -> int:
+        return self.tp
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    """The machines a run is placed on (read by `moe-rl plan`; Ray/SLURM own the real placement)."""
+
+    nodes: int = 1
+    """Nodes in the allocation."""
+    gpus_per_node: int = 8
+    """GPUs per node."""
+    gpu_memory_gb: float = 80.0
+    """Memory of one GPU in GB (1e9 bytes), e.g. 80 (H100), 141 (H200)."""
+    param_dtype: str = "bfloat16"
+    """Dtype of the trained weights on GPUs, of the engines' weights and of the sync buckets."""
+
+    def __post_init__(self):
+        for name in ("nodes", "gpus_per_node"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"cluster.{name}={getattr(self, name)!r}: must be an integer >= 1")
+        if self.gpu_memory_gb <= 0:
+            raise ValueError(f"cluster.gpu_memory_gb={self.gpu_memory_gb}: must be > 0")
+        if self.param_dtype not in PARAM_DTYPES:
+            raise ValueError(f"cluster.param_dtype={self.param_dtype!r}: use one of {sorted(PARAM_DTYPES)}")
+
+    @property
+    def total_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+PARAM_DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
+"""Bytes per element of each supported parameter dtype."""
 
 
 @dataclass(kw_only=True)
@@ -186,6 +238,8 @@ class RunConfig:
     """RL: the rollout engines."""
     rl: RLConfig = field(default_factory=RLConfig)
     """RL: the loop's mode and end-of-run outputs."""
+    cluster: ClusterConfig | None = None
+    """The GPU allocation (`moe-rl plan` places the trainer and engines on it); None on CPU."""
 
     def __post_init__(self):
         if self.steps < 1:
@@ -195,6 +249,8 @@ class RunConfig:
         self.trainer.check_model(bridge_for(self.model.load_hf_config()).model_shape())
         if self.rollout is not None:
             self._check_rl()
+        if self.cluster is not None:
+            self._check_cluster()
 
     @property
     def is_rl(self) -> bool:
@@ -217,11 +273,20 @@ class RunConfig:
         if self.trainer.routing_replay and not rollout.return_routed_experts:
             raise ValueError("trainer.routing_replay needs the engines' routing: set "
                              "rollout.return_routed_experts: true")
-        if self.engines.kind == "sglang" and not __import__("torch").cuda.is_available():
-            raise ValueError("engines.kind='sglang' needs GPUs; use engines.kind: embedded on CPU")
         if self.sync.transport == "cuda_ipc":
             raise ValueError("sync.transport='cuda_ipc' needs colocated GPU engines, which the RL job "
                              "does not place yet: use broadcast or disk")
+
+    def _check_cluster(self) -> None:
+        trainer, engines = self.trainer.world_size, self.engines.count * self.engines.gpus_per_engine
+        if self.is_rl and trainer + engines > self.cluster.total_gpus:
+            raise ValueError(
+                f"cluster: {self.cluster.nodes} nodes x {self.cluster.gpus_per_node} GPUs = {self.cluster.total_gpus} "
+                f"GPUs, but trainer.world_size={trainer} + engines.count x engines.tp={engines} need "
+                f"{trainer + engines}: raise cluster.nodes or shrink a pool")
+        if not self.is_rl and trainer > self.cluster.total_gpus:
+            raise ValueError(f"trainer.world_size={trainer} exceeds the cluster's {self.cluster.total_gpus} GPUs: "
+                             "raise cluster.nodes or lower world_size")
 
     def effective_rollout(self) -> RolloutConfig:
         """The rollout section with the staleness bound the mode implies."""
@@ -284,6 +349,9 @@ def _convert(hint: Any, value: Any, name: str):
         options = typing.get_args(hint)
         if value is None and type(None) in options:
             return None
+        present = [o for o in options if o is not type(None)]
+        if len(present) == 1:  # Optional[X]: X's own error names the field
+            return _convert(present[0], value, name)
         for option in options:
             if option is type(None):
                 continue

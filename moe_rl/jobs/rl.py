@@ -89,6 +89,9 @@ def _check_task(config: RunConfig) -> None:
 
     if config.rollout.task != "jsonl":
         make_task(config.rollout.task, **config.rollout.task_options)
+    if config.engines.kind == "sglang" and not __import__("torch").cuda.is_available():
+        raise ValueError("engines.kind='sglang' needs GPUs; use engines.kind: embedded on CPU "
+                         "(`moe-rl plan` checks GPU configs on any machine)")
 
 
 class _Progress:

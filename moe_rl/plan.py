@@ -1,0 +1,289 @@
+"""`make_plan(config)`: where a run's processes go and whether they fit, before any GPU is touched.
+
+A plan places the trainer ranks and the engines on `cluster` (GPUs numbered node-major; the
+trainer takes the first `trainer.world_size`, engines follow, `engines.tp` GPUs each, never
+straddling a node unless they own whole nodes), lists Megatron's parallel groups, estimates
+memory per GPU and the bytes every engine receives per weight sync. Any impossibility is a
+ValueError naming the field and the fix.
+
+Parameter counts are exact: the HF model is built on the meta device (no memory, ~2 s for
+DeepSeek-V3) and its unique parameters are classified by layer and as routed expert
+(`.experts.` in the HF name) or not; the embedding goes to the first pipeline stage, the final
+norm and `lm_head` to the last.
+
+Trainer memory per GPU, for the worst pipeline stage (bytes; B = bytes of `cluster.param_dtype`;
+D, X = dense and routed-expert parameters of the stage):
+  local params   Pd = D / tp,  Pe = X / (etp * ep)
+  weights        B * (Pd + Pe)
+  gradients      4 * (Pd + Pe)                 fp32 main-grad buffers (Megatron DDP)
+  optimizer      12 * (Pd / dp + Pe / edp)     fp32 master + Adam m, v; distributed optimizer
+                 12 * (Pd + Pe)                without it
+  activations    per microbatch and layer, s = data.seq_length, b = micro_batch_size, h = hidden,
+                 sequence parallel dividing by tp (Korthikanti et al. 2022, flash attention: no
+                 s^2 term, SwiGLU MLPs):
+                   attention + norms  15 s b h
+                   dense MLP          2 s b h + 6 s b f                   (f = intermediate_size)
+                   MoE MLP            2 s b h + k (2 s b h + 6 s b f_e) + shared expert MLP
+                 times the layers of the stage times the microbatches 1F1B keeps in flight on
+                 stage p (min(pp - p, microbatches)); with `trainer.recompute` only each layer's
+                 input (2 s b h) is kept, plus one layer's full activations; the last stage
+                 adds fp32 logits (4 s b vocab / tp).
+Not counted: CUDA context, NCCL buffers, allocator fragmentation (keep ~10 GB of headroom).
+
+Engine memory per GPU (SGLang): weights B * (dense / (tp / dp) + experts / tp) (DP attention
+replicates attention over dp groups); the rest of `engines.mem_fraction_static` of the GPU is
+KV cache, which must be positive.
+
+Bytes per sync: every engine receives the whole exported HF state dict in `param_dtype`
+(broadcast), i.e. B x the model's unique parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+from dataclasses import dataclass, field
+
+from moe_rl.config import PARAM_DTYPES, RunConfig
+
+GB = 1e9
+HEADROOM_GB = 10.0
+"""Memory the estimate leaves out (CUDA context, NCCL buffers, fragmentation): a note below it."""
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Unique parameters of the HF model, split by where they live."""
+
+    dense_per_layer: tuple[int, ...]
+    expert_per_layer: tuple[int, ...]
+    embedding: int
+    head: int  # final norm + lm_head (0 for lm_head when tied)
+
+    @property
+    def total(self) -> int:
+        return sum(self.dense_per_layer) + sum(self.expert_per_layer) + self.embedding + self.head
+
+    @property
+    def experts(self) -> int:
+        return sum(self.expert_per_layer)
+
+
+def count_parameters(hf_config) -> ParamCounts:
+    return _count(json.dumps(hf_config.to_dict(), sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=16)
+def _count(config_json: str) -> ParamCounts:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = json.loads(config_json)
+    hf = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    layers = hf.num_hidden_layers
+    dense, expert, embedding, head = [0] * layers, [0] * layers, 0, 0
+    for name, param in model.named_parameters():  # tied parameters appear once
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"]:
+            layer = int(parts[2])
+            (expert if ".experts." in name else dense)[layer] += param.numel()
+        elif name.startswith(("lm_head", "model.norm")):
+            head += param.numel()
+        else:
+            embedding += param.numel()
+    return ParamCounts(tuple(dense), tuple(expert), embedding, head)
+
+
+@dataclass
+class Plan:
+    """What `moe-rl plan` prints."""
+
+    placement: dict[int, list[str]]  # node -> "GPUs a-b: role" lines
+    groups: dict[str, list[list[int]]]
+    trainer_memory: dict[str, float]  # GB per GPU, worst stage
+    trainer_stage: int
+    engine_memory: dict[str, float]
+    sync_bytes: int
+    params: ParamCounts
+    notes: list[str] = field(default_factory=list)
+
+    def render(self) -> str:
+        lines = ["placement:"]
+        for node, rows in self.placement.items():
+            lines += [f"  node {node}: {row}" for row in rows]
+        lines.append("trainer parallel groups (global trainer ranks):")
+        for name, groups in self.groups.items():
+            shown = ", ".join(_span(g) for g in groups[:3]) + (", ..." if len(groups) > 3 else "")
+            lines.append(f"  {name:4s} {len(groups)} x {len(groups[0])}: {shown}")
+        lines.append(f"parameters: {self.params.total / 1e9:.2f} B ({self.params.experts / 1e9:.2f} B routed experts)")
+        lines.append(f"trainer memory per GPU (GB, stage {self.trainer_stage}): "
+                     + "  ".join(f"{k} {v:.1f}" for k, v in self.trainer_memory.items()))
+        lines.append("engine memory per GPU (GB): " + "  ".join(f"{k} {v:.1f}" for k, v in self.engine_memory.items()))
+        lines.append(f"sync: {self.sync_bytes / GB:.2f} GB to each engine per step")
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+def make_plan(config: RunConfig) -> Plan:
+    """Validate `config` against its cluster and return the plan; ValueError when it cannot run."""
+    if config.cluster is None:
+        raise ValueError("cluster: missing; add a cluster section (nodes, gpus_per_node, gpu_memory_gb) to plan "
+                         "a GPU run (see configs/models/)")
+    if config.engines.kind != "sglang" and config.is_rl:
+        raise ValueError(f"engines.kind={config.engines.kind!r}: GPU plans place SGLang engines; set engines.kind: sglang")
+    placement = place(config)
+    hf = config.model.load_hf_config()
+    _check_engine_model(config, hf)
+    counts = count_parameters(hf)
+    dtype_bytes = PARAM_DTYPES[config.cluster.param_dtype]
+    stage, trainer = trainer_memory(config, hf, counts, dtype_bytes)
+    engine = engine_memory(config, counts, dtype_bytes) if config.is_rl else {}
+    plan = Plan(placement=placement, groups=parallel_groups(config.trainer), trainer_memory=trainer,
+                trainer_stage=stage, engine_memory=engine, sync_bytes=counts.total * dtype_bytes, params=counts)
+    if config.is_rl:
+        buckets = -(-plan.sync_bytes // config.sync.bucket_bytes)
+        plan.notes.append(f"{buckets} buckets of <= {config.sync.bucket_bytes / 2**20:.0f} MiB per sync")
+    if trainer["total"] > config.cluster.gpu_memory_gb - HEADROOM_GB:
+        plan.notes.append(f"trainer leaves < {HEADROOM_GB:g} GB per GPU for CUDA/NCCL/fragmentation: expect OOM risk")
+    return plan
+
+
+def place(config: RunConfig) -> dict[int, list[str]]:
+    """Node -> what runs on its GPUs. Raises when an engine would straddle nodes."""
+    cluster, engines = config.cluster, config.engines
+    per_node, rows = cluster.gpus_per_node, {n: [] for n in range(cluster.nodes)}
+    world = config.trainer.world_size
+    for node in range(cluster.nodes):
+        lo, hi = node * per_node, min(world, (node + 1) * per_node)
+        if lo < hi:
+            rows[node].append(f"GPUs {lo - node * per_node}-{hi - 1 - node * per_node}: trainer ranks {lo}-{hi - 1}")
+    count = engines.count if config.is_rl else 0
+    for i in range(count):
+        start, size = world + i * engines.gpus_per_engine, engines.gpus_per_engine
+        first, last = start // per_node, (start + size - 1) // per_node
+        whole_nodes = size % per_node == 0 and start % per_node == 0
+        if first != last and not whole_nodes:
+            raise ValueError(
+                f"engines: engine {i} (engines.tp={size} GPUs from global GPU {start}) would straddle nodes "
+                f"{first} and {last}: make trainer.world_size a multiple of engines.tp, and engines.tp a divisor "
+                f"or multiple of cluster.gpus_per_node={per_node}")
+        for node in range(first, last + 1):
+            lo, hi = max(start, node * per_node), min(start + size, (node + 1) * per_node)
+            rows[node].append(f"GPUs {lo - node * per_node}-{hi - 1 - node * per_node}: engine {i} "
+                              f"(SGLang tp={engines.tp} ep={engines.ep} dp={engines.dp})")
+    used = world + count * engines.gpus_per_engine
+    for node in range(cluster.nodes):
+        if (node + 1) * per_node > used:
+            lo = max(used, node * per_node) - node * per_node
+            if lo < per_node:
+                rows[node].append(f"GPUs {lo}-{per_node - 1}: idle")
+    return rows
+
+
+def parallel_groups(layout) -> dict[str, list[list[int]]]:
+    """Megatron's groups (order tp-cp-ep-dp-pp): dense ranks = tp x dp x pp, expert ranks =
+    etp x ep x edp x pp, the first axis fastest."""
+    dense = [("tp", layout.tp), ("dp", layout.dp), ("pp", layout.pp)]
+    expert = [("etp", layout.expert_tp), ("ep", layout.ep), ("edp", layout.expert_dp), ("pp", layout.pp)]
+    groups = {axis: _groups(dense, axis) for axis in ("tp", "dp", "pp")}
+    groups.update({axis: _groups(expert, axis) for axis in ("ep", "etp", "edp")})
+    return groups
+
+
+def _groups(dims: list[tuple[str, int]], axis: str) -> list[list[int]]:
+    strides, stride = {}, 1
+    for name, size in dims:
+        strides[name], stride = stride, stride * size
+    others = [(name, size) for name, size in dims if name != axis]
+    size = dict(dims)[axis]
+    result = []
+    for coords in itertools.product(*(range(s) for _, s in reversed(others))):
+        base = sum(c * strides[name] for c, (name, _) in zip(coords, reversed(others)))
+        result.append([base + i * strides[axis] for i in range(size)])
+    return sorted(result)
+
+
+def trainer_memory(config: RunConfig, hf, counts: ParamCounts, dtype_bytes: int) -> tuple[int, dict[str, float]]:
+    """(worst stage, GB per GPU by component); raises when it exceeds the GPU."""
+    t = config.trainer
+    layers_per_stage = hf.num_hidden_layers // t.pp
+    s, b, h = config.data.seq_length, t.micro_batch_size, hf.hidden_size
+    per_layer = [_activation_bytes(hf, s, b, moe=counts.expert_per_layer[i] > 0) / t.tp
+                 for i in range(hf.num_hidden_layers)]
+    worst = (0, {}, -1.0)
+    for p in range(t.pp):
+        layers = range(p * layers_per_stage, (p + 1) * layers_per_stage)
+        dense = sum(counts.dense_per_layer[i] for i in layers) + (counts.embedding if p == 0 else 0) \
+            + (counts.head if p == t.pp - 1 else 0)
+        pd, pe = dense / t.tp, sum(counts.expert_per_layer[i] for i in layers) / (t.expert_tp * t.ep)
+        optimizer = 12 * (pd / t.dp + pe / t.expert_dp) if t.optimizer.distributed else 12 * (pd + pe)
+        in_flight = min(t.pp - p, t.num_microbatches)
+        if t.recompute:
+            acts = in_flight * len(layers) * 2 * s * b * h / t.tp + max(per_layer[i] for i in layers)
+        else:
+            acts = in_flight * sum(per_layer[i] for i in layers)
+        if p == t.pp - 1:
+            acts += 4 * s * b * hf.vocab_size / t.tp
+        memory = {"weights": dtype_bytes * (pd + pe) / GB, "grads": 4 * (pd + pe) / GB,
+                  "optimizer": optimizer / GB, "activations": acts / GB}
+        memory["total"] = sum(memory.values())
+        if memory["total"] > worst[2]:
+            worst = (p, memory, memory["total"])
+    stage, memory, total = worst
+    if total > config.cluster.gpu_memory_gb:
+        raise ValueError(
+            f"trainer: ~{total:.0f} GB per GPU on pipeline stage {stage} (weights {memory['weights']:.0f}, grads "
+            f"{memory['grads']:.0f}, optimizer {memory['optimizer']:.0f}, activations {memory['activations']:.0f}) "
+            f"exceeds cluster.gpu_memory_gb={config.cluster.gpu_memory_gb:g}: raise trainer.ep/pp/tp or world_size, "
+            "set trainer.optimizer.distributed: true or trainer.recompute: true, or lower micro_batch_size")
+    return stage, memory
+
+
+def _activation_bytes(hf, s: int, b: int, *, moe: bool) -> float:
+    h = hf.hidden_size
+    attention = 15 * s * b * h
+    if not moe:
+        return attention + 2 * s * b * h + 6 * s * b * hf.intermediate_size
+    f_expert = getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size
+    shared = (getattr(hf, "n_shared_experts", None) or 0) * f_expert
+    mlp = 2 * s * b * h + hf.num_experts_per_tok * (2 * s * b * h + 6 * s * b * f_expert)
+    if shared:
+        mlp += 2 * s * b * h + 6 * s * b * shared
+    return attention + mlp
+
+
+def engine_memory(config: RunConfig, counts: ParamCounts, dtype_bytes: int) -> dict[str, float]:
+    e, gpu = config.engines, config.cluster.gpu_memory_gb
+    dense = counts.total - counts.experts
+    weights = dtype_bytes * (dense / (e.tp // e.dp) + counts.experts / e.tp) / GB
+    kv_cache = e.mem_fraction_static * gpu - weights
+    if kv_cache <= 0:
+        raise ValueError(
+            f"engines: ~{weights:.0f} GB of weights per GPU exceed engines.mem_fraction_static x "
+            f"cluster.gpu_memory_gb = {e.mem_fraction_static * gpu:.0f} GB: raise engines.tp (GPUs per engine) "
+            f"or lower engines.dp")
+    return {"weights": weights, "kv_cache": kv_cache}
+
+
+def _check_engine_model(config: RunConfig, hf) -> None:
+    from parallel.bridges import bridge_for
+
+    e, shape = config.engines, bridge_for(hf).model_shape()
+    if not config.is_rl:
+        return
+    attention_tp = e.tp // e.dp
+    if shape.num_attention_heads % attention_tp:
+        raise ValueError(f"engines.tp/engines.dp={attention_tp} does not divide the model's "
+                         f"{shape.num_attention_heads} attention heads: change engines.tp or engines.dp")
+    if shape.num_experts and shape.num_experts % e.ep:
+        raise ValueError(f"engines.ep={e.ep} does not divide the model's {shape.num_experts} experts: "
+                         "choose a divisor")
+
+
+def _span(group: list[int]) -> str:
+    if len(group) > 1 and all(b - a == group[1] - group[0] for a, b in zip(group, group[1:])):
+        step = group[1] - group[0]
+        return f"[{group[0]}..{group[-1]}{'' if step == 1 else f' step {step}'}]"
+    return str(group)

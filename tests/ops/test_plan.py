@@ -1,0 +1,116 @@
+"""`moe-rl plan`: every shipped GPU config plans cleanly; broken ones fail naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moe_rl import cli
+from moe_rl.config import load_config
+from moe_rl.plan import make_plan, parallel_groups
+
+MODELS = sorted(Path("configs/models").glob("*.yaml"))
+TINY = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+        "tie_word_embeddings": False}
+
+
+def test_five_model_configs_ship():
+    names = {p.stem for p in MODELS}
+    assert names == {"qwen3_30b_a3b", "qwen3_235b_a22b", "deepseek_v3", "glm45_air", "mixtral_8x7b"}
+
+
+@pytest.mark.parametrize("path", MODELS, ids=lambda p: p.stem)
+def test_shipped_config_plans_cleanly(path, capsys):
+    assert cli.main(["plan", str(path)]) == 0
+    out = capsys.readouterr().out
+    config = load_config(path)
+    plan = make_plan(config)
+    assert plan.trainer_memory["total"] <= config.cluster.gpu_memory_gb
+    assert plan.engine_memory["kv_cache"] > 0
+    for word in ("placement:", "trainer ranks 0-", "engine 0", "tp ", "ep ", "sync:", "optimizer"):
+        assert word in out
+    # every trainer rank and every engine GPU is placed exactly once
+    lines = [row for rows in plan.placement.values() for row in rows]
+    engine_rows = {row.split(": ", 1)[1] for row in lines if "engine" in row}
+    assert len(engine_rows) == config.engines.count
+
+
+def test_parallel_groups_match_megatron_rank_generator():
+    from megatron.core.parallel_state import RankGenerator
+
+    layout = load_config(MODELS[0]).trainer.__class__  # TrainerConfig
+    for tp, pp, ep, etp, world in [(2, 2, 4, 1, 16), (4, 2, 16, 1, 64), (1, 1, 8, 1, 16), (2, 1, 2, 2, 8)]:
+        t = layout(world_size=world, tp=tp, pp=pp, ep=ep, etp=etp, sequence_parallel=tp > 1)
+        dense = RankGenerator(tp=tp, ep=1, dp=t.dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+        expert = RankGenerator(tp=etp, ep=ep, dp=t.expert_dp, pp=pp, cp=1, order="tp-ep-dp-pp")
+        groups = parallel_groups(t)
+        for axis, gen, token in [("tp", dense, "tp"), ("dp", dense, "dp"), ("pp", dense, "pp"),
+                                 ("etp", expert, "tp"), ("ep", expert, "ep"), ("edp", expert, "dp")]:
+            assert groups[axis] == sorted(gen.get_ranks(token)), (axis, tp, pp, ep, etp)
+
+
+def test_sync_bytes_equal_the_saved_hf_state_dict(tmp_path):
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(TINY)
+    hf = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    AutoModelForCausalLM.from_config(hf).to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    saved = 0
+    for file in (tmp_path / "hf").glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            saved += sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+    config = _tiny_run(tmp_path)
+    assert make_plan(config).sync_bytes == saved
+
+
+def test_distributed_optimizer_and_recompute_lower_the_estimate():
+    base = make_plan(load_config("configs/models/qwen3_30b_a3b.yaml", ["trainer.recompute=false",
+                                                                        "cluster.gpu_memory_gb=200"]))
+    recompute = make_plan(load_config("configs/models/qwen3_30b_a3b.yaml"))
+    plain = make_plan(load_config("configs/models/qwen3_30b_a3b.yaml", ["trainer.optimizer.distributed=false",
+                                                                         "cluster.gpu_memory_gb=200"]))
+    assert recompute.trainer_memory["activations"] < base.trainer_memory["activations"]
+    assert plain.trainer_memory["optimizer"] > recompute.trainer_memory["optimizer"]
+
+
+@pytest.mark.parametrize("config, overrides, message", [
+    ("qwen3_30b_a3b", ["cluster.nodes=2"], r"cluster: 2 nodes x 8 GPUs = 16 GPUs, .* need 24"),
+    ("qwen3_30b_a3b", ["engines.tp=3"], r"engines.ep=2 does not divide engines.tp=3"),
+    ("qwen3_30b_a3b", ["cluster.gpu_memory_gb=40"], r"trainer: ~\d+ GB per GPU .* exceeds cluster.gpu_memory_gb=40"),
+    ("qwen3_30b_a3b", ["engines.count=1", "engines.tp=8", "engines.ep=8", "trainer.world_size=4", "trainer.ep=4",
+                       "cluster.nodes=2"], r"engine 0 .* would straddle nodes 0 and 1"),
+    ("qwen3_30b_a3b", ["engines.tp=6", "engines.ep=6", "engines.count=1"],
+     r"engines.tp/engines.dp=6 does not divide the model's 32 attention heads"),
+    ("qwen3_30b_a3b", ["engines.kind=embedded"], r"engines.tp=2: the embedded engine is one CPU process"),
+    ("qwen3_30b_a3b", ["cluster.param_dtype=fp8"], r"cluster.param_dtype='fp8': use one of"),
+    ("qwen3_235b_a22b", ["engines.tp=2", "engines.ep=2", "engines.dp=1", "engines.count=16"],
+     r"engines: ~\d+ GB of weights per GPU exceed engines.mem_fraction_static"),
+    ("mixtral_8x7b", ["engines.count=1", "engines.tp=16", "engines.ep=16", "engines.dp=16", "cluster.nodes=4"],
+     r"engines.ep=16 does not divide the model's 8 experts"),
+    ("deepseek_v3", ["trainer.pp=2"], r"trainer.pp=2 does not divide the model's 61 layers"),
+    ("qwen3_235b_a22b", ["trainer.tp=8"], r"trainer.tp=8 does not divide the model's 4 KV groups"),
+])
+def test_broken_configs_fail_with_the_reason(config, overrides, message, capsys):
+    path = f"configs/models/{config}.yaml"
+    assert cli.main(["plan", path, *overrides]) == 2
+    assert __import__("re").search(message, capsys.readouterr().err)
+
+
+def test_plan_needs_a_cluster_section(capsys):
+    assert cli.main(["plan", "configs/demo_cpu.yaml"]) == 2
+    assert "cluster: missing" in capsys.readouterr().err
+
+
+def _tiny_run(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"hf_config": TINY}, "cluster": {"nodes": 1, "gpus_per_node": 2, "gpu_memory_gb": 8},
+        "trainer": {"world_size": 1, "global_batch_size": 4}, "rollout": {"groups_per_step": 1, "n_samples_per_prompt": 4},
+        "engines": {"kind": "sglang", "count": 1}}))
+    return load_config(path)

@@ -19,6 +19,12 @@ from parallel.bridges.glm4_moe import routed_and_shared_expert_mappings, sigmoid
 from parallel.mappings import ColumnParallel, Replicated, RopeRows, RowParallel
 
 
+def megatron_at_least(major: int, minor: int) -> bool:
+    from megatron.core import package_info
+
+    return tuple(int(part) for part in package_info.__version__.split(".")[:2]) >= (major, minor)
+
+
 @register
 class DeepseekV3Bridge(Bridge):
     architectures = ("DeepseekV3ForCausalLM",)
@@ -60,6 +66,11 @@ class DeepseekV3Bridge(Bridge):
         if self.get("attention_bias", False):
             raise ValueError("DeepSeek-V3 with attention_bias=true is not supported by this bridge: "
                              "Megatron's MLA projections have no bias")
+        if self.q_lora_rank is None and megatron_at_least(0, 17):
+            raise ValueError(
+                "DeepSeek-V3 with q_lora_rank=null needs megatron-core 0.16.x: 0.17+ builds MLA's q "
+                "projection without q LoRA only as a fused norm+linear, a q norm the HF model lacks"
+            )
         heads = self.get("num_attention_heads")
         return dict(
             num_layers=self.get("num_hidden_layers"),

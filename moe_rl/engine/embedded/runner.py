@@ -81,7 +81,8 @@ class ModelRunner:
                 raise ValueError(
                     f"weight {name!r} has shape {tuple(tensor.shape)}, checkpoint has {tuple(self.checkpoint[name].shape)}"
                 )
-        merged = {**self.checkpoint, **{k: v.to(self.checkpoint[k].dtype) for k, v in tensors.items()}}
+        # copy: the receiver reuses its storage two versions later, the checkpoint must not alias it
+        merged = {**self.checkpoint, **{k: v.to(self.checkpoint[k].dtype, copy=True) for k, v in tensors.items()}}
         model = self.model_class.from_pretrained(None, config=self.config, state_dict=merged, dtype=torch.float32)
         return model, merged
 

@@ -243,6 +243,14 @@ class EngineClient:
         await self._request("POST", "/update_weights_from_distributed", body,
                             timeout_s=max(self.timeout_s, 600.0), idempotent=False)
 
+    async def update_weights_from_tensor(self, serialized_named_tensors: list[str], load_format: str,
+                                         weight_version: str) -> None:
+        """CUDA-IPC bucket for a colocated SGLang engine (sync's `cuda_ipc` transport; GPU only)."""
+        await self._request("POST", "/update_weights_from_tensor", {
+            "serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
+            "weight_version": str(weight_version), "flush_cache": False, "abort_all_requests": False,
+        }, timeout_s=max(self.timeout_s, 600.0), idempotent=False)
+
     async def update_weight_version(self, new_version: str) -> None:
         # abort_all_requests=False: requests paused in place keep going under the new version.
         await self._request("POST", "/update_weight_version",

@@ -41,6 +41,10 @@ REQUEST_FIELDS: dict[str, frozenset[str]] = {
         "names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests", "weight_version",
         "load_format", "selector", "torch_empty_cache", "rid",
     }),
+    "/update_weights_from_tensor": frozenset({
+        "serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests", "weight_version",
+        "selector", "torch_empty_cache", "rid",
+    }),
     "/destroy_weights_update_group": frozenset({"group_name", "rid"}),
     "/update_weight_version": frozenset({"new_version", "abort_all_requests", "rid"}),
     "/load_lora_adapter": frozenset({"lora_name", "lora_path", "pinned", "lora_id", "rid"}),
@@ -52,6 +56,7 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "/update_weights_from_disk": ("model_path",),
     "/init_weights_update_group": ("master_address", "master_port", "rank_offset", "world_size"),
     "/update_weights_from_distributed": ("names", "dtypes", "shapes"),
+    "/update_weights_from_tensor": ("serialized_named_tensors",),
     "/load_lora_adapter": ("lora_name", "lora_path"),
     "/unload_lora_adapter": ("lora_name",),
     "/update_weight_version": ("new_version",),

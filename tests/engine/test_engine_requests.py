@@ -108,6 +108,7 @@ def test_client_sends_only_sglang_field_names():
         await client.init_weights_update_group("127.0.0.1", 1234, 1, 2, "g", "nccl")
         await client.update_weights_from_distributed(["w"], ["bfloat16"], [[2, 2]], "g", "2", "flattened_bucket",
                                                      checksum="crc32:00000000")
+        await client.update_weights_from_tensor(["cGF5bG9hZA=="], "flattened_bucket", "2")
         await client.update_weight_version("2")
         await client.destroy_weights_update_group("g")
         await client.load_lora_adapter("a", "/tmp/a")
@@ -116,7 +117,8 @@ def test_client_sends_only_sglang_field_names():
         return engine.bodies
 
     bodies = run(go())
-    assert {path for path, _ in bodies} >= {"/generate", "/pause_generation", "/update_weights_from_distributed"}
+    assert {path for path, _ in bodies} >= {"/generate", "/pause_generation", "/update_weights_from_distributed",
+                                             "/update_weights_from_tensor"}
     for path, body in bodies:
         assert set(body) <= protocol.REQUEST_FIELDS[path], (path, set(body) - protocol.REQUEST_FIELDS[path])
         assert all(field in body for field in protocol.REQUIRED_FIELDS.get(path, ())), (path, body)

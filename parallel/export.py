@@ -29,7 +29,6 @@ from parallel.bridges import Bridge
 from parallel.mappings import Axis, Mapping, ParallelContext, resolve
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
-_ALIGN = 16  # bytes: any dtype's alignment
 
 
 def parallel_context(model, bridge: Bridge) -> ParallelContext:
@@ -149,65 +148,15 @@ def _export_chunk(model, bridge: Bridge, bucket_bytes: int, source: bool) -> Ite
     params = model_tensors(model)
     with torch.no_grad():
         for bucket in buckets(plan(model, bridge, ctx), bucket_bytes):
-            gathered = _gather_bucket(bucket, params, ctx)
+            gathered: list[tuple[str, torch.Tensor]] = []
+            for task in bucket:
+                gathered.extend(task.mapping.export(params[task.name], ctx, task.indices))
             gathered.reverse()
             while gathered:
                 item = gathered.pop()
                 if source:
                     yield item
                 del item
-
-
-def _gather_bucket(bucket: list[ExportTask], params: dict[str, torch.Tensor],
-                   ctx: ParallelContext) -> list[tuple[str, torch.Tensor]]:
-    """Every rank of the bucket's TP/ETP/EP groups calls it in lockstep; each gets the HF
-    tensors of every task, in task order (experts: of all EP ranks, by EP rank).
-
-    TP/ETP: the mapping's own gather per task (skipped over a 1-rank axis, where every
-    mapping's gather is the identity). EP: one all_gather for all expert tensors of the bucket,
-    not one per tensor (gloo pays ~a copy and a round trip per collective): their bytes go
-    into one flat buffer, gathered into one [ep x bytes] buffer whose views are the results.
-    Memory: the bucket's gathered bytes plus 1/ep of its expert bytes (the flat input); the
-    views keep the gathered buffer alive until the consumer drops the last of them.
-    """
-    converted = []  # per task: (names per EP rank, HF tensors of this rank)
-    for task in bucket:
-        mapping, local = task.mapping, params[task.name].detach()
-        axis = mapping.axis(ctx)
-        tensors = mapping.to_hf(local if axis.size == 1 else mapping.gather(local, axis), ctx)
-        ranks = range(ctx.ep.size) if mapping.expert else [None]
-        converted.append(([mapping.hf_names(ctx, task.indices, r) for r in ranks], tensors))
-    experts = [t for names, tensors in converted if len(names) > 1 for t in tensors]
-    per_rank = iter(_all_gather_flat(experts, ctx.ep)) if experts else None
-    out: list[tuple[str, torch.Tensor]] = []
-    for names, tensors in converted:
-        if len(names) == 1:
-            out.extend(zip(names[0], tensors))
-            continue
-        parts = [next(per_rank) for _ in tensors]
-        for ep_rank, rank_names in enumerate(names):
-            out.extend((name, part[ep_rank]) for name, part in zip(rank_names, parts))
-    return out
-
-
-def _all_gather_flat(tensors: list[torch.Tensor], axis: Axis) -> list[list[torch.Tensor]]:
-    """One all_gather over `axis` for many tensors (any dtypes): for each tensor, the list of
-    every member's copy, as views of one gathered buffer. Every member calls it in lockstep."""
-    offsets, size = [], 0
-    for t in tensors:  # each tensor starts 16-byte aligned, so its bytes view as its dtype
-        offsets.append(size)
-        size += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-    flat = torch.empty(size, dtype=torch.uint8, device=tensors[0].device)
-    for t, offset in zip(tensors, offsets):
-        flat[offset:offset + t.numel() * t.element_size()].copy_(t.contiguous().view(-1).view(torch.uint8))
-    rows = torch.empty(axis.size * size, dtype=torch.uint8, device=flat.device)
-    torch.distributed.all_gather_into_tensor(rows, flat, group=axis.group)
-    del flat
-    rows = rows.view(axis.size, size)
-    return [
-        [rows[r, offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape) for r in range(axis.size)]
-        for t, offset in zip(tensors, offsets)
-    ]
 
 
 def save_hf_checkpoint(model, bridge: Bridge, out_dir, hf_config: dict, *, max_shard_bytes: int = 5 * 2**30,

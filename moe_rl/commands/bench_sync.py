@@ -10,9 +10,13 @@ calls an HTTP server makes, with a thread per call. Raw = one flat uint8 tensor 
 count broadcast over the same group into a preallocated buffer. Two warm-up syncs (both storage
 sets of every engine) and one raw broadcast come first; then `repeats` timed pairs.
 
-Reports bytes, seconds, GB/s and ratio raw/full (time) per pair and their range, and the source
-rank's peak extra memory: the sender's two bucket buffers (allocated once) plus the peak RSS
-growth during a timed sync (export gathers, the largest tensor when it travels alone).
+Each timed repeat runs, in order: export only (iterate the export, drop every tensor), export +
+pack (the sender's packer with its checksums, nothing sent), the full sync, the raw broadcast.
+Reports every time, the best of the repeats (pack = best export+pack - best export), GB/s, the
+ratio raw/full, and the source rank's peak extra memory against the bound 2 x bucket_bytes +
+the largest tensor: the sender's two bucket buffers (allocated once) plus the peak RSS growth
+during the sync (VmHWM reset through /proc/self/clear_refs: the kernel's exact peak, which
+sees torch's allocations where tracemalloc cannot).
 
 CONFIG (YAML): model, layout (ParallelLayout fields), bucket_mb, export_bucket_mb, num_engines,
 repeats, output (JSON path). Example: configs/bench/sync_1g.yaml.

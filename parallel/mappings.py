@@ -60,6 +60,19 @@ def all_gather(tensor: torch.Tensor, axis: Axis) -> list[torch.Tensor]:
     return parts
 
 
+def gather_along(tensor: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+    """Every member of `axis.group` calls it; each gets the members' shards concatenated along
+    `dim`. One collective into one buffer (axis.size x the shard), plus one reordering copy when
+    `dim` > 0; a size-1 axis returns `tensor` itself."""
+    if axis.size == 1:
+        return tensor
+    out = tensor.new_empty((axis.size, *tensor.shape))
+    dist.all_gather_into_tensor(out.view(-1), tensor.contiguous().view(-1), group=axis.group)
+    if dim == 0:
+        return out.view(-1, *tensor.shape[1:])
+    return out.movedim(0, dim).reshape(*tensor.shape[:dim], -1, *tensor.shape[dim + 1:])
+
+
 def _pattern(template: str) -> re.Pattern:
     return re.compile("^" + re.escape(template).replace(r"\*", r"(\d+)") + "$")
 
@@ -151,7 +164,7 @@ class ColumnParallel(Mapping):
     dim = 0
 
     def gather(self, local, axis):
-        return torch.cat(all_gather(local, axis), dim=self.dim)
+        return gather_along(local, axis, self.dim)
 
     def read_shard(self, reader, names, axis, local_shape):
         n = reader.shape(names[0])[self.dim] // axis.size
@@ -186,8 +199,11 @@ class GatedColumn(Mapping):
     separately. HF names: (gate, up)."""
 
     def gather(self, local, axis):
-        gate, up = local.chunk(2, dim=0)
-        return torch.cat([torch.cat(all_gather(gate, axis)), torch.cat(all_gather(up, axis))])
+        if axis.size == 1:
+            return local
+        # [rank][gate_r; up_r] -> [gate_0 .. gate_n; up_0 .. up_n]
+        halves = gather_along(local.view(2, -1, *local.shape[1:]), axis, dim=1)
+        return halves.reshape(-1, *local.shape[1:])
 
     def to_hf(self, full, ctx):
         return list(full.chunk(2, dim=0))

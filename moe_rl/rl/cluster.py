@@ -1,7 +1,7 @@
 """`RLCluster`: every process of an RL run, placed and owned by Ray.
 
 Start-up, in order:
-  1. `ray.init` with this machine's CPUs (GPUs on clusters), no dashboard;
+  1. `init_ray`: a local Ray with this machine's CPUs (GPUs), or the cluster at RAY_ADDRESS;
   2. the trainer world (`TrainerGroup`: a placement group, one actor per rank, rank 0's
      rendezvous) builds the policy (random init, or loaded from `model.path`);
   3. the trainer writes version 0 as an HF checkpoint (`initial_hf/`), so engines and trainer
@@ -14,13 +14,13 @@ Start-up, in order:
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import ray
 import torch
 
 from moe_rl.config import RunConfig
+from moe_rl.rl.ray_init import init_ray
 from moe_rl.rl.rollout_actor import EngineServer, RolloutWorker
 from moe_rl.rl.trainer_group import TrainerGroup
 
@@ -32,12 +32,10 @@ class RLCluster:
         self.engines: list = []
         use_gpus = torch.cuda.is_available()
         world, engines = config.trainer.world_size, config.engines.count
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         if not ray.is_initialized():
-            # Logical CPUs: one per trainer rank, engine and the rollout actor (they time-share cores).
-            ray.init(num_cpus=world + engines + 1, num_gpus=torch.cuda.device_count() if use_gpus else 0,
-                     include_dashboard=False, log_to_driver=False, logging_level="ERROR",
-                     runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}})
+            # Local: one logical CPU per trainer rank, engine and the rollout actor (they time-share
+            # cores). With RAY_ADDRESS set (SLURM), the running cluster's resources are used.
+            init_ray(num_cpus=world + engines + 1, num_gpus=torch.cuda.device_count() if use_gpus else 0)
         try:
             self._start(use_gpus)
         except BaseException:

@@ -1,0 +1,74 @@
+"""Launch scripts parse, and the RL driver joins an existing Ray cluster through RAY_ADDRESS."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import ray
+
+from moe_rl.rl.ray_init import init_ray
+
+SCRIPTS = sorted(Path("scripts").glob("*.sh")) + [Path("scripts/slurm/train.sbatch")]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=str)
+def test_script_is_valid_bash(script):
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+
+
+def test_sbatch_waits_for_every_node_before_training():
+    text = Path("scripts/slurm/train.sbatch").read_text()
+    wait = text.index('ray_init wait --nodes "$NNODES"')
+    assert text.index("ray start --address") < wait < text.rindex("moe-rl train")
+    for var in ("NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG"):
+        assert var in text
+
+
+@pytest.fixture
+def ray_head():
+    """A real Ray head with 1 CPU and a custom resource, started (and stopped) by this test only."""
+    port = 20000 + os.getpid() % 20000
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's unix socket paths must fit 107 bytes
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    head = subprocess.Popen([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=1", "--num-gpus=0",
+                             '--resources={"ops_test_head": 1}', "--include-dashboard=false", "--block",
+                             f"--temp-dir={temp}"], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    address = f"{ray.util.get_node_ip_address()}:{port}"  # the GCS listens on the node's IP
+    try:
+        yield address
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_driver_joins_the_cluster_at_ray_address(ray_head, monkeypatch):
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    waited = subprocess.run([sys.executable, "-m", "moe_rl.rl.ray_init", "wait", "--nodes", "1", "--address", ray_head,
+                             "--timeout", "60"], env=env, capture_output=True, text=True, timeout=120)
+    assert waited.returncode == 0, waited.stderr
+    assert "1 nodes alive" in waited.stdout
+    short = subprocess.run([sys.executable, "-m", "moe_rl.rl.ray_init", "wait", "--nodes", "2", "--address", ray_head,
+                            "--timeout", "3"], env=env, capture_output=True, text=True, timeout=120)
+    assert short.returncode != 0 and "only 1 of 2 Ray nodes registered" in short.stderr
+
+    monkeypatch.setenv("RAY_ADDRESS", ray_head)
+    try:
+        gcs = init_ray(num_cpus=7, num_gpus=0)  # local sizes are ignored when joining
+        assert gcs.endswith(ray_head.split(":")[1])
+        resources = ray.cluster_resources()
+        assert resources["CPU"] == 1 and resources["ops_test_head"] == 1
+    finally:
+        ray.shutdown()

@@ -201,10 +201,18 @@ class RLConfig:
     """Write the PNG plots of `moe-rl report` into `plots/` at the end."""
     wandb_project: str | None = None
     """Also log to Weights & Biases under this project (needs `pip install wandb`)."""
+    checkpoint_every: int = 0
+    """Write a run checkpoint (`moe_rl.rl.resume`) every this many steps and at the end; 0: never."""
+    keep_checkpoints: int = 2
+    """Run checkpoints kept (the newest); older ones are deleted after each new one is complete."""
 
     def __post_init__(self):
         if self.mode not in RL_MODES:
             raise ValueError(f"rl.mode={self.mode!r}: use one of {RL_MODES}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"rl.checkpoint_every={self.checkpoint_every}: must be >= 0 (0 disables)")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"rl.keep_checkpoints={self.keep_checkpoints}: must be >= 1")
 
     def staleness(self, rollout: RolloutConfig) -> int:
         """The staleness bound this mode trains with."""

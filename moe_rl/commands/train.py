@@ -13,18 +13,35 @@ HELP = "train a model from a YAML config (dotted overrides: trainer.tp=2); RL wh
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("config", help="YAML run config (see configs/)")
+    parser.add_argument("config", nargs="?", help="YAML run config (see configs/); with --resume: optional")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.tp=2 steps=20")
+    parser.add_argument("--resume", metavar="RUN_DIR",
+                        help="continue an RL run from its newest run checkpoint (config: RUN_DIR/config.json)")
 
 
 def run(args) -> int:
+    from pathlib import Path
+
     from moe_rl.config import load_config
 
-    config = load_config(args.config, args.overrides)
+    overrides = list(args.overrides)
+    if args.config is not None and "=" in args.config:  # `train --resume DIR steps=20`
+        overrides.insert(0, args.config)
+        args.config = None
+    if args.config is None and args.resume is None:
+        raise ValueError("train: give a CONFIG, or --resume RUN_DIR")
+    if args.resume is not None:
+        overrides.append(f"output_dir={args.resume}")
+    if args.config is None:  # the run's own config, as written at its start (JSON: exact floats)
+        config = _load_run_config(Path(args.resume) / "config.json", overrides)
+    else:
+        config = load_config(args.config, overrides)
+    if args.resume is not None and not config.is_rl:
+        raise ValueError("--resume: only RL runs write run checkpoints; restart supervised runs from their config")
     if config.is_rl:
         from moe_rl.jobs import rl
 
-        summary = rl.run(config)
+        summary = rl.run(config, resume=args.resume is not None)
         print(f"reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f} over {config.steps} steps "
               f"({config.rl.mode}); {summary['wall_s']:.0f} s wall ({summary['setup_s']:.0f} s start-up); "
               f"run dir: {config.output_dir}")
@@ -39,3 +56,16 @@ def run(args) -> int:
         losses = spawn(supervised.run, config.trainer.world_size, config, timeout_s=None)[0]
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; run dir: {config.output_dir}")
     return 0
+
+
+def _load_run_config(path, overrides: list[str]):
+    import json
+
+    from moe_rl.config import RunConfig, apply_override, from_dict
+
+    if not path.is_file():
+        raise ValueError(f"--resume: {str(path)!r} not found; is {str(path.parent)!r} a moe-rl run directory?")
+    data = json.loads(path.read_text())
+    for override in overrides:
+        apply_override(data, override)
+    return from_dict(RunConfig, data)

@@ -5,6 +5,7 @@ before a weight sync (`RLConfig`): `sync` = staleness 0 (round v+1 is not admitt
 engines serve v+1, so generation and training alternate), `one_step_off` = staleness 1 +
 drain-before-sync, `fully_async` = staleness >= 1, generation paused only for the weight swap
 (requests cut by it are resumed as partial rollouts). Runs on the driver; returns a summary.
+With `rl.checkpoint_every`, run checkpoints (`moe_rl.rl.resume`) let `--resume` continue a run.
 """
 
 from __future__ import annotations
@@ -16,26 +17,34 @@ import ray
 
 from moe_rl.config import RunConfig, dump_config, to_dict
 from moe_rl.metrics import MetricsLogger
+from moe_rl.rl import resume as resume_state
 from moe_rl.rl.batch import build_batch
 from moe_rl.rl.cluster import RLCluster
 
 
-def run(config: RunConfig) -> dict:
-    """Train `config.steps` RL steps; writes metrics, plots and `final_hf/` to `config.output_dir`."""
+def run(config: RunConfig, resume: bool = False) -> dict:
+    """Train `config.steps` RL steps; writes metrics, plots and `final_hf/` to `config.output_dir`.
+    `resume`: continue from the newest run checkpoint in `config.output_dir`."""
     _check_task(config)
     run_dir = Path(config.output_dir)
+    restore, first = None, 0
+    if resume:
+        restore = resume_state.load_run_checkpoint(resume_state.latest_checkpoint(run_dir))
+        first = restore["step"]
+        for name in ("metrics.jsonl", resume_state.TRAINED_FILE):  # steps after the checkpoint are redone
+            resume_state.truncate_rows(run_dir / name, restore["metrics_offset"])
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(config, run_dir / "config.json")
     rollout = config.effective_rollout()
     start = time.perf_counter()
     logger = MetricsLogger(run_dir, wandb_project=config.rl.wandb_project, config=to_dict(config))
-    cluster = RLCluster(config, run_dir)
+    cluster = RLCluster(config, run_dir, restore)
     rewards, trained, ledger = [], [], None
     try:
         setup_s = time.perf_counter() - start
         generated = 0.0
-        with _Progress(config.steps) as progress:
-            for version in range(config.steps):
+        with _Progress(config.steps - first) as progress:
+            for version in range(first, config.steps):
                 metrics, step_start = {}, time.perf_counter()
                 groups = ray.get(cluster.rollout.get_batch.remote(rollout.groups_per_step))
                 metrics["time/trainer_wait_s"] = time.perf_counter() - step_start
@@ -50,6 +59,10 @@ def run(config: RunConfig) -> dict:
                 generated = rollout_metrics["rollout/generated_tokens"]
                 metrics["rollout/step_generated_tokens_per_s"] = new_tokens / metrics["time/step_s"]
                 logger.log(version + 1, metrics)
+                resume_state.record_trained(run_dir, version + 1, info.group_ids)
+                every = config.rl.checkpoint_every
+                if every and ((version + 1) % every == 0 or version + 1 == config.steps):
+                    resume_state.save_run_checkpoint(cluster, run_dir, version + 1, config.rl.keep_checkpoints)
                 rewards.append(metrics["rollout/reward_mean"])
                 progress.advance(f"reward {rewards[-1]:.3f}  staleness {metrics['rollout/staleness_mean']:.2f}  "
                                  f"sync {metrics['time/sync_s']:.2f}s  step {metrics['time/step_s']:.2f}s")

@@ -5,7 +5,8 @@ Start-up, in order:
   2. the trainer world (`TrainerGroup`: a placement group, one actor per rank, rank 0's
      rendezvous) builds the policy (random init, or loaded from `model.path`);
   3. the trainer writes version 0 as an HF checkpoint (`initial_hf/`), so engines and trainer
-     start from identical weights;
+     start from identical weights (on resume: loads the run checkpoint first and writes version N,
+     which the engines announce as their weight version);
   4. `engines.count` `EngineServer` actors each start an engine server on that checkpoint;
   5. the trainer's sync source joins the engines' weight-update group (`WeightSender`);
   6. the `RolloutWorker` actor starts generating.
@@ -26,8 +27,8 @@ from moe_rl.rl.trainer_group import TrainerGroup
 
 
 class RLCluster:
-    def __init__(self, config: RunConfig, run_dir: Path):
-        self.config, self.run_dir = config, run_dir
+    def __init__(self, config: RunConfig, run_dir: Path, restore: dict | None = None):
+        self.config, self.run_dir, self.restore = config, run_dir, restore
         self.trainer = self.rollout = None
         self.engines: list = []
         use_gpus = torch.cuda.is_available()
@@ -45,18 +46,23 @@ class RLCluster:
     def _start(self, use_gpus: bool) -> None:
         cfg = self.config
         self.trainer = TrainerGroup(cfg.trainer.world_size, cfg.trainer, cfg.model, use_gpus=use_gpus)
-        initial = str(self.run_dir / "initial_hf")
+        version = 0
+        if self.restore is not None:  # resume: the engines start on the checkpoint's weights
+            version = self.trainer.call("load_checkpoint", self.restore["trainer_dir"])
+            assert version == self.restore["weight_version"], (version, self.restore["weight_version"])
+        initial = str(self.run_dir / ("initial_hf" if version == 0 else f"resumed_hf_v{version}"))
         self.trainer.call("save_hf", initial)
         server = ray.remote(EngineServer).options(num_cpus=1, num_gpus=0)
         self.engines = [server.remote(initial, cfg.engines.kind, cfg.engines.max_batch, cfg.engines.threads,
-                                      str(self.run_dir / f"engine-{i}.log")) for i in range(cfg.engines.count)]
+                                      str(self.run_dir / f"engine-{i}.log"), version)
+                        for i in range(cfg.engines.count)]
         urls = ray.get([engine.url.remote() for engine in self.engines])
         self.trainer.call("connect", urls, cfg.sync, cfg.engines.kind)
         hf = cfg.model.load_hf_config()
         worker = ray.remote(RolloutWorker).options(num_cpus=1, max_concurrency=16)
         self.rollout = worker.remote(cfg.effective_rollout(), urls, cfg.engines.kind,
                                      hf.num_hidden_layers, hf.num_experts_per_tok)
-        ray.get(self.rollout.start.remote())
+        ray.get(self.rollout.start.remote(self.restore))
 
     def close(self) -> dict | None:
         ledger = None

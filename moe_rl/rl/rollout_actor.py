@@ -20,13 +20,14 @@ from moe_rl.rollout import RolloutConfig, RolloutManager
 class EngineServer:
     """One engine server process (a Ray actor)."""
 
-    def __init__(self, model_dir: str, kind: str, max_batch: int, threads: int, log_path: str):
+    def __init__(self, model_dir: str, kind: str, max_batch: int, threads: int, log_path: str,
+                 weight_version: int = 0):
         from moe_rl.engine.process import launch_embedded
 
         if kind != "embedded":
             raise ValueError(f"engines.kind={kind!r}: the RL job launches embedded engines; start SGLang "
                              "servers with moe_rl.engine.sglang_launcher on GPU nodes")
-        self.process = launch_embedded(model_dir, weight_version="0", max_batch=max_batch,
+        self.process = launch_embedded(model_dir, weight_version=str(weight_version), max_batch=max_batch,
                                        log_path=log_path, threads=threads)
 
     def url(self) -> str:
@@ -54,15 +55,44 @@ class RolloutWorker:
         self.config, self.urls, self.kind, self.layout = config, urls, kind, (layers, topk)
         self.manager = self.task = None
 
-    async def start(self) -> None:
+    async def start(self, restore: dict | None = None) -> None:
+        """Start generating; `restore` is a run checkpoint's state (`moe_rl.rl.resume`)."""
         import moe_rl.rl.long_tail  # noqa: F401  registers the benchmark's long-tailed task
 
         clients = [EngineClient(url, kind=self.kind, name=f"engine-{i}", num_hidden_layers=self.layout[0],
                                 topk=self.layout[1]) for i, url in enumerate(self.urls)]
         self.pool = CountingPool(clients)
-        self.manager = RolloutManager(self.config, self.pool)
+        self.manager = RolloutManager(self.config, self.pool, version=restore["step"] if restore else 0)
+        if restore is not None:
+            await self._restore(restore)
         self.task = asyncio.get_running_loop().create_task(self.manager.run())
         self.started = time.perf_counter()
+
+    async def snapshot(self) -> dict:
+        """Buffer, ledger and data position, between two steps (the driver waits for this call)."""
+        m, buffer = self.manager, self.manager.buffer
+        queued = [[s.to_dict() for s in group] for group in buffer._groups]  # completed, not yet trained
+        return {"queued": queued, "open": sorted(set(m._open.values())), "next_group": m._next_group,
+                "delivered": dict(buffer.delivered), "dropped": dict(buffer.dropped),
+                "started": sorted(m.started_ids), "requeued": buffer.requeued}
+
+    async def _restore(self, state: dict) -> None:
+        from moe_rl.sample import Sample
+
+        m, buffer = self.manager, self.manager.buffer
+        buffer.delivered.update(state["delivered"])
+        buffer.dropped.update(state["dropped"])
+        buffer.requeued = state["requeued"]
+        m.started_ids.update(state["started"])
+        prompts = [next(m._prompts) for _ in range(state["next_group"])]  # the data position
+        m._next_group = state["next_group"]
+        for group in state["queued"]:
+            await buffer.put([Sample.from_dict(s) for s in group])
+        for gid in state["open"]:  # still generating at the checkpoint: regenerate under the same id
+            prompt = prompts[int(gid.rsplit("-", 1)[1])]
+            task = asyncio.get_running_loop().create_task(m._fill((gid, prompt)))
+            m._fills.add(task)
+            task.add_done_callback(m._fills.discard)
 
     async def get_batch(self, n_groups: int):
         """The next staleness-bounded batch (waits for it); raises if generation failed."""

@@ -59,6 +59,21 @@ class TrainerRank:
         self._enter()
         self.trainer.save_hf_checkpoint(out_dir, self.hf_config.to_dict())
 
+    def save_checkpoint(self, directory: str) -> None:
+        """Megatron dist checkpoint: model, optimizer, RNG, step (collective, atomic)."""
+        from moe_rl.trainer.checkpoint import save_checkpoint
+
+        self._enter()
+        save_checkpoint(self.trainer, directory)
+
+    def load_checkpoint(self, directory: str) -> int:
+        """Load a dist checkpoint into the built trainer (collective); returns its step."""
+        from moe_rl.trainer.checkpoint import load_checkpoint
+
+        self._enter()
+        load_checkpoint(self.trainer, directory)
+        return self.trainer.step
+
     def connect(self, urls: list[str], sync_config, kind: str) -> None:
         """Find each pipeline stage's export source; the sync source builds the WeightSender."""
         from moe_rl.engine.client import EngineClient

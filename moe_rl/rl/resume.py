@@ -1,0 +1,79 @@
+"""Run checkpoints of the RL job: everything `moe-rl train --resume RUN_DIR` needs to continue.
+
+    RUN_DIR/checkpoints/step_000012/
+        trainer/      Megatron dist checkpoint: model, optimizer, RNG, trainer step
+        state.json    step = weight version, metrics offset, data position, rollout ledger
+        buffer.json   completed groups waiting in the buffer; ids + prompt indices of groups
+                      still generating (regenerated from their prompt under the same id)
+
+Written into `step_N.tmp/` and renamed when complete (a crash leaves no half checkpoint under a
+final name); only the newest `rl.keep_checkpoints` are kept. The step-N checkpoint is taken after
+step N's weights reached the engines, so resuming means: trainer state at N, engines started on
+the trainer's version-N weights (announced as weight version N), buffer and ledger as they were,
+metrics rows and trained-group records after step N dropped (those steps are redone).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import ray
+
+CHECKPOINTS = "checkpoints"
+TRAINED_FILE = "trained.jsonl"
+"""One row per step: {"step": N, "groups": [group ids trained at step N]}."""
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / CHECKPOINTS / f"step_{step:06d}"
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path:
+    """The newest complete run checkpoint under `run_dir`; ValueError when there is none."""
+    done = sorted(p for p in (Path(run_dir) / CHECKPOINTS).glob("step_*") if not p.name.endswith(".tmp"))
+    if not done:
+        raise ValueError(f"--resume {str(run_dir)!r}: no run checkpoint under {CHECKPOINTS}/ (the run needs "
+                         "rl.checkpoint_every > 0)")
+    return done[-1]
+
+
+def save_run_checkpoint(cluster, run_dir: Path, step: int, keep: int) -> Path:
+    """Collective on the trainer; snapshots the rollout worker between two steps."""
+    final = checkpoint_dir(run_dir, step)
+    staging = final.with_name(final.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    cluster.trainer.call("save_checkpoint", str(staging / "trainer"))
+    snapshot = ray.get(cluster.rollout.snapshot.remote())
+    (staging / "buffer.json").write_text(json.dumps({k: snapshot.pop(k) for k in ("queued", "open")}))
+    (staging / "state.json").write_text(json.dumps({"step": step, "weight_version": step, "metrics_offset": step,
+                                                    **snapshot}))
+    shutil.rmtree(final, ignore_errors=True)
+    staging.rename(final)
+    for old in sorted(p for p in final.parent.glob("step_*") if not p.name.endswith(".tmp"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_run_checkpoint(path: Path) -> dict:
+    """The rollout/driver state of a run checkpoint (the trainer part is loaded by the ranks)."""
+    state = json.loads((path / "state.json").read_text())
+    state.update(json.loads((path / "buffer.json").read_text()))
+    state["trainer_dir"] = str(path / "trainer")
+    return state
+
+
+def truncate_rows(path: Path, last_step: int) -> None:
+    """Keep the JSON lines of steps <= last_step (rows written after the checkpoint are redone)."""
+    if not path.is_file():
+        return
+    rows = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in rows if json.loads(line)["step"] <= last_step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def record_trained(run_dir: Path, step: int, group_ids: list[str]) -> None:
+    with open(run_dir / TRAINED_FILE, "a") as f:
+        f.write(json.dumps({"step": step, "groups": group_ids}) + "\n")

@@ -193,6 +193,19 @@ class Bridge:
         rope = self.get("rope_parameters", None) or {}
         return float(rope.get("rope_theta", self.get("rope_theta", 10000.0)))
 
+    def gqa_decoder_kwargs(self) -> dict[str, Any]:
+        """TransformerConfig fields of a GQA decoder with RMSNorm (all but MLA models)."""
+        return dict(
+            num_layers=self.get("num_hidden_layers"),
+            hidden_size=self.get("hidden_size"),
+            num_attention_heads=self.get("num_attention_heads"),
+            num_query_groups=self.get("num_key_value_heads"),
+            kv_channels=self.head_dim,
+            ffn_hidden_size=self.get("intermediate_size"),
+            normalization="RMSNorm",
+            layernorm_epsilon=float(self.get("rms_norm_eps")),
+        )
+
     def transformer_config(self, layout: ParallelLayout, **overrides: Any):
         """Megatron TransformerConfig for this model under `layout` (fp32 unless overridden)."""
         import torch

@@ -21,14 +21,7 @@ class Glm4MoeBridge(Bridge):
 
     def transformer_config_kwargs(self) -> dict[str, Any]:
         return dict(
-            num_layers=self.get("num_hidden_layers"),
-            hidden_size=self.get("hidden_size"),
-            num_attention_heads=self.get("num_attention_heads"),
-            num_query_groups=self.get("num_key_value_heads"),
-            kv_channels=self.head_dim,
-            ffn_hidden_size=self.get("intermediate_size"),
-            normalization="RMSNorm",
-            layernorm_epsilon=float(self.get("rms_norm_eps")),
+            **self.gqa_decoder_kwargs(),
             qk_layernorm=bool(self.get("use_qk_norm", False)),
             add_qkv_bias=bool(self.get("attention_bias", False)),
             moe_layer_freq=[int(i >= self.get("first_k_dense_replace")) for i in range(self.get("num_hidden_layers"))],

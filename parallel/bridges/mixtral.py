@@ -21,14 +21,7 @@ class MixtralBridge(Bridge):
         if self.get("sliding_window", None) is not None:
             raise ValueError("Mixtral with sliding_window set is not supported by this bridge: set it to null")
         return dict(
-            num_layers=self.get("num_hidden_layers"),
-            hidden_size=self.get("hidden_size"),
-            num_attention_heads=self.get("num_attention_heads"),
-            num_query_groups=self.get("num_key_value_heads"),
-            kv_channels=self.head_dim,
-            ffn_hidden_size=self.get("intermediate_size"),
-            normalization="RMSNorm",
-            layernorm_epsilon=float(self.get("rms_norm_eps")),
+            **self.gqa_decoder_kwargs(),
             num_moe_experts=self.num_experts,
             moe_ffn_hidden_size=self.get("intermediate_size"),
             moe_router_topk=self.get("num_experts_per_tok"),

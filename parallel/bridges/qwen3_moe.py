@@ -30,14 +30,7 @@ class Qwen3MoeBridge(Bridge):
         if self.get("attention_bias", False):
             raise ValueError("Qwen3-MoE with attention_bias=true is not supported by this bridge")
         return dict(
-            num_layers=self.get("num_hidden_layers"),
-            hidden_size=self.get("hidden_size"),
-            num_attention_heads=self.get("num_attention_heads"),
-            num_query_groups=self.get("num_key_value_heads"),
-            kv_channels=self.head_dim,
-            ffn_hidden_size=self.get("intermediate_size"),
-            normalization="RMSNorm",
-            layernorm_epsilon=float(self.get("rms_norm_eps")),
+            **self.gqa_decoder_kwargs(),
             qk_layernorm=True,
             num_moe_experts=self.num_experts,
             moe_ffn_hidden_size=self.get("moe_intermediate_size"),

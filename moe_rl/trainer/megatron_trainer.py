@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from moe_rl.config import TrainerConfig
 from moe_rl.trainer.batch import Batch, check_batch, microbatches, pad_sequence_dim
-from moe_rl.trainer.logprobs import token_logprobs
+from moe_rl.trainer.logprobs import token_entropy, token_logprobs
 from moe_rl.trainer.routing_replay import RoutingReplay
 from parallel.bridges import bridge_for
 from parallel.model import build_gpt_model, init_model_parallel
@@ -245,6 +245,8 @@ class MegatronTrainer:
         def loss(logits):
             logprobs = token_logprobs(logits, targets, self.bridge.vocab_size)
             loss_sum, num_tokens, report = loss_fn(logprobs, aligned)
+            entropy = token_entropy(logits, self.bridge.vocab_size)  # summed over trained tokens
+            report = {**report, "entropy": (entropy * aligned["loss_mask"]).sum()}
             return loss_sum, num_tokens, {**report, "num_tokens": num_tokens.detach()}
 
         return output, loss

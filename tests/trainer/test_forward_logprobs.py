@@ -1,5 +1,6 @@
 """The trainer's per-token logprobs equal transformers' log-softmax on the same weights, for
-every row of the global batch (DP shards and microbatches put back in order)."""
+every row of the global batch (DP shards and microbatches put back in order), and the entropy a
+train step reports equals transformers' entropy over the trained tokens."""
 
 import torch
 
@@ -18,7 +19,8 @@ def trainer_logprobs(hf_dir, tokens):
     for layout in LAYOUTS:
         trainer = MegatronTrainer(TrainerConfig(**layout, micro_batch_size=2, global_batch_size=8), hf_config())
         trainer.load_hf_weights(hf_dir)
-        out.append(trainer.forward_logprobs({"tokens": tokens, "loss_mask": torch.ones_like(tokens)}))
+        batch = {"tokens": tokens, "loss_mask": torch.ones_like(tokens)}
+        out.append((trainer.forward_logprobs(batch), trainer.train_step(batch).sums["entropy"]))
     return out
 
 
@@ -31,10 +33,13 @@ def test_forward_logprobs_match_transformers(tmp_path):
     tokens = torch.randint(0, 256, (8, 15), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         logits = reference(tokens).logits[:, :-1]
-    expected = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    log_probs = torch.log_softmax(logits, -1)
+    expected = log_probs.gather(-1, tokens[:, 1:, None])[..., 0]
+    expected_entropy = float(-(log_probs.exp() * log_probs).sum())
 
     per_rank = spawn(trainer_logprobs, 4, str(tmp_path), tokens)
     for rank_results in per_rank:
-        for layout, logprobs in zip(LAYOUTS, rank_results):
+        for layout, (logprobs, entropy) in zip(LAYOUTS, rank_results):
             assert logprobs.shape == expected.shape, layout
             assert torch.allclose(logprobs, expected, atol=1e-4), (layout, (logprobs - expected).abs().max())
+            assert abs(entropy - expected_entropy) < 1e-3 * expected_entropy, (layout, entropy, expected_entropy)

@@ -9,6 +9,7 @@ just joins it.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -84,7 +85,7 @@ def _collect(procs, results, world_size: int, timeout_s: float | None) -> list[A
             status, rank, payload = results.get()
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            outputs[rank] = payload
+            outputs[rank] = pickle.loads(payload)
         if len(outputs) == world_size:
             break
         dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs]
@@ -112,7 +113,9 @@ def _rank_main(fn, args, rank, world_size, port, threads, results) -> None:
     try:
         init_distributed()
         output = fn(*args)
-        results.put(("ok", rank, output))
+        # Plain pickle copies tensor bytes; the queue's own pickler would share them through a
+        # file descriptor that vanishes when this rank exits before the parent reads it.
+        results.put(("ok", rank, pickle.dumps(output)))
     except BaseException:  # report every failure, including KeyboardInterrupt, to the parent
         results.put(("error", rank, traceback.format_exc()))
     finally:

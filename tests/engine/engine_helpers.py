@@ -56,3 +56,14 @@ def reference(model, prompt: list[int], output: list[int]) -> tuple[list[float],
 
 def run(coro):
     return asyncio.run(coro)
+
+
+async def with_client(url, fn, *args):
+    """Run `fn(client, *args)` with a fresh EngineClient for `url`, closed afterwards."""
+    from moe_rl.engine.client import EngineClient
+
+    client = EngineClient(url)
+    try:
+        return await fn(client, *args)
+    finally:
+        await client.close()

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from moe_rl.engine.client import EngineClient
 from moe_rl.engine.process import launch_embedded
-from tests.engine.engine_helpers import load_reference, reference, run
+from tests.engine.engine_helpers import load_reference, reference, run, with_client
 
 PROMPTS = [[(7 * i + 3 * j) % 256 for j in range(3 + 2 * i)] for i in range(8)]
 
@@ -42,11 +42,11 @@ def check_against_reference(model, prompts, results):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_logprobs_and_routing_match_transformers(arch, qwen3_engine, qwen3_dir, mixtral_dir):
     if arch == "qwen3_moe":
-        model_dir, results = qwen3_dir, run(_with_client(qwen3_engine.url, generate_all, PROMPTS))
+        model_dir, results = qwen3_dir, run(with_client(qwen3_engine.url, generate_all, PROMPTS))
     else:
         model_dir = mixtral_dir
         with launch_embedded(mixtral_dir) as engine:
-            results = run(_with_client(engine.url, generate_all, PROMPTS))
+            results = run(with_client(engine.url, generate_all, PROMPTS))
     check_against_reference(load_reference(model_dir), PROMPTS, results)
 
 
@@ -57,7 +57,7 @@ def test_seeded_sampling_is_reproducible_and_versions_are_reported(qwen3_engine)
         info = await client.model_info()
         return first, second, info
 
-    first, second, info = run(_with_client(qwen3_engine.url, go))
+    first, second, info = run(with_client(qwen3_engine.url, go))
     assert [r.output_ids for r in first] == [r.output_ids for r in second]
     assert all(r.weight_version == info["weight_version"] == "0" for r in first)
     assert all(r.weight_versions == ["0"] * 12 for r in first)
@@ -71,7 +71,7 @@ def test_greedy_and_stop_tokens(qwen3_engine, qwen3_dir):
         stop = await client.generate(PROMPTS[2], max_new_tokens=6, temperature=0.0, stop_token_ids=[greedy.output_ids[2]])
         return greedy, stop
 
-    greedy, stop = run(_with_client(qwen3_engine.url, go))
+    greedy, stop = run(with_client(qwen3_engine.url, go))
     with torch.no_grad():
         ids = torch.tensor([PROMPTS[2] + greedy.output_ids])
         argmax = model(input_ids=ids).logits[0, len(PROMPTS[2]) - 1 : -1].argmax(-1).tolist()
@@ -103,7 +103,7 @@ def test_lora_adapter_matches_merged_weights(qwen3_engine, qwen3_dir, tmp_path):
             for i, p in enumerate(PROMPTS[:4])
         ))
 
-    results = run(_with_client(qwen3_engine.url, go))
+    results = run(with_client(qwen3_engine.url, go))
     base = [results[0], results[2]]
     check_against_reference(model, [PROMPTS[0], PROMPTS[2]], base)
     with torch.no_grad():
@@ -113,10 +113,3 @@ def test_lora_adapter_matches_merged_weights(qwen3_engine, qwen3_dir, tmp_path):
                 module.weight += (alpha / rank) * tensors[key.replace("lora_A", "lora_B")] @ a
     check_against_reference(model, [PROMPTS[1], PROMPTS[3]], [results[1], results[3]])
 
-
-async def _with_client(url, fn, *args):
-    client = EngineClient(url)
-    try:
-        return await fn(client, *args)
-    finally:
-        await client.close()

@@ -13,7 +13,7 @@ from moe_rl.engine.client import EngineClient, EngineError
 from moe_rl.engine.embedded.runner import load_checkpoint_state
 from moe_rl.engine.process import launch_embedded
 from sync.sender import SyncConfig, WeightSender
-from tests.engine.engine_helpers import load_reference, reference, run, save_tiny_model
+from tests.engine.engine_helpers import load_reference, reference, run, save_tiny_model, with_client
 
 PROMPTS = [[(3 * i + 7 * j) % 256 for j in range(4 + i)] for i in range(4)]
 
@@ -55,7 +55,7 @@ def test_update_from_disk(engine, qwen3_dir, new_dir, tmp_path):
             await client.update_weights_from_disk(str(tmp_path), weight_version="2")
         return before, after, await client.model_info()
 
-    before, after, info = run(_with_client(engine.url, go))
+    before, after, info = run(with_client(engine.url, go))
     assert all(r.weight_version == "0" for r in before) and matches(qwen3_dir, before)
     assert all(r.weight_versions == ["1"] * 8 for r in after) and info["weight_version"] == "1"
     assert matches(new_dir, after) and not matches(qwen3_dir, after)
@@ -87,10 +87,3 @@ def test_update_from_distributed_with_weight_sender(engine, qwen3_dir, new_dir):
         sender.close()
         run(client.close())
 
-
-async def _with_client(url, fn, *args):
-    client = EngineClient(url)
-    try:
-        return await fn(client, *args)
-    finally:
-        await client.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import torch
 
@@ -35,6 +36,17 @@ async def swap_weights(pool: EnginePool, model_dir, version: int, mode: str = "a
         await client.pause_generation(mode)
         await client.update_weights_from_disk(str(model_dir), str(version))
         await client.continue_generation()
+
+
+_distinct = itertools.count()
+
+
+def every_third_group_flat(response, answer, sample) -> float:
+    """A reward with known variance: groups g*-0, g*-3, ... score 0.0 for every sample (zero
+    variance); every other sample gets a reward of its own. Makes the filters deterministic."""
+    if int(sample.group_id.rsplit("-", 1)[1]) % 3 == 0:
+        return 0.0
+    return float(next(_distinct))
 
 
 async def cancel(task: asyncio.Task) -> None:

@@ -92,12 +92,16 @@ def test_slow_engine_makes_the_trainer_wait_within_the_bound(engine, model_dirs)
 
 
 def test_oversampling_and_zero_variance_groups_are_accounted(engine, model_dirs):
+    # Round 0 starts g0-0..g0-3: g0-0 scores flat (dropped, no refill: 3 still run for 2 places),
+    # two of the other three are kept and the third is oversampled.
     config = RolloutConfig(groups_per_step=2, n_samples_per_prompt=4, max_new_tokens=3, max_staleness=0,
-                           task_options={"length": 3}, drop_zero_variance_groups=True, oversample_factor=2.0)
+                           reward="tests.rollout.rollout_helpers:every_third_group_flat",
+                           drop_zero_variance_groups=True, oversample_factor=2.0)
     manager, seen = asyncio.run(run_loop(engine.url, model_dirs[1], config, steps=4, step_s=0.0))
     counts = manager.accounting()
     assert counts["delivered"] == 8 and max(seen) == 0, counts
     assert counts.get("dropped_zero_variance", 0) > 0 and counts.get("dropped_oversampled", 0) > 0, counts
+    assert manager.buffer.dropped["g0-0"] == "zero_variance"
     for gid in manager.buffer.delivered:
-        assert gid not in manager.buffer.dropped
+        assert gid not in manager.buffer.dropped and int(gid.rsplit("-", 1)[1]) % 3 != 0
     check_ledger(manager)

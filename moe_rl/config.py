@@ -275,9 +275,6 @@ class RunConfig:
             raise ValueError("rl.mode='fully_async' with rollout.max_staleness=0: set max_staleness >= 1, "
                              "or use rl.mode='sync'")
         self.algorithm.check_staleness(self.rl.staleness(rollout))
-        if self.algorithm.needs_reference:
-            raise ValueError(f"algorithm.kl_coef={self.algorithm.kl_coef}: the RL job builds no reference "
-                             "model yet; set algorithm.kl_coef: 0")
         if self.trainer.routing_replay and not rollout.return_routed_experts:
             raise ValueError("trainer.routing_replay needs the engines' routing: set "
                              "rollout.return_routed_experts: true")

@@ -8,9 +8,10 @@ option selects are written out in `advantages.py` and `policy_loss.py`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 ESTIMATORS = ("grpo", "dr_grpo", "gspo")
-KL_ESTIMATORS = ("k1", "k3", "low_var_kl")
+KL_ESTIMATORS = ("k1", "k2", "mse", "k3", "low_var_kl")
 OFF_POLICY = ("tis", "icepop", "mis", "none")
 
 
@@ -36,10 +37,17 @@ class AlgorithmConfig:
     """PPO clip above: the ratio is clipped at 1 + clip_high ("clip-higher", DAPO uses 0.28).
     GSPO needs ~4e-4."""
     kl_coef: float = 0.0
-    """Weight of the per-token KL to the frozen reference policy; 0 means no reference model."""
+    """Weight of the per-token KL to the frozen reference policy, added to each token's loss;
+    0 means no reference model. A reference costs one more forward per step and one more copy
+    of the parameters on every trainer rank (moe_rl.trainer.reference)."""
     kl_estimator: str = "low_var_kl"
-    """"k1": logp - ref; "k3": exp(ref - logp) - (ref - logp) - 1; "low_var_kl": k3 with the
-    log-ratio clamped to [-20, 20] and the result to [-10, 10] (verl's form)."""
+    """Per-token estimate of KL(pi || pi_ref) from the sampled token (Schulman's k1/k2/k3, the
+    names verl and slime use): "k1": logp - ref; "k2" (alias "mse"): (logp - ref)^2 / 2;
+    "k3": exp(ref - logp) - (ref - logp) - 1; "low_var_kl": k3 with the log-ratio clamped to
+    [-20, 20] and the result to [-10, 10] (verl's form)."""
+    ref_model_path: str | None = None
+    """HF directory of the reference policy (loaded through the bridge importer). None: the
+    initial policy (`model.path`, or the random init from trainer.seed)."""
     off_policy: str = "tis"
     """Correction for the gap between the rollout engine's policy and the trainer's old policy,
     from the per-token ratio w = exp(old_logprob - rollout_logprob):
@@ -88,6 +96,13 @@ class AlgorithmConfig:
             raise ValueError(f"algorithm.clip_high={self.clip_high}: must be > 0, e.g. 0.28")
         if self.kl_coef < 0:
             raise ValueError(f"algorithm.kl_coef={self.kl_coef}: must be >= 0 (0 disables KL)")
+        if self.ref_model_path is not None:
+            if self.kl_coef == 0:
+                raise ValueError(f"algorithm.ref_model_path={self.ref_model_path!r} is only used with "
+                                 "kl_coef > 0: set algorithm.kl_coef or remove ref_model_path")
+            if not (Path(self.ref_model_path) / "config.json").is_file():
+                raise ValueError(f"algorithm.ref_model_path={self.ref_model_path!r}: no config.json there; "
+                                 "point it at an HF model directory")
         if self.tis_cap < 1:
             raise ValueError(f"algorithm.tis_cap={self.tis_cap}: must be >= 1, e.g. 2.0")
         _band("icepop", self.icepop_low, self.icepop_high)

@@ -96,9 +96,12 @@ def policy_loss(logprobs: torch.Tensor, microbatch: dict[str, torch.Tensor], *, 
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from the sampled tokens (Schulman's k1 / k3)."""
+    """Per-token estimate of KL(pi || pi_ref) from the sampled tokens (Schulman's k1 / k2 / k3;
+    the formulas are in `AlgorithmConfig.kl_estimator`)."""
     if estimator == "k1":
         return logprobs - ref_logprobs
+    if estimator in ("k2", "mse"):
+        return 0.5 * (logprobs - ref_logprobs).square()
     log_ratio = ref_logprobs - logprobs
     if estimator == "low_var_kl":
         log_ratio = log_ratio.clamp(-20, 20)

@@ -45,6 +45,7 @@ class TrainerRank:
         if not torch.cuda.is_available():
             cpu_compat.apply()
         self.hf_config = model_config.load_hf_config()
+        self.model_path = model_config.path
         self.trainer = MegatronTrainer(trainer_config, self.hf_config)
         if model_config.path is not None:
             self.trainer.load_hf_weights(model_config.path)
@@ -102,14 +103,16 @@ class TrainerRank:
         return time.perf_counter() - start
 
     def step(self, batch: dict[str, torch.Tensor], algorithm: AlgorithmConfig) -> dict[str, float]:
-        """Old logprobs (behaviour policy, with R3 when configured), consistency metrics, one
-        optimizer step (collective). Returns the step's metrics."""
+        """Old logprobs (behaviour policy, with R3 when configured), reference logprobs (kl_coef > 0),
+        consistency metrics, one optimizer step (collective). Returns the step's metrics."""
         self._enter()
         trainer, mask = self.trainer, batch["loss_mask"][:, 1:].bool()
         start = time.perf_counter()
         old = trainer.forward_logprobs(batch)
         metrics = {"time/old_logprobs_s": time.perf_counter() - start,
                    **_logprob_diff(old, batch, mask, "consistency/logprob_diff")}
+        if algorithm.needs_reference:
+            batch = {**batch, "ref_logprobs": self._reference_logprobs(batch, algorithm, metrics)}
         if trainer.config.routing_replay:
             natural = trainer.forward_logprobs(batch, replay=False)
             metrics.update(_logprob_diff(natural, batch, mask, "consistency/logprob_diff_no_replay"))
@@ -120,9 +123,21 @@ class TrainerRank:
         result = trainer.train_step(batch, make_policy_loss(algorithm))
         metrics["time/train_step_s"] = time.perf_counter() - start
         metrics.update({f"policy/{k}": v for k, v in policy_metrics(result.sums, result.num_tokens).items()})
+        if algorithm.needs_reference:
+            metrics["loss/kl"] = metrics["policy/kl"]  # mean over the trained tokens
         metrics.update({"train/grad_norm": result.grad_norm, "train/loss": result.loss,
                         "train/tokens": result.num_tokens, "train/skipped": float(result.skipped)})
         return metrics
+
+    def _reference_logprobs(self, batch, algorithm: AlgorithmConfig, metrics: dict) -> torch.Tensor:
+        """The frozen reference's logprobs at the batch's token positions (built on first use: the
+        initial policy, rebuilt from model.path or trainer.seed, so a resumed run gets the same)."""
+        start = time.perf_counter()
+        if self.trainer.reference is None:
+            self.trainer.build_reference(algorithm.ref_model_path or self.model_path)
+        ref = self.trainer.reference_logprobs(batch)
+        metrics["time/ref_logprobs_s"] = time.perf_counter() - start
+        return torch.cat([torch.zeros_like(ref[:, :1]), ref], dim=1)
 
     def close(self) -> None:
         if self.sender is not None:

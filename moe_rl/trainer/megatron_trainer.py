@@ -5,7 +5,8 @@ lockstep (they run collectives). The same code runs on gloo/CPU (after `cpu_comp
 NCCL/GPUs. Losses are summed per token and normalised by the number of loss tokens of the
 whole global batch (Megatron's `calculate_per_token_loss`), so the loss and the gradients do
 not depend on the layout. With `routing_replay`, batches carrying `routed_experts` are routed as
-the rollout routed them (R3, see moe_rl.trainer.routing_replay).
+the rollout routed them (R3, see moe_rl.trainer.routing_replay). `build_reference` adds a frozen
+copy of the initial policy on the same ranks for the KL term (moe_rl.trainer.reference).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from moe_rl.config import TrainerConfig
 from moe_rl.trainer.batch import Batch, check_batch, microbatches, pad_sequence_dim
 from moe_rl.trainer.logprobs import token_entropy, token_logprobs
+from moe_rl.trainer.reference import FrozenModel, build_reference
 from moe_rl.trainer.routing_replay import RoutingReplay
 from parallel.bridges import bridge_for
 from parallel.model import build_gpt_model, init_model_parallel
@@ -117,6 +119,7 @@ class MegatronTrainer:
         model.config.grad_scale_func = self.optimizer.scale_loss
         model.config.no_sync_func = self.model.no_sync
         self.step = 0
+        self.reference: FrozenModel | None = None
 
     # -- ranks --------------------------------------------------------------------------------
     @property
@@ -156,7 +159,7 @@ class MegatronTrainer:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        reports = self._run_schedule(batch, partial(self._forward_step, loss_fn), forward_only=False,
+        reports = self._run_schedule(batch, partial(self._forward_step, loss_fn, self.routing), forward_only=False,
                                      routing=self._routing_mode(batch, None))
         updated, grad_norm, _ = self.optimizer.step()
         self.step += 1
@@ -178,9 +181,27 @@ class MegatronTrainer:
         `replay`: route as `batch["routed_experts"]` says (True), naturally (False), or
         (None) replay when trainer.routing_replay is on and the batch carries routed experts."""
         self.model.eval()
-        reports = self._run_schedule(batch, partial(self._forward_step, _keep_logprobs), forward_only=True,
-                                     routing=self._routing_mode(batch, replay))
+        reports = self._run_schedule(batch, partial(self._forward_step, _keep_logprobs, self.routing),
+                                     forward_only=True, routing=self._routing_mode(batch, replay))
         self.model.train()
+        return self._gather_rows(reports, "logprobs", batch["tokens"].shape[1] - 1)
+
+    # -- frozen reference (KL) ----------------------------------------------------------------
+    def build_reference(self, hf_dir: str | None = None) -> None:
+        """Build the frozen reference on this rank: the HF checkpoint `hf_dir` if given, else the
+        policy as initialised from trainer.seed (collective; see moe_rl.trainer.reference)."""
+        self.reference = build_reference(self.bridge, self.config, hf_dir)
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: Batch, replay: bool | None = None) -> torch.Tensor:
+        """Like `forward_logprobs`, from the frozen reference: [B, S-1] on every rank (collective).
+        With R3 the reference replays `batch["routed_experts"]` through its own routers."""
+        if self.reference is None:
+            raise RuntimeError("reference_logprobs before build_reference: build the reference model first")
+        frozen = self.reference
+        reports = self._run_schedule(batch, partial(self._forward_step, _keep_logprobs, frozen.routing),
+                                     forward_only=True, routing=self._routing_mode(batch, replay, frozen.routing),
+                                     model=frozen.model, replay=frozen.routing)
         return self._gather_rows(reports, "logprobs", batch["tokens"].shape[1] - 1)
 
     @torch.no_grad()
@@ -189,7 +210,8 @@ class MegatronTrainer:
         MoE layer, from a forward with natural routing; on every rank (collective)."""
         self._require_routing("routing_agreement")
         self.model.eval()
-        self._run_schedule(batch, partial(self._forward_step, _keep_logprobs), forward_only=True, routing="record")
+        self._run_schedule(batch, partial(self._forward_step, _keep_logprobs, self.routing), forward_only=True,
+                           routing="record")
         self.model.train()
         return self.routing.agreement()
 
@@ -197,15 +219,19 @@ class MegatronTrainer:
         if self.routing is None:
             raise ValueError(f"{what} needs routers built for replay: set trainer.routing_replay=true")
 
-    def _routing_mode(self, batch: Batch, replay: bool | None) -> str | None:
+    def _routing_mode(self, batch: Batch, replay: bool | None, routing: RoutingReplay | None = None) -> str | None:
+        routing = routing or self.routing
         if replay is None:
-            replay = self.routing is not None and "routed_experts" in batch
+            replay = routing is not None and "routed_experts" in batch
         if replay:
             self._require_routing("routing replay")
         return "replay" if replay else None
 
-    def _run_schedule(self, batch: Batch, forward_step, forward_only: bool, routing: str | None = None) -> list[dict]:
-        """`routing`: None (natural), "replay" or "record" (see RoutingReplay)."""
+    def _run_schedule(self, batch: Batch, forward_step, forward_only: bool, routing: str | None = None,
+                      model=None, replay: RoutingReplay | None = None) -> list[dict]:
+        """`routing`: None (natural), "replay" or "record" (see RoutingReplay). `model`, `replay`:
+        the stage to run and its RoutingReplay (default: the policy's)."""
+        model, replay = model or self.model, replay or self.routing
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         check_batch(batch)
@@ -215,32 +241,32 @@ class MegatronTrainer:
                 f"{self.config.global_batch_size}: make them equal"
             )
         if routing is not None:
-            self.routing.check(batch)
+            replay.check(batch)
         batch = pad_sequence_dim(batch, self.config.tp if self.config.sequence_parallel else 1)
         dp_rank, dp_size = self.dp_rank_and_size()
         parts = microbatches(batch, dp_size, dp_rank, self.config.micro_batch_size)
-        with nullcontext() if routing is None else self.routing.running(routing):
+        with nullcontext() if routing is None else replay.running(routing):
             return get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=iter(parts),
-                model=[self.model],
+                model=[model],
                 num_microbatches=len(parts),
                 seq_length=batch["tokens"].shape[1] - 1,
                 micro_batch_size=self.config.micro_batch_size,
                 forward_only=forward_only,
             )
 
-    def _forward_step(self, loss_fn: LossFn, data_iterator, model):
+    def _forward_step(self, loss_fn: LossFn, routing: RoutingReplay | None, data_iterator, model):
         microbatch = next(data_iterator)
         tokens = microbatch["tokens"]
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         aligned = {key: tensor[:, 1:] for key, tensor in microbatch.items()}
         positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
-        if self.routing is not None:
-            self.routing.before_forward(microbatch)
+        if routing is not None:
+            routing.before_forward(microbatch)
         output = model(inputs, positions, attention_mask=None)
-        if self.routing is not None:
-            self.routing.after_forward(microbatch)
+        if routing is not None:
+            routing.after_forward(microbatch)
 
         def loss(logits):
             logprobs = token_logprobs(logits, targets, self.bridge.vocab_size)

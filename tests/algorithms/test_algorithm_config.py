@@ -18,7 +18,7 @@ def test_defaults_and_yaml_section():
     "kwargs, field",
     [
         ({"advantage_estimator": "ppo"}, "algorithm.advantage_estimator"),
-        ({"kl_estimator": "k2"}, "algorithm.kl_estimator"),
+        ({"kl_estimator": "k4"}, "algorithm.kl_estimator"),
         ({"off_policy": "is"}, "algorithm.off_policy"),
         ({"adv_eps": 0.0}, "algorithm.adv_eps"),
         ({"advantage_estimator": "dr_grpo"}, "algorithm.dr_grpo_norm_len"),

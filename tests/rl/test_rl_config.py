@@ -26,7 +26,7 @@ def test_demo_config_is_rl_and_modes_set_staleness():
     ("trainer.global_batch_size=32", "trainer.global_batch_size"),
     ("rollout.max_staleness=0", "max_staleness"),
     ("rl.mode=async", "rl.mode"),
-    ("algorithm.kl_coef=0.1", "algorithm.kl_coef"),
+    ("algorithm.kl_coef=-0.1", "algorithm.kl_coef"),
     ("engines.count=0", "engines.count"),
     ("rollout.return_routed_experts=false", "routing_replay"),
     ("sync.pause_mode=stop", "pause_mode"),

@@ -2,9 +2,10 @@
 
     RUN_DIR/checkpoints/step_000012/
         trainer/      Megatron dist checkpoint: model, optimizer, RNG, trainer step
-        state.json    step = weight version, metrics offset, data position, rollout ledger
-        buffer.json   completed groups waiting in the buffer; ids + prompt indices of groups
-                      still generating (regenerated from their prompt under the same id)
+        state.json    step = weight version, metrics offset
+        rollout.json  `RolloutManager.snapshot()`: completed groups waiting in the buffer, the
+                      ledger, the data position, and every group still generating with its
+                      partial samples (continued from their tokens on resume)
 
 Written into `step_N.tmp/` and renamed when complete (a crash leaves no half checkpoint under a
 final name); only the newest `rl.keep_checkpoints` are kept. The step-N checkpoint is taken after
@@ -46,10 +47,9 @@ def save_run_checkpoint(cluster, run_dir: Path, step: int, keep: int) -> Path:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     cluster.trainer.call("save_checkpoint", str(staging / "trainer"))
-    snapshot = ray.get(cluster.rollout.snapshot.remote())
-    (staging / "buffer.json").write_text(json.dumps({k: snapshot.pop(k) for k in ("queued", "open")}))
-    (staging / "state.json").write_text(json.dumps({"step": step, "weight_version": step, "metrics_offset": step,
-                                                    **snapshot}))
+    rollout = ray.get(cluster.rollout.snapshot.remote())
+    (staging / "rollout.json").write_text(json.dumps(rollout))
+    (staging / "state.json").write_text(json.dumps({"step": step, "weight_version": step, "metrics_offset": step}))
     shutil.rmtree(final, ignore_errors=True)
     staging.rename(final)
     for old in sorted(p for p in final.parent.glob("step_*") if not p.name.endswith(".tmp"))[:-keep]:
@@ -60,7 +60,7 @@ def save_run_checkpoint(cluster, run_dir: Path, step: int, keep: int) -> Path:
 def load_run_checkpoint(path: Path) -> dict:
     """The rollout/driver state of a run checkpoint (the trainer part is loaded by the ranks)."""
     state = json.loads((path / "state.json").read_text())
-    state.update(json.loads((path / "buffer.json").read_text()))
+    state["rollout"] = json.loads((path / "rollout.json").read_text())
     state["trainer_dir"] = str(path / "trainer")
     return state
 

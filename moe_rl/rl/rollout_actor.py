@@ -64,35 +64,13 @@ class RolloutWorker:
         self.pool = CountingPool(clients)
         self.manager = RolloutManager(self.config, self.pool, version=restore["step"] if restore else 0)
         if restore is not None:
-            await self._restore(restore)
+            self.manager.restore(restore["rollout"])
         self.task = asyncio.get_running_loop().create_task(self.manager.run())
         self.started = time.perf_counter()
 
     async def snapshot(self) -> dict:
-        """Buffer, ledger and data position, between two steps (the driver waits for this call)."""
-        m, buffer = self.manager, self.manager.buffer
-        queued = [[s.to_dict() for s in group] for group in buffer._groups]  # completed, not yet trained
-        return {"queued": queued, "open": sorted(set(m._open.values())), "next_group": m._next_group,
-                "delivered": dict(buffer.delivered), "dropped": dict(buffer.dropped),
-                "started": sorted(m.started_ids), "requeued": buffer.requeued}
-
-    async def _restore(self, state: dict) -> None:
-        from moe_rl.sample import Sample
-
-        m, buffer = self.manager, self.manager.buffer
-        buffer.delivered.update(state["delivered"])
-        buffer.dropped.update(state["dropped"])
-        buffer.requeued = state["requeued"]
-        m.started_ids.update(state["started"])
-        prompts = [next(m._prompts) for _ in range(state["next_group"])]  # the data position
-        m._next_group = state["next_group"]
-        for group in state["queued"]:
-            await buffer.put([Sample.from_dict(s) for s in group])
-        for gid in state["open"]:  # still generating at the checkpoint: regenerate under the same id
-            prompt = prompts[int(gid.rsplit("-", 1)[1])]
-            task = asyncio.get_running_loop().create_task(m._fill((gid, prompt)))
-            m._fills.add(task)
-            task.add_done_callback(m._fills.discard)
+        """The manager's run-checkpoint state, between two steps (the driver waits for this call)."""
+        return self.manager.snapshot()
 
     async def get_batch(self, n_groups: int):
         """The next staleness-bounded batch (waits for it); raises if generation failed."""

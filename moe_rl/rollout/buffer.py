@@ -119,6 +119,20 @@ class RolloutBuffer:
         if self.on_reject is not None:
             self.on_reject(group)
 
+    # -- run checkpoints -----------------------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        """JSON-safe: the completed groups waiting for the trainer, and the ledger."""
+        return {"queued": [[s.to_dict() for s in group] for group in self._groups],
+                "delivered": dict(self.delivered), "dropped": dict(self.dropped), "requeued": self.requeued}
+
+    def restore(self, state: dict) -> None:
+        """Take `snapshot()`'s state (on a fresh buffer, before generation starts)."""
+        self._groups.extend([Sample.from_dict(s) for s in group] for group in state["queued"])
+        self.delivered.update(state["delivered"])
+        self.dropped.update(state["dropped"])
+        self.requeued = state["requeued"]
+
     # -- reporting ---------------------------------------------------------------------------------
 
     def __len__(self) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import math
 from pathlib import Path
 
@@ -52,6 +53,7 @@ class RolloutManager:
         self._next_group = 0
         self._open: dict[asyncio.Task, str] = {}  # every running group task -> its group id
         self._fills: set[asyncio.Task] = set()  # replacements of stale groups
+        self._inflight: dict[str, tuple[Prompt, list[Sample]]] = {}  # open group -> prompt, samples so far
         self.started_ids: set[str] = set()
         self.resumed_requests = 0
         self.discarded_tokens = 0
@@ -107,18 +109,22 @@ class RolloutManager:
         requeue = gid not in self.buffer.dropped
         meta = group[0].metadata
         prompt = Prompt(prompt_ids=group[0].prompt_ids, answer=meta.get("answer"), metadata=meta.get("prompt", {}))
-        task = asyncio.get_running_loop().create_task(self._fill((gid, prompt) if requeue else self._new_group()))
+        self._start_fill((gid, prompt) if requeue else self._new_group())
+
+    def _start_fill(self, group: tuple[str, Prompt], samples: list[Sample] | None = None) -> None:
+        task = asyncio.get_running_loop().create_task(self._fill(group, samples))
         self._fills.add(task)
         task.add_done_callback(self._fills.discard)
 
-    async def _fill(self, group: tuple[str, Prompt]) -> None:
-        """Generate one group outside any round, replacing a stale one; retry past filters."""
+    async def _fill(self, group: tuple[str, Prompt], samples: list[Sample] | None = None) -> None:
+        """Generate one group outside any round (a stale group's replacement, or an open group of
+        a run checkpoint, continued from `samples`); retry past filters."""
         while True:
-            result = await self._launch(group, round_index=-1)
+            result = await self._launch(group, round_index=-1, samples=samples)
             if result is not None:
                 await self.buffer.put(result)
                 return
-            group = self._new_group()
+            group, samples = self._new_group(), None
 
     # -- one group ---------------------------------------------------------------------------------
 
@@ -127,12 +133,23 @@ class RolloutManager:
         self._next_group += 1
         return gid, next(self._prompts)
 
-    def _launch(self, group: tuple[str, Prompt], round_index: int) -> asyncio.Task:
+    def _launch(self, group: tuple[str, Prompt], round_index: int,
+                samples: list[Sample] | None = None) -> asyncio.Task:
         gid, prompt = group
         self.started_ids.add(gid)
-        task = asyncio.get_running_loop().create_task(self._generate_group(gid, prompt, round_index))
+        if samples is None:
+            samples = [Sample(prompt_ids=list(prompt.prompt_ids), group_id=gid, metadata={
+                "answer": prompt.answer, "prompt": prompt.metadata, "round": round_index, "num_segments": 0})
+                for _ in range(self.config.n_samples_per_prompt)]
+        self._inflight[gid] = (prompt, samples)
+        task = asyncio.get_running_loop().create_task(self._generate_group(gid))
         self._open[task] = gid
-        task.add_done_callback(lambda t: self._open.pop(t, None))
+
+        def settled(t: asyncio.Task) -> None:
+            self._open.pop(t, None)
+            self._inflight.pop(gid, None)
+
+        task.add_done_callback(settled)
         return task
 
     async def _cancel(self, tasks, reason: str) -> None:
@@ -142,10 +159,10 @@ class RolloutManager:
                 self.buffer.drop(self._open[task], reason)
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _generate_group(self, gid: str, prompt: Prompt, round_index: int) -> Group | None:
+    async def _generate_group(self, gid: str) -> Group | None:
         try:
             samples = await asyncio.gather(*[
-                self._generate_sample(gid, prompt, round_index) for _ in range(self.config.n_samples_per_prompt)
+                self._generate_sample(gid, i) for i in range(self.config.n_samples_per_prompt)
             ])
         finally:
             self.pool.release_group(gid)
@@ -162,17 +179,21 @@ class RolloutManager:
     def _score(self, samples: list[Sample]) -> list[float]:
         return [float(self.reward_fn(self.task.decode(s.response_ids), s.metadata.get("answer"), s)) for s in samples]
 
-    async def _generate_sample(self, gid: str, prompt: Prompt, round_index: int) -> Sample:
+    async def _generate_sample(self, gid: str, index: int) -> Sample:
+        """Sample `index` of group `gid`, continued from its state in `_inflight` (which every
+        returned segment updates, so a run checkpoint sees the tokens made so far)."""
         cfg = self.config
-        sample = Sample(prompt_ids=list(prompt.prompt_ids), group_id=gid, metadata={
-            "answer": prompt.answer, "prompt": prompt.metadata, "round": round_index, "num_segments": 0})
+        progress = self._inflight[gid][1]
+        sample = progress[index]
+        if is_finished(sample):  # restored from a run checkpoint already complete
+            return sample
         while True:
             input_ids, start = resume_request(sample)
             result = await self.pool.generate(
                 input_ids, group_id=gid, max_new_tokens=cfg.max_new_tokens - len(sample.response_ids),
                 stop_token_ids=self.task.stop_token_ids or None, return_logprob=True,
                 return_routed_experts=cfg.return_routed_experts, routed_experts_start_len=start, **cfg.sampling())
-            sample = continue_sample(sample, result)
+            sample = progress[index] = continue_sample(sample, result)
             if result.finish_reason != "abort" or len(sample.response_ids) >= cfg.max_new_tokens:
                 if sample.status == "aborted":  # the abort came exactly at the end of the budget
                     sample.status = "truncated"
@@ -181,8 +202,34 @@ class RolloutManager:
             if not cfg.partial_rollout:
                 self.discarded_tokens += len(sample.response_ids)
                 restarts = sample.metadata.get("restarts", 0) + 1
-                sample = Sample(prompt_ids=sample.prompt_ids, group_id=gid,
-                                metadata={**sample.metadata, "num_segments": 0, "rids": [], "restarts": restarts})
+                sample = progress[index] = Sample(prompt_ids=sample.prompt_ids, group_id=gid, metadata={
+                    **sample.metadata, "num_segments": 0, "rids": [], "restarts": restarts})
+
+    # -- run checkpoints -----------------------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        """JSON-safe state for a run checkpoint, taken between two trainer steps: the buffer
+        (completed groups, ledger), the data position, and every group still generating with its
+        samples as they stand: finished ones whole, partial ones with the tokens, logprobs,
+        routing and versions of their returned segments (a segment still running is redone)."""
+        settled = set(self.buffer.delivered) | set(self.buffer.dropped) | self.buffer.queued_ids()
+        open_groups = [{"group_id": gid, "prompt": dataclasses.asdict(prompt),
+                        "samples": [s.to_dict() for s in samples]}
+                       for gid, (prompt, samples) in sorted(self._inflight.items()) if gid not in settled]
+        return {"buffer": self.buffer.snapshot(), "open": open_groups, "next_group": self._next_group,
+                "started": sorted(self.started_ids)}
+
+    def restore(self, state: dict) -> None:
+        """Continue from `snapshot()`'s state; call on the manager's loop before `run()`. Open
+        groups go on from their partial samples (outside rounds, like a stale group's replacement)."""
+        self.buffer.restore(state["buffer"])
+        self.started_ids.update(state["started"])
+        for _ in range(state["next_group"]):  # the data position
+            next(self._prompts)
+        self._next_group = state["next_group"]
+        for group in state["open"]:
+            samples = [Sample.from_dict(s) for s in group["samples"]]
+            self._start_fill((group["group_id"], Prompt(**group["prompt"])), samples)
 
     # -- reporting ---------------------------------------------------------------------------------
 
@@ -195,3 +242,8 @@ class RolloutManager:
     def metrics(self) -> dict[str, float]:
         return {**self.buffer.metrics(), "rollout/resumed_requests": self.resumed_requests,
                 "rollout/discarded_tokens": self.discarded_tokens, "rollout/groups_started": len(self.started_ids)}
+
+
+def is_finished(sample: Sample) -> bool:
+    """True once the engine ended the sample (stop or budget), false while it is empty or cut."""
+    return sample.metadata.get("num_segments", 0) > 0 and sample.status != "aborted"

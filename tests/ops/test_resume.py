@@ -56,7 +56,7 @@ def test_sigkill_then_resume_loses_nothing_and_trains_nothing_twice(tmp_path):
     assert len(killed_rows) < STEPS
     checkpoints = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if not p.name.endswith(".tmp"))
     resumed_from = json.loads((checkpoints[-1] / "state.json").read_text())
-    at_kill = json.loads((checkpoints[-1] / "buffer.json").read_text())
+    at_kill = json.loads((checkpoints[-1] / "rollout.json").read_text())
     k = resumed_from["step"]
 
     done = subprocess.run([sys.executable, "-m", "moe_rl.cli", "train", "--resume", str(run_dir)], env=ENV,
@@ -73,12 +73,14 @@ def test_sigkill_then_resume_loses_nothing_and_trains_nothing_twice(tmp_path):
     assert [r["step"] for r in trained] == list(range(1, STEPS + 1))
     ids = [gid for r in trained for gid in r["groups"]]
     assert len(ids) == len(set(ids)) == STEPS * GROUPS
-    assert {g for r in trained[:k] for g in r["groups"]} == set(resumed_from["delivered"])
+    assert {g for r in trained[:k] for g in r["groups"]} == set(at_kill["buffer"]["delivered"])
     # no completed group lost: what waited in the buffer at the checkpoint was trained after it or
-    # dropped with a reason; what was generating was regenerated under its id
-    final = json.loads((run_dir / "checkpoints" / f"step_{STEPS:06d}" / "state.json").read_text())
+    # dropped with a reason; what was generating went on under its id
+    final = json.loads((run_dir / "checkpoints" / f"step_{STEPS:06d}" / "rollout.json").read_text())["buffer"]
     after = {g for r in trained[k:] for g in r["groups"]}
-    for group in at_kill["queued"]:
+    for group in at_kill["open"]:
+        assert group["group_id"] in after or group["group_id"] in final["dropped"], group["group_id"]
+    for group in at_kill["buffer"]["queued"]:
         gid = group[0]["group_id"]
         assert gid in after or final["dropped"].get(gid) == "stale", gid
     assert set(final["delivered"]) == set(ids)

@@ -8,6 +8,7 @@ proceed (concurrently, one per engine) while the calling thread packs or broadca
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 from concurrent.futures import Future
 from typing import Any, Callable, Coroutine
@@ -16,11 +17,13 @@ from sync.engine_api import EngineEndpoint
 
 
 class SyncError(RuntimeError):
-    """A weight update failed. `engine` / `bucket` name the first failure (None if not one)."""
+    """A weight update failed. `engine` / `bucket` name the first failure (None if not one);
+    `dropped` names the engines the sender dropped as dead on the way out (see `WeightSender`)."""
 
     def __init__(self, message: str, engine: str | None = None, bucket: int | None = None):
         super().__init__(message)
         self.engine, self.bucket = engine, bucket
+        self.dropped: list[str] = []
 
 
 class EngineSet:
@@ -66,6 +69,19 @@ class EngineSet:
 
     def drop(self, names: set[str]) -> None:
         self.engines = [e for e in self.engines if e.name not in names]
+
+    def add(self, engine: EngineEndpoint) -> None:
+        """Add `engine`, replacing a member of the same name (a restarted engine)."""
+        if not isinstance(engine, EngineEndpoint):
+            raise ValueError(f"engine: {engine!r} does not implement sync.engine_api.EngineEndpoint")
+        self.drop({engine.name})
+        self.engines.append(engine)
+
+    def subset(self, names: set[str]) -> "EngineSet":
+        """A view of some members sharing this set's event loop (never `close` a subset)."""
+        view = copy.copy(self)
+        view.engines = [e for e in self.engines if e.name in names]
+        return view
 
     def close(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)

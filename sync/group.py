@@ -11,6 +11,10 @@ Every member must call `WeightUpdateGroup.join(...)` (the rendezvous: it blocks 
 `world_size` ranks joined or `timeout_s` passed), then the same sequence of `broadcast` calls,
 then `destroy`. Each collective waits at most `timeout_s`. Rank 0 may first `host_store` (which
 returns at once and retries busy ports) so it can tell the engines its port before joining.
+A rendezvous that cannot complete (a member died before joining) is aborted by dropping the
+hosted store: every rank blocked in `join` then fails within a fraction of a second instead of
+waiting out `timeout_s`. For that, rank 0 joins through its own `client_store`, so the hosting
+object's owner holds the only reference to the server.
 """
 
 from __future__ import annotations
@@ -40,6 +44,12 @@ def host_store(master_address: str, world_size: int, timeout_s: float, port: int
             if port or attempt == 4:
                 raise
     raise AssertionError("unreachable")
+
+
+def client_store(master_address: str, master_port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """A client connection to a hosted store (rank 0 joins through one to keep the rendezvous abortable)."""
+    return dist.TCPStore(master_address, master_port, world_size, is_master=False,
+                         timeout=timedelta(seconds=timeout_s))
 
 
 class WeightUpdateGroup:

@@ -20,14 +20,26 @@ per stage, and the cost: (PP-1)/PP of the bytes cross the trainer network once m
     sender.update(stream, version) if rank == sync_source(sources) else drain(stream)
 
 `update` is the weight update, as numbered steps:
-  1. refuse a version that does not increase;
-  2. (re)open the transport if needed (forms the weight-update group with the live engines);
-  3. pause generation (`mode`) and flush the KV cache on every engine;
-  4. transport.send: stream buckets; every engine acknowledges every bucket;
-  5. commit: `update_weight_version` on every engine, only if step 4 fully succeeded;
-  6. continue generation on every engine, always. An engine that cannot even do that is
-     dead: it is dropped, and the next update re-forms the group without it.
-On failure, `SyncError` names the engine and bucket; engines stay on the previous version.
+  1. refuse a version that does not increase (repeating the committed version only catches up
+     engines that are behind, see below);
+  2. (re)open the transport if needed (forms the weight-update group with the target engines);
+  3. pause generation (`mode`) and flush the KV cache on every target;
+  4. transport.send: stream buckets; every target acknowledges every bucket;
+  5. commit: `update_weight_version` on every target, only if step 4 fully succeeded;
+  6. continue generation on every target, always. An engine that cannot even do that is
+     dead: it is dropped (named in `SyncStats.dropped` / `SyncError.dropped`), and the next
+     update re-forms the group without it.
+On failure, `SyncError` names the engine and bucket; engines stay on the previous version. When
+the failure was an engine dying (`error.dropped` is not empty), the caller retries the same
+version with a fresh export: the live engines then commit it (`moe_rl`'s trainer does).
+
+Engines that come back (an orchestrator restarted one): `add(engine, served_version)` makes it a
+member again; if it serves an older version than the committed one it is *behind*, and
+`update(stream, sender.version)` (the committed version, exported again) forms a group with only
+the engines behind and sends them that version, without pausing the others; the next new
+version re-forms the group with every member. The orchestrator gives a restarted engine work
+only after that. (The disk transport cannot resend a published version: catch-up needs
+`broadcast`.)
 """
 
 from __future__ import annotations
@@ -65,6 +77,9 @@ class SyncStats:
     bytes: int
     seconds: float
     engines: list[str] = field(default_factory=list)
+    """The engines that committed `version`."""
+    dropped: list[str] = field(default_factory=list)
+    """Engines found dead (they could not resume) and dropped during this update."""
 
     @property
     def gb_per_s(self) -> float:
@@ -78,44 +93,65 @@ class WeightSender:
         self.config = config
         self.version = version  # the last committed version
         self.engines = EngineSet(engines, config.timeout_s)
+        self.behind: set[str] = set()  # members serving an older version than `version`
         self.transport = make_transport(config.transport, config)
+        self._group: EngineSet | None = None  # the members the transport's group was formed with
+
+    def add(self, engine: EngineEndpoint, served_version: int) -> None:
+        """A (re)started engine serving `served_version` joins, replacing a member of its name."""
+        if served_version > self.version:
+            raise ValueError(f"served_version: {served_version} is newer than the committed {self.version}")
+        self.engines.add(engine)
+        self.transport.broken = True  # the group must be re-formed with the new process
+        if served_version < self.version:
+            self.behind.add(engine.name)
+        else:
+            self.behind.discard(engine.name)
 
     def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
         """Source rank only. Returns what was sent; raises SyncError (engines keep the old version)."""
-        # 1. versions only increase
-        if version <= self.version:
+        # 1. versions only increase; the committed one again only for engines behind
+        if version < self.version or (version == self.version and not self.behind):
             raise ValueError(f"version: {version} is stale or repeated (last committed {self.version})")
-        start = time.perf_counter()
+        targets = self.engines.subset(self.behind) if version == self.version else self.engines
+        start, error, dead = time.perf_counter(), None, {}
         try:
-            # 2. (re)form the group
-            if self.transport.broken:
-                self.transport.close(self.engines)
-                self.transport.open(self.engines)
+            # 2. (re)form the group with the targets
+            if self.transport.broken or self._group is None or self._group.names != targets.names:
+                self.transport.close(self._group or targets)
+                self._group = targets.subset(set(targets.names))
+                self.transport.open(self._group)
             # 3. pause + flush
-            self._on_all("pause_generation", lambda e: e.pause_generation(self.config.pause_mode))
-            self._on_all("flush_cache", lambda e: e.flush_cache())
-            # 4. send every bucket, acknowledged by every engine
-            nbytes = self.transport.send(named_tensors, version, self.engines)
+            self._on_all(targets, "pause_generation", lambda e: e.pause_generation(self.config.pause_mode))
+            self._on_all(targets, "flush_cache", lambda e: e.flush_cache())
+            # 4. send every bucket, acknowledged by every target
+            nbytes = self.transport.send(named_tensors, version, targets)
             # 5. commit
-            self._on_all("update_weight_version", lambda e: e.update_weight_version(str(version)))
+            self._on_all(targets, "update_weight_version", lambda e: e.update_weight_version(str(version)))
             self.version = version
-        except BaseException:
+            self.behind -= set(targets.names)
+        except BaseException as failure:
+            error = failure
             drain(named_tensors)  # if we failed before sending: other ranks run the export
             raise
         finally:
             # 6. resume, always; an engine that cannot is dead
-            if dead := self.engines.call(lambda e: e.continue_generation()):
+            if dead := targets.call(lambda e: e.continue_generation()):
                 self.engines.drop(set(dead))
+                self.behind -= set(dead)
                 self.transport.broken = True
-        return SyncStats(version, nbytes, time.perf_counter() - start, self.engines.names)
+                if isinstance(error, SyncError):
+                    error.dropped = sorted(dead)
+        return SyncStats(version, nbytes, time.perf_counter() - start,
+                         [n for n in targets.names if n not in dead], sorted(dead))
 
-    def _on_all(self, what: str, call) -> None:
-        if failed := self.engines.call(call):
+    def _on_all(self, engines: EngineSet, what: str, call) -> None:
+        if failed := engines.call(call):
             raise SyncError(f"{what} failed: {describe(failed)}", engine=next(iter(failed)))
 
     def close(self) -> None:
         """Engines and this rank leave the group; the sender cannot be used afterwards."""
-        self.transport.close(self.engines)
+        self.transport.close(self._group or self.engines)
         self.engines.close()
 
 

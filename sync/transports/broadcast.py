@@ -25,7 +25,7 @@ import torch
 
 from sync.bucket import Bucket, BucketPacker
 from sync.engine_set import EngineSet, SyncError, describe
-from sync.group import WeightUpdateGroup, host_store
+from sync.group import WeightUpdateGroup, client_store, host_store
 from sync.transports.base import Transport
 
 _POLL_S = 0.002  # how often a running broadcast looks for engines that failed meanwhile
@@ -37,36 +37,49 @@ class BroadcastTransport(Transport):
     def __init__(self, config):
         super().__init__(config)
         self.group: WeightUpdateGroup | None = None
+        self._store = None  # the hosted rendezvous store (rank 0's server), kept with the group
         self.packer: BucketPacker | None = None
         self._worker: cf.ThreadPoolExecutor | None = None
 
     def open(self, engines: EngineSet) -> None:
-        """Form the group: rank 0 here, each engine from its rank_offset (SGLang's layout)."""
+        """Form the group: rank 0 here, each engine from its rank_offset (SGLang's layout).
+
+        Rank 0's rendezvous runs on the worker thread while this thread watches the engines'
+        joins: when one fails (the engine died, or refused), the rendezvous is aborted at once
+        by dropping the hosted store, so no rank waits out `timeout_s` for a dead member, and
+        SyncError names the engine."""
         cfg = self.config
         world_size = 1 + sum(e.num_group_ranks for e in engines.engines)
-        store = host_store(cfg.master_address, world_size, cfg.timeout_s, cfg.master_port)
+        self._store = host_store(cfg.master_address, world_size, cfg.timeout_s, cfg.master_port)
+        port = self._store.port
         offsets, offset = {}, 1
         for engine in engines.engines:
             offsets[engine.name], offset = offset, offset + engine.num_group_ranks
         joins = engines.submit(
             lambda e: e.init_weights_update_group(
-                cfg.master_address, store.port, offsets[e.name], world_size, cfg.group_name, cfg.backend
+                cfg.master_address, port, offsets[e.name], world_size, cfg.group_name, cfg.backend
             )
         )
-        try:
-            self.group = WeightUpdateGroup.join(
-                cfg.master_address, store.port, 0, world_size, cfg.group_name, cfg.backend,
-                cfg.timeout_s, store=store,
-            )
-        except Exception as error:
-            failed = engines.wait(joins)
-            raise SyncError(f"weight-update group did not form: {error}; {describe(failed)}",
-                            engine=next(iter(failed), None)) from error
-        if failed := engines.wait(joins):
-            self.group.destroy()
-            raise SyncError(f"init_weights_update_group failed: {describe(failed)}", engine=next(iter(failed)))
-        self.packer = BucketPacker(cfg.bucket_bytes, self.group.device)
         self._worker = cf.ThreadPoolExecutor(1, thread_name_prefix="sync-broadcast")
+        store = client_store(cfg.master_address, port, world_size, cfg.timeout_s)
+        joined = self._worker.submit(WeightUpdateGroup.join, cfg.master_address, port, 0, world_size,
+                                     cfg.group_name, cfg.backend, cfg.timeout_s, store=store)
+        del store  # the group holds it; the transport holds the only reference to the server
+        while not joined.done():
+            done, _ = cf.wait(joins.values(), timeout=_POLL_S * 10, return_when=cf.FIRST_EXCEPTION)
+            if any(f.exception() is not None for f in done):
+                self._store = None  # abort the rendezvous: every rank blocked in it fails fast
+                break
+        failed = engines.wait(joins)
+        error = joined.exception()
+        if error is not None or failed:
+            if error is None:
+                joined.result().destroy()
+            self.close(engines)
+            raise SyncError(f"weight-update group did not form: {error or 'an engine failed to join'}; "
+                            f"{describe(failed)}", engine=next(iter(failed), None))
+        self.group = joined.result()
+        self.packer = BucketPacker(cfg.bucket_bytes, self.group.device)
         self.broken = False
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, engines: EngineSet) -> int:
@@ -153,4 +166,4 @@ class BroadcastTransport(Transport):
             self.group = None
         if self._worker is not None:
             self._worker.shutdown(wait=True)
-        self.packer, self._worker, self.broken = None, None, True
+        self.packer, self._worker, self._store, self.broken = None, None, None, True

@@ -18,6 +18,7 @@ D, X = dense and routed-expert parameters of the stage):
   gradients      4 * (Pd + Pe)                 fp32 main-grad buffers (Megatron DDP)
   optimizer      12 * (Pd / dp + Pe / edp)     fp32 master + Adam m, v; distributed optimizer
                  12 * (Pd + Pe)                without it
+  reference      B * (Pd + Pe)                 the frozen KL reference (algorithm.kl_coef > 0)
   activations    per microbatch and layer, s = data.seq_length, b = micro_batch_size, h = hidden,
                  sequence parallel dividing by tp (Korthikanti et al. 2022, flash attention: no
                  s^2 term, SwiGLU MLPs):
@@ -228,6 +229,8 @@ def trainer_memory(config: RunConfig, hf, counts: ParamCounts, dtype_bytes: int)
             acts += 4 * s * b * hf.vocab_size / t.tp
         memory = {"weights": dtype_bytes * (pd + pe) / GB, "grads": 4 * (pd + pe) / GB,
                   "optimizer": optimizer / GB, "activations": acts / GB}
+        if config.is_rl and config.algorithm.needs_reference:
+            memory["reference"] = dtype_bytes * (pd + pe) / GB
         memory["total"] = sum(memory.values())
         if memory["total"] > worst[2]:
             worst = (p, memory, memory["total"])

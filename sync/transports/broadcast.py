@@ -29,6 +29,7 @@ from sync.group import WeightUpdateGroup, client_store, host_store
 from sync.transports.base import Transport
 
 _POLL_S = 0.002  # how often a running broadcast looks for engines that failed meanwhile
+_ABORT_GRACE_S = 2.0  # how long an aborted rendezvous waits for the other engines' joins to fail
 
 
 class BroadcastTransport(Transport):
@@ -70,7 +71,16 @@ class BroadcastTransport(Transport):
             if any(f.exception() is not None for f in done):
                 self._store = None  # abort the rendezvous: every rank blocked in it fails fast
                 break
-        failed = engines.wait(joins)
+        if self._store is None:
+            # Aborted: live engines notice at once, or when their store client gives up
+            # connecting (up to timeout_s); leave those joins behind rather than wait for them.
+            cf.wait(joins.values(), timeout=_ABORT_GRACE_S)
+            failed = {name: f.exception() for name, f in joins.items()
+                      if f.done() and not f.cancelled() and f.exception() is not None}
+            for future in joins.values():
+                future.cancel()
+        else:
+            failed = engines.wait(joins)
         error = joined.exception()
         if error is not None or failed:
             if error is None:

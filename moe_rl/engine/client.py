@@ -1,7 +1,8 @@
 """`EngineClient`: one async client for SGLang and the embedded engine, over SGLang's HTTP API.
 
 Every method is one route with SGLang 0.5.23's field names (`moe_rl.engine.protocol`). Errors:
-`EngineError` (a RuntimeError) carries the route, HTTP status and the engine's message. Transient
+`EngineError` (a RuntimeError) carries the route, HTTP status and the engine's message (status None:
+no HTTP answer at all, e.g. connection refused or reset because the engine process died). Transient
 failures (connection refused/reset, timeouts, HTTP 502/503/504) are retried with exponential
 backoff; `/generate` is retried only when the request never reached the engine (connect errors,
 503), so a retry cannot run a rollout twice.
@@ -100,7 +101,7 @@ class EngineClient:
                         await asyncio.sleep(self.backoff_s * 2**attempt)
                         continue
                     return self._parse(path, response.status, text)
-            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, asyncio.TimeoutError) as error:
+            except (aiohttp.ClientError, asyncio.TimeoutError) as error:  # no HTTP answer (e.g. the engine died)
                 never_sent = isinstance(error, aiohttp.ClientConnectorError)
                 if attempt == self.retries or not (idempotent or never_sent):
                     raise EngineError(self.name, path, None, f"{type(error).__name__}: {error}") from error
@@ -256,3 +257,18 @@ class EngineClient:
         await self._request("POST", "/update_weight_version",
                             {"new_version": str(new_version), "abort_all_requests": False},
                             timeout_s=max(self.timeout_s, 600.0))
+
+    # -- memory occupation (colocated RL: engines share the trainer's GPUs) ------------------------
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Free the engine's memory for `tags` (protocol.MEMORY_TAGS; None = all) while the trainer
+        uses the GPUs. The engine must be idle (pause generation first); SGLang needs
+        `--enable-memory-saver`. Generation is refused until resumed and re-synced."""
+        body = {"tags": list(tags)} if tags else {}
+        await self._request("POST", "/release_memory_occupation", body, timeout_s=max(self.timeout_s, 600.0))
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Re-allocate what `release_memory_occupation` freed; released weights hold nothing valid
+        until the next full weight update (the trainer re-syncs after resuming)."""
+        body = {"tags": list(tags)} if tags else {}
+        await self._request("POST", "/resume_memory_occupation", body, timeout_s=max(self.timeout_s, 600.0))

@@ -49,6 +49,8 @@ REQUEST_FIELDS: dict[str, frozenset[str]] = {
     "/update_weight_version": frozenset({"new_version", "abort_all_requests", "rid"}),
     "/load_lora_adapter": frozenset({"lora_name", "lora_path", "pinned", "lora_id", "rid"}),
     "/unload_lora_adapter": frozenset({"lora_name", "lora_id", "rid"}),
+    "/release_memory_occupation": frozenset({"tags", "rid"}),
+    "/resume_memory_occupation": frozenset({"tags", "rid"}),
 }
 
 REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
@@ -69,6 +71,10 @@ EMBEDDED_EXTENSIONS: dict[str, frozenset[str]] = {
 The client sends them to embedded engines only."""
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+"""`/release_memory_occupation` / `/resume_memory_occupation` tags (SGLang's GPU memory types;
+no tags = all of them). SGLang frees them only when launched with `--enable-memory-saver`."""
 
 EMBEDDED_UNSUPPORTED = {
     # field -> value the embedded engine honours (anything else is refused with 400)

@@ -11,10 +11,17 @@ SGLang's capture buffer does.
 Weights: the checkpoint-format state dict (HF names as on disk, per-expert tensors) is kept, so a
 weight update is "merge new checkpoint tensors -> build a staged model -> swap": transformers does
 the per-expert -> fused conversion, and no forward ever sees a half-loaded model.
+
+Memory occupation (SGLang's `/release_memory_occupation` tag "weights", for colocated RL):
+`release_weights` drops the model and the checkpoint tensors (their memory is freed) and keeps
+only names, shapes and dtypes; `resume_weights` re-allocates the checkpoint (zeros: like SGLang's
+re-mapped memory, it holds no valid weights) and the next weight update must then carry every
+tensor, after which the model is built again. Until then there is no model to run.
 """
 
 from __future__ import annotations
 
+import gc
 import re
 from pathlib import Path
 
@@ -65,6 +72,9 @@ class ModelRunner:
         self._hooks: list = []
         self.lora = LoraSet()
         self.model = self._install(self.model_class.from_pretrained(self.model_dir, dtype=torch.float32))
+        self._layout = {name: (tensor.shape, tensor.dtype) for name, tensor in self.checkpoint.items()}
+        self.weights_state = "loaded"
+        """"loaded" | "released" (no tensors) | "resumed" (allocated, waiting for a full update)."""
 
     # -- model lifecycle -------------------------------------------------------------------------
 
@@ -74,6 +84,12 @@ class ModelRunner:
         Raises ValueError for names or shapes the checkpoint does not have. Does not touch the live
         model: the caller swaps it in between forwards.
         """
+        if self.weights_state == "released":
+            raise RuntimeError("weights are released (/release_memory_occupation): call "
+                               "/resume_memory_occupation before updating them")
+        if self.weights_state == "resumed" and tensors.keys() != self.checkpoint.keys():
+            raise ValueError(f"after /resume_memory_occupation the engine holds no valid weights: the update must "
+                             f"carry all {len(self.checkpoint)} checkpoint tensors, got {len(tensors)}")
         for name, tensor in tensors.items():
             if name not in self.checkpoint:
                 raise ValueError(f"weight {name!r} is not a parameter of this checkpoint: send HF checkpoint names")
@@ -93,9 +109,42 @@ class ModelRunner:
         self._hooks = []
         self.model = self._install(model)
         self.checkpoint = checkpoint
+        self.weights_state = "loaded"
+
+    def release_weights(self) -> None:
+        """Free the model and checkpoint tensors (scheduler thread, no request running)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self.model, self.checkpoint = [], None, None
+        self.weights_state = "released"
+        gc.collect()
+
+    def resume_weights(self) -> None:
+        """Re-allocate the checkpoint tensors (zeros); a full weight update must follow."""
+        if self.weights_state != "released":
+            return  # SGLang: resuming what is not released is a no-op
+        self.checkpoint = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in self._layout.items()}
+        self.weights_state = "resumed"
+
+    def require_weights(self) -> None:
+        if self.weights_state != "loaded":
+            raise RuntimeError(f"the engine's weights are {self.weights_state} (/release_memory_occupation): "
+                               "/resume_memory_occupation and a full weight update must come first")
+
+    def weight_bytes(self) -> int:
+        """Bytes held by the live model's parameters and buffers and the checkpoint tensors."""
+        storages = {}
+        tensors = list((self.checkpoint or {}).values())
+        if self.model is not None:
+            tensors += list(self.model.parameters()) + list(self.model.buffers())
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
 
     def load_lora(self, name: str, path: str) -> None:
         """Load a PEFT adapter under `name` (scheduler thread: re-installs the hooks)."""
+        self.require_weights()
         self.lora.add(LoraAdapter(name, path), self.model)
         self.swap(self.model, self.checkpoint)
 
@@ -142,6 +191,7 @@ class ModelRunner:
         Returns the log-softmax of the last position [B, V] (float32, temperature 1) and the routed
         experts of every fed position, int32 [B, S, num_layers, topk]. Updates `cache` in place.
         """
+        self.require_weights()
         batch, seq = input_ids.shape
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -seq:]
         self._captured.clear()
@@ -168,4 +218,6 @@ class ModelRunner:
             "num_experts_per_tok": self.topk,
             "vocab_size": self.vocab_size,
             "lora_adapters": sorted(self.lora.adapters),
+            "weights_state": self.weights_state,
+            "weight_bytes": self.weight_bytes(),
         }

@@ -96,6 +96,18 @@ class Scheduler:
         self._remove_rows(doomed)
         return aborted + len(doomed)
 
+    @property
+    def idle(self) -> bool:
+        """Nothing holds KV and nothing would run: no running request, and the queue is empty
+        unless generation is paused (SGLang's condition for releasing memory)."""
+        return not self._running and (self.paused or not self._waiting)
+
+    def release_kv_cache(self) -> None:
+        """Drop the KV cache (SGLang's "kv_cache" memory tag). The embedded engine keeps KV only for
+        running requests, so when idle this frees whatever the last batch left."""
+        assert self.idle, "release only when idle"
+        self._drop_batch()
+
     def set_weights(self, model: torch.nn.Module, checkpoint: dict, version: str) -> None:
         """Swap in a staged model: the next forward uses it, tokens after it carry `version`."""
         self.runner.swap(model, checkpoint)

@@ -10,6 +10,11 @@ Weight updates (`sync.receiver.WeightReceiver` does the group and the staging):
 `/update_weights_from_distributed` stages one bucket; `/update_weight_version` commits the staged
 version (or, with nothing staged, relabels the served weights as SGLang does);
 `/continue_generation` drops an uncommitted staged version.
+
+Memory occupation (colocated RL): `/release_memory_occupation` (idle engine only, as SGLang asserts)
+frees the weights (`ModelRunner.release_weights`) and/or the KV cache; `/resume_memory_occupation`
+re-allocates them; the weights hold nothing valid until a full weight update. While anything is
+released or not reloaded, `/generate` is refused (400) with a message saying so.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ class EmbeddedServer:
         self.max_positions = getattr(self.runner.config.get_text_config(), "max_position_embeddings", 1 << 30)
         self._rids: set[str] = set()
         self._staged_version: str | None = None  # a distributed version received but not committed
+        self.released: set[str] = set()  # memory tags released by /release_memory_occupation
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30, middlewares=[self._errors])
@@ -67,7 +73,8 @@ class EmbeddedServer:
             "/init_weights_update_group": self.init_group, "/destroy_weights_update_group": self.destroy_group,
             "/update_weights_from_distributed": self.update_from_distributed,
             "/update_weight_version": self.update_version, "/load_lora_adapter": self.load_lora,
-            "/unload_lora_adapter": self.unload_lora,
+            "/unload_lora_adapter": self.unload_lora, "/release_memory_occupation": self.release_memory,
+            "/resume_memory_occupation": self.resume_memory,
         }
         for path, handler in routes.items():
             app.router.add_post(path, handler)
@@ -114,6 +121,9 @@ class EmbeddedServer:
 
     async def generate(self, http: web.Request) -> web.Response:
         request = self._parse_generate(await self._body(http))
+        if self.released or self.runner.weights_state != "loaded":
+            raise RuntimeError(f"/generate refused: memory released {sorted(self.released)}, weights "
+                               f"{self.runner.weights_state}; call /resume_memory_occupation and update the weights")
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
         request.on_done = lambda result: loop.call_soon_threadsafe(_resolve, done, result)
@@ -208,10 +218,46 @@ class EmbeddedServer:
         return web.Response(status=200)
 
     async def model_info(self, http: web.Request) -> web.Response:
+        describe = await self._on_scheduler(self.runner.describe)  # the scheduler thread owns the weights
         return web.json_response({
             "model_path": self.runner.model_dir, "is_generation": True,
-            "weight_version": self.scheduler.weight_version, **self.runner.describe(),
+            "weight_version": self.scheduler.weight_version, "memory_released": sorted(self.released), **describe,
         })
+
+    # -- memory occupation (colocated RL) ----------------------------------------------------------
+
+    def _tags(self, body: dict) -> list[str]:
+        tags = body.get("tags") or list(protocol.MEMORY_TAGS)
+        if not isinstance(tags, list) or any(tag not in protocol.MEMORY_TAGS for tag in tags):
+            raise BadRequest(f"tags={body.get('tags')!r}: use a list of {protocol.MEMORY_TAGS} (none = all)")
+        return tags  # "cuda_graph": the embedded engine captures no graphs, nothing to do
+
+    async def release_memory(self, http: web.Request) -> web.Response:
+        tags = self._tags(await self._body(http))
+
+        def release() -> None:
+            if not self.scheduler.idle:
+                raise RuntimeError("/release_memory_occupation needs an idle engine: pause generation "
+                                   "(abort or retract) or let the running requests finish first")
+            if "kv_cache" in tags:
+                self.scheduler.release_kv_cache()
+            if "weights" in tags:
+                self.runner.release_weights()
+            self.released.update(tags)
+
+        await self._on_scheduler(release)
+        return web.json_response({"success": True, "message": f"Released {tags}."})
+
+    async def resume_memory(self, http: web.Request) -> web.Response:
+        tags = self._tags(await self._body(http))
+
+        def resume() -> None:
+            if "weights" in tags:
+                self.runner.resume_weights()
+            self.released.difference_update(tags)
+
+        await self._on_scheduler(resume)
+        return web.json_response({"success": True, "message": f"Resumed {tags}; weights {self.runner.weights_state}."})
 
     # -- weights -----------------------------------------------------------------------------------
 

@@ -205,10 +205,18 @@ class RLConfig:
     """Write a run checkpoint (`moe_rl.rl.resume`) every this many steps and at the end; 0: never."""
     keep_checkpoints: int = 2
     """Run checkpoints kept (the newest); older ones are deleted after each new one is complete."""
+    colocate: bool = False
+    """Engines share the trainer's GPUs: each step the engines generate, pause and release their
+    weights and KV cache (`/release_memory_occupation`), the trainer trains, the engines resume
+    and the trainer re-syncs every weight (`moe_rl.rl.colocate`). Only with mode 'sync'."""
 
     def __post_init__(self):
         if self.mode not in RL_MODES:
             raise ValueError(f"rl.mode={self.mode!r}: use one of {RL_MODES}")
+        if self.colocate and self.mode != "sync":
+            raise ValueError(f"rl.colocate=true with rl.mode={self.mode!r}: colocated engines release their memory "
+                             "while the trainer trains, so generation cannot overlap training; set rl.mode: sync "
+                             "or rl.colocate: false")
         if self.checkpoint_every < 0:
             raise ValueError(f"rl.checkpoint_every={self.checkpoint_every}: must be >= 0 (0 disables)")
         if self.keep_checkpoints < 1:
@@ -278,13 +286,17 @@ class RunConfig:
         if self.trainer.routing_replay and not rollout.return_routed_experts:
             raise ValueError("trainer.routing_replay needs the engines' routing: set "
                              "rollout.return_routed_experts: true")
-        if self.sync.transport == "cuda_ipc":
-            raise ValueError("sync.transport='cuda_ipc' needs colocated GPU engines, which the RL job "
-                             "does not place yet: use broadcast or disk")
+        if self.sync.transport == "cuda_ipc" and not self.rl.colocate:
+            raise ValueError("sync.transport='cuda_ipc' needs engines on the trainer's GPUs: set rl.colocate: true, "
+                             "or use broadcast or disk")
 
     def _check_cluster(self) -> None:
         trainer, engines = self.trainer.world_size, self.engines.count * self.engines.gpus_per_engine
-        if self.is_rl and trainer + engines > self.cluster.total_gpus:
+        if self.is_rl and self.rl.colocate and engines > trainer:
+            raise ValueError(f"rl.colocate: engines.count x engines.tp = {engines} GPUs but the trainer has "
+                             f"trainer.world_size={trainer}: colocated engines live on the trainer's GPUs; "
+                             "use fewer or smaller engines")
+        if self.is_rl and not self.rl.colocate and trainer + engines > self.cluster.total_gpus:
             raise ValueError(
                 f"cluster: {self.cluster.nodes} nodes x {self.cluster.gpus_per_node} GPUs = {self.cluster.total_gpus} "
                 f"GPUs, but trainer.world_size={trainer} + engines.count x engines.tp={engines} need "

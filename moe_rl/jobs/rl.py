@@ -20,6 +20,7 @@ from moe_rl.metrics import MetricsLogger
 from moe_rl.rl import resume as resume_state
 from moe_rl.rl.batch import build_batch
 from moe_rl.rl.cluster import RLCluster
+from moe_rl.rl.colocate import engines_released
 
 
 def run(config: RunConfig, resume: bool = False) -> dict:
@@ -50,7 +51,8 @@ def run(config: RunConfig, resume: bool = False) -> dict:
                 metrics["time/trainer_wait_s"] = time.perf_counter() - step_start
                 batch, info = build_batch(groups, config.algorithm, version, rollout.max_staleness)
                 trained += info.group_ids
-                metrics.update(cluster.trainer.call("step", batch, config.algorithm))
+                with engines_released(cluster.engines, config.engines.kind, config.rl.colocate, metrics):
+                    metrics.update(cluster.trainer.call("step", batch, config.algorithm))
                 metrics.update(_update_weights(cluster, config, version + 1))
                 rollout_metrics = ray.get(cluster.rollout.metrics.remote())
                 metrics.update({**info.metrics(), **rollout_metrics})

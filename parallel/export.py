@@ -7,6 +7,11 @@ each parameter over TP (ETP for experts), then EP (global expert = local + ep_ra
 experts_per_rank), converts it to HF tensors with the global layer index, drops vocab padding,
 and yields them on the *source rank* of each stage: TP rank 0 / DP rank 0 / CP rank 0.
 
+Only the source needs the tensors, so only the replica that holds it gathers: a parameter is
+gathered by the TP group of DP rank 0 / CP rank 0 (experts: the ETP and EP groups of expert-DP
+rank 0), point-to-point into the group's first member (`mappings.gather_to_first`); the other
+data-parallel replicas skip it. The source is the first member of each of its groups.
+
 Lockstep: the collectives of a task run inside TP, ETP and EP groups, whose members all sit in
 the same pipeline stage and hold the same list of local parameters (same chunks and layers,
 same number of local experts), so every member walks the same plan and no placeholders are needed; stages
@@ -49,6 +54,8 @@ def parallel_context(model, bridge: Bridge) -> ParallelContext:
         layer_offset=layers[0].layer_number - 1 if len(layers) else 0,
         num_local_experts=num_experts // ep,
         vocab_size=bridge.vocab_size,
+        in_source_replica=ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0,
+        in_expert_source_replica=ps.get_expert_data_parallel_rank() == 0,
     )
 
 
@@ -138,25 +145,22 @@ def export_hf_weights(model, bridge: Bridge, bucket_bytes: int = DEFAULT_BUCKET_
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes}: must be positive")
-    source = is_export_source()
     for chunk in model_chunks(model):
-        yield from _export_chunk(chunk, bridge, bucket_bytes, source)
+        yield from _export_chunk(chunk, bridge, bucket_bytes)
 
 
-def _export_chunk(model, bridge: Bridge, bucket_bytes: int, source: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _export_chunk(model, bridge: Bridge, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
     ctx = parallel_context(model, bridge)
     params = model_tensors(model)
     with torch.no_grad():
         for bucket in buckets(plan(model, bridge, ctx), bucket_bytes):
             gathered: list[tuple[str, torch.Tensor]] = []
             for task in bucket:
-                gathered.extend(task.mapping.export(params[task.name], ctx, task.indices))
+                if ctx.in_expert_source_replica if task.mapping.expert else ctx.in_source_replica:
+                    gathered.extend(task.mapping.export(params[task.name], ctx, task.indices))
             gathered.reverse()
-            while gathered:
-                item = gathered.pop()
-                if source:
-                    yield item
-                del item
+            while gathered:  # empty except on the source (the first member of all its groups)
+                yield gathered.pop()
 
 
 def save_hf_checkpoint(model, bridge: Bridge, out_dir, hf_config: dict, *, max_shard_bytes: int = 5 * 2**30,

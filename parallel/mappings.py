@@ -42,6 +42,8 @@ class ParallelContext:
     layer_offset: int  # global index of this stage's first layer
     num_local_experts: int
     vocab_size: int  # the HF (unpadded) vocab size
+    in_source_replica: bool = True  # DP rank 0 and CP rank 0: the replica the export gathers from
+    in_expert_source_replica: bool = True  # expert-DP rank 0: likewise for expert parameters
 
 
 class ShardReader(Protocol):
@@ -51,25 +53,46 @@ class ShardReader(Protocol):
         """The HF tensor `name`, or its rows/columns [start, stop) along `dim`."""
 
 
-def all_gather(tensor: torch.Tensor, axis: Axis) -> list[torch.Tensor]:
-    """Every member of `axis.group` calls it; each gets all members' tensors (axis.size x memory)."""
-    if axis.size == 1:
-        return [tensor]
-    parts = [torch.empty_like(tensor) for _ in range(axis.size)]
-    dist.all_gather(parts, tensor.contiguous(), group=axis.group)
+# Gathers go point-to-point to the group's first member, not all-gathers: only the export's
+# source needs the full tensor, and gloo's collectives copy through a flat buffer of their own
+# (2x the tensor at the peak).
+
+
+def gather_to_first(tensor: torch.Tensor, axis: Axis) -> torch.Tensor | None:
+    """Every member of `axis.group` calls it; member 0 gets one (axis.size, *shape) tensor of
+    all members' tensors, received in place; the others get None."""
+    tensor = tensor.contiguous()
+    if axis.rank != 0:
+        dist.send(tensor, group=axis.group, group_dst=0)
+        return None
+    out = tensor.new_empty((axis.size, *tensor.shape))
+    out[0].copy_(tensor)
+    for member in range(1, axis.size):
+        dist.recv(out[member], group=axis.group, group_src=member)
+    return out
+
+
+def gather_parts(tensor: torch.Tensor, axis: Axis) -> list[torch.Tensor] | None:
+    """Like `gather_to_first`, as separate tensors: member 0 gets [its own tensor (no copy),
+    member 1's, ...]; the others None."""
+    tensor = tensor.contiguous()
+    if axis.rank != 0:
+        dist.send(tensor, group=axis.group, group_dst=0)
+        return None
+    parts = [tensor] + [torch.empty_like(tensor) for _ in range(1, axis.size)]
+    for member in range(1, axis.size):
+        dist.recv(parts[member], group=axis.group, group_src=member)
     return parts
 
 
-def gather_along(tensor: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
-    """Every member of `axis.group` calls it; each gets the members' shards concatenated along
-    `dim`. One collective into one buffer (axis.size x the shard), plus one reordering copy when
-    `dim` > 0; a size-1 axis returns `tensor` itself."""
+def gather_along(tensor: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor | None:
+    """`gather_to_first`, concatenated along `dim` on member 0 (one reordering copy when `dim` >
+    0); a size-1 axis returns `tensor` itself."""
     if axis.size == 1:
         return tensor
-    out = tensor.new_empty((axis.size, *tensor.shape))
-    dist.all_gather_into_tensor(out.view(-1), tensor.contiguous().view(-1), group=axis.group)
-    if dim == 0:
-        return out.view(-1, *tensor.shape[1:])
+    out = gather_to_first(tensor, axis)
+    if out is None or dim == 0:
+        return out if out is None else out.view(-1, *tensor.shape[1:])
     return out.movedim(0, dim).reshape(*tensor.shape[:dim], -1, *tensor.shape[dim + 1:])
 
 
@@ -116,13 +139,20 @@ class Mapping:
 
     # -- export: collective over the TP/ETP group, then (experts) the EP group -------------
     def export(self, local: torch.Tensor, ctx: ParallelContext, indices: tuple[int, ...]) -> list[tuple[str, torch.Tensor]]:
-        """All ranks of the param's TP/ETP (and EP) groups call it in lockstep; each gets every
-        HF tensor of the param (experts: of all EP ranks). Memory: the full tensors."""
-        tensors = self.to_hf(self.gather(local.detach(), self.axis(ctx)), ctx)
+        """All ranks of the param's TP/ETP group call it in lockstep, then (experts) the ETP
+        rank-0 members of the EP group; the first member of each gets every HF tensor of the
+        param (experts: of all EP ranks), the others []. Memory: the full tensors, there."""
+        axis = self.axis(ctx)
+        full = self.gather(local.detach(), axis)
+        if axis.rank != 0:
+            return []
+        tensors = self.to_hf(full, ctx)
         if not self.expert:
             return list(zip(self.hf_names(ctx, indices), tensors))
+        per_rank = [gather_parts(t, ctx.ep) for t in tensors]
+        if ctx.ep.rank != 0:
+            return []
         out: list[tuple[str, torch.Tensor]] = []
-        per_rank = [all_gather(t, ctx.ep) for t in tensors]
         for ep_rank in range(ctx.ep.size):
             names = self.hf_names(ctx, indices, ep_rank)
             out.extend((name, parts[ep_rank]) for name, parts in zip(names, per_rank))
@@ -138,7 +168,8 @@ class Mapping:
             )
         return shard
 
-    def gather(self, local: torch.Tensor, axis: Axis) -> torch.Tensor:
+    def gather(self, local: torch.Tensor, axis: Axis) -> torch.Tensor | None:
+        """The full Megatron tensor on `axis` member 0, None on the others (all call it)."""
         raise NotImplementedError
 
     def to_hf(self, full: torch.Tensor, ctx: ParallelContext) -> list[torch.Tensor]:
@@ -203,7 +234,7 @@ class GatedColumn(Mapping):
             return local
         # [rank][gate_r; up_r] -> [gate_0 .. gate_n; up_0 .. up_n]
         halves = gather_along(local.view(2, -1, *local.shape[1:]), axis, dim=1)
-        return halves.reshape(-1, *local.shape[1:])
+        return None if halves is None else halves.reshape(-1, *local.shape[1:])
 
     def to_hf(self, full, ctx):
         return list(full.chunk(2, dim=0))

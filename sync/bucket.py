@@ -145,6 +145,7 @@ class BucketPacker:
             buffer[offset : offset + nbytes].copy_(_byte_view(tensor))
             metas.append(TensorMeta(name, tensor.dtype, tuple(tensor.shape), offset))
             offset += nbytes
+            del tensor  # copied: let the export free it before it gathers the next tensors
         if metas:
             yield self._close(index, buffer, metas, offset)
 

@@ -108,12 +108,22 @@ class WeightSender:
         else:
             self.behind.discard(engine.name)
 
+    def remove(self, name: str) -> None:
+        """Forget a member the orchestrator knows is dead (the next update then does not wait on it)."""
+        self.engines.drop({name})
+        self.behind.discard(name)
+        self.transport.broken = True
+
     def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
         """Source rank only. Returns what was sent; raises SyncError (engines keep the old version)."""
         # 1. versions only increase; the committed one again only for engines behind
         if version < self.version or (version == self.version and not self.behind):
             raise ValueError(f"version: {version} is stale or repeated (last committed {self.version})")
         targets = self.engines.subset(self.behind) if version == self.version else self.engines
+        if not targets.engines:  # every engine died: the restarted ones catch up to this version
+            drain(named_tensors)
+            self.version = version
+            return SyncStats(version, 0, 0.0)
         start, error, dead = time.perf_counter(), None, {}
         try:
             # 2. (re)form the group with the targets

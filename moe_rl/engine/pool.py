@@ -1,15 +1,24 @@
-"""`EnginePool`: routes generate calls over several engines.
+"""`EnginePool`: routes generate calls over several engines, and around engines that died.
 
 All samples of a group (same prompt, GRPO) go to one engine, so its prefix cache (SGLang's radix
 tree) computes the shared prompt once; a group's first request, and any request without a group,
-goes to the engine with the fewest requests in flight (ties: the first). The mapping lives until
-`release_group`. Control calls (pause, continue, weight updates) go to every engine through the
-clients themselves (or `sync`'s sender); the pool only routes generation.
+goes to the live engine with the fewest requests in flight (ties: the first). The mapping lives
+until `release_group`. Control calls (pause, continue, weight updates) go to every engine through
+the clients themselves (or `sync`'s sender); the pool only routes generation.
+
+Faults: a generate call that gets no HTTP answer (connection refused or reset) makes the pool ask
+the engine's `/health` (one check shared by every request that failed on it). An engine that does
+not answer is marked dead: it gets no new work, its groups move to other engines, and each of its
+requests is resubmitted unchanged to a live engine (`resubmitted`): the caller's sample keeps the
+segments it already has, only the lost segment is generated again. With no engine live, requests
+wait. Whoever restarts a dead engine and re-syncs its weights calls `revive(index, client)`.
 """
 
 from __future__ import annotations
 
-from moe_rl.engine.client import EngineClient, GenerateResult
+import asyncio
+
+from moe_rl.engine.client import EngineClient, EngineError, GenerateResult
 
 
 class EnginePool:
@@ -18,13 +27,23 @@ class EnginePool:
             raise ValueError("EnginePool needs at least one EngineClient")
         self.clients = list(clients)
         self.in_flight = [0] * len(clients)
+        self.live = [True] * len(clients)
+        self.served = [0] * len(clients)  # requests each engine completed since it was (re)started
+        self.resubmitted = 0  # requests lost with a dead engine and sent to another one
         self._groups: dict[str, int] = {}
+        self._checks: dict[int, asyncio.Task] = {}  # running health check per engine
+        self._any_live = asyncio.Event()
+        self._any_live.set()
 
     def pick(self, group_id: str | None = None) -> int:
-        """Index of the engine for the next request of `group_id` (recorded for the group)."""
-        if group_id is not None and group_id in self._groups:
-            return self._groups[group_id]
-        index = min(range(len(self.clients)), key=lambda i: self.in_flight[i])
+        """Index of the live engine for the next request of `group_id` (recorded for the group)."""
+        index = self._groups.get(group_id) if group_id is not None else None
+        if index is not None and self.live[index]:
+            return index
+        live = [i for i, up in enumerate(self.live) if up]
+        if not live:
+            raise RuntimeError("no live engine: wait for one to be revived")
+        index = min(live, key=lambda i: self.in_flight[i])
         if group_id is not None:
             self._groups[group_id] = index
         return index
@@ -33,13 +52,51 @@ class EnginePool:
         self._groups.pop(group_id, None)
 
     async def generate(self, input_ids: list[int], *, group_id: str | None = None, **kwargs) -> GenerateResult:
-        """`EngineClient.generate` on the engine `pick(group_id)` chose."""
-        index = self.pick(group_id)
-        self.in_flight[index] += 1
-        try:
-            return await self.clients[index].generate(input_ids, **kwargs)
-        finally:
-            self.in_flight[index] -= 1
+        """`EngineClient.generate` on the engine `pick(group_id)` chose; resubmitted if it dies."""
+        while True:
+            await self._any_live.wait()
+            index = self.pick(group_id)
+            client = self.clients[index]
+            self.in_flight[index] += 1
+            try:
+                result = await client.generate(input_ids, **kwargs)
+            except EngineError as error:
+                if error.status is not None or not await self._died(index, client):
+                    raise
+                self.resubmitted += 1
+                continue
+            finally:
+                self.in_flight[index] -= 1
+            self.served[index] += 1
+            return result
+
+    async def _died(self, index: int, client: EngineClient) -> bool:
+        """Whether the engine behind `client` is dead (marks it dead the first time)."""
+        if client is not self.clients[index] or not self.live[index]:
+            return True  # already known dead (or since replaced by a restarted process)
+        check = self._checks.get(index)
+        if check is None:
+            check = self._checks[index] = asyncio.ensure_future(client.health())
+            check.add_done_callback(lambda _: self._checks.pop(index, None))
+        healthy = await asyncio.shield(check)
+        if not healthy and client is self.clients[index]:
+            self.mark_dead(index)
+        return not healthy
+
+    def mark_dead(self, index: int) -> None:
+        """No new work for engine `index`; its groups go elsewhere."""
+        self.live[index] = False
+        self._groups = {gid: i for gid, i in self._groups.items() if i != index}
+        if not any(self.live):
+            self._any_live.clear()
+
+    async def revive(self, index: int, client: EngineClient) -> None:
+        """Engine `index` is back (restarted, serving the current weights) at `client`."""
+        old, self.clients[index] = self.clients[index], client
+        self.live[index], self.served[index] = True, 0
+        self._any_live.set()
+        if old is not client:
+            await old.close()
 
     async def close(self) -> None:
         for client in self.clients:

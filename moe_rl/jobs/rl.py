@@ -47,7 +47,7 @@ def run(config: RunConfig, resume: bool = False) -> dict:
         with _Progress(config.steps - first) as progress:
             for version in range(first, config.steps):
                 metrics, step_start = {}, time.perf_counter()
-                groups = ray.get(cluster.rollout.get_batch.remote(rollout.groups_per_step))
+                groups = cluster.get_batch(rollout.groups_per_step)
                 metrics["time/trainer_wait_s"] = time.perf_counter() - step_start
                 batch, info = build_batch(groups, config.algorithm, version, rollout.max_staleness)
                 trained += info.group_ids
@@ -91,7 +91,9 @@ def _update_weights(cluster: RLCluster, config: RunConfig, version: int) -> dict
     if config.rl.drain_before_sync:
         metrics["time/drain_s"] = ray.get(cluster.rollout.drain.remote())
     # 2. pause engines (sync.pause_mode), stream buckets, commit `version`, resume (WeightSender)
-    metrics["time/sync_s"] = cluster.trainer.call("sync_weights", version, config.sync.bucket_bytes)
+    #    (an engine that died is dropped, the others commit; it is restarted and caught up later)
+    metrics["time/sync_s"] = cluster.sync(version)
+    metrics["engines/restarts"] = cluster.restarts
     # 3. the engines serve `version`: admit the rounds it allows (the staleness bound)
     ray.get(cluster.rollout.set_version.remote(version))
     return metrics

@@ -11,6 +11,15 @@ Start-up, in order:
   5. the trainer's sync source joins the engines' weight-update group (`WeightSender`);
   6. the `RolloutWorker` actor starts generating.
 `close()` undoes them in reverse and returns the rollout ledger.
+
+Engine faults (the driver's side; the trainer is never stopped): an engine found dead, by the
+rollout pool (its requests failed and `/health` does not answer; the pool has already resubmitted
+them elsewhere) or by the weight sender (it could not resume after a sync; the sync was retried on
+the live engines), is restarted by its `EngineServer` in the background (`engines/restarts`).
+Once its process is healthy the trainer's sender takes it back and sends it the committed
+version (`sync_weights` catch-up: a weight-update group of the restarted engines only, the live
+ones keep generating), and only then does the pool give it work again. `recover()` does this
+bookkeeping; the driver calls it while it waits for a batch and after each sync.
 """
 
 from __future__ import annotations
@@ -31,6 +40,10 @@ class RLCluster:
         self.config, self.run_dir, self.restore = config, run_dir, restore
         self.trainer = self.rollout = None
         self.engines: list = []
+        self.version = self.initial_version = 0  # committed on the engines / served after a restart
+        self.restarting: dict[int, ray.ObjectRef] = {}  # engine index -> its restart's URL
+        self.restarts = 0
+        self.lost: list[str] = []  # found dead by the pool, not yet removed from the weight sender
         use_gpus = torch.cuda.is_available()
         world, engines = config.trainer.world_size, config.engines.count
         if not ray.is_initialized():
@@ -57,12 +70,52 @@ class RLCluster:
                                       str(self.run_dir / f"engine-{i}.log"), version)
                         for i in range(cfg.engines.count)]
         urls = ray.get([engine.url.remote() for engine in self.engines])
-        self.trainer.call("connect", urls, cfg.sync, cfg.engines.kind)
+        self.trainer.call("connect", urls, cfg.sync, cfg.engines.kind, version)
+        self.version = self.initial_version = version
         hf = cfg.model.load_hf_config()
         worker = ray.remote(RolloutWorker).options(num_cpus=1, max_concurrency=16)
         self.rollout = worker.remote(cfg.effective_rollout(), urls, cfg.engines.kind,
                                      hf.num_hidden_layers, hf.num_experts_per_tok)
         ray.get(self.rollout.start.remote(self.restore))
+
+    def get_batch(self, n_groups: int) -> list:
+        """The rollout worker's next batch; recovers engines while waiting for it."""
+        batch = self.rollout.get_batch.remote(n_groups)
+        while not ray.wait([batch], timeout=_POLL_S)[0]:
+            self.recover()
+        return ray.get(batch)
+
+    def sync(self, version: int) -> float:
+        """Weight update to `version` on every live engine (dead ones are dropped and restarted);
+        returns its seconds."""
+        lost, self.lost = self.lost, []
+        result = self.trainer.call("sync_weights", version, self.config.sync.bucket_bytes, None, 0, lost)
+        self.version = version
+        for name in result["dropped"]:
+            ray.get(self.rollout.mark_dead.remote(_index(name)))
+        self.recover()
+        return result["seconds"]
+
+    def recover(self) -> None:
+        """Restart dead engines; re-sync restarted ones and put them back in the pool."""
+        states = ray.get(self.rollout.engine_states.remote())
+        for index, state in enumerate(states):
+            if not state["live"] and index not in self.restarting:
+                self.restarting[index] = self.engines[index].restart.remote()
+                self.restarts += 1
+                self.lost.append(f"engine-{index}")
+        for index, restarted in list(self.restarting.items()):
+            if not ray.wait([restarted], timeout=0)[0]:
+                continue
+            url, name = ray.get(restarted), f"engine-{index}"
+            if name in self.lost:  # the sender replaces the dead member with the restarted one
+                self.lost.remove(name)
+            result = self.trainer.call("sync_weights", self.version, self.config.sync.bucket_bytes,
+                                       {name: url}, self.initial_version)
+            del self.restarting[index]
+            if name in result["dropped"]:  # died again while catching up: restarted next time
+                continue
+            ray.get(self.rollout.revive.remote(index, url))
 
     def close(self) -> dict | None:
         ledger = None
@@ -76,3 +129,10 @@ class RLCluster:
                 ray.get(engine.stop.remote())
             ray.shutdown()
         return ledger
+
+
+_POLL_S = 0.2  # how often the driver looks for dead and restarted engines while it waits
+
+
+def _index(name: str) -> int:
+    return int(name.rsplit("-", 1)[1])  # engines are named engine-{i}

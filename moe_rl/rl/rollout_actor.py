@@ -18,19 +18,34 @@ from moe_rl.rollout import RolloutConfig, RolloutManager
 
 
 class EngineServer:
-    """One engine server process (a Ray actor)."""
+    """One engine server process (a Ray actor); `restart` relaunches it after it died."""
 
     def __init__(self, model_dir: str, kind: str, max_batch: int, threads: int, log_path: str,
                  weight_version: int = 0):
-        from moe_rl.engine.process import launch_embedded
-
         if kind != "embedded":
             raise ValueError(f"engines.kind={kind!r}: the RL job launches embedded engines; start SGLang "
                              "servers with moe_rl.engine.sglang_launcher on GPU nodes")
-        self.process = launch_embedded(model_dir, weight_version=str(weight_version), max_batch=max_batch,
-                                       log_path=log_path, threads=threads)
+        self.args = dict(model_dir=model_dir, weight_version=str(weight_version), max_batch=max_batch,
+                         log_path=log_path, threads=threads)
+        self.weight_version = weight_version
+        self.process = self._launch()
+
+    def _launch(self):
+        from moe_rl.engine.process import launch_embedded
+
+        return launch_embedded(**self.args)
 
     def url(self) -> str:
+        return self.process.url
+
+    def pid(self) -> int:
+        return self.process.process.pid
+
+    def restart(self) -> str:
+        """Stop what is left of the process, start a new one on the launch weights (serving
+        `weight_version`: the sender catches it up before it gets work); returns its URL."""
+        self.process.stop()
+        self.process = self._launch()
         return self.process.url
 
     def stop(self) -> None:
@@ -82,6 +97,22 @@ class RolloutWorker:
             raise RuntimeError("rollout manager stopped before the batch was complete")
         return batch.result()
 
+    async def engine_states(self) -> list[dict]:
+        """Per engine: live (gets work), requests in flight, requests served since (re)started."""
+        pool = self.pool
+        return [{"live": live, "in_flight": n, "served": served}
+                for live, n, served in zip(pool.live, pool.in_flight, pool.served)]
+
+    async def mark_dead(self, index: int) -> None:
+        """Engine `index` died (the weight sender found it): no new work for it."""
+        self.pool.mark_dead(index)
+
+    async def revive(self, index: int, url: str) -> None:
+        """Engine `index` was restarted at `url` and serves the current weights: give it work."""
+        client = EngineClient(url, kind=self.kind, name=f"engine-{index}", num_hidden_layers=self.layout[0],
+                              topk=self.layout[1])
+        await self.pool.revive(index, client)
+
     async def set_version(self, version: int) -> None:
         await self.manager.buffer.set_version(version)
 
@@ -94,12 +125,17 @@ class RolloutWorker:
 
     async def metrics(self) -> dict[str, float]:
         return {**self.manager.metrics(), "rollout/generated_tokens": self.pool.generated_tokens,
+                "engines/resubmitted_requests": self.pool.resubmitted, "engines/live": sum(self.pool.live),
                 "rollout/generated_tokens_per_s": self.pool.generated_tokens / (time.perf_counter() - self.started)}
 
     async def stop(self) -> dict:
-        """Stop generating; queued groups are dropped ("unused"). Returns the ledger."""
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
+        """Stop generating; queued groups are dropped ("unused"). Returns the ledger (None when
+        `start` failed before the manager existed: its error is the one to report)."""
+        if self.manager is None:
+            return None
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
         buffer = self.manager.buffer
         for gid in sorted(buffer.queued_ids()):
             buffer.drop(gid, "unused")

@@ -94,10 +94,11 @@ class TrainerRank:
                      served_version: int = 0, lost: list[str] = ()) -> dict:
         """Stream the weights to the engines as `version` (collective: every rank calls it).
 
-        `lost`: engines known dead, removed from the sender first. `joined`: restarted engines (name -> url, serving `served_version`) the sender takes back
-        first; with `version` = the committed one only they receive it (catch-up). An engine that
-        dies mid-sync is dropped and the sync retried (a fresh export) until the live engines
-        commit. Returns seconds, the engines that committed, and those dropped as dead."""
+        `lost`: engines known dead, removed from the sender first. `joined`: restarted engines
+        (name -> url, serving `served_version`) the sender takes back; with `version` = the
+        committed one only they receive it (catch-up). An engine that dies mid-sync is dropped
+        and the sync retried (a fresh export) until the live engines commit. Returns seconds,
+        the engines that committed, and those dropped as dead."""
         from moe_rl.engine.client import EngineClient
         from sync.engine_set import SyncError
         from sync.pipeline import stage_stream

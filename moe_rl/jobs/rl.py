@@ -89,7 +89,7 @@ def _update_weights(cluster: RLCluster, config: RunConfig, version: int) -> dict
     metrics = {}
     # 1. one_step_off: let in-flight generation finish, so no sample mixes two versions
     if config.rl.drain_before_sync:
-        metrics["time/drain_s"] = ray.get(cluster.rollout.drain.remote())
+        metrics["time/drain_s"] = cluster.drain()
     # 2. pause engines (sync.pause_mode), stream buckets, commit `version`, resume (WeightSender)
     #    (an engine that died is dropped, the others commit; it is restarted and caught up later)
     metrics["time/sync_s"] = cluster.sync(version)

@@ -80,10 +80,16 @@ class RLCluster:
 
     def get_batch(self, n_groups: int) -> list:
         """The rollout worker's next batch; recovers engines while waiting for it."""
-        batch = self.rollout.get_batch.remote(n_groups)
-        while not ray.wait([batch], timeout=_POLL_S)[0]:
-            self.recover()
-        return ray.get(batch)
+        return self._wait(self.rollout.get_batch.remote(n_groups))
+
+    def drain(self) -> float:
+        """Wait until no group is generating (drain-before-sync); recovers engines meanwhile."""
+        return self._wait(self.rollout.drain.remote())
+
+    def _wait(self, ref: ray.ObjectRef):
+        while not ray.wait([ref], timeout=_POLL_S)[0]:
+            self.recover()  # generation may be waiting for a restarted engine
+        return ray.get(ref)
 
     def sync(self, version: int) -> float:
         """Weight update to `version` on every live engine (dead ones are dropped and restarted);

@@ -61,7 +61,9 @@ def sglang_command(config: SGLangConfig, port: int) -> list[str]:
     return command + list(config.extra_args)
 
 
-def launch_sglang(config: SGLangConfig, log_path: str | Path | None = None, timeout_s: float = 900.0) -> EngineProcess:
-    """Start SGLang and wait for `/health` (model loading and CUDA graphs can take minutes)."""
+def launch_sglang(config: SGLangConfig, log_path: str | Path | None = None, timeout_s: float = 900.0,
+                  env: dict[str, str] | None = None) -> EngineProcess:
+    """Start SGLang and wait for `/health` (model loading and CUDA graphs can take minutes).
+    `env` adds to the process environment (e.g. CUDA_VISIBLE_DEVICES of colocated engines)."""
     port = config.port or free_port(config.host)
-    return EngineProcess(sglang_command(config, port), config.host, port, log_path).wait_healthy(timeout_s)
+    return EngineProcess(sglang_command(config, port), config.host, port, log_path, env=env).wait_healthy(timeout_s)

@@ -7,7 +7,9 @@ Start-up, in order:
   3. the trainer writes version 0 as an HF checkpoint (`initial_hf/`), so engines and trainer
      start from identical weights (on resume: loads the run checkpoint first and writes version N,
      which the engines announce as their weight version);
-  4. `engines.count` `EngineServer` actors each start an engine server on that checkpoint;
+  4. `engines.count` `EngineServer` actors each start an engine server on that checkpoint
+     (`engine_placement`: embedded = a CPU each; SGLang = `engines.tp` GPUs each, or, with
+     `rl.colocate`, the GPUs of trainer ranks [i*tp, (i+1)*tp) inside their bundle);
   5. the trainer's sync source joins the engines' weight-update group (`WeightSender`);
   6. the `RolloutWorker` actor starts generating.
 `close()` undoes them in reverse and returns the rollout ledger.
@@ -28,10 +30,11 @@ from pathlib import Path
 
 import ray
 import torch
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from moe_rl.config import RunConfig
 from moe_rl.rl.ray_init import init_ray
-from moe_rl.rl.rollout_actor import EngineServer, RolloutWorker
+from moe_rl.rl.rollout_actor import EngineServer, RolloutWorker, engine_placement
 from moe_rl.rl.trainer_group import TrainerGroup
 
 
@@ -65,10 +68,7 @@ class RLCluster:
             assert version == self.restore["weight_version"], (version, self.restore["weight_version"])
         initial = str(self.run_dir / ("initial_hf" if version == 0 else f"resumed_hf_v{version}"))
         self.trainer.call("save_hf", initial)
-        server = ray.remote(EngineServer).options(num_cpus=1, num_gpus=0)
-        self.engines = [server.remote(initial, cfg.engines.kind, cfg.engines.max_batch, cfg.engines.threads,
-                                      str(self.run_dir / f"engine-{i}.log"), version)
-                        for i in range(cfg.engines.count)]
+        self.engines = self._start_engines(initial, version)
         urls = ray.get([engine.url.remote() for engine in self.engines])
         self.trainer.call("connect", urls, cfg.sync, cfg.engines.kind, version)
         self.version = self.initial_version = version
@@ -122,6 +122,20 @@ class RLCluster:
             if name in result["dropped"]:  # died again while catching up: restarted next time
                 continue
             ray.get(self.rollout.revive.remote(index, url))
+
+    def _start_engines(self, model_dir: str, version: int) -> list:
+        """One `EngineServer` actor per engine, placed by `engine_placement`."""
+        cfg = self.config
+        colocated = cfg.engines.kind == "sglang" and cfg.rl.colocate
+        devices = self.trainer.call_each("device") if colocated else None
+        engines = []
+        for i, (options, gpu_ids) in enumerate(engine_placement(cfg.engines, cfg.rl.colocate, devices)):
+            if "bundle" in options:
+                options = dict(options, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.trainer.placement, options.pop("bundle")))
+            engines.append(ray.remote(EngineServer).options(**options).remote(
+                model_dir, cfg.engines, str(self.run_dir / f"engine-{i}.log"), version, gpu_ids))
+        return engines
 
     def close(self) -> dict | None:
         ledger = None

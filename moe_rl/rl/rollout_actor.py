@@ -18,22 +18,35 @@ from moe_rl.rollout import RolloutConfig, RolloutManager
 
 
 class EngineServer:
-    """One engine server process (a Ray actor); `restart` relaunches it after it died."""
+    """One engine server process (a Ray actor); `restart` relaunches it after it died.
 
-    def __init__(self, model_dir: str, kind: str, max_batch: int, threads: int, log_path: str,
-                 weight_version: int = 0):
-        if kind != "embedded":
-            raise ValueError(f"engines.kind={kind!r}: the RL job launches embedded engines; start SGLang "
-                             "servers with moe_rl.engine.sglang_launcher on GPU nodes")
-        self.args = dict(model_dir=model_dir, weight_version=str(weight_version), max_batch=max_batch,
-                         log_path=log_path, threads=threads)
+    kind "embedded": the CPU engine. kind "sglang": `sglang.launch_server` with `engines.tp/ep/dp`,
+    on the GPUs Ray gave this actor (disaggregated: the actor holds `engines.tp` GPUs and Ray sets
+    CUDA_VISIBLE_DEVICES), or, colocated, on the trainer's GPUs named by `gpu_ids` (the actor
+    holds none itself; SGLang's memory saver lets the trainer have them while it trains)."""
+
+    def __init__(self, model_dir: str, engines, log_path: str, weight_version: int = 0,
+                 gpu_ids: list[str] | None = None):
+        self.model_dir, self.engines, self.log_path, self.gpu_ids = model_dir, engines, log_path, gpu_ids
         self.weight_version = weight_version
         self.process = self._launch()
 
     def _launch(self):
-        from moe_rl.engine.process import launch_embedded
+        cfg = self.engines
+        if cfg.kind == "embedded":
+            from moe_rl.engine.process import launch_embedded
 
-        return launch_embedded(**self.args)
+            return launch_embedded(self.model_dir, weight_version=str(self.weight_version), max_batch=cfg.max_batch,
+                                   log_path=self.log_path, threads=cfg.threads)
+        import ray
+
+        from moe_rl.engine.sglang_launcher import SGLangConfig, launch_sglang
+
+        config = SGLangConfig(model_path=self.model_dir, host=ray.util.get_node_ip_address(), tp_size=cfg.tp,
+                              ep_size=cfg.ep, dp_size=cfg.dp, mem_fraction_static=cfg.mem_fraction_static,
+                              weight_version=str(self.weight_version), enable_memory_saver=self.gpu_ids is not None)
+        env = None if self.gpu_ids is None else {"CUDA_VISIBLE_DEVICES": ",".join(self.gpu_ids)}
+        return launch_sglang(config, log_path=self.log_path, env=env)
 
     def url(self) -> str:
         return self.process.url
@@ -50,6 +63,31 @@ class EngineServer:
 
     def stop(self) -> None:
         self.process.stop()
+
+
+def engine_placement(engines, colocate: bool, trainer_devices: list[tuple[str, list[str]]] | None = None
+                     ) -> list[tuple[dict, list[str] | None]]:
+    """Ray actor options and colocated GPU ids of each engine server.
+
+    Embedded: one CPU each. SGLang, disaggregated: `engines.tp` GPUs of its own. SGLang,
+    colocated: engine i runs on the GPUs of trainer ranks [i * tp, (i + 1) * tp) (`trainer_devices`:
+    each rank's (node, GPU ids)), in rank i * tp's placement-group bundle, holding no resources.
+    """
+    if engines.kind == "embedded":
+        return [({"num_cpus": 1, "num_gpus": 0}, None)] * engines.count
+    if not colocate:
+        return [({"num_cpus": 1, "num_gpus": engines.tp}, None)] * engines.count
+    placement = []
+    for i in range(engines.count):
+        ranks = trainer_devices[i * engines.tp:(i + 1) * engines.tp]
+        nodes = {node for node, _ in ranks}
+        if len(ranks) < engines.tp or len(nodes) != 1:
+            raise ValueError(f"rl.colocate: engine {i} needs engines.tp={engines.tp} trainer GPUs on one node, but "
+                             f"trainer ranks {i * engines.tp}..{(i + 1) * engines.tp - 1} are on {sorted(nodes)}: "
+                             "make engines.tp divide the GPUs per node")
+        placement.append(({"num_cpus": 0, "num_gpus": 0, "bundle": i * engines.tp},
+                          [gpu for _, gpus in ranks for gpu in gpus]))
+    return placement
 
 
 class CountingPool(EnginePool):

@@ -27,6 +27,10 @@ class TrainerRank:
         torch.set_num_threads(threads)
         self.trainer = self.sender = None
 
+    def device(self) -> tuple[str, list[str]]:
+        """(node address, the GPU ids Ray gave this rank): where colocated engines may run."""
+        return ray.util.get_node_ip_address(), [str(gpu) for gpu in ray.get_gpu_ids()]
+
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0: the address and a free port for the gloo/NCCL world."""
         from parallel.world import free_port
@@ -219,6 +223,10 @@ class TrainerGroup:
         """Run `method(*args)` on every rank (a collective); rank 0's result."""
         refs = [ray.put(a) if isinstance(a, dict) else a for a in args]
         return ray.get([getattr(actor, method).remote(*refs) for actor in self.actors])[0]
+
+    def call_each(self, method: str, *args: Any) -> list:
+        """Run `method(*args)` on every rank; every rank's result, in rank order."""
+        return ray.get([getattr(actor, method).remote(*args) for actor in self.actors])
 
     def close(self) -> None:
         try:

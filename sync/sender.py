@@ -38,8 +38,7 @@ member again; if it serves an older version than the committed one it is *behind
 `update(stream, sender.version)` (the committed version, exported again) forms a group with only
 the engines behind and sends them that version, without pausing the others; the next new
 version re-forms the group with every member. The orchestrator gives a restarted engine work
-only after that. (The disk transport cannot resend a published version: catch-up needs
-`broadcast`.)
+only after that. (The disk transport catches up from the version already published.)
 """
 
 from __future__ import annotations

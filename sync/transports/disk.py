@@ -4,7 +4,9 @@
 directory under `disk_dir`, then publishes it with one atomic rename to `disk_dir/v{version}`,
 so an engine never sees a half-written version; then every engine is told, concurrently,
 through `update_weights_from_disk(model_path, weight_version)`. After the sender commits, the
-previous published versions are removed at the next `send`.
+previous published versions are removed at the next `send`. Sending a version that is already
+published (the sender catching a restarted engine up to the committed version) writes nothing:
+the export is drained and the engines load the published directory.
 
 Memory on the source rank: one shard (the tensors of at most `bucket_bytes`, held until written).
 """
@@ -37,11 +39,19 @@ class DiskTransport(Transport):
         self.broken = False
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, engines: EngineSet) -> int:
+        final = self.root / f"v{version}"
+        if final.exists():  # published whole (atomic rename): a restarted engine catches up on it
+            nbytes = sum(t.numel() * t.element_size() for _, t in named_tensors)  # runs the export
+        else:
+            nbytes = self._publish(named_tensors, version, final)
+        if failed := engines.call(lambda e: e.update_weights_from_disk(str(final), str(version))):
+            raise SyncError(f"update_weights_from_disk of {final} failed: {describe(failed)}",
+                            engine=next(iter(failed)))
+        return nbytes
+
+    def _publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, final: Path) -> int:
         from safetensors.torch import save_file
 
-        final = self.root / f"v{version}"
-        if final.exists():
-            raise ValueError(f"version: {final} exists already; versions must increase")
         self._remove_old(keep=version)
         tmp = Path(tempfile.mkdtemp(prefix=f".v{version}-", dir=self.root))
         nbytes, shard, shard_bytes, index = 0, {}, 0, 0
@@ -60,9 +70,6 @@ class DiskTransport(Transport):
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        if failed := engines.call(lambda e: e.update_weights_from_disk(str(final), str(version))):
-            raise SyncError(f"update_weights_from_disk of {final} failed: {describe(failed)}",
-                            engine=next(iter(failed)))
         return nbytes
 
     def _remove_old(self, keep: int) -> None:

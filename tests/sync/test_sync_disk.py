@@ -27,6 +27,26 @@ def test_disk_sync_exact(engines, qwen3_moe_state, tmp_path):
         sender.close()
 
 
+def test_disk_catch_up_loads_the_published_version(engines, qwen3_moe_state, tmp_path):
+    """A restarted engine added back behind the committed version loads the directory already
+    published for it; nothing is written again."""
+    clients, _ = engines
+    shared = tmp_path / "shared"
+    sender = WeightSender(clients[:1], SyncConfig(transport="disk", disk_dir=str(shared), bucket_bytes=16384,
+                                                  timeout_s=20))
+    try:
+        sender.update(iter(qwen3_moe_state.items()), version=1)
+        published = {p.name: p.stat().st_mtime_ns for p in (shared / "v1").iterdir()}
+        sender.add(clients[1], served_version=0)
+        stats = sender.update(iter(qwen3_moe_state.items()), version=1)
+        assert stats.engines == [clients[1].name] and not sender.behind
+        assert {p.name: p.stat().st_mtime_ns for p in (shared / "v1").iterdir()} == published
+        assert clients[1].served_version() == 1
+        assert_same(served(clients[1], tmp_path), qwen3_moe_state)
+    finally:
+        sender.close()
+
+
 def test_registry_names_what_is_missing():
     assert {"broadcast", "disk"} <= set(available_transports())
     with pytest.raises(ValueError, match="not one of"):

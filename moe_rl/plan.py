@@ -152,8 +152,10 @@ def make_plan(config: RunConfig) -> Plan:
 
 
 def place(config: RunConfig) -> dict[int, list[str]]:
-    """Node -> what runs on its GPUs. Raises when an engine would straddle nodes."""
+    """Node -> what runs on its GPUs. Raises when an engine would straddle nodes. Colocated
+    (`rl.colocate`), engine i shares the GPUs of trainer ranks [i*tp, (i+1)*tp)."""
     cluster, engines = config.cluster, config.engines
+    colocated = config.is_rl and config.rl.colocate
     per_node, rows = cluster.gpus_per_node, {n: [] for n in range(cluster.nodes)}
     world = config.trainer.world_size
     for node in range(cluster.nodes):
@@ -162,7 +164,8 @@ def place(config: RunConfig) -> dict[int, list[str]]:
             rows[node].append(f"GPUs {lo - node * per_node}-{hi - 1 - node * per_node}: trainer ranks {lo}-{hi - 1}")
     count = engines.count if config.is_rl else 0
     for i in range(count):
-        start, size = world + i * engines.gpus_per_engine, engines.gpus_per_engine
+        size = engines.gpus_per_engine
+        start = (0 if colocated else world) + i * size
         first, last = start // per_node, (start + size - 1) // per_node
         whole_nodes = size % per_node == 0 and start % per_node == 0
         if first != last and not whole_nodes:
@@ -172,9 +175,10 @@ def place(config: RunConfig) -> dict[int, list[str]]:
                 f"or multiple of cluster.gpus_per_node={per_node}")
         for node in range(first, last + 1):
             lo, hi = max(start, node * per_node), min(start + size, (node + 1) * per_node)
+            shared = f", colocated with trainer ranks {lo}-{hi - 1}" if colocated else ""
             rows[node].append(f"GPUs {lo - node * per_node}-{hi - 1 - node * per_node}: engine {i} "
-                              f"(SGLang tp={engines.tp} ep={engines.ep} dp={engines.dp})")
-    used = world + count * engines.gpus_per_engine
+                              f"(SGLang tp={engines.tp} ep={engines.ep} dp={engines.dp}{shared})")
+    used = world if colocated else world + count * engines.gpus_per_engine
     for node in range(cluster.nodes):
         if (node + 1) * per_node > used:
             lo = max(used, node * per_node) - node * per_node

@@ -39,6 +39,15 @@ def test_shipped_config_plans_cleanly(path, capsys):
     assert len(engine_rows) == config.engines.count
 
 
+def test_colocated_engines_share_the_trainer_gpus():
+    config = load_config(MODELS[0], ["rl.mode=sync", "rl.colocate=true", "engines.count=2", "engines.tp=4",
+                                     "engines.ep=4", "engines.dp=1"])
+    rows = [row for rows in make_plan(config).placement.values() for row in rows]
+    engines = [row for row in rows if "engine" in row]
+    assert len(engines) == 2 and all("colocated with trainer ranks" in row for row in engines)
+    assert "colocated with trainer ranks 0-3" in engines[0] and "colocated with trainer ranks 4-7" in engines[1]
+
+
 def test_parallel_groups_match_megatron_rank_generator():
     from megatron.core.parallel_state import RankGenerator
 

@@ -40,7 +40,7 @@ def test_shipped_config_plans_cleanly(path, capsys):
 
 
 def test_colocated_engines_share_the_trainer_gpus():
-    config = load_config(MODELS[0], ["rl.mode=sync", "rl.colocate=true", "engines.count=2", "engines.tp=4",
+    config = load_config("configs/models/qwen3_30b_a3b.yaml", ["rl.mode=sync", "rl.colocate=true", "engines.count=2", "engines.tp=4",
                                      "engines.ep=4", "engines.dp=1"])
     rows = [row for rows in make_plan(config).placement.values() for row in rows]
     engines = [row for row in rows if "engine" in row]

@@ -18,6 +18,7 @@ plus any tensor larger than a bucket (sent from its own memory, no copy).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import time
 from collections import deque
 from typing import Iterable
 
@@ -29,7 +30,17 @@ from sync.group import WeightUpdateGroup, client_store, host_store
 from sync.transports.base import Transport
 
 _POLL_S = 0.002  # how often a running broadcast looks for engines that failed meanwhile
-_ABORT_GRACE_S = 2.0  # how long an aborted rendezvous waits for the other engines' joins to fail
+_ABORT_GRACE_S = 2.0  # how long an aborted rendezvous (a broadcast with a failed engine) waits
+
+
+def _completes(work, within_s: float) -> bool:
+    """True if the collective `work` completes within `within_s` seconds."""
+    deadline = time.monotonic() + within_s
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(_POLL_S)
+    return True
 
 
 class BroadcastTransport(Transport):
@@ -141,10 +152,13 @@ class BroadcastTransport(Transport):
         work = self.group.broadcast_async(bucket.data)
         try:
             # An engine that fails before joining the collective would leave the broadcast
-            # hanging until the timeout: watch the acks, and tear the group down at once.
+            # hanging until the timeout: watch the acks, and tear the group down soon after one
+            # fails. Not at once: an engine may answer right after its side of the collective
+            # (e.g. refusing a version an earlier bucket's checksum dropped) before our side
+            # reports completion; then the group is fine and the acks report the refusal.
             while not work.is_completed():
                 done, _ = cf.wait(acks.values(), timeout=_POLL_S, return_when=cf.FIRST_EXCEPTION)
-                if any(f.exception() is not None for f in done):
+                if any(f.exception() is not None for f in done) and not _completes(work, _ABORT_GRACE_S):
                     raise RuntimeError("an engine failed during the broadcast")
             self.group.wait(work)
         except Exception as error:  # the group is unusable now: peers blocked on it fail fast

@@ -14,7 +14,7 @@ from moe_rl.rollout.manager import is_finished
 from moe_rl.sample import Sample
 from tests.rollout.rollout_helpers import cancel, make_pool, swap_weights
 
-CONFIG = RolloutConfig(groups_per_step=2, n_samples_per_prompt=4, max_new_tokens=120, max_staleness=0,
+CONFIG = RolloutConfig(groups_per_step=2, n_samples_per_prompt=4, max_new_tokens=600, max_staleness=0,
                        task_options={"length": 3})
 
 
@@ -23,13 +23,14 @@ def has_partial_tokens(state: dict) -> bool:
 
 
 async def interrupted_run(pool, model_dirs) -> tuple[dict, int]:
-    """Generate one round, swapping weights (abort mode) every 0.3 s until a snapshot holds a
-    sample cut mid-response; returns that snapshot (as JSON would) and the version reached."""
+    """Generate one round, swapping weights (abort mode) every 0.1 s until a snapshot holds a
+    sample cut mid-response (600 tokens take seconds here: the first swaps come mid-generation);
+    returns that snapshot (as JSON would) and the version reached."""
     manager = RolloutManager(CONFIG, pool, version=0)
     run = asyncio.create_task(manager.run(num_rounds=1))
     version = 0
-    for _ in range(20):
-        await asyncio.sleep(0.3)
+    for _ in range(50):
+        await asyncio.sleep(0.1)
         version += 1
         await swap_weights(pool, model_dirs[version % 2], version)
         await manager.buffer.set_version(version)

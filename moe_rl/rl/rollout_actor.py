@@ -112,8 +112,7 @@ class RolloutWorker:
         """Start generating; `restore` is a run checkpoint's state (`moe_rl.rl.resume`)."""
         import moe_rl.rl.long_tail  # noqa: F401  registers the benchmark's long-tailed task
 
-        clients = [EngineClient(url, kind=self.kind, name=f"engine-{i}", num_hidden_layers=self.layout[0],
-                                topk=self.layout[1]) for i, url in enumerate(self.urls)]
+        clients = [self._client(i, url) for i, url in enumerate(self.urls)]
         self.pool = CountingPool(clients)
         self.manager = RolloutManager(self.config, self.pool, version=restore["step"] if restore else 0)
         if restore is not None:
@@ -147,9 +146,11 @@ class RolloutWorker:
 
     async def revive(self, index: int, url: str) -> None:
         """Engine `index` was restarted at `url` and serves the current weights: give it work."""
-        client = EngineClient(url, kind=self.kind, name=f"engine-{index}", num_hidden_layers=self.layout[0],
-                              topk=self.layout[1])
-        await self.pool.revive(index, client)
+        await self.pool.revive(index, self._client(index, url))
+
+    def _client(self, index: int, url: str) -> EngineClient:
+        return EngineClient(url, kind=self.kind, name=f"engine-{index}", num_hidden_layers=self.layout[0],
+                            topk=self.layout[1])
 
     async def set_version(self, version: int) -> None:
         await self.manager.buffer.set_version(version)

@@ -141,6 +141,10 @@ class RolloutBuffer:
     def queued_ids(self) -> set[str]:
         return {group[0].group_id for group in self._groups}
 
+    def settled_ids(self) -> set[str]:
+        """Group ids no longer generating: delivered, dropped or queued."""
+        return set(self.delivered) | set(self.dropped) | self.queued_ids()
+
     def accounting(self) -> dict[str, int]:
         reasons = collections.Counter(self.dropped.values())
         return {"delivered": len(self.delivered), "dropped": len(self.dropped), "requeued": self.requeued,

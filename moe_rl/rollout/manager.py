@@ -212,7 +212,7 @@ class RolloutManager:
         (completed groups, ledger), the data position, and every group still generating with its
         samples as they stand: finished ones whole, partial ones with the tokens, logprobs,
         routing and versions of their returned segments (a segment still running is redone)."""
-        settled = set(self.buffer.delivered) | set(self.buffer.dropped) | self.buffer.queued_ids()
+        settled = self.buffer.settled_ids()
         open_groups = [{"group_id": gid, "prompt": dataclasses.asdict(prompt),
                         "samples": [s.to_dict() for s in samples]}
                        for gid, (prompt, samples) in sorted(self._inflight.items()) if gid not in settled]
@@ -235,7 +235,7 @@ class RolloutManager:
 
     def accounting(self) -> dict[str, int]:
         """Group ids: started = delivered + dropped (by reason) + queued (in the buffer) + open."""
-        settled = set(self.buffer.delivered) | set(self.buffer.dropped) | self.buffer.queued_ids()
+        settled = self.buffer.settled_ids()
         return {"started": len(self.started_ids), "queued": len(self.buffer),
                 "open": len(self.started_ids - settled), **self.buffer.accounting()}
 

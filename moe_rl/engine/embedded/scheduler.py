@@ -69,6 +69,12 @@ class Scheduler:
     def num_requests(self) -> int:
         return len(self._running) + len(self._waiting)
 
+    def load(self) -> tuple[int, int, int, int]:
+        """(running requests, waiting requests, tokens the running ones hold in the KV cache,
+        prompt tokens of the waiting ones); run it on the scheduler thread."""
+        used = sum(len(r.input_ids) + len(r.output_ids) for r in self._running)
+        return len(self._running), len(self._waiting), used, sum(len(r.input_ids) for r in self._waiting)
+
     # -- control commands (run on the scheduler thread via `call`) ---------------------------------
 
     def pause(self, mode: str) -> None:

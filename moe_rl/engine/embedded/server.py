@@ -20,6 +20,9 @@ released or not reloaded, `/generate` is refused (400) with a message saying so.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import datetime
+import time
 import uuid
 
 from aiohttp import web
@@ -84,6 +87,10 @@ class EmbeddedServer:
             app.router.add_get(path, self.health)
         for path in ("/model_info", "/get_model_info"):
             app.router.add_get(path, self.model_info)
+        for path in ("/server_info", "/get_server_info"):
+            app.router.add_get(path, self.server_info)
+        app.router.add_get("/get_load", self.get_load)
+        app.router.add_get("/v1/loads", self.loads)
         app.on_shutdown.append(self._shutdown)
         return app
 
@@ -138,10 +145,16 @@ class EmbeddedServer:
             self._rids.discard(request.rid)
 
     def _parse_generate(self, body: dict) -> Request:
-        for field, honoured in protocol.EMBEDDED_UNSUPPORTED.items():
-            value = body.get(field, (body.get("sampling_params") or {}).get(field, honoured))
-            if value != honoured:
-                raise BadRequest(f"{field}={value!r} is not supported by the embedded engine (use {honoured!r})")
+        raw = body.get("sampling_params") or {}
+        if not isinstance(raw, dict):
+            raise BadRequest("sampling_params must be a JSON object")
+        for prefix, values, fields in (("", body, protocol.GENERATE_FIELDS),
+                                       ("sampling_params.", raw, protocol.SAMPLING_FIELDS)):
+            for field in sorted(fields & values.keys() & protocol.EMBEDDED_UNSUPPORTED.keys()):
+                default = protocol.EMBEDDED_UNSUPPORTED[field]
+                if values[field] not in (default, protocol.DEFAULT_EQUIVALENTS.get(field, default)):
+                    raise BadRequest(f"{prefix}{field}={values[field]!r} is not supported by the embedded "
+                                     f"engine (leave it at SGLang's default {default!r})")
         ids = body["input_ids"]
         if not isinstance(ids, list) or not ids:
             raise BadRequest("input_ids must be a non-empty list of token ids")
@@ -149,10 +162,12 @@ class EmbeddedServer:
         bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise BadRequest(f"input_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
-        raw = body.get("sampling_params") or {}
-        if not isinstance(raw, dict):
-            raise BadRequest("sampling_params must be a JSON object")
-        params = SamplingParams(**{k: v for k, v in raw.items() if k not in protocol.EMBEDDED_UNSUPPORTED})
+        # None is the default for every sampling field, as in SGLang's SamplingParams.__post_init__;
+        # max_new_tokens=None generates up to the context length (SGLang clips to it).
+        honoured = {f.name for f in dataclasses.fields(SamplingParams)}
+        params = SamplingParams(**{k: v for k, v in raw.items() if k in honoured and v is not None})
+        if "max_new_tokens" in raw and raw["max_new_tokens"] is None:
+            params.max_new_tokens = max(1, self.max_positions - len(ids))
         _int(params.max_new_tokens, "sampling_params.max_new_tokens", low=1)
         _int(params.top_k, "sampling_params.top_k", low=-1)
         if params.top_k == 0:
@@ -222,6 +237,41 @@ class EmbeddedServer:
         return web.json_response({
             "model_path": self.runner.model_dir, "is_generation": True,
             "weight_version": self.scheduler.weight_version, "memory_released": sorted(self.released), **describe,
+        })
+
+    async def server_info(self, http: web.Request) -> web.Response:
+        # SGLang's /server_info is its resolved server args plus live state: the ones that describe
+        # this engine, under SGLang's names (what clients read: tp/dp/pp sizes, model, version).
+        return web.json_response({
+            "model_path": self.runner.model_dir, "tokenizer_path": self.runner.model_dir,
+            "served_model_name": self.runner.model_dir, "skip_tokenizer_init": True,
+            "tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1, "attn_dp_size": 1,
+            "context_length": self.max_positions, "max_running_requests": self.scheduler.max_batch,
+            "weight_version": self.scheduler.weight_version, "enable_lora": True,
+            "enable_memory_saver": True, "enable_return_routed_experts": True,
+            "version": "embedded",
+        })
+
+    async def _load(self) -> dict:
+        """One LoadSnapshot (SGLang's per-DP-rank load record, `managers/load_snapshot.py`), dp_rank 0."""
+        running, waiting, used, queued = await self._on_scheduler(self.scheduler.load)
+        load = dict.fromkeys(protocol.LOAD_FIELDS, 0)  # throughput, cache and prefill counters: not measured
+        load.update(
+            timestamp=time.time(), num_running_reqs=running, num_waiting_reqs=waiting, num_used_tokens=used,
+            num_waiting_uncached_tokens=queued, num_total_tokens=used + queued, num_active_tokens=used + queued,
+            max_running_requests=self.scheduler.max_batch, decode_moments=None,
+        )
+        return load
+
+    async def get_load(self, http: web.Request) -> web.Response:
+        # SGLang's get_load answer (entrypoints/grpc_bridge.py): the load of every DP rank
+        return web.json_response([await self._load()])
+
+    async def loads(self, http: web.Request) -> web.Response:
+        # SGLang's /v1/loads envelope (entrypoints/v1_loads.py)
+        return web.json_response({
+            "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(), "version": "embedded",
+            "accelerator": None, "num_accelerators": 0, "loads": [await self._load()],
         })
 
     # -- memory occupation (colocated RL) ----------------------------------------------------------

@@ -130,17 +130,25 @@ class EngineConfig:
     ep: int = 1
     """SGLang `--ep-size`: experts split over this many of the engine's GPUs (divides tp)."""
     dp: int = 1
-    """SGLang `--dp-size` (DP attention): attention replicated over dp groups of tp/dp GPUs."""
+    """Must be 1: SGLang 0.5.23's `--dp-size` runs replicas behind one server, and its weight-update
+    and LoRA routes assert dp_size == 1. More replicas: engines.count; DP attention: engines.attn_dp."""
+    attn_dp: int = 1
+    """SGLang `--attn-dp-size` (DP attention): attention replicated over attn_dp groups of tp/attn_dp GPUs."""
     mem_fraction_static: float = 0.85
     """SGLang `--mem-fraction-static`: share of GPU memory for weights + KV cache."""
 
     def __post_init__(self):
         if self.kind not in ENGINE_KINDS:
             raise ValueError(f"engines.kind={self.kind!r}: use one of {ENGINE_KINDS}")
-        for name in ("count", "max_batch", "threads", "tp", "ep", "dp"):
+        for name in ("count", "max_batch", "threads", "tp", "ep", "dp", "attn_dp"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"engines.{name}={getattr(self, name)!r}: must be an integer >= 1")
-        for name in ("ep", "dp"):
+        if self.dp > 1:
+            raise ValueError(
+                f"engines.dp={self.dp}: SGLang 0.5.23's --dp-size runs replicas behind one server and its "
+                "weight-update and LoRA routes assert dp_size == 1; for more replicas raise engines.count, "
+                "for DP attention set engines.attn_dp (SGLang --attn-dp-size) and leave engines.dp at 1")
+        for name in ("ep", "attn_dp"):
             if self.tp % getattr(self, name):
                 raise ValueError(f"engines.{name}={getattr(self, name)} does not divide engines.tp={self.tp} "
                                  f"(SGLang splits an engine's tp GPUs into {name} groups): make it a divisor")

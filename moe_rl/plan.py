@@ -31,8 +31,8 @@ D, X = dense and routed-expert parameters of the stage):
                  adds fp32 logits (4 s b vocab / tp).
 Not counted: CUDA context, NCCL buffers, allocator fragmentation (keep ~10 GB of headroom).
 
-Engine memory per GPU (SGLang): weights B * (dense / (tp / dp) + experts / tp) (DP attention
-replicates attention over dp groups); the rest of `engines.mem_fraction_static` of the GPU is
+Engine memory per GPU (SGLang): weights B * (dense / (tp / attn_dp) + experts / tp) (DP attention
+replicates attention over attn_dp groups); the rest of `engines.mem_fraction_static` of the GPU is
 KV cache, which must be positive.
 
 Bytes per sync: every engine receives the whole exported HF state dict in `param_dtype`
@@ -177,7 +177,7 @@ def place(config: RunConfig) -> dict[int, list[str]]:
             lo, hi = max(start, node * per_node), min(start + size, (node + 1) * per_node)
             shared = f", colocated with trainer ranks {lo}-{hi - 1}" if colocated else ""
             rows[node].append(f"GPUs {lo - node * per_node}-{hi - 1 - node * per_node}: engine {i} "
-                              f"(SGLang tp={engines.tp} ep={engines.ep} dp={engines.dp}{shared})")
+                              f"(SGLang tp={engines.tp} ep={engines.ep} attn_dp={engines.attn_dp}{shared})")
     used = world if colocated else world + count * engines.gpus_per_engine
     for node in range(cluster.nodes):
         if (node + 1) * per_node > used:
@@ -264,13 +264,13 @@ def _activation_bytes(hf, s: int, b: int, *, moe: bool) -> float:
 def engine_memory(config: RunConfig, counts: ParamCounts, dtype_bytes: int) -> dict[str, float]:
     e, gpu = config.engines, config.cluster.gpu_memory_gb
     dense = counts.total - counts.experts
-    weights = dtype_bytes * (dense / (e.tp // e.dp) + counts.experts / e.tp) / GB
+    weights = dtype_bytes * (dense / (e.tp // e.attn_dp) + counts.experts / e.tp) / GB
     kv_cache = e.mem_fraction_static * gpu - weights
     if kv_cache <= 0:
         raise ValueError(
             f"engines: ~{weights:.0f} GB of weights per GPU exceed engines.mem_fraction_static x "
             f"cluster.gpu_memory_gb = {e.mem_fraction_static * gpu:.0f} GB: raise engines.tp (GPUs per engine) "
-            f"or lower engines.dp")
+            f"or lower engines.attn_dp")
     return {"weights": weights, "kv_cache": kv_cache}
 
 
@@ -280,10 +280,10 @@ def _check_engine_model(config: RunConfig, hf) -> None:
     e, shape = config.engines, bridge_for(hf).model_shape()
     if not config.is_rl:
         return
-    attention_tp = e.tp // e.dp
+    attention_tp = e.tp // e.attn_dp
     if shape.num_attention_heads % attention_tp:
-        raise ValueError(f"engines.tp/engines.dp={attention_tp} does not divide the model's "
-                         f"{shape.num_attention_heads} attention heads: change engines.tp or engines.dp")
+        raise ValueError(f"engines.tp/engines.attn_dp={attention_tp} does not divide the model's "
+                         f"{shape.num_attention_heads} attention heads: change engines.tp or engines.attn_dp")
     if shape.num_experts and shape.num_experts % e.ep:
         raise ValueError(f"engines.ep={e.ep} does not divide the model's {shape.num_experts} experts: "
                          "choose a divisor")

@@ -1,10 +1,18 @@
 """Launch SGLang (`python -m sglang.launch_server`) with what RL needs (GPU machines only).
 
 Flags (SGLang 0.5.23 server args): `--skip-tokenizer-init` (we send `input_ids`),
-`--enable-return-routed-experts` (routing replay), `--tp-size/--ep-size/--dp-size`,
-`--mem-fraction-static`, `--weight-version` (the initial version), `--enable-memory-saver` (colocated
-mode: release/resume memory around training). The process is an `EngineProcess`: it waits for
-`/health`, keeps its log, and stops with SIGTERM then SIGKILL. sglang is never imported here.
+`--enable-return-routed-experts` (routing replay), `--tp-size/--ep-size`, `--attn-dp-size` (DP
+attention), `--mem-fraction-static`, `--weight-version` (the initial version), `--enable-memory-saver`
+(colocated mode: release/resume memory around training), and the LoRA flags (`--enable-lora`,
+`--max-lora-rank`, `--lora-target-modules`, `--max-loaded-loras`, `--max-loras-per-batch`; without
+`--enable-lora` SGLang answers 400 to `/load_lora_adapter`). `--dp-size` is always 1: in 0.5.23 it
+runs data-parallel replicas behind one server, whose weight-update and LoRA routes assert
+`dp_size == 1`; more replicas are more engines.
+
+Logprobs: SGLang returns `log_softmax(logits / temperature)` unless `SGLANG_RETURN_ORIGINAL_LOGPROB=1`
+(srt/layers/sampler.py); the trainer's importance ratios assume the temperature-1 logprobs of the
+sampled tokens, so `launch_sglang` sets it for the server process. The process is an `EngineProcess`:
+it waits for `/health`, keeps its log, and stops with SIGTERM then SIGKILL. sglang is never imported here.
 """
 
 from __future__ import annotations
@@ -15,6 +23,34 @@ from pathlib import Path
 
 from moe_rl.engine.process import EngineProcess, free_port
 
+SERVER_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+"""Environment of every SGLang server process: logprobs of the model's own distribution (temperature 1)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class SGLangLoRA:
+    """SGLang's LoRA serving slots (adapters are loaded later with `/load_lora_adapter`)."""
+
+    max_lora_rank: int
+    """`--max-lora-rank`: the largest rank an adapter may have."""
+    target_modules: list[str]
+    """`--lora-target-modules`: modules adapters may touch (e.g. ["q_proj", "v_proj"], or ["all"])."""
+    max_loaded_loras: int | None = None
+    """`--max-loaded-loras`: adapters held in CPU memory at once (None: SGLang's default, unbounded);
+    at least max_loras_per_batch."""
+    max_loras_per_batch: int = 8
+    """`--max-loras-per-batch`: adapters one running batch may mix (the base model counts as one)."""
+
+    def __post_init__(self):
+        if self.max_lora_rank < 1 or self.max_loras_per_batch < 1:
+            raise ValueError(f"lora: max_lora_rank={self.max_lora_rank} and max_loras_per_batch="
+                             f"{self.max_loras_per_batch} must be >= 1")
+        if not self.target_modules:
+            raise ValueError("lora.target_modules is empty: name the modules adapters touch, or ['all']")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError(f"lora.max_loaded_loras={self.max_loaded_loras} < max_loras_per_batch="
+                             f"{self.max_loras_per_batch}: SGLang needs it >= max_loras_per_batch; raise it")
+
 
 @dataclasses.dataclass(kw_only=True)
 class SGLangConfig:
@@ -24,24 +60,40 @@ class SGLangConfig:
     port: int | None = None
     """HTTP port; None picks a free one."""
     tp_size: int = 1
+    """`--tp-size`: GPUs of the engine."""
     ep_size: int = 1
+    """`--ep-size`: experts split over this many of the engine's GPUs."""
     dp_size: int = 1
+    """`--dp-size`: must be 1 (see the module docstring); run more engines instead."""
+    attn_dp_size: int = 1
+    """`--attn-dp-size`: DP attention, the tp GPUs in attn_dp_size attention groups (divides tp_size)."""
     mem_fraction_static: float = 0.8
     """Fraction of GPU memory for weights + KV cache (lower it when colocated with the trainer)."""
     weight_version: str = "0"
+    """`--weight-version`: the label of the launch weights."""
     enable_return_routed_experts: bool = True
+    """`--enable-return-routed-experts`: answers carry the routing (routing replay)."""
     enable_memory_saver: bool = False
     """Colocated mode: lets the trainer release/resume the engine's GPU memory."""
+    lora: SGLangLoRA | None = None
+    """LoRA serving (`--enable-lora` and its slots); None: no adapters."""
     base_gpu_id: int = 0
+    """`--base-gpu-id`: the first GPU the engine uses."""
     extra_args: list[str] = dataclasses.field(default_factory=list)
     """Passed through verbatim (e.g. ["--attention-backend", "fa3"])."""
 
     def __post_init__(self):
-        for name in ("tp_size", "ep_size", "dp_size"):
+        for name in ("tp_size", "ep_size", "dp_size", "attn_dp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.ep_size > self.tp_size * self.dp_size:
-            raise ValueError(f"ep_size={self.ep_size} exceeds tp_size*dp_size={self.tp_size * self.dp_size}")
+        if self.dp_size > 1:
+            raise ValueError(
+                f"dp_size={self.dp_size}: SGLang 0.5.23's --dp-size runs {self.dp_size} replicas behind one "
+                "server and its weight-update and LoRA routes assert dp_size == 1; launch more engines "
+                "(engines.count) instead, or for DP attention set attn_dp_size (--attn-dp-size)")
+        for name in ("ep_size", "attn_dp_size"):
+            if self.tp_size % getattr(self, name):
+                raise ValueError(f"{name}={getattr(self, name)} does not divide tp_size={self.tp_size}: make it a divisor")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static={self.mem_fraction_static} must be in (0, 1)")
 
@@ -51,6 +103,7 @@ def sglang_command(config: SGLangConfig, port: int) -> list[str]:
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", config.model_path, "--host", config.host, "--port", str(port),
         "--tp-size", str(config.tp_size), "--ep-size", str(config.ep_size), "--dp-size", str(config.dp_size),
+        "--attn-dp-size", str(config.attn_dp_size),
         "--mem-fraction-static", str(config.mem_fraction_static), "--weight-version", config.weight_version,
         "--base-gpu-id", str(config.base_gpu_id), "--skip-tokenizer-init",
     ]
@@ -58,12 +111,21 @@ def sglang_command(config: SGLangConfig, port: int) -> list[str]:
         command.append("--enable-return-routed-experts")
     if config.enable_memory_saver:
         command.append("--enable-memory-saver")
+    if config.lora is not None:
+        lora = config.lora
+        command += ["--enable-lora", "--max-lora-rank", str(lora.max_lora_rank),
+                    "--lora-target-modules", *lora.target_modules,
+                    "--max-loras-per-batch", str(lora.max_loras_per_batch)]
+        if lora.max_loaded_loras is not None:
+            command += ["--max-loaded-loras", str(lora.max_loaded_loras)]
     return command + list(config.extra_args)
 
 
 def launch_sglang(config: SGLangConfig, log_path: str | Path | None = None, timeout_s: float = 900.0,
                   env: dict[str, str] | None = None) -> EngineProcess:
     """Start SGLang and wait for `/health` (model loading and CUDA graphs can take minutes).
-    `env` adds to the process environment (e.g. CUDA_VISIBLE_DEVICES of colocated engines)."""
+    The process gets SERVER_ENV (temperature-1 logprobs, see the module docstring); `env` adds to
+    it (e.g. CUDA_VISIBLE_DEVICES of colocated engines)."""
     port = config.port or free_port(config.host)
-    return EngineProcess(sglang_command(config, port), config.host, port, log_path, env=env).wait_healthy(timeout_s)
+    return EngineProcess(sglang_command(config, port), config.host, port, log_path,
+                         env={**SERVER_ENV, **(env or {})}).wait_healthy(timeout_s)

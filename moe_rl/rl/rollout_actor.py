@@ -43,7 +43,7 @@ class EngineServer:
         from moe_rl.engine.sglang_launcher import SGLangConfig, launch_sglang
 
         config = SGLangConfig(model_path=self.model_dir, host=ray.util.get_node_ip_address(), tp_size=cfg.tp,
-                              ep_size=cfg.ep, dp_size=cfg.dp, mem_fraction_static=cfg.mem_fraction_static,
+                              ep_size=cfg.ep, attn_dp_size=cfg.attn_dp, mem_fraction_static=cfg.mem_fraction_static,
                               weight_version=str(self.weight_version), enable_memory_saver=self.gpu_ids is not None)
         env = None if self.gpu_ids is None else {"CUDA_VISIBLE_DEVICES": ",".join(self.gpu_ids)}
         return launch_sglang(config, log_path=self.log_path, env=env)

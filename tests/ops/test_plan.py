@@ -41,7 +41,7 @@ def test_shipped_config_plans_cleanly(path, capsys):
 
 def test_colocated_engines_share_the_trainer_gpus():
     config = load_config("configs/models/qwen3_30b_a3b.yaml", ["rl.mode=sync", "rl.colocate=true", "engines.count=2", "engines.tp=4",
-                                     "engines.ep=4", "engines.dp=1"])
+                                     "engines.ep=4", "engines.attn_dp=1"])
     rows = [row for rows in make_plan(config).placement.values() for row in rows]
     engines = [row for row in rows if "engine" in row]
     assert len(engines) == 2 and all("colocated with trainer ranks" in row for row in engines)
@@ -95,12 +95,13 @@ def test_distributed_optimizer_and_recompute_lower_the_estimate():
     ("qwen3_30b_a3b", ["engines.count=1", "engines.tp=8", "engines.ep=8", "trainer.world_size=4", "trainer.ep=4",
                        "cluster.nodes=2"], r"engine 0 .* would straddle nodes 0 and 1"),
     ("qwen3_30b_a3b", ["engines.tp=6", "engines.ep=6", "engines.count=1"],
-     r"engines.tp/engines.dp=6 does not divide the model's 32 attention heads"),
+     r"engines.tp/engines.attn_dp=6 does not divide the model's 32 attention heads"),
     ("qwen3_30b_a3b", ["engines.kind=embedded"], r"engines.tp=2: the embedded engine is one CPU process"),
+    ("qwen3_30b_a3b", ["engines.dp=2"], r"engines.dp=2: .*raise engines.count.*engines.attn_dp \(SGLang --attn-dp-size\)"),
     ("qwen3_30b_a3b", ["cluster.param_dtype=fp8"], r"cluster.param_dtype='fp8': use one of"),
-    ("qwen3_235b_a22b", ["engines.tp=2", "engines.ep=2", "engines.dp=1", "engines.count=16"],
+    ("qwen3_235b_a22b", ["engines.tp=2", "engines.ep=2", "engines.attn_dp=1", "engines.count=16"],
      r"engines: ~\d+ GB of weights per GPU exceed engines.mem_fraction_static"),
-    ("mixtral_8x7b", ["engines.count=1", "engines.tp=16", "engines.ep=16", "engines.dp=16", "cluster.nodes=4"],
+    ("mixtral_8x7b", ["engines.count=1", "engines.tp=16", "engines.ep=16", "engines.attn_dp=16", "cluster.nodes=4"],
      r"engines.ep=16 does not divide the model's 8 experts"),
     ("deepseek_v3", ["trainer.pp=2"], r"trainer.pp=2 does not divide the model's 61 layers"),
     ("qwen3_235b_a22b", ["trainer.tp=8"], r"trainer.tp=8 does not divide the model's 4 KV groups"),

@@ -193,7 +193,7 @@ class RolloutManager:
                 input_ids, group_id=gid, max_new_tokens=cfg.max_new_tokens - len(sample.response_ids),
                 stop_token_ids=self.task.stop_token_ids or None, return_logprob=True,
                 return_routed_experts=cfg.return_routed_experts, routed_experts_start_len=start, **cfg.sampling())
-            sample = progress[index] = continue_sample(sample, result)
+            sample = progress[index] = continue_sample(sample, result, routed_experts=cfg.return_routed_experts)
             if result.finish_reason != "abort" or len(sample.response_ids) >= cfg.max_new_tokens:
                 if sample.status == "aborted":  # the abort came exactly at the end of the budget
                     sample.status = "truncated"

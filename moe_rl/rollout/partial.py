@@ -28,11 +28,16 @@ def resume_request(sample: Sample) -> tuple[list[int], int]:
     return sample.prompt_ids + sample.response_ids, start
 
 
-def continue_sample(partial: Sample, result: GenerateResult) -> Sample:
-    """`partial` extended by `result`, the engine's answer to `resume_request(partial)`.
+def continue_sample(partial: Sample, result: GenerateResult, *, routed_experts: bool) -> Sample:
+    """`partial` extended by `result`, the engine's answer to `resume_request(partial)`;
+    `routed_experts`: whether the request asked for them (`return_routed_experts`).
 
-    A partial with no response yet takes the result as its first segment. Raises ValueError when
-    the result's routing does not have the rows the continuation needs.
+    A partial with no response yet takes the result as its first segment. With `routed_experts`,
+    every segment that made tokens must bring exactly the rows its tokens need, so a sample's
+    routing always covers every position: a segment with tokens but no routed experts, or the
+    wrong number of rows, raises ValueError naming the sample and the segment. A segment with no
+    tokens (SGLang answers a request aborted while still queued without `routed_experts`) adds no
+    rows: the next resume asks for the same ones again.
     """
     n_new = len(result.output_ids)
     logprobs = result.logprobs if result.logprobs is not None else [0.0] * n_new
@@ -40,14 +45,22 @@ def continue_sample(partial: Sample, result: GenerateResult) -> Sample:
         raise ValueError(f"engine result {result.rid}: {n_new} tokens but {len(logprobs)} logprobs and "
                          f"{len(result.weight_versions)} versions")
     routed = partial.routed_experts
-    if result.routed_experts is not None and n_new:
+    if routed_experts and n_new:
+        segment = (f"sample of group {partial.group_id!r}, segment {partial.metadata.get('num_segments', 0) + 1} "
+                   f"(engine request {result.rid})")
         _, start = resume_request(partial)
         expected = len(partial.prompt_ids) + len(partial.response_ids) + n_new - 1 - start
+        if routed is None and partial.response_ids:
+            raise ValueError(f"{segment}: the earlier segments' {len(partial.response_ids)} tokens have no routed "
+                             "experts, the sample's routing would miss their rows")
+        if result.routed_experts is None:
+            raise ValueError(f"{segment}: {n_new} tokens but no routed_experts (expected {expected} rows); "
+                             "was the engine launched with --enable-return-routed-experts?")
         if result.routed_experts.shape[0] != expected:
             raise ValueError(
-                f"engine result {result.rid}: routed_experts has {result.routed_experts.shape[0]} rows, expected "
-                f"{expected} (prompt + partial + new - 1 - routed_experts_start_len={start}); does the engine "
-                "honour routed_experts_start_len?")
+                f"{segment}: routed_experts has {result.routed_experts.shape[0]} rows, expected {expected} "
+                f"(prompt + partial + new - 1 - routed_experts_start_len={start}); does the engine honour "
+                "routed_experts_start_len?")
         routed = result.routed_experts if routed is None else np.concatenate([routed, result.routed_experts])
     metadata = dict(partial.metadata)
     metadata["num_segments"] = metadata.get("num_segments", 0) + 1

@@ -93,7 +93,8 @@ class SGLangConfig:
                 "(engines.count) instead, or for DP attention set attn_dp_size (--attn-dp-size)")
         for name in ("ep_size", "attn_dp_size"):
             if self.tp_size % getattr(self, name):
-                raise ValueError(f"{name}={getattr(self, name)} does not divide tp_size={self.tp_size}: make it a divisor")
+                raise ValueError(f"{name}={getattr(self, name)} does not divide tp_size={self.tp_size}: "
+                                 "make it a divisor")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static={self.mem_fraction_static} must be in (0, 1)")
 

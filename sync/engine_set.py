@@ -67,6 +67,13 @@ class EngineSet:
         """`submit` then `wait`."""
         return self.wait(self.submit(call))
 
+    def results(self, call: Callable[[EngineEndpoint], Coroutine[Any, Any, Any]], what: str) -> dict[str, Any]:
+        """`call` on every engine; returns each engine's result, or raises SyncError naming `what`."""
+        futures = self.submit(call)
+        if failed := self.wait(futures):
+            raise SyncError(f"{what} failed: {describe(failed)}", engine=next(iter(failed)))
+        return {name: future.result() for name, future in futures.items()}
+
     def drop(self, names: set[str]) -> None:
         self.engines = [e for e in self.engines if e.name not in names]
 

@@ -1,15 +1,26 @@
 """The weight-update process group: its own TCPStore rendezvous, never the default world.
 
 Rank 0 is the trainer's source rank and hosts the TCPStore at (master_address, master_port);
-engine ranks follow it (SGLang's `rank_offset` / `world_size` convention). The group is a
-`ProcessGroupGloo` (CPU) or `ProcessGroupNCCL` (GPU) built directly on a `PrefixStore`, so it
-neither needs nor touches `torch.distributed`'s default group: the trainer's world stays as it
-is and engine processes need none. One shared group per sender; with pipeline parallelism
+engine ranks follow it (SGLang's `rank_offset` / `world_size` convention; an SGLang engine puts
+each of its TP ranks in the group, at `rank_offset + tp_rank`). The group is a
+`ProcessGroupGloo` (CPU) or `ProcessGroupNCCL` (GPU) built directly on the store, so it neither
+needs nor touches `torch.distributed`'s default group: the trainer's world stays as it is and
+engine processes need none. One shared group per sender; with pipeline parallelism
 `sync.pipeline.stage_stream` funnels every stage's tensors to the single source rank.
 
-Every member must call `WeightUpdateGroup.join(...)` (the rendezvous: it blocks until all
-`world_size` ranks joined or `timeout_s` passed), then the same sequence of `broadcast` calls,
-then `destroy`. Each collective waits at most `timeout_s`. Rank 0 may first `host_store` (which
+Formed exactly as SGLang forms its ranks (`sglang/srt/utils/common.py:
+init_custom_process_group`, called by each engine TP rank): SGLang wraps the store in
+`PrefixStore(group_name)`, and torch's `_new_process_group_helper` adds `"{group_name}/"` and
+`"{device}/"` ("cpu/" for gloo, "cuda/" for NCCL), then sets the backend's sequence number
+(rank 0 publishes it in the store, the others wait for it). `store_prefixes` spells those keys
+out, so a trainer rank 0 built here meets SGLang's ranks key for key. SGLang runs no collective
+when it joins, so neither does this group: the first collective of every member is the first
+bucket's broadcast (a join-time barrier would be received as bucket data by SGLang). With gloo,
+`join` returns once every rank connected; NCCL connects lazily, so its `join` returns at once and
+a missing rank shows up at the first broadcast.
+
+Every member must call `WeightUpdateGroup.join(...)`, then the same sequence of `broadcast`
+calls, then `destroy`. Each collective waits at most `timeout_s`. Rank 0 may first `host_store` (which
 returns at once and retries busy ports) so it can tell the engines its port before joining.
 A rendezvous that cannot complete (a member died before joining) is aborted by dropping the
 hosted store: every rank blocked in `join` then fails within a fraction of a second instead of
@@ -96,15 +107,16 @@ class WeightUpdateGroup:
         self.group_name, self.backend = group_name, backend
         self.timeout = timedelta(seconds=timeout_s)
         self._store = store  # rank 0's store serves the others: keep it alive with the group
-        store = dist.PrefixStore(group_name, store)
+        for prefix in store_prefixes(group_name, backend):
+            store = dist.PrefixStore(prefix, store)
         if backend == "gloo":
             self._pg = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
         else:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout
+            options.group_name = group_name
             self._pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
-        # Rendezvous now, not at the first bucket: a missing rank fails here, named as such.
-        self.barrier()
+        self._pg._set_sequence_number_for_group()  # as torch does for SGLang's ranks (store keys)
 
     @property
     def device(self) -> torch.device:
@@ -126,10 +138,6 @@ class WeightUpdateGroup:
         if not work.wait(self.timeout):
             raise TimeoutError(f"broadcast on {self.group_name!r} timed out after {self.timeout}")
 
-    def barrier(self) -> None:
-        """All ranks; a one-element broadcast (gloo and NCCL alike, bounded by the timeout)."""
-        self.broadcast(torch.zeros(1, dtype=torch.uint8, device=self.device))
-
     def destroy(self) -> None:
         """Local: close this rank's connections (peers blocked on it then fail fast). Idempotent."""
         if self._pg is not None:
@@ -139,6 +147,22 @@ class WeightUpdateGroup:
             else:
                 pg.shutdown()
         self._store = None
+
+
+def address_for(peer_hosts: list[str]) -> str:
+    """The address of this host that `peer_hosts` reach: loopback when they are all on this host,
+    else the local address of the route to the first remote one (no packet is sent)."""
+    remote = [h for h in peer_hosts if h not in ("127.0.0.1", "localhost", "::1")]
+    if not remote:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect((remote[0], 9))  # UDP connect only picks the route
+        return sock.getsockname()[0]
+
+
+def store_prefixes(group_name: str, backend: str) -> list[str]:
+    """The store prefixes of an SGLang group rank, outermost first (see the module docstring)."""
+    return [group_name, f"{group_name}/", "cpu/" if backend == "gloo" else "cuda/"]
 
 
 def _free_port(address: str) -> int:

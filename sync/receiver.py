@@ -6,6 +6,7 @@ SGLang route (see `sync.engine_api` for the whole sequence):
     receiver = WeightReceiver(device="cpu")
     /init_weights_update_group    -> receiver.join(master_address, master_port, rank_offset,
                                                    world_size, group_name, backend, timeout_s)
+    /begin_weight_update          -> receiver.begin()   (a new version starts staging)
     /update_weights_from_distributed -> receiver.receive_bucket(names, dtypes, shapes,
                                                    weight_version, checksum, group_name)
     /update_weights_from_disk     -> receiver.stage_from_disk(model_path, weight_version)
@@ -14,9 +15,10 @@ SGLang route (see `sync.engine_api` for the whole sequence):
     /continue_generation          -> receiver.abort()   (drops an uncommitted version, if any)
     /destroy_weights_update_group -> receiver.leave()
 
-Versions are integers sent as decimal strings (SGLang's `weight_version` is a string). Only a
-version above the committed one is accepted; a stale or repeated one raises ValueError before
-any collective, so the server can answer `success: false` without touching the group.
+Versions are integers sent as decimal strings (SGLang's `weight_version` is a string). Buckets
+normally carry none (the sender names the version only at the commit, see `sync.engine_api`);
+one that does must name a version above the committed one, else ValueError before any
+collective. A commit of a version that is not above the committed one is refused.
 
 Storage (why a sync runs at wire speed): the receiver keeps two sets of weight storage, one
 holding the served version and one the version being staged, and swaps them at commit. A set
@@ -63,7 +65,8 @@ class WeightReceiver:
         self._staging = 1  # index of the set being staged into
         self._used: set[_Key] = set()  # segments the staged version wrote
         self._staged: dict[str, torch.Tensor] = {}
-        self._staged_version: int | None = None
+        self._staging_open = False  # buckets of a new version are being received
+        self._labelled: int | None = None  # the version the staged buckets named, if they did
         self._rejected: str | None = None  # why the staged version can no longer commit
         self._state = threading.RLock()
         self._turn = threading.Condition(self._state)  # orders collectives by bucket index
@@ -98,12 +101,18 @@ class WeightReceiver:
             group.destroy()
 
     # -- one version ---------------------------------------------------------------------
+    def begin(self) -> None:
+        """A new version starts: whatever an abandoned one staged is dropped."""
+        with self._state:
+            self._reset()
+            self._staging_open = True
+
     def receive_bucket(
         self,
         names: list[str],
         dtypes: list[str],
         shapes: list[list[int]],
-        weight_version: str | int,
+        weight_version: str | int | None = None,
         checksum: str | None = None,
         group_name: str | None = None,
     ) -> list[tuple[str, torch.Tensor]]:
@@ -155,7 +164,7 @@ class WeightReceiver:
             )
         tensors = [(name, t.to(self.device)) for name, t in unpack(data, metas)]
         with self._state:
-            if self._rejected is not None or self._staged_version != version:
+            if self._rejected is not None or not self._staging_open:
                 raise ValueError(f"version {version} was dropped ({self._rejected or 'aborted'}); resend it")
             self._staged.update(tensors)
         return tensors
@@ -173,15 +182,29 @@ class WeightReceiver:
                 self._staged.update(load_file(file, device=str(self.device)))
             return sorted(self._staged)
 
+    @property
+    def labelled_version(self) -> int | None:
+        """The version the staged buckets named (None: they named none, the commit names it)."""
+        return self._labelled
+
+    @property
+    def staged(self) -> bool:
+        """True while a received version waits for its commit."""
+        return self._staging_open and bool(self._staged)
+
     def commit(self, weight_version: str | int) -> dict[str, torch.Tensor]:
         """Make the staged version the served one; returns its tensors (by HF name, views of
         the served storage: see the module docstring for how long they stay valid)."""
         version = _parse_version(weight_version)
         with self._state:
-            if self._staged_version != version or self._rejected is not None:
+            if version <= self.version:
+                raise ValueError(f"new_version: {version} is stale or repeated (serving {self.version})")
+            if not self.staged or self._rejected is not None or self._labelled not in (None, version):
                 raise RuntimeError(
-                    f"commit of version {version}, but the staged version is {self._staged_version}"
-                    + (f" and it was rejected ({self._rejected})" if self._rejected else "")
+                    f"commit of version {version}, but "
+                    + (f"the staged version was rejected ({self._rejected})" if self._rejected else
+                       f"the staged buckets are of version {self._labelled}" if self.staged else
+                       "nothing is staged")
                 )
             staging = self._sets[self._staging]
             for key in set(staging) - self._used:  # layouts this version did not use
@@ -198,20 +221,25 @@ class WeightReceiver:
             self._reset()
 
     def _reset(self) -> None:
-        self._staged, self._staged_version, self._rejected, self._used = {}, None, None, set()
+        self._staged, self._staging_open, self._labelled = {}, False, None
+        self._rejected, self._used = None, set()
         self._tickets = self._buckets = 0
 
-    def _begin(self, weight_version: str | int) -> int:
-        version = _parse_version(weight_version)
-        if version <= self.version:
-            raise ValueError(
-                f"weight_version: {version} is stale or repeated (serving {self.version}); "
-                f"versions must increase"
-            )
-        if self._staged_version != version:  # a new version: forget an abandoned one
-            self._reset()
-            self._staged_version = version
-        return version
+    def _begin(self, weight_version: str | int | None) -> int | str:
+        """Checks a bucket's version (if it names one); returns how errors should name it."""
+        if weight_version is not None:
+            version = _parse_version(weight_version)
+            if version <= self.version:
+                raise ValueError(
+                    f"weight_version: {version} is stale or repeated (serving {self.version}); "
+                    f"versions must increase"
+                )
+            if self._labelled not in (None, version):  # another version: forget the abandoned one
+                self._reset()
+            self._labelled = version
+        if not self._staging_open:
+            self._staging_open = True
+        return self._labelled if self._labelled is not None else "being staged"
 
     def _timeout_s(self) -> float:
         return self.group.timeout.total_seconds() if self.group is not None else 0.0

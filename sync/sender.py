@@ -19,19 +19,27 @@ per stage, and the cost: (PP-1)/PP of the bytes cross the trainer network once m
     stream = stage_stream(export_hf_weights(model, bridge, bucket_bytes), sources)
     sender.update(stream, version) if rank == sync_source(sources) else drain(stream)
 
-`update` is the weight update, as numbered steps:
+`update` is the weight update, as numbered steps (`sync.engine_api` has the engine's side):
   1. refuse a version that does not increase (repeating the committed version only catches up
      engines that are behind, see below);
   2. (re)open the transport if needed (forms the weight-update group with the target engines);
-  3. pause generation (`mode`) and flush the KV cache on every target;
-  4. transport.send: stream buckets; every target acknowledges every bucket;
-  5. commit: `update_weight_version` on every target, only if step 4 fully succeeded;
-  6. continue generation on every target, always. An engine that cannot even do that is
-     dead: it is dropped (named in `SyncStats.dropped` / `SyncError.dropped`), and the next
-     update re-forms the group without it.
-On failure, `SyncError` names the engine and bucket; engines stay on the previous version. When
-the failure was an engine dying (`error.dropped` is not empty), the caller retries the same
-version with a fresh export: the live engines then commit it (`moe_rl`'s trainer does).
+  3. pause generation (`mode`) on every target; flush the KV cache unless the mode is in_place;
+  4. open the weight-update session where the transport loads in place (SGLang's rule);
+  5. transport.send: stream buckets; every target acknowledges every bucket;
+  6. close the session, on failure too;
+  7. commit: `update_weight_version` on every target, only if steps 5 and 6 fully succeeded;
+  8. resume generation: every target after a commit; after a failure, only the targets whose
+     weights were not touched (the failure came before any bucket). SGLang loads buckets in
+     place, so a target that got part of the version holds a mix of two versions still labelled
+     as the old one: it stays paused (`WeightSender.partial`) and serves again only once a full
+     resend of a version succeeds, which the next `update` does (it always includes them).
+An engine that does not answer `/health` after a failure (or cannot resume after a commit) is
+dead: it is dropped (named in `SyncStats.dropped` / `SyncError.dropped`), and the next update
+re-forms the group without it. On failure, `SyncError` names the engine and bucket; no engine
+serves a new version until it committed all of it. When the failure was an engine dying
+(`error.dropped` is not empty), the caller retries the same version with a fresh export: the
+live engines then commit it (`moe_rl`'s trainer does). An orchestrator that gives up instead
+restarts the `partial` engines from the last published weights.
 
 Engines that come back (an orchestrator restarted one): `add(engine, served_version)` makes it a
 member again; if it serves an older version than the committed one it is *behind*, and
@@ -93,6 +101,7 @@ class WeightSender:
         self.version = version  # the last committed version
         self.engines = EngineSet(engines, config.timeout_s)
         self.behind: set[str] = set()  # members serving an older version than `version`
+        self.partial: set[str] = set()  # members paused with a partly loaded version (step 8)
         self.transport = make_transport(config.transport, config)
         self._group: EngineSet | None = None  # the members the transport's group was formed with
 
@@ -102,6 +111,7 @@ class WeightSender:
             raise ValueError(f"served_version: {served_version} is newer than the committed {self.version}")
         self.engines.add(engine)
         self.transport.broken = True  # the group must be re-formed with the new process
+        self.partial.discard(engine.name)
         if served_version < self.version:
             self.behind.add(engine.name)
         else:
@@ -111,48 +121,79 @@ class WeightSender:
         """Forget a member the orchestrator knows is dead (the next update then does not wait on it)."""
         self.engines.drop({name})
         self.behind.discard(name)
+        self.partial.discard(name)
         self.transport.broken = True
 
     def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
-        """Source rank only. Returns what was sent; raises SyncError (engines keep the old version)."""
+        """Source rank only. Returns what was sent; raises SyncError (no engine serves a mix)."""
         # 1. versions only increase; the committed one again only for engines behind
-        if version < self.version or (version == self.version and not self.behind):
+        if version < self.version or (version == self.version and not (self.behind or self.partial)):
             raise ValueError(f"version: {version} is stale or repeated (last committed {self.version})")
-        targets = self.engines.subset(self.behind) if version == self.version else self.engines
+        names = self.behind | self.partial if version == self.version else set(self.engines.names)
+        targets = self.engines.subset(names)
         if not targets.engines:  # every engine died: the restarted ones catch up to this version
             drain(named_tensors)
             self.version = version
             return SyncStats(version, 0, 0.0)
-        start, error, dead = time.perf_counter(), None, {}
+        start, committed, touched, session = time.perf_counter(), False, False, False
         try:
             # 2. (re)form the group with the targets
             if self.transport.broken or self._group is None or self._group.names != targets.names:
                 self.transport.close(self._group or targets)
                 self._group = targets.subset(set(targets.names))
                 self.transport.open(self._group)
-            # 3. pause + flush
+            # 3. pause (+ flush: SGLang refuses it while in_place keeps requests in the batch)
             self._on_all(targets, "pause_generation", lambda e: e.pause_generation(self.config.pause_mode))
-            self._on_all(targets, "flush_cache", lambda e: e.flush_cache())
-            # 4. send every bucket, acknowledged by every target
+            if self.config.pause_mode != "in_place":
+                self._on_all(targets, "flush_cache", lambda e: e.flush_cache())
+            # 4. the session SGLang requires around in-place loads
+            if self.transport.session:
+                session = True
+                self._on_all(targets, "begin_weight_update", lambda e: e.begin_weight_update())
+            # 5. send every bucket, acknowledged by every target
+            touched = True
             nbytes = self.transport.send(named_tensors, version, targets)
-            # 5. commit
+            # 6. close the session
+            session = False
+            if self.transport.session:
+                self._on_all(targets, "end_weight_update", lambda e: e.end_weight_update())
+            # 7. commit
             self._on_all(targets, "update_weight_version", lambda e: e.update_weight_version(str(version)))
+            committed = True
             self.version = version
             self.behind -= set(targets.names)
+            self.partial -= set(targets.names)
         except BaseException as failure:
-            error = failure
-            drain(named_tensors)  # if we failed before sending: other ranks run the export
+            if not touched:
+                drain(named_tensors)  # failed before sending: the other ranks still run the export
+            if session:
+                targets.call(lambda e: e.end_weight_update())  # best effort: the next begin needs it
+            if isinstance(failure, SyncError):
+                failure.dropped = self._drop_dead(targets)
             raise
         finally:
-            # 6. resume, always; an engine that cannot is dead
-            if dead := targets.call(lambda e: e.continue_generation()):
-                self.engines.drop(set(dead))
-                self.behind -= set(dead)
-                self.transport.broken = True
-                if isinstance(error, SyncError):
-                    error.dropped = sorted(dead)
+            # 8. resume: every target after a commit; after a failure only untouched weights
+            if touched and not committed:
+                self.partial |= set(targets.names) & set(self.engines.names)
+            else:
+                dead = targets.call(lambda e: e.continue_generation())
+                if committed and dead:
+                    self.engines.drop(set(dead))
+                    self.behind -= set(dead)
+                    self.transport.broken = True
         return SyncStats(version, nbytes, time.perf_counter() - start,
                          [n for n in targets.names if n not in dead], sorted(dead))
+
+    def _drop_dead(self, targets: EngineSet) -> list[str]:
+        """After a failure: drop the targets that no longer answer /health; returns their names."""
+        alive = targets.wait(targets.submit(_require_health))
+        dead = set(alive)  # the failures are the dead engines
+        if dead:
+            self.engines.drop(dead)
+            self.behind -= dead
+            self.partial -= dead
+            self.transport.broken = True
+        return sorted(dead)
 
     def _on_all(self, engines: EngineSet, what: str, call) -> None:
         if failed := engines.call(call):
@@ -162,6 +203,11 @@ class WeightSender:
         """Engines and this rank leave the group; the sender cannot be used afterwards."""
         self.transport.close(self._group or self.engines)
         self.engines.close()
+
+
+async def _require_health(engine: EngineEndpoint) -> None:
+    if not await engine.health():
+        raise ConnectionError(f"{engine.name} does not answer /health")
 
 
 def drain(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -84,8 +84,6 @@ def _receiver_main(addresses) -> None:
 class SocketEngine:
     """EngineEndpoint for a bench receiver process (calls may overlap, like HTTP requests)."""
 
-    num_group_ranks = 1
-
     def __init__(self, name: str, address):
         self.name, self._conn = name, Client(tuple(address), authkey=_AUTH)
         self._ids, self._calls, self._lock = itertools.count(), {}, threading.Lock()
@@ -112,6 +110,18 @@ class SocketEngine:
 
     async def _call(self, method: str, **kwargs):
         return await asyncio.wrap_future(self.request(method, **kwargs))
+
+    async def num_group_ranks(self) -> int:
+        return 1
+
+    async def health(self) -> bool:
+        return not self._conn.closed
+
+    async def begin_weight_update(self):
+        await self._call("begin")
+
+    async def end_weight_update(self):  # nothing to finalize: the receiver stages, the commit swaps
+        pass
 
     async def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name, backend):
         await self._call("join", master_address=master_address, master_port=master_port, rank=rank_offset,

@@ -60,7 +60,6 @@ class EngineClient:
         name: str | None = None,
         num_hidden_layers: int | None = None,
         topk: int | None = None,
-        num_group_ranks: int = 1,
         timeout_s: float = 60.0,
         generate_timeout_s: float = 3600.0,
         retries: int = 3,
@@ -70,7 +69,7 @@ class EngineClient:
             raise ValueError(f"kind={kind!r}: use one of {KINDS}")
         self.url, self.kind = url.rstrip("/"), kind
         self.name = name or f"{kind} engine ({self.url})"
-        self.num_group_ranks = num_group_ranks
+        self._group_ranks: int | None = None
         self.timeout_s, self.generate_timeout_s = timeout_s, generate_timeout_s
         self.retries, self.backoff_s = retries, backoff_s
         self._layout = (num_hidden_layers, topk) if num_hidden_layers and topk else None
@@ -206,6 +205,27 @@ class EngineClient:
     async def model_info(self) -> dict:
         return await self._request("GET", "/model_info")
 
+    async def server_info(self) -> dict:
+        """GET /server_info (SGLang 0.5.23; older servers only have /get_server_info)."""
+        try:
+            return await self._request("GET", "/server_info")
+        except EngineError as error:
+            if error.status != 404:
+                raise
+            return await self._request("GET", "/get_server_info")
+
+    async def num_group_ranks(self) -> int:
+        """The ranks this engine puts into a weight-update group: SGLang joins every TP rank
+        (`rank_offset + tp_rank`), so its `tp_size`; the embedded engine reports 1."""
+        if self._group_ranks is None:
+            info = await self.server_info()
+            for field in ("dp_size", "pp_size"):  # SGLang's ranks join at rank_offset + tp_rank only
+                if int(info.get(field, 1)) != 1:
+                    raise ValueError(f"{self.name}: {field}={info[field]}; SGLang's weight-update group "
+                                     f"needs {field} 1: run one engine per replica (engines.count) instead")
+            self._group_ranks = int(info["tp_size"])
+        return self._group_ranks
+
     async def health(self) -> bool:
         try:
             await self._request("GET", "/health", timeout_s=min(self.timeout_s, 10.0))
@@ -234,23 +254,35 @@ class EngineClient:
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self._request("POST", "/destroy_weights_update_group", {"group_name": group_name})
 
+    async def begin_weight_update(self) -> None:
+        """Open the weight-update session SGLang requires around the bucket routes."""
+        await self._request("POST", "/begin_weight_update", {}, timeout_s=max(self.timeout_s, 600.0))
+
+    async def end_weight_update(self) -> None:
+        """Close it (SGLang finalizes the loaded weights); also after a failed update."""
+        await self._request("POST", "/end_weight_update", {}, timeout_s=max(self.timeout_s, 600.0))
+
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              group_name: str, weight_version: str, load_format: str,
+                                              group_name: str, weight_version: str | None, load_format: str,
                                               checksum: str | None) -> None:
         body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-                "weight_version": str(weight_version), "load_format": load_format, "flush_cache": False}
+                "load_format": load_format, "flush_cache": False}
+        if weight_version is not None:  # SGLang relabels the engine at once: the sender sends None
+            body["weight_version"] = str(weight_version)
         if checksum is not None and self.kind == "embedded":  # not an SGLang field (sync.engine_api)
             body["checksum"] = checksum
         await self._request("POST", "/update_weights_from_distributed", body,
                             timeout_s=max(self.timeout_s, 600.0), idempotent=False)
 
     async def update_weights_from_tensor(self, serialized_named_tensors: list[str], load_format: str,
-                                         weight_version: str) -> None:
+                                         weight_version: str | None) -> None:
         """CUDA-IPC bucket for a colocated SGLang engine (sync's `cuda_ipc` transport; GPU only)."""
-        await self._request("POST", "/update_weights_from_tensor", {
-            "serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
-            "weight_version": str(weight_version), "flush_cache": False, "abort_all_requests": False,
-        }, timeout_s=max(self.timeout_s, 600.0), idempotent=False)
+        body = {"serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
+                "flush_cache": False, "abort_all_requests": False}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        await self._request("POST", "/update_weights_from_tensor", body,
+                            timeout_s=max(self.timeout_s, 600.0), idempotent=False)
 
     async def update_weight_version(self, new_version: str) -> None:
         # abort_all_requests=False: requests paused in place keep going under the new version.

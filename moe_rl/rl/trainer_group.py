@@ -82,13 +82,20 @@ class TrainerRank:
     def connect(self, urls: list[str], sync_config, kind: str, version: int = 0) -> None:
         """Find each pipeline stage's export source; the sync source builds the WeightSender
         (the engines serve `version`)."""
+        import dataclasses
+        from urllib.parse import urlsplit
+
         from moe_rl.engine.client import EngineClient
         from parallel.export import export_source_ranks
+        from sync.group import address_for
         from sync.pipeline import sync_source
         from sync.sender import WeightSender
 
         self._enter()
         self.sources, self.kind = export_source_ranks(), kind
+        if sync_config.master_address is None:  # engines on other nodes must reach this rank
+            hosts = [urlsplit(url).hostname or "127.0.0.1" for url in urls]
+            sync_config = dataclasses.replace(sync_config, master_address=address_for(hosts))
         if self.rank == sync_source(self.sources):
             # one retry: a dead engine is found (and dropped) in ~0.25 s instead of ~1.75 s
             clients = [EngineClient(url, kind=kind, name=f"engine-{i}", retries=1) for i, url in enumerate(urls)]

@@ -37,8 +37,10 @@ class TransportConfig:
     """Upper bound of one bucket (a larger tensor travels alone). GPU: 512 MiB-1 GiB."""
     backend: str | None = None
     """Process-group backend for `broadcast`: "gloo" | "nccl"; None = nccl with CUDA, else gloo."""
-    master_address: str = "127.0.0.1"
-    """Address of the trainer source rank, reachable from every engine."""
+    master_address: str | None = None
+    """Address of the trainer source rank, reachable from every engine. None: loopback when every
+    engine runs on the source's host, else the source's address on the route to the engines
+    (`sync.group.address_for`; the RL job resolves it from the engine URLs)."""
     master_port: int = 0
     """Rendezvous port on the source rank; 0 picks a free one."""
     group_name: str = "weight_update_group"
@@ -56,9 +58,16 @@ class TransportConfig:
         if self.backend is None:
             self.backend = "nccl" if torch.cuda.is_available() else "gloo"
 
+    @property
+    def address(self) -> str:
+        return self.master_address or "127.0.0.1"
+
 
 class Transport(ABC):
     name: ClassVar[str]
+    session: ClassVar[bool]
+    """True if the engine loads this transport's pieces in place, inside SGLang's
+    `/begin_weight_update` ... `/end_weight_update` session (the sender opens and closes it)."""
     broken: bool = True  # nothing opened yet
 
     def __init__(self, config: TransportConfig):

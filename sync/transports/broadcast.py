@@ -2,7 +2,8 @@
 
 Per bucket, on the trainer source rank (group rank 0):
   - announce it to every engine (`update_weights_from_distributed`, load_format
-    "flattened_bucket", names/dtypes/shapes, weight_version, checksum) on the engine loop,
+    "flattened_bucket", names/dtypes/shapes, checksum; no weight_version: the sender commits the
+    version once every bucket arrived, see `sync.engine_api`) on the engine loop,
   - broadcast its flat buffer over the weight-update group, concurrently with the announce,
   - announce bucket k+1 only once the broadcast of bucket k completed (so each engine sees
     bucket k's collective before bucket k+1's), and wait for every engine's ack of bucket k
@@ -45,6 +46,7 @@ def _completes(work, within_s: float) -> bool:
 
 class BroadcastTransport(Transport):
     name = "broadcast"
+    session = True
 
     def __init__(self, config):
         super().__init__(config)
@@ -54,27 +56,30 @@ class BroadcastTransport(Transport):
         self._worker: cf.ThreadPoolExecutor | None = None
 
     def open(self, engines: EngineSet) -> None:
-        """Form the group: rank 0 here, each engine from its rank_offset (SGLang's layout).
+        """Form the group: rank 0 here, each engine's TP ranks from its rank_offset (SGLang's layout).
 
-        Rank 0's rendezvous runs on the worker thread while this thread watches the engines'
-        joins: when one fails (the engine died, or refused), the rendezvous is aborted at once
-        by dropping the hosted store, so no rank waits out `timeout_s` for a dead member, and
-        SyncError names the engine."""
+        Each engine says how many ranks it brings (`/server_info` tp_size). Rank 0's rendezvous
+        runs on the worker thread while this thread watches the engines' joins: when one fails
+        (the engine died, or refused), the rendezvous is aborted at once by dropping the hosted
+        store, so no rank waits out `timeout_s` for a dead member, and SyncError names the
+        engine. After any failure every engine is told to leave the group (SGLang keeps a group
+        name taken until then, and every later join under that name would fail)."""
         cfg = self.config
-        world_size = 1 + sum(e.num_group_ranks for e in engines.engines)
-        self._store = host_store(cfg.master_address, world_size, cfg.timeout_s, cfg.master_port)
+        ranks = engines.results(lambda e: e.num_group_ranks(), "server_info")
+        world_size = 1 + sum(ranks.values())
+        self._store = host_store(cfg.address, world_size, cfg.timeout_s, cfg.master_port)
         port = self._store.port
         offsets, offset = {}, 1
         for engine in engines.engines:
-            offsets[engine.name], offset = offset, offset + engine.num_group_ranks
+            offsets[engine.name], offset = offset, offset + ranks[engine.name]
         joins = engines.submit(
             lambda e: e.init_weights_update_group(
-                cfg.master_address, port, offsets[e.name], world_size, cfg.group_name, cfg.backend
+                cfg.address, port, offsets[e.name], world_size, cfg.group_name, cfg.backend
             )
         )
         self._worker = cf.ThreadPoolExecutor(1, thread_name_prefix="sync-broadcast")
-        store = client_store(cfg.master_address, port, world_size, cfg.timeout_s)
-        joined = self._worker.submit(WeightUpdateGroup.join, cfg.master_address, port, 0, world_size,
+        store = client_store(cfg.address, port, world_size, cfg.timeout_s)
+        joined = self._worker.submit(WeightUpdateGroup.join, cfg.address, port, 0, world_size,
                                      cfg.group_name, cfg.backend, cfg.timeout_s, store=store)
         del store  # the group holds it; the transport holds the only reference to the server
         while not joined.done():
@@ -96,6 +101,7 @@ class BroadcastTransport(Transport):
         if error is not None or failed:
             if error is None:
                 joined.result().destroy()
+            engines.call(lambda e: e.destroy_weights_update_group(cfg.group_name))  # best effort
             self.close(engines)
             raise SyncError(f"weight-update group did not form: {error or 'an engine failed to join'}; "
                             f"{describe(failed)}", engine=next(iter(failed), None))
@@ -145,7 +151,7 @@ class BroadcastTransport(Transport):
         bucket_id = (bucket.index, len(bucket.metas), bucket.nbytes, bucket.metas[0].name)
         acks = engines.submit(
             lambda e: e.update_weights_from_distributed(
-                **fields, group_name=self.config.group_name, weight_version=str(version),
+                **fields, group_name=self.config.group_name, weight_version=None,
                 load_format="flattened_bucket", checksum=f"{bucket.checksum}#{bucket.index}",
             )
         )

@@ -9,13 +9,18 @@ bucket, on the source rank:
      "metadata": [FlattenedTensorMetadata(name, shape, dtype, start_idx, end_idx, numel)]}` and
      serialize it with SGLang's `MultiprocessingSerializer` (ForkingPickler: CUDA-IPC handles,
      after `monkey_patch_torch_reductions`, which names the device by UUID), base64 for JSON,
-     once per engine TP rank (`num_group_ranks`): each SGLang rank deserializes only its own copy
+     once per engine TP rank (`num_group_ranks()`, SGLang's tp_size): each SGLang rank deserializes only its own copy
      (SGLang's refcount contract, `tp_worker.deserialize_own_rank`);
   3. `update_weights_from_tensor(serialized_named_tensors, load_format="flattened_bucket",
      weight_version)` on every engine; the call returns once the engine copied the bucket into its
      weights (the ack). Only then is the buffer packed again (bucket k+2); packing bucket k+1
      overlaps the engines' load of bucket k.
 The sender commits with `update_weight_version` as for every transport.
+
+The buffer lives on the source rank's GPU, so every engine's ranks must see that GPU: SGLang
+resolves the IPC handle by device UUID and its scheduler dies on a GPU it cannot see ("Invalid
+device_uuid", `sglang/srt/utils/patch_torch.py`). The RL config therefore allows cuda_ipc with
+one colocated engine only (engines on other GPUs use `broadcast`).
 
 Requirements: CUDA, and sglang importable on the trainer (SGLang's unpickler accepts exactly
 its own `FlattenedTensorMetadata` class, so the payload must be built from it). Asking for this
@@ -50,6 +55,7 @@ def missing_requirements() -> list[str]:
 
 class CudaIpcTransport(Transport):
     name = "cuda_ipc"
+    session = True
 
     def __init__(self, config):
         super().__init__(config)
@@ -60,12 +66,14 @@ class CudaIpcTransport(Transport):
             )
         self.packer: BucketPacker | None = None
         self._worker: cf.ThreadPoolExecutor | None = None
+        self.ranks: dict[str, int] = {}  # engine -> its TP ranks (one payload each)
 
     def open(self, engines: EngineSet) -> None:
         for engine in engines.engines:
             if not isinstance(engine, ColocatedEngineEndpoint):
                 raise ValueError(f"engines: {engine.name} has no update_weights_from_tensor; the cuda_ipc "
                                  f"transport needs sync.engine_api.ColocatedEngineEndpoint")
+        self.ranks = engines.results(lambda e: e.num_group_ranks(), "server_info")
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
         monkey_patch_torch_reductions()
@@ -94,11 +102,10 @@ class CudaIpcTransport(Transport):
         return sent_bytes
 
     def _hand_over(self, bucket: Bucket, version: int, engines: EngineSet) -> int:
-        payloads = {e.name: serialize_bucket(bucket, e.num_group_ranks) for e in engines.engines}
-        failed = engines.call(
+        payloads = {e.name: serialize_bucket(bucket, self.ranks[e.name]) for e in engines.engines}
+        failed = engines.call(  # no weight_version: the sender commits it last (sync.engine_api)
             lambda e: e.update_weights_from_tensor(
-                serialized_named_tensors=payloads[e.name], load_format="flattened_bucket",
-                weight_version=str(version),
+                serialized_named_tensors=payloads[e.name], load_format="flattened_bucket", weight_version=None,
             )
         )
         if failed:

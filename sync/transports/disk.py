@@ -27,6 +27,7 @@ from sync.transports.base import Transport
 
 class DiskTransport(Transport):
     name = "disk"
+    session = False  # SGLang's /update_weights_from_disk loads outside a session
 
     def __init__(self, config):
         super().__init__(config)

@@ -30,6 +30,7 @@ def _serve(ports, die_at: tuple[int, int] | None, timeout_s: float) -> None:
     weights: dict[str, torch.Tensor] = {}
     pool = ThreadPoolExecutor(4)  # collectives block: keep them off the event loop (the receiver orders them)
     buckets: dict[int, int] = {}  # version -> buckets announced
+    session = {"open": False}  # SGLang's rule: bucket routes only inside begin ... end
 
     async def blocking(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
@@ -51,13 +52,26 @@ def _serve(ports, die_at: tuple[int, int] | None, timeout_s: float) -> None:
     async def destroy_group(b):
         await blocking(receiver.leave)
 
+    async def begin(b):
+        if session["open"]:
+            raise RuntimeError("a weight-update session is already open")
+        receiver.begin()
+        session["open"] = True
+
+    async def end(b):
+        if not session["open"]:
+            raise RuntimeError("no weight-update session is open")
+        session["open"] = False
+
     async def update_distributed(b):
-        version = int(b["weight_version"])
+        if not session["open"]:
+            raise RuntimeError("update_weights_from_distributed must run between begin and end")
+        version = receiver.version + 1  # buckets name no version: the next one is on its way
         if die_at == (version, buckets.get(version, 0)):
             os.kill(os.getpid(), signal.SIGKILL)
         buckets[version] = buckets.get(version, 0) + 1
         await blocking(receiver.receive_bucket, b["names"], b["dtypes"], b["shapes"],
-                       b["weight_version"], b.get("checksum"), b["group_name"])
+                       b.get("weight_version"), b.get("checksum"), b["group_name"])
 
     async def update_disk(b):
         await blocking(receiver.stage_from_disk, b["model_path"], b["weight_version"])
@@ -78,6 +92,9 @@ def _serve(ports, die_at: tuple[int, int] | None, timeout_s: float) -> None:
     async def model_info(b):
         return {"weight_version": str(receiver.version)}
 
+    async def server_info(b):
+        return {"tp_size": 1, "dp_size": 1}
+
     async def dump(b):
         save_file({k: v.contiguous() for k, v in weights.items()}, b["path"])
 
@@ -87,7 +104,8 @@ def _serve(ports, die_at: tuple[int, int] | None, timeout_s: float) -> None:
         "/update_weights_from_distributed": update_distributed, "/update_weights_from_disk": update_disk,
         "/update_weight_version": update_version, "/pause_generation": pause,
         "/continue_generation": resume, "/flush_cache": flush, "/model_info": model_info,
-        "/debug_dump_weights": dump,
+        "/server_info": server_info, "/health": flush, "/begin_weight_update": begin,
+        "/end_weight_update": end, "/debug_dump_weights": dump,
     }.items():
         app.router.add_post(path, route(fn))
 
@@ -128,8 +146,6 @@ async def _post(url: str, body: dict, timeout_s: float = 60) -> dict:
 class FakeEngineClient:
     """EngineEndpoint over HTTP for the fake engine (one rank in the weight-update group)."""
 
-    num_group_ranks = 1
-
     def __init__(self, port: int, name: str | None = None, timeout_s: float = 60):
         self.url = f"http://127.0.0.1:{port}"
         self.name = name or f"fake-engine@{port}"
@@ -137,6 +153,22 @@ class FakeEngineClient:
 
     async def _call(self, route: str, **body) -> dict:
         return await _post(self.url + route, body, self.timeout_s)
+
+    async def num_group_ranks(self) -> int:
+        return (await self._call("/server_info"))["tp_size"]
+
+    async def health(self) -> bool:
+        try:
+            await _post(self.url + "/health", {}, 5)
+            return True
+        except Exception:  # noqa: BLE001 - no answer: dead
+            return False
+
+    async def begin_weight_update(self):
+        await self._call("/begin_weight_update")
+
+    async def end_weight_update(self):
+        await self._call("/end_weight_update")
 
     async def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name, backend):
         await self._call("/init_weights_update_group", master_address=master_address, master_port=master_port,

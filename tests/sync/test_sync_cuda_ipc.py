@@ -48,8 +48,6 @@ def _sglang_side(conn) -> None:
 class IpcEngine:
     """ColocatedEngineEndpoint over a pipe to `_sglang_side` (only the routes this test uses)."""
 
-    num_group_ranks = 1
-
     def __init__(self, name: str):
         self.name, self.version = name, None
         self.conn, child = mp.get_context("spawn").Pipe()
@@ -64,6 +62,14 @@ class IpcEngine:
     async def update_weight_version(self, new_version):
         self.version = new_version
 
+    async def num_group_ranks(self) -> int:
+        return 1
+
+    async def health(self) -> bool:
+        return self.proc.is_alive()
+
+    async def begin_weight_update(self): ...
+    async def end_weight_update(self): ...
     async def init_weights_update_group(self, *args): ...
     async def destroy_weights_update_group(self, group_name): ...
     async def update_weights_from_distributed(self, *args): ...

@@ -79,7 +79,7 @@ def test_receiver_versions_only_increase(tmp_path):
     for stale in (1, 0, "1"):
         with pytest.raises(ValueError, match="stale or repeated"):
             receiver.stage_from_disk(tmp_path, stale)
-    with pytest.raises(RuntimeError, match="staged version is None"):
+    with pytest.raises(RuntimeError, match="nothing is staged"):
         receiver.commit(2)  # nothing staged for 2
     with pytest.raises(ValueError, match="not an integer"):
         receiver.stage_from_disk(tmp_path, "v2")

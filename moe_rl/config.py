@@ -297,6 +297,16 @@ class RunConfig:
         if self.sync.transport == "cuda_ipc" and not self.rl.colocate:
             raise ValueError("sync.transport='cuda_ipc' needs engines on the trainer's GPUs: set rl.colocate: true, "
                              "or use broadcast or disk")
+        if self.sync.transport == "cuda_ipc" and self.engines.count > 1:
+            # the IPC buffer lives on the sync source's GPU; engine i > 0 runs on other GPUs
+            raise ValueError(f"sync.transport='cuda_ipc' with engines.count={self.engines.count}: CUDA-IPC buckets "
+                             "live on the sync source's GPU, which only engine 0 sees; use one engine or "
+                             "sync.transport: broadcast")
+        if self.sync.pause_mode == "in_place" and self.sync.transport == "disk":
+            # SGLang flushes the cache after a disk load and refuses while paused requests run
+            raise ValueError("sync.pause_mode='in_place' with sync.transport='disk': SGLang's disk update "
+                             "flushes the KV cache, refused while in-place-paused requests run; use "
+                             "pause_mode abort or retract, or transport broadcast")
 
     def _check_cluster(self) -> None:
         trainer, engines = self.trainer.world_size, self.engines.count * self.engines.gpus_per_engine

@@ -5,11 +5,16 @@ Every handler validates its body first (unknown or missing fields, bad values: H
 Long blocking work (loading weights, joining the weight-update group, receiving a bucket) runs in
 worker threads; only the final swap runs on the scheduler thread, between two decode steps.
 
-Weight updates (`sync.receiver.WeightReceiver` does the group and the staging):
-`/update_weights_from_disk` loads, swaps and sets the version at once (SGLang's behaviour);
-`/update_weights_from_distributed` stages one bucket; `/update_weight_version` commits the staged
-version (or, with nothing staged, relabels the served weights as SGLang does);
-`/continue_generation` drops an uncommitted staged version.
+Weight updates (`sync.receiver.WeightReceiver` does the group and the staging), with SGLang
+0.5.23's session rules: `/update_weights_from_distributed` is refused outside a
+`/begin_weight_update` ... `/end_weight_update` session, and a begin while one is open is refused.
+`/update_weights_from_disk` loads, swaps and sets the version at once (SGLang's behaviour, no
+session). `/update_weights_from_distributed` stages one bucket; `/update_weight_version` commits
+the staged version (or, with nothing staged, relabels the served weights as SGLang does);
+`/continue_generation` drops an uncommitted staged version. Staging is an embedded-engine
+extension (SGLang loads each bucket in place): the served weights and their label change
+together, at the commit. Buckets that name a `weight_version` (SGLang labels the engine with it
+at the first bucket) are committed as that version at `/end_weight_update` instead.
 
 Memory occupation (colocated RL): `/release_memory_occupation` (idle engine only, as SGLang asserts)
 frees the weights (`ModelRunner.release_weights`) and/or the KV cache; `/resume_memory_occupation`
@@ -65,7 +70,7 @@ class EmbeddedServer:
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.max_positions = getattr(self.runner.config.get_text_config(), "max_position_embeddings", 1 << 30)
         self._rids: set[str] = set()
-        self._staged_version: str | None = None  # a distributed version received but not committed
+        self._session = False  # a /begin_weight_update ... /end_weight_update session is open
         self.released: set[str] = set()  # memory tags released by /release_memory_occupation
 
     def app(self) -> web.Application:
@@ -76,6 +81,7 @@ class EmbeddedServer:
             "/init_weights_update_group": self.init_group, "/destroy_weights_update_group": self.destroy_group,
             "/update_weights_from_distributed": self.update_from_distributed,
             "/update_weight_version": self.update_version, "/load_lora_adapter": self.load_lora,
+            "/begin_weight_update": self.begin_update, "/end_weight_update": self.end_update,
             "/unload_lora_adapter": self.unload_lora, "/release_memory_occupation": self.release_memory,
             "/resume_memory_occupation": self.resume_memory,
         }
@@ -212,7 +218,6 @@ class EmbeddedServer:
     async def resume(self, http: web.Request) -> web.Response:
         await self._body(http)
         self.receiver.abort()  # an uncommitted staged version is dropped (sync.engine_api)
-        self._staged_version = None
         await self._on_scheduler(self.scheduler.resume)
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
@@ -344,17 +349,35 @@ class EmbeddedServer:
         self.receiver.leave()
         return web.json_response({"success": True, "message": "Left the weight update group."})
 
+    async def begin_update(self, http: web.Request) -> web.Response:
+        await self._body(http)
+        if self._session:  # SGLang's rule and message (scheduler_components/weight_updater.py)
+            raise RuntimeError("a weight-update session is already open; call end_weight_update() first")
+        self.receiver.begin()
+        self._session = True
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def end_update(self, http: web.Request) -> web.Response:
+        await self._body(http)
+        if not self._session:
+            raise RuntimeError("no weight-update session is open; call begin_weight_update() first")
+        self._session = False
+        labelled = self.receiver.labelled_version
+        if labelled is not None and self.receiver.staged:  # buckets named their version (see above)
+            await self._swap(self.receiver.commit(labelled), str(labelled), abort_all=False)
+        return web.json_response({"success": True, "message": "Success"})
+
     async def update_from_distributed(self, http: web.Request) -> web.Response:
         body = await self._body(http)
+        if not self._session:
+            raise RuntimeError("update_weights_from_distributed must run between "
+                               "begin_weight_update() and end_weight_update()")
         if body.get("load_format") not in (None, "flattened_bucket"):
             raise BadRequest(f"load_format={body['load_format']!r}: the embedded engine takes 'flattened_bucket'")
-        if body.get("weight_version") is None:
-            raise BadRequest("weight_version is required by the embedded engine: it stages buckets per version")
         await asyncio.to_thread(
             self.receiver.receive_bucket, body["names"], body["dtypes"], body["shapes"],
-            body["weight_version"], body.get("checksum"), body.get("group_name"),
+            body.get("weight_version"), body.get("checksum"), body.get("group_name"),
         )
-        self._staged_version = str(body["weight_version"])
         return web.json_response({"success": True, "message": f"Staged {len(body['names'])} tensors."})
 
     async def update_version(self, http: web.Request) -> web.Response:
@@ -362,9 +385,8 @@ class EmbeddedServer:
         version, abort_all = str(body["new_version"]), body.get("abort_all_requests", True)
         if version == self.scheduler.weight_version:
             return web.json_response({"success": True, "message": f"Already serving {version}."})
-        if self._staged_version is not None:
-            tensors, self._staged_version = self.receiver.commit(version), None
-            await self._swap(tensors, version, abort_all)
+        if self.receiver.staged:
+            await self._swap(self.receiver.commit(version), version, abort_all)
         else:  # nothing staged: SGLang's plain relabel
             await self._swap({}, version, abort_all)
         return web.json_response({"success": True, "message": f"Serving weight version {version}."})

@@ -13,7 +13,6 @@ from moe_rl.config import EngineConfig
 from moe_rl.engine import sglang_launcher
 from moe_rl.engine.sglang_launcher import SERVER_ENV, SGLangConfig, SGLangLoRA, sglang_command
 from tests.conformance import sglang_oracle
-from tests.conformance.test_sglang_requests import io_struct_deps
 
 CHECKED = ("model_path", "host", "port", "tp_size", "ep_size", "dp_size", "attn_dp_size", "mem_fraction_static",
            "weight_version", "base_gpu_id", "skip_tokenizer_init", "enable_return_routed_experts",
@@ -32,12 +31,10 @@ CONFIGS = {
 }
 
 
-def _parse(deps: str, argv: list[str]) -> dict:
+def _parse(argv: list[str]) -> dict:
     """SGLang's own parse of `argv`: the parsed namespace and the ServerArgs built from it."""
     import argparse
-    import sys
 
-    sys.path.append(deps)
     from sglang.srt.server_args import ServerArgs
 
     parser = argparse.ArgumentParser()
@@ -68,7 +65,7 @@ def test_sglangs_parser_takes_the_command_line(name):
     config, port = CONFIGS[name], 30007
     command = sglang_command(config, port)
     assert command[1:3] == ["-m", "sglang.launch_server"]
-    parsed = sglang_oracle.call(_parse, io_struct_deps(), command[3:])
+    parsed = sglang_oracle.call(_parse, command[3:])
     assert parsed["unknown"] == [], parsed["unknown"]
     want = expected(config, port)
     for where in ("namespace", "server_args"):

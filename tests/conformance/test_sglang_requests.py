@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 import urllib.request
 
 import pytest
@@ -21,9 +19,6 @@ from moe_rl.engine.process import launch_embedded
 from tests.conformance import sglang_oracle
 from tests.engine.engine_helpers import save_tiny_model
 from tests.engine.test_engine_requests import post
-
-# io_struct imports openai's types (through the reasoning parser), which import these at module level
-IO_STRUCT_DEPENDENCIES = ["httpx==0.28.1", "httpcore==1.0.9", "distro==1.9.0", "jiter==0.12.0"]
 
 REQUEST_CLASSES = {
     "/generate": "GenerateReqInput", "/pause_generation": "PauseGenerationReqInput",
@@ -45,16 +40,6 @@ ROUTER_ADDITIONS = {"model": "default", "background": False, "no_logs": False, "
                     "return_entropy": False}
 
 
-def io_struct_deps() -> str:
-    """A folder with IO_STRUCT_DEPENDENCIES (installed once beside the oracle's cache)."""
-    target = sglang_oracle.cache_dir() / "deps-io_struct"
-    if not (target / ".complete").exists():
-        subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "install", "--no-deps",
-                        "--target", str(target), *IO_STRUCT_DEPENDENCIES], check=True)
-        (target / ".complete").touch()
-    return str(target)
-
-
 # -- run in the oracle process ----------------------------------------------------------------------
 
 
@@ -66,8 +51,7 @@ def _sampling_internal(cls) -> set[str]:
     return set(re.findall(r"^    (\w+):", inspect.getsource(cls).split("# --- Internal fields")[1], re.M))
 
 
-def _sglang_tables(deps: str) -> dict:
-    sys.path.append(deps)
+def _sglang_tables() -> dict:
     import msgspec
     from sglang.srt.arg_groups.arg_utils import record_fields
     from sglang.srt.managers import io_struct
@@ -92,10 +76,9 @@ def _sglang_tables(deps: str) -> dict:
     }
 
 
-def _default_generate_body(deps: str, input_ids: list[int], sampling: dict) -> dict:
+def _default_generate_body(input_ids: list[int], sampling: dict) -> dict:
     """GenerateReqInput(...) as the JSON body a client sends: every field present, at its default
     (sampling_params too: every SamplingParams API field at its default but `sampling`)."""
-    sys.path.append(deps)
     from sglang.srt.managers.io_struct import GenerateReqInput
     from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -112,7 +95,7 @@ def _default_generate_body(deps: str, input_ids: list[int], sampling: dict) -> d
 
 @pytest.fixture(scope="module")
 def sglang():
-    return sglang_oracle.call(_sglang_tables, io_struct_deps())
+    return sglang_oracle.call(_sglang_tables)
 
 
 def test_request_tables_are_sglang_classes_fields(sglang):
@@ -158,7 +141,7 @@ def get(url: str):
 
 def test_a_body_with_every_sglang_default_is_served_like_the_minimal_one(engine):
     ids, sampling = [3, 1, 4, 1, 5], {"max_new_tokens": 4, "temperature": 0.0}
-    body = sglang_oracle.call(_default_generate_body, io_struct_deps(), ids, sampling) | ROUTER_ADDITIONS
+    body = sglang_oracle.call(_default_generate_body, ids, sampling) | ROUTER_ADDITIONS
     assert set(body) - protocol.ROUTER_IGNORED == protocol.GENERATE_FIELDS  # every field is there
     assert set(body["sampling_params"]) == protocol.SAMPLING_FIELDS
     status, text = post(engine.url + "/generate", body)

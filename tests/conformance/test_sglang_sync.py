@@ -1,0 +1,124 @@
+"""The project's client and WeightSender (kind sglang) against SGLang twins (SGLang's own weight
+code in real processes, `sglang_twin.py`): two engines of tp 2, world size 5."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from moe_rl.engine.client import EngineClient
+from sync.engine_set import SyncError
+from sync.sender import SyncConfig, WeightSender
+from tests.conformance.sglang_twin import SGLangTwin
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+def _version(base: dict[str, torch.Tensor], v: int) -> dict[str, torch.Tensor]:
+    """Weights of version v: every tensor differs from every other version's."""
+    generator = torch.Generator().manual_seed(v)
+    return {name: t + torch.randn(t.shape, generator=generator).to(t.dtype) for name, t in base.items()}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """Initial weights (version 0) of a tiny model, as SGLang's twin loads them."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    path = tmp_path_factory.mktemp("sglang_twin")
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                            num_experts_per_tok=2, vocab_size=64, max_position_embeddings=64)
+    Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(path)  # per-expert HF names on disk
+    return str(path)
+
+
+@pytest.fixture
+def twins(model_dir):
+    pair = [SGLangTwin(model_dir, tp_size=2).start() for _ in range(2)]
+    try:
+        yield [twin.wait_ready() for twin in pair]
+    finally:
+        for twin in pair:
+            twin.stop()
+
+
+def _sender(twins) -> WeightSender:
+    clients = [EngineClient(t.url, kind="sglang", name=f"twin-{i}", retries=1, timeout_s=60) for i, t in enumerate(twins)]
+    return WeightSender(clients, SyncConfig(transport="broadcast", bucket_bytes=16 << 10, timeout_s=60))
+
+
+def _assert_serves(twin: SGLangTwin, weights: dict[str, torch.Tensor], version: str) -> None:
+    expected = {name: _digest(t) for name, t in weights.items()}
+    for rank, state in enumerate(twin.state()):
+        assert state["version"] == version, (rank, state["version"])
+        assert state["weights"] == expected, f"rank {rank} does not hold version {version} bit for bit"
+        assert state["paused"] is None and not state["session"]
+
+
+def test_two_tp2_twins_take_two_versions_bit_exact(twins, model_dir):
+    base = load_file(os.path.join(model_dir, "model.safetensors"))
+    sender = _sender(twins)
+    try:
+        for version in (1, 2):
+            weights = _version(base, version)
+            stats = sender.update(iter(weights.items()), version)
+            assert sorted(stats.engines) == ["twin-0", "twin-1"] and not stats.dropped
+            for twin in twins:
+                _assert_serves(twin, weights, str(version))
+    finally:
+        sender.close()
+    for twin in twins:
+        log = twin.log()
+        assert all(entry["success"] for entry in log), [e for e in log if not e["success"]]
+        routes = [e["route"] for e in log]
+        assert routes.count("/init_weights_update_group") == 1 and routes.count("/begin_weight_update") == 2
+        for entry in log:  # the label moves only at the commit, never with a bucket
+            if entry["route"] == "/update_weights_from_distributed":
+                assert entry["weight_version"] is None and entry["before"] == entry["after"]
+        commits = [e for e in log if e["route"] == "/update_weight_version"]
+        assert [(c["before"], c["after"]) for c in commits] == [(["0", "0"], ["1", "1"]), (["1", "1"], ["2", "2"])]
+
+
+def test_rank_killed_mid_version_never_serves_a_mix(twins, model_dir):
+    base = load_file(os.path.join(model_dir, "model.safetensors"))
+    sender = _sender(twins)
+    victim_rank = twins[0].get("/twin/ranks")[1]
+    try:
+        v1 = _version(base, 1)
+        sender.update(iter(v1.items()), 1)
+
+        def killing(weights, after):
+            for i, item in enumerate(weights.items()):
+                if i == after:
+                    os.kill(victim_rank, signal.SIGKILL)  # twin-0 loses TP rank 1 mid-version
+                yield item
+
+        v2 = _version(base, 2)
+        with pytest.raises(SyncError) as failure:
+            sender.update(killing(v2, after=len(v2) // 2), 2)
+        assert failure.value.dropped == ["twin-0"]
+        assert sender.partial == {"twin-1"}
+        survivor = twins[1].state()
+        for state in survivor:  # partly loaded, still labelled 1: it must not serve
+            assert state["version"] == "1" and state["paused"] is not None and not state["session"]
+        # the retry (a fresh export) gives the live engine the full version; the run goes on
+        stats = sender.update(iter(v2.items()), 2)
+        assert stats.engines == ["twin-1"] and sender.partial == set()
+        _assert_serves(twins[1], v2, "2")
+        v3 = _version(base, 3)
+        sender.update(iter(v3.items()), 3)
+        _assert_serves(twins[1], v3, "3")
+    finally:
+        sender.close()
+    assert not twins[0].process.is_alive()  # SGLang's server goes down with a scheduler

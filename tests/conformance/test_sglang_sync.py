@@ -122,3 +122,31 @@ def test_rank_killed_mid_version_never_serves_a_mix(twins, model_dir):
     finally:
         sender.close()
     assert not twins[0].process.is_alive()  # SGLang's server goes down with a scheduler
+
+
+def test_in_place_pause_syncs_without_the_flush_sglang_refuses(model_dir):
+    import asyncio
+
+    from moe_rl.engine.client import EngineError
+
+    base = load_file(os.path.join(model_dir, "model.safetensors"))
+    with SGLangTwin(model_dir, tp_size=1, running_requests=2) as twin:  # in_place keeps 2 requests running
+        client = EngineClient(twin.url, kind="sglang", name="twin", retries=0)
+        sender = WeightSender([client], SyncConfig(bucket_bytes=16 << 10, timeout_s=60, pause_mode="in_place"))
+        try:
+            v1 = _version(base, 1)
+            sender.update(iter(v1.items()), 1)
+        finally:
+            sender.close()
+        _assert_serves(twin, v1, "1")
+        assert "/flush_cache" not in [e["route"] for e in twin.log()]
+
+        async def flush_while_paused_in_place():
+            await client.pause_generation("in_place")
+            try:
+                await client.flush_cache()
+            finally:
+                await client.close()
+
+        with pytest.raises(EngineError, match="HTTP 400"):  # what a flush would have met
+            asyncio.run(flush_while_paused_in_place())

@@ -87,3 +87,26 @@ def test_update_from_distributed_with_weight_sender(engine, qwen3_dir, new_dir):
         sender.close()
         run(client.close())
 
+
+
+def test_weight_update_session_rules_are_sglangs(engine):
+    """SGLang 0.5.23's rules (managers/scheduler_components/weight_updater.py): bucket routes only
+    inside /begin_weight_update ... /end_weight_update, one session at a time; disk needs none."""
+    async def go(client):
+        bucket = dict(names=["w"], dtypes=["float32"], shapes=[[1]], group_name="weight_update_group",
+                      weight_version=None, load_format="flattened_bucket", checksum=None)
+        with pytest.raises(EngineError, match="between begin_weight_update"):
+            await client.update_weights_from_distributed(**bucket)
+        with pytest.raises(EngineError, match="no weight-update session is open"):
+            await client.end_weight_update()
+        await client.begin_weight_update()
+        with pytest.raises(EngineError, match="already open"):
+            await client.begin_weight_update()
+        with pytest.raises(EngineError, match="init_weights_update_group first|before join"):
+            await client.update_weights_from_distributed(**bucket)  # in a session, but no group
+        await client.end_weight_update()
+        await client.begin_weight_update()  # closed: a new one opens
+        await client.end_weight_update()
+        return await client.model_info()
+
+    assert run(with_client(engine.url, go))["weight_version"] == "0"  # nothing committed

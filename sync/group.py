@@ -156,7 +156,11 @@ def address_for(peer_hosts: list[str]) -> str:
     if not remote:
         return "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        sock.connect((remote[0], 9))  # UDP connect only picks the route
+        try:
+            sock.connect((remote[0], 9))  # UDP connect only picks the route
+        except OSError as error:
+            raise ValueError(f"master_address: no route from this host to the engine host {remote[0]} "
+                             f"({error}); set sync.master_address to an address the engines reach") from None
         return sock.getsockname()[0]
 
 

@@ -52,3 +52,38 @@ def test_sglang_generates_with_routed_experts_and_versions(tmp_path):
         result = run(go())
     assert len(result.output_ids) == 8 == len(result.logprobs) and result.weight_version == "0"
     assert result.routed_experts.shape == (4 + 8 - 1, 3, 2) and np.all(result.routed_experts < 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_and_sglang(), reason="needs a CUDA GPU and sglang installed")
+def test_nccl_weight_sync_into_a_real_sglang_engine(tmp_path):
+    """The broadcast transport over NCCL into SGLang: session, buckets without a version, commit."""
+    import torch
+
+    from moe_rl.engine.embedded.runner import load_checkpoint_state
+    from sync.sender import SyncConfig, WeightSender
+    from tests.engine.engine_helpers import save_tiny_model
+
+    model_dir = save_tiny_model("qwen3_moe", tmp_path / "m")
+    new_state = load_checkpoint_state(save_tiny_model("qwen3_moe", tmp_path / "new", seed=1))
+    with launch_sglang(SGLangConfig(model_path=str(model_dir), weight_version="0",
+                                    mem_fraction_static=0.3)) as engine:
+        client = EngineClient(engine.url, kind="sglang", num_hidden_layers=3, topk=2)
+        sender = WeightSender([client], SyncConfig(transport="broadcast", backend="nccl", bucket_bytes=1 << 20,
+                                                   timeout_s=120))
+        try:
+            stats = sender.update(sorted(new_state.items()), 1)
+        finally:
+            sender.close()
+
+        async def check():
+            weights = await client._request("POST", "/get_weights_by_name",
+                                            {"name": "model.embed_tokens.weight", "truncate_size": 8})
+            result = await client.generate([1, 2, 3], max_new_tokens=2, ignore_eos=True)
+            await client.close()
+            return weights, result
+
+        weights, result = run(check())
+    assert stats.engines == [client.name] and result.weight_version == "1"
+    expected = new_state["model.embed_tokens.weight"][:8].float()
+    assert torch.allclose(torch.tensor(weights).float(), expected, atol=1e-2)

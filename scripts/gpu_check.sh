@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU tier on one CUDA machine: a fresh venv with the GPU extras, then every `gpu`-marked test.
 #   scripts/gpu_check.sh            (venv in .venv-gpu; GPU_CHECK_VENV=DIR to put it elsewhere)
-# Runs `pytest -m gpu`: the SGLang server (tests/engine/test_engine_sglang.py), CUDA-IPC weight
-# sync (tests/sync/test_sync_cuda_ipc.py), Transformer Engine layer names
-# (tests/parallel/test_bridge_te_names.py) and colocated engine placement
-# (tests/rl/test_engine_placement.py), within PYTEST_TOTAL_S (540) seconds, PYTEST_TEST_S (300) a test.
+# Runs `pytest -m gpu`: the SGLang server and an NCCL weight sync into it
+# (tests/engine/test_engine_sglang.py), CUDA-IPC weight sync (tests/sync/test_sync_cuda_ipc.py),
+# Transformer Engine layer names (tests/parallel/test_bridge_te_names.py) and an RL run with an
+# SGLang engine (tests/rl/test_engine_placement.py), within PYTEST_TOTAL_S (540) seconds, PYTEST_TEST_S (300) a test.
 # Exit status: 0 all passed, 2 no GPU, otherwise pytest's (124: the total limit was hit).
 set -euo pipefail
 cd "$(dirname "$0")/.."

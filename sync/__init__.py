@@ -1,4 +1,7 @@
-"""Weight sync: trainer -> inference engines, bucketed, versioned, atomic on the engine side.
+"""Weight sync: trainer -> inference engines, bucketed and versioned, by SGLang 0.5.23's protocol.
+
+No engine serves a version it did not fully receive: the version is committed last, and an engine
+left with a partly loaded version (SGLang loads in place) stays paused until a full resend.
 
 - `sync.bucket`: flat uint8 buckets (SGLang's flattened-bucket layout) + CRC-32 checksums.
 - `sync.group`: the weight-update process group (own TCPStore; gloo on CPU, NCCL on GPU).

@@ -175,8 +175,8 @@ class WeightSender:
             # 8. resume: every target after a commit; after a failure only untouched weights
             if touched and not committed:
                 self.partial |= set(targets.names) & set(self.engines.names)
-            else:
-                dead = targets.call(lambda e: e.continue_generation())
+            else:  # (a commit cleared `partial` of the targets; earlier partial ones stay paused)
+                dead = targets.subset(set(targets.names) - self.partial).call(lambda e: e.continue_generation())
                 if committed and dead:
                     self.engines.drop(set(dead))
                     self.behind -= set(dead)
@@ -186,8 +186,7 @@ class WeightSender:
 
     def _drop_dead(self, targets: EngineSet) -> list[str]:
         """After a failure: drop the targets that no longer answer /health; returns their names."""
-        alive = targets.wait(targets.submit(_require_health))
-        dead = set(alive)  # the failures are the dead engines
+        dead = set(targets.call(_require_health))
         if dead:
             self.engines.drop(dead)
             self.behind -= dead

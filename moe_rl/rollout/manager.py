@@ -142,7 +142,7 @@ class RolloutManager:
                 "answer": prompt.answer, "prompt": prompt.metadata, "round": round_index, "num_segments": 0})
                 for _ in range(self.config.n_samples_per_prompt)]
         self._inflight[gid] = (prompt, samples)
-        task = asyncio.get_running_loop().create_task(self._generate_group(gid))
+        task = asyncio.get_running_loop().create_task(self._generate_group(gid), name=gid)
         self._open[task] = gid
 
         def settled(t: asyncio.Task) -> None:
@@ -153,10 +153,13 @@ class RolloutManager:
         return task
 
     async def _cancel(self, tasks, reason: str) -> None:
+        """Cancel group tasks; every group among them not yet settled is dropped for `reason`, also
+        one whose task finished just before its round was cancelled (its result never taken)."""
+        settled = self.buffer.settled_ids()
         for task in tasks:
-            if not task.done():
-                task.cancel()
-                self.buffer.drop(self._open[task], reason)
+            task.cancel()
+            if task.get_name() not in settled:
+                self.buffer.drop(task.get_name(), reason)
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _generate_group(self, gid: str) -> Group | None:

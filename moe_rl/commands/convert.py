@@ -12,6 +12,8 @@ pipeline stage and writes safetensors shards + index + config that
 
 Runs as spawned gloo ranks on one machine, or joins the world under torchrun
 (`scripts/convert_*.sh`). Output goes to `<out>.tmp` and is renamed to `<out>` when complete.
+Nothing a user has is lost: an output that equals or contains the input is refused, and so is an
+existing non-empty output (or `<out>.tmp`) unless `--overwrite` is given.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ def add_arguments(parser) -> None:
     to_hf.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file")
     to_hf.add_argument("--bucket-mb", type=float, default=512, help="export gather bucket size")
     for sub in (to_megatron, to_hf):
-        sub.add_argument("--out", required=True, help="output directory (replaced when complete)")
+        sub.add_argument("--out", required=True, help="output directory (written when complete)")
+        sub.add_argument("--overwrite", action="store_true",
+                         help="replace an existing non-empty --out (never one that holds the input)")
         for axis in ("tp", "pp", "ep"):
             sub.add_argument(f"--{axis}", type=int, default=1, help=f"{axis.upper()} size of the conversion world")
         sub.add_argument("--etp", type=int, default=None, help="expert TP size (default: --tp)")
@@ -64,7 +68,12 @@ def run(args) -> int:
         extra = (int(args.max_shard_gb * 2**30), int(args.bucket_mb * 2**20))
     if not Path(source).is_dir():
         raise ValueError(f"{source} is not a directory: pass an existing checkpoint")
+    check_output(source, args.out, args.overwrite)
     _check_before_launch(args.direction, source, layout)
+    if launched_by_torchrun():  # every rank checked before rank 0 creates <out>.tmp
+        import torch.distributed as dist
+
+        dist.barrier()
     if launched_by_torchrun():
         fn(layout, source, args.out, *extra)
     else:
@@ -72,6 +81,19 @@ def run(args) -> int:
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"wrote {args.out}")
     return 0
+
+
+def check_output(source: str, out: str, overwrite: bool) -> None:
+    """Refuse an output whose writing would destroy anything: the input (or a folder holding it),
+    or, without `overwrite`, an existing non-empty directory or staging folder."""
+    source_path, out_path = Path(source).resolve(), Path(out).resolve()
+    if source_path == out_path or out_path in source_path.parents:
+        raise ValueError(f"--out {out} would replace the input {source} (it equals or contains it): "
+                         "choose another output directory")
+    for path in (out_path, out_path.with_name(out_path.name + ".tmp")):
+        if not overwrite and (path.is_file() or (path.is_dir() and any(path.iterdir()))):
+            raise ValueError(f"--out: {path} exists and is not empty; choose a new directory or pass "
+                             "--overwrite to replace it")
 
 
 def _check_before_launch(direction: str, source: str, layout) -> None:

@@ -22,8 +22,11 @@ def test_hf_megatron_hf_roundtrip_across_layouts(tmp_path, make_config):
 
     hf = save_tiny_hf_model(make_config(), tmp_path / "hf")
     megatron, back = tmp_path / "megatron", tmp_path / "hf_back"
+    megatron.mkdir()
+    (megatron / "old").write_text("an earlier conversion")  # replaced: --overwrite
     assert main(["convert", "hf-to-megatron", "--hf", str(hf), "--out", str(megatron),
-                 "--tp", "2", "--ep", "2"]) == 0
+                 "--tp", "2", "--ep", "2", "--overwrite"]) == 0
+    assert not (megatron / "old").exists()
     assert json.loads((megatron / "moe_rl_meta.json").read_text())["format"] == "torch_dist"
     assert not (tmp_path / "megatron.tmp").exists()
     assert main(["convert", "megatron-to-hf", "--megatron", str(megatron), "--out", str(back),
@@ -51,3 +54,22 @@ def test_bad_input_is_a_clear_error_before_launch(tmp_path, capsys):
     (hf / "config.json").write_text(json.dumps(config))
     assert main(["convert", "hf-to-megatron", "--hf", str(hf), "--out", str(tmp_path / "out")]) == 2
     assert "no bridge for architectures=['MadeUpForCausalLM']" in capsys.readouterr().err
+
+
+def test_output_that_would_destroy_anything_is_refused(tmp_path, capsys):
+    hf = save_tiny_hf_model(qwen3_moe_config(), tmp_path / "models" / "hf")
+    before = sorted((p.name, p.stat().st_size) for p in hf.iterdir())
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "keep.txt").write_text("a user's file")
+    (tmp_path / "staged.tmp").mkdir()
+    (tmp_path / "staged.tmp" / "x").write_text("")
+    cases = [(hf, "would replace the input"), (tmp_path / "models", "would replace the input"),
+             (used, "exists and is not empty"), (tmp_path / "staged", "exists and is not empty")]
+    for out, message in cases:
+        for direction, flag in (("hf-to-megatron", "--hf"), ("megatron-to-hf", "--megatron")):
+            overwrite = ["--overwrite"] if "input" in message else []  # not even with --overwrite
+            assert main(["convert", direction, flag, str(hf), "--out", str(out), *overwrite]) == 2
+            assert message in capsys.readouterr().err, (out, direction)
+    assert sorted((p.name, p.stat().st_size) for p in hf.iterdir()) == before
+    assert (used / "keep.txt").read_text() == "a user's file"

@@ -20,7 +20,7 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 demo: setup
-	$(BIN)/moe-rl train configs/demo_cpu.yaml
+	$(BIN)/moe-rl train configs/demo_cpu.yaml --overwrite  # a fresh runs/demo each time
 
 # The same suite on Python 3.12 with megatron-core 0.19.x (what clusters run). torch comes
 # from the registry as a CUDA build (~3 GB) and runs on CPU. Not in CI.

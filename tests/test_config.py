@@ -67,3 +67,30 @@ def test_cli_rejects_a_bad_layout_without_spawning(config_file, monkeypatch, cap
     monkeypatch.setattr(parallel.world, "spawn", no_spawn)
     assert cli.main(["train", str(config_file), "trainer.ep=3", "trainer.world_size=3"]) == 2
     assert "trainer.ep=3" in capsys.readouterr().err
+
+
+def test_a_fresh_run_never_mixes_with_an_earlier_one(config_file, tmp_path, monkeypatch, capsys):
+    import parallel.world
+
+    def no_spawn(*args, **kwargs):
+        raise AssertionError("a process was spawned into a used output_dir")
+
+    monkeypatch.setattr(parallel.world, "spawn", no_spawn)
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "metrics.jsonl").write_text('{"step": 1}\n')
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("a user's file")
+    for out, flags, message in [(earlier, [], "holds an earlier run; continue it with --resume"),
+                                (other, [], "is not a moe-rl run directory"),
+                                (other, ["--overwrite"], "is not a moe-rl run directory")]:
+        assert cli.main(["train", str(config_file), f"output_dir={out}", *flags]) == 2
+        assert message in capsys.readouterr().err
+    assert (earlier / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert (other / "notes.txt").read_text() == "a user's file"
+
+    from moe_rl.commands.train import fresh_run_dir
+
+    fresh_run_dir(earlier, overwrite=True)  # what --overwrite does before the job starts
+    assert not earlier.exists()

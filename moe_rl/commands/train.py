@@ -17,9 +17,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.tp=2 steps=20")
     parser.add_argument("--resume", metavar="RUN_DIR",
                         help="continue an RL run from its newest run checkpoint (config: RUN_DIR/config.json)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start afresh in an output_dir that holds an earlier run (its files are deleted)")
 
 
 def run(args) -> int:
+    import os
     from pathlib import Path
 
     from moe_rl.config import load_config
@@ -38,6 +41,8 @@ def run(args) -> int:
         config = load_config(args.config, overrides)
     if args.resume is not None and not config.is_rl:
         raise ValueError("--resume: only RL runs write run checkpoints; restart supervised runs from their config")
+    if args.resume is None and int(os.environ.get("RANK", 0)) == 0:  # under torchrun rank 0 decides
+        fresh_run_dir(Path(config.output_dir), args.overwrite)
     if config.is_rl:
         from moe_rl.jobs import rl
 
@@ -56,6 +61,27 @@ def run(args) -> int:
         losses = spawn(supervised.run, config.trainer.world_size, config, timeout_s=None)[0]
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; run dir: {config.output_dir}")
     return 0
+
+
+RUN_FILES = ("config.json", "metrics.jsonl")
+"""What every moe-rl run writes first: a directory holding one is an earlier run's."""
+
+
+def fresh_run_dir(run_dir, overwrite: bool) -> None:
+    """A fresh run must not mix with an earlier one (its metrics would be appended to, its
+    checkpoints picked up by a later --resume): refuse a used output_dir unless `overwrite`, and
+    never delete a directory that is not a run's."""
+    import shutil
+
+    if not run_dir.exists() or (run_dir.is_dir() and not any(run_dir.iterdir())):
+        return
+    if not run_dir.is_dir() or not any((run_dir / name).is_file() for name in RUN_FILES):
+        raise ValueError(f"output_dir: {str(run_dir)!r} exists and is not a moe-rl run directory; "
+                         "choose another output_dir")
+    if not overwrite:
+        raise ValueError(f"output_dir: {str(run_dir)!r} holds an earlier run; continue it with --resume "
+                         f"{run_dir}, start afresh with --overwrite (deletes it), or choose another output_dir")
+    shutil.rmtree(run_dir)
 
 
 def _load_run_config(path, overrides: list[str]):

@@ -19,6 +19,10 @@ import torch
 from moe_rl.sample import encode_routed_experts
 
 
+SAMPLING_EPS = 1e-6
+"""A temperature below this samples greedily (SGLang's `_SAMPLING_EPS`: dividing by it would overflow)."""
+
+
 @dataclasses.dataclass(kw_only=True)
 class SamplingParams:
     max_new_tokens: int = 128
@@ -57,7 +61,7 @@ class Request:
     def sample(self, logprobs: torch.Tensor) -> int:
         """Draw the next token from the raw log-softmax `logprobs` [V] with this request's params."""
         p = self.params
-        if p.temperature == 0.0:
+        if p.temperature < SAMPLING_EPS:
             return int(torch.argmax(logprobs))
         scores = logprobs / p.temperature
         if 0 < p.top_k < scores.numel():

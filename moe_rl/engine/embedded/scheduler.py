@@ -38,6 +38,7 @@ class Scheduler:
         self._waiting: collections.deque[Request] = collections.deque()
         self._commands: collections.deque = collections.deque()
         self._running: list[Request] = []
+        self._admitting: list[Request] = []  # taken from the queue for the prefill under way
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None  # [B, T] 1 = real token, left padded
         self._stopping = False
@@ -141,16 +142,16 @@ class Scheduler:
                 self._admit()
                 if self._running:
                     self._decode()
-            except Exception as error:  # a model error fails the batch's requests, not the server
-                for request in self._running + list(self._waiting):
+            except Exception as error:  # a model error fails the requests of that forward only
+                for request in self._running + self._admitting:
                     request.fail(error)
-                self._waiting.clear()
+                self._admitting = []
                 self._drop_batch()
 
     def _admit(self) -> None:
         with self._cond:
             count = min(len(self._waiting), self.max_batch - len(self._running))
-            new = [self._waiting.popleft() for _ in range(count)]
+            new = self._admitting = [self._waiting.popleft() for _ in range(count)]
         if not new:
             return
         sequences = [r.input_ids + r.output_ids for r in new]
@@ -166,6 +167,7 @@ class Scheduler:
             fed = routed[row, width - len(seq):]
             request.add_routing(fed[request.num_routed_rows:])
         self._merge(new, cache, mask)
+        self._admitting = []
         self._sample_and_finish(len(self._running) - len(new), logprobs)
 
     def _decode(self) -> None:
@@ -182,7 +184,12 @@ class Scheduler:
         for i, row_logprobs in enumerate(logprobs):
             row = first + i
             request = self._running[row]
-            token = request.sample(row_logprobs)
+            try:
+                token = request.sample(row_logprobs)
+            except Exception as error:  # noqa: BLE001 - this request's sampling fails it, no other
+                request.fail(error)
+                done.append(row)
+                continue
             request.append_token(token, float(row_logprobs[token]), self.weight_version)
             reason = request.finish_reason_now()
             if reason is not None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import math
 import time
 import uuid
 
@@ -53,6 +54,10 @@ def _check(body: object, path: str) -> dict:
     if missing:
         raise BadRequest(f"{path}: missing required field(s) {missing}")
     return body
+
+
+def _not_a_number(value: object) -> bool:
+    return isinstance(value, bool) or not isinstance(value, (int, float))
 
 
 def _int(value: object, name: str, low: int | None = None) -> int:
@@ -178,9 +183,9 @@ class EmbeddedServer:
         _int(params.top_k, "sampling_params.top_k", low=-1)
         if params.top_k == 0:
             raise BadRequest("sampling_params.top_k must be -1 (all) or >= 1, got 0")
-        if not isinstance(params.temperature, (int, float)) or params.temperature < 0:
-            raise BadRequest(f"sampling_params.temperature must be >= 0, got {params.temperature!r}")
-        if not isinstance(params.top_p, (int, float)) or not 0 < params.top_p <= 1:
+        if _not_a_number(params.temperature) or not math.isfinite(params.temperature) or params.temperature < 0:
+            raise BadRequest(f"sampling_params.temperature must be a finite number >= 0, got {params.temperature!r}")
+        if _not_a_number(params.top_p) or not 0 < params.top_p <= 1:
             raise BadRequest(f"sampling_params.top_p must be in (0, 1], got {params.top_p!r}")
         params.stop_token_ids = [_int(t, "sampling_params.stop_token_ids[]", 0) for t in params.stop_token_ids or []]
         if params.sampling_seed is not None:

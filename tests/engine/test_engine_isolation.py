@@ -1,0 +1,79 @@
+"""One request never harms another: bad sampling values are refused up front, a request whose
+own sampling or forward fails fails alone, and nothing queued meanwhile is lost."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from moe_rl.engine.client import EngineClient, EngineError
+from moe_rl.engine.embedded.request import Request, SamplingParams
+from moe_rl.engine.embedded.runner import ModelRunner
+from moe_rl.engine.embedded.scheduler import Scheduler
+from tests.engine.engine_helpers import run
+from tests.engine.test_engine_requests import post
+
+PROMPT = [5, 6, 7, 8]
+
+
+@pytest.mark.parametrize("temperature", ["NaN", "Infinity", "-1", "true", '"hot"'])
+def test_non_finite_or_bad_temperature_is_a_400(qwen3_engine, temperature):
+    body = ('{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "temperature": %s}}' % temperature)
+    status, text = post(qwen3_engine.url + "/generate", body.encode())
+    assert status == 400 and "temperature" in text
+
+
+def test_a_tiny_temperature_is_greedy_and_harms_no_other_request(qwen3_engine):
+    """1e-38 overflowed the scores and failed every request of the batch; SGLang samples greedily
+    below 1e-6, and so does the embedded engine."""
+    async def go():
+        client = EngineClient(qwen3_engine.url)
+        greedy = await client.generate(PROMPT, max_new_tokens=6, temperature=0.0, ignore_eos=True)
+        results = await asyncio.gather(
+            client.generate(PROMPT, max_new_tokens=6, temperature=1e-38, ignore_eos=True),
+            *[client.generate(PROMPT, max_new_tokens=6, temperature=1.0, seed=i, ignore_eos=True) for i in range(4)])
+        await client.close()
+        return greedy, results
+
+    greedy, results = run(go())
+    assert results[0].output_ids == greedy.output_ids
+    assert all(len(r.output_ids) == 6 and r.finish_reason == "length" for r in results)
+
+
+def test_a_failing_forward_fails_its_requests_and_loses_none_queued_meanwhile(qwen3_dir):
+    """The forward of one request raises; a request submitted while it fails still completes."""
+    runner = ModelRunner(str(qwen3_dir))
+    scheduler = Scheduler(runner, "0")
+    results: dict[str, object] = {}
+    finished = {rid: threading.Event() for rid in ("bad", "late", "other")}
+
+    def make(rid: str, ids: list[int]) -> Request:
+        def on_done(result, rid=rid):
+            results[rid] = result
+            finished[rid].set()
+        return Request(rid=rid, input_ids=ids, params=SamplingParams(max_new_tokens=3, ignore_eos=True),
+                       eos_token_ids=frozenset(), on_done=on_done)
+
+    forward = runner.forward
+
+    def failing_forward(ids, mask, cache, loras):
+        if (ids == 99).any():  # the "bad" request's prompt: a model error in its prefill
+            scheduler.submit(make("late", PROMPT))  # arrives while the failure is handled
+            raise RuntimeError("model error in this forward")
+        return forward(ids, mask, cache, loras)
+
+    runner.forward = failing_forward
+    try:
+        scheduler.submit(make("bad", [99, 1, 2]))
+        for rid in ("bad", "late"):
+            assert finished[rid].wait(60), f"request {rid!r} was never answered"
+        scheduler.submit(make("other", PROMPT))
+        assert finished["other"].wait(60)
+    finally:
+        scheduler.stop()
+    assert isinstance(results["bad"], RuntimeError)
+    for rid in ("late", "other"):
+        assert len(results[rid]["output_ids"]) == 3, rid

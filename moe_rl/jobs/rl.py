@@ -105,10 +105,29 @@ def _check_task(config: RunConfig) -> None:
     from moe_rl.tasks import make_task
 
     if config.rollout.task != "jsonl":
-        make_task(config.rollout.task, **config.rollout.task_options)
+        task = make_task(config.rollout.task, **config.rollout.task_options)
+        _check_context(config, task)
     if config.engines.kind == "sglang" and not __import__("torch").cuda.is_available():
         raise ValueError("engines.kind='sglang' needs GPUs; use engines.kind: embedded on CPU "
                          "(`moe-rl plan` checks GPU configs on any machine)")
+
+
+CONTEXT_PROBE_PROMPTS = 256  # prompts looked at to bound the prompt length (tasks may be endless)
+
+
+def _check_context(config: RunConfig, task) -> None:
+    """The longest of the first prompts + rollout.max_new_tokens must fit the model's context,
+    else every request would be refused by the engine."""
+    import itertools
+
+    limit = getattr(config.model.load_hf_config().get_text_config(), "max_position_embeddings", None)
+    prompts = itertools.islice(task.prompts(config.rollout.seed), CONTEXT_PROBE_PROMPTS)
+    longest = max((len(p.prompt_ids) for p in prompts), default=0)
+    if limit is not None and longest + config.rollout.max_new_tokens > limit:
+        raise ValueError(
+            f"rollout.max_new_tokens={config.rollout.max_new_tokens} + the task's prompts (up to {longest} tokens) "
+            f"exceed the model's max_position_embeddings {limit}: lower rollout.max_new_tokens to at most "
+            f"{limit - longest}")
 
 
 class _Progress:

@@ -68,7 +68,7 @@ class RolloutManager:
         try:
             first = r = self.buffer.version
             while num_rounds is None or r < first + num_rounds:
-                await self.buffer.wait_to_start(r)
+                await self._until(self.buffer.wait_to_start(r), rounds)
                 rounds.append(asyncio.create_task(self._run_round(r)))
                 r += 1
             await asyncio.gather(*rounds)
@@ -77,6 +77,20 @@ class RolloutManager:
                 task.cancel()
             await asyncio.gather(*rounds, *self._fills, return_exceptions=True)
             await self._cancel(list(self._open), "stopped")
+
+    async def _until(self, waiting, rounds: list[asyncio.Task]) -> None:
+        """Await `waiting`, but raise at once the error of a round or fill that failed meanwhile
+        (e.g. an engine refusing every request): back-pressure would otherwise wait forever."""
+        waiting = asyncio.ensure_future(waiting)
+        try:
+            while not waiting.done():
+                pending = {t for t in rounds + list(self._fills) if not t.done()}
+                await asyncio.wait({waiting, *pending}, return_when=asyncio.FIRST_COMPLETED)
+                for task in rounds + list(self._fills):
+                    if task.done() and not task.cancelled() and task.exception() is not None:
+                        raise task.exception()
+        finally:
+            waiting.cancel()
 
     def close(self) -> None:
         self._executor.shutdown(wait=False)
@@ -114,7 +128,11 @@ class RolloutManager:
     def _start_fill(self, group: tuple[str, Prompt], samples: list[Sample] | None = None) -> None:
         task = asyncio.get_running_loop().create_task(self._fill(group, samples))
         self._fills.add(task)
-        task.add_done_callback(self._fills.discard)
+        task.add_done_callback(self._forget_fill)
+
+    def _forget_fill(self, task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is None:  # a failed fill stays: `_until` raises it
+            self._fills.discard(task)
 
     async def _fill(self, group: tuple[str, Prompt], samples: list[Sample] | None = None) -> None:
         """Generate one group outside any round (a stale group's replacement, or an open group of

@@ -51,3 +51,17 @@ def test_report_writes_every_plot(tmp_path):
     assert names == {"reward.png", "staleness.png", "routing_agreement.png", "time.png"}
     with pytest.raises(ValueError, match="metrics.jsonl"):
         write_report(tmp_path / "missing")
+
+
+def test_prompt_plus_max_new_tokens_beyond_the_context_fails_before_start(tmp_path, capsys, monkeypatch):
+    import moe_rl.jobs.rl
+    from moe_rl import cli
+
+    def no_cluster(*args, **kwargs):
+        raise AssertionError("the RL cluster started for a config whose requests cannot fit")
+
+    monkeypatch.setattr(moe_rl.jobs.rl, "RLCluster", no_cluster)
+    assert cli.main(["train", "configs/demo_cpu.yaml", "rollout.max_new_tokens=100", "steps=2",
+                     f"output_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.max_new_tokens=100" in err and "max_position_embeddings 64" in err

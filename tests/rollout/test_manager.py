@@ -105,3 +105,25 @@ def test_oversampling_and_zero_variance_groups_are_accounted(engine, model_dirs)
     for gid in manager.buffer.delivered:
         assert gid not in manager.buffer.dropped and int(gid.rsplit("-", 1)[1]) % 3 != 0
     check_ledger(manager)
+
+
+def test_an_engine_refusing_every_request_ends_the_run_with_its_cause(engine, model_dirs):
+    """max_new_tokens beyond the context: every /generate is a 400; the endless run must fail with
+    it, not wait forever on back-pressure (a trainer waiting for its first batch sees the cause)."""
+    import pytest
+
+    from moe_rl.engine.client import EngineError
+
+    config = RolloutConfig(groups_per_step=2, n_samples_per_prompt=2, max_new_tokens=2000, max_staleness=1)
+
+    async def go():
+        pool = make_pool(engine.url)
+        manager = RolloutManager(config, pool, version=int((await pool.clients[0].model_info())["weight_version"]))
+        try:
+            await asyncio.wait_for(manager.run(), timeout=60)  # forever, unless it fails
+        finally:
+            await pool.close()
+            manager.close()
+
+    with pytest.raises(EngineError, match="max_position_embeddings"):
+        asyncio.run(go())

@@ -110,3 +110,20 @@ def test_weight_update_session_rules_are_sglangs(engine):
         return await client.model_info()
 
     assert run(with_client(engine.url, go))["weight_version"] == "0"  # nothing committed
+
+
+def test_weight_versions_are_integers_that_only_increase(engine, new_dir):
+    async def go(client):
+        for bad in ("abc", ["1"], "-1", "1.5", True):
+            with pytest.raises(EngineError, match="not a weight version"):
+                await client._request("POST", "/update_weight_version", {"new_version": bad})
+        await client.update_weight_version("2")
+        with pytest.raises(EngineError, match="not newer than the served version 2"):
+            await client.update_weight_version("1")
+        with pytest.raises(EngineError, match="not newer than the served version 2"):
+            await client.update_weights_from_disk(str(new_dir), weight_version="1")
+        await client.update_weights_from_disk(str(new_dir), weight_version="2")  # a reload of the served version
+        await client._request("POST", "/update_weights_from_disk", {"model_path": str(new_dir), "weight_version": 3})
+        return await client.model_info()
+
+    assert run(with_client(engine.url, go))["weight_version"] == "3"

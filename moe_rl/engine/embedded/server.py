@@ -331,9 +331,22 @@ class EmbeddedServer:
 
         await self._on_scheduler(swap)
 
+    def _version(self, value: object, field: str, same_ok: bool) -> str:
+        """A weight version as the engine takes it: a non-negative integer (SGLang's string form, e.g.
+        "3"), never older than the served one (equal only where `same_ok`: a reload)."""
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.isdigit())):
+            raise BadRequest(f"{field}: {value!r} is not a weight version; versions are non-negative integers, "
+                             f"sent as strings (e.g. \"3\")")
+        version, served = int(value), self.scheduler.weight_version
+        if served.isdigit() and (version < int(served) or (version == int(served) and not same_ok)):
+            raise BadRequest(f"{field}: {version} is not newer than the served version {served}; versions only increase")
+        return str(version)
+
     async def update_from_disk(self, http: web.Request) -> web.Response:
         body = await self._body(http)
-        version = str(body.get("weight_version") or self.scheduler.weight_version)
+        version = self.scheduler.weight_version  # no weight_version: the label stays (SGLang)
+        if body.get("weight_version") is not None:
+            version = self._version(body["weight_version"], "weight_version", same_ok=True)
         tensors = await asyncio.to_thread(load_checkpoint_state, body["model_path"])
         await self._swap(tensors, version, bool(body.get("abort_all_requests")))
         if version.isdigit():
@@ -387,9 +400,10 @@ class EmbeddedServer:
 
     async def update_version(self, http: web.Request) -> web.Response:
         body = await self._body(http)
-        version, abort_all = str(body["new_version"]), body.get("abort_all_requests", True)
-        if version == self.scheduler.weight_version:
-            return web.json_response({"success": True, "message": f"Already serving {version}."})
+        abort_all = body.get("abort_all_requests", True)
+        if str(body["new_version"]) == self.scheduler.weight_version:
+            return web.json_response({"success": True, "message": f"Already serving {body['new_version']}."})
+        version = self._version(body["new_version"], "new_version", same_ok=False)
         if self.receiver.staged:
             await self._swap(self.receiver.commit(version), version, abort_all)
         else:  # nothing staged: SGLang's plain relabel

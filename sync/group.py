@@ -31,12 +31,16 @@ object's owner holds the only reference to the server.
 from __future__ import annotations
 
 import socket
+import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 BACKENDS = ("gloo", "nccl")
+CONNECT_S = 10.0
+"""How long a joining rank tries to reach rank 0's store: rank 0 hosts it before any engine is told
+its port, so a store that does not answer by then is a wrong address or port, not a slow peer."""
 
 
 def host_store(master_address: str, world_size: int, timeout_s: float, port: int = 0) -> dist.TCPStore:
@@ -77,6 +81,9 @@ class WeightUpdateGroup:
         store: dist.TCPStore | None = None,
     ) -> "WeightUpdateGroup":
         """Every rank; `store` only on rank 0 when it called `host_store` first."""
+        _check_backend(backend)  # before any connection attempt
+        if store is None and rank != 0:
+            _reachable(master_address, master_port)
         if store is None:
             store = dist.TCPStore(
                 master_address,
@@ -97,10 +104,7 @@ class WeightUpdateGroup:
         backend: str,
         timeout_s: float,
     ):
-        if backend not in BACKENDS:
-            raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
-        if backend == "nccl" and not torch.cuda.is_available():
-            raise ValueError("backend: 'nccl' needs CUDA; use backend='gloo' on CPU")
+        _check_backend(backend)
         if not 0 <= rank < world_size or world_size < 2:
             raise ValueError(f"rank/world_size: need 0 <= rank < world_size >= 2, got {rank}/{world_size}")
         self.rank, self.world_size = rank, world_size
@@ -147,6 +151,27 @@ class WeightUpdateGroup:
             else:
                 pg.shutdown()
         self._store = None
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend: 'nccl' needs CUDA; use backend='gloo' on CPU")
+
+
+def _reachable(address: str, port: int, within_s: float = CONNECT_S) -> None:
+    """Raise ValueError unless something accepts connections at (address, port) within `within_s`."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            socket.create_connection((address, port), timeout=min(within_s, 2.0)).close()
+            return
+        except OSError as error:
+            if time.monotonic() > deadline:
+                raise ValueError(f"master_address/master_port: nothing answers at {address}:{port} after "
+                                 f"{within_s:.0f} s ({error}); check the sync source's address and port") from None
+            time.sleep(0.2)
 
 
 def address_for(peer_hosts: list[str]) -> str:

@@ -127,3 +127,26 @@ def test_weight_versions_are_integers_that_only_increase(engine, new_dir):
         return await client.model_info()
 
     assert run(with_client(engine.url, go))["weight_version"] == "3"
+
+
+def test_joining_a_group_fails_fast_on_a_bad_backend_or_a_closed_port(engine):
+    import socket
+    import time
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        closed = sock.getsockname()[1]
+
+    async def go(client):
+        start = time.monotonic()
+        with pytest.raises(EngineError, match="backend: 'mpi'"):
+            await client.init_weights_update_group("127.0.0.1", closed, 1, 2, "g", "mpi")
+        with pytest.raises(EngineError, match="needs CUDA"):
+            await client.init_weights_update_group("127.0.0.1", closed, 1, 2, "g", "nccl")
+        fast = time.monotonic() - start
+        with pytest.raises(EngineError, match=f"nothing answers at 127.0.0.1:{closed}"):
+            await client.init_weights_update_group("127.0.0.1", closed, 1, 2, "g", "gloo")
+        return fast, await client.health()
+
+    fast, healthy = run(with_client(engine.url, go))
+    assert fast < 5 and healthy  # validated before any connection attempt; the engine keeps serving

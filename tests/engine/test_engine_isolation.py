@@ -77,3 +77,65 @@ def test_a_failing_forward_fails_its_requests_and_loses_none_queued_meanwhile(qw
     assert isinstance(results["bad"], RuntimeError)
     for rid in ("late", "other"):
         assert len(results[rid]["output_ids"]) == 3, rid
+
+
+def test_a_huge_body_is_refused_without_stalling_the_server(qwen3_engine):
+    import socket
+    import time
+    import urllib.request
+
+    host, port = qwen3_engine.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        size = 95 << 20
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % size)
+        sock.sendall(b"[" + b"1," * (1 << 20))  # the server is reading (or refusing) a huge body...
+        start = time.monotonic()
+        with urllib.request.urlopen(qwen3_engine.url + "/health", timeout=10) as response:  # ...and still answers
+            assert response.status == 200
+        assert time.monotonic() - start < 2
+        sock.settimeout(30)
+        assert sock.recv(64).startswith(b"HTTP/1.1 413")
+
+
+def test_a_client_that_disconnects_has_its_generation_aborted(qwen3_engine):
+    """Two identical 500-token requests decode in one batch; one client disconnects. Its request
+    must leave the batch while the other still runs (without the abort both end at the same step)."""
+    import socket
+    import threading
+    import time
+
+    host, port = qwen3_engine.url.removeprefix("http://").split(":")
+    body = b'{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 500, "ignore_eos": true}}'
+    kept = {}
+
+    def running() -> int:
+        return sum(load["num_running_reqs"] + load["num_waiting_reqs"] for load in json_get(qwen3_engine.url + "/get_load"))
+
+    def keep() -> None:
+        kept["status"] = post(qwen3_engine.url + "/generate", body)[0]
+
+    other = threading.Thread(target=keep)
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        other.start()
+        deadline = time.monotonic() + 30
+        while running() < 2:
+            assert time.monotonic() < deadline, "the two requests never ran together"
+            time.sleep(0.02)
+    deadline = time.monotonic() + 30
+    while running() != 1:  # the disconnected one is gone, the other still decodes
+        assert other.is_alive(), "the disconnected client's generation ran to the end"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    other.join(60)
+    assert kept["status"] == 200
+
+
+def json_get(url: str):
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())

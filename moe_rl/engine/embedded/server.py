@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import json
 import math
 import time
 import uuid
@@ -79,7 +80,7 @@ class EmbeddedServer:
         self.released: set[str] = set()  # memory tags released by /release_memory_occupation
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30, middlewares=[self._errors])
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors])
         routes = {
             "/generate": self.generate, "/pause_generation": self.pause, "/continue_generation": self.resume,
             "/abort_request": self.abort, "/update_weights_from_disk": self.update_from_disk,
@@ -119,11 +120,18 @@ class EmbeddedServer:
             message = f"{type(error).__name__}: {error}"
             return web.json_response({"error": {"message": message}, "success": False, "message": message}, status=500)
 
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest body a request can need: a /generate of a full context (about 8 bytes of
+        JSON per token id) plus room for the rest; larger bodies get 413 before they are read."""
+        return (1 << 20) + 8 * min(self.max_positions, 1 << 24)
+
     async def _body(self, request: web.Request) -> dict:
         if not request.can_read_body:
             return _check({}, request.path)
-        try:
-            body = await request.json()
+        raw = await request.read()
+        try:  # parsed and checked off the event loop: a large body never stalls /health
+            body = await asyncio.to_thread(json.loads, raw)
         except ValueError:
             raise BadRequest(f"{request.path}: the body is not valid JSON") from None
         return _check(body, request.path)
@@ -138,7 +146,7 @@ class EmbeddedServer:
     # -- generation --------------------------------------------------------------------------------
 
     async def generate(self, http: web.Request) -> web.Response:
-        request = self._parse_generate(await self._body(http))
+        request = await asyncio.to_thread(self._parse_generate, await self._body(http))  # per-id checks off the loop
         if self.released or self.runner.weights_state != "loaded":
             raise RuntimeError(f"/generate refused: memory released {sorted(self.released)}, weights "
                                f"{self.runner.weights_state}; call /resume_memory_occupation and update the weights")
@@ -433,4 +441,5 @@ def _resolve(future: asyncio.Future, result) -> None:
 def serve(model_dir: str, host: str, port: int, weight_version: str, max_batch: int = 64) -> None:
     """Blocking: load the model and serve until SIGINT/SIGTERM."""
     server = EmbeddedServer(model_dir, weight_version, max_batch)
-    web.run_app(server.app(), host=host, port=port, print=None, handle_signals=True)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its request
+    web.run_app(server.app(), host=host, port=port, print=None, handle_signals=True, handler_cancellation=True)

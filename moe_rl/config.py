@@ -340,7 +340,15 @@ def load_config(path: str | Path, overrides: list[str] = (), cls: type = RunConf
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"config file {str(path)!r} not found")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValueError(f"config file {str(path)!r} is not valid YAML{where}: "
+                         f"{getattr(error, 'problem', None) or error}; fix the syntax there") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {str(path)!r} must hold a mapping of sections (model:, trainer:, ...)")
     for override in overrides:
         apply_override(data, override)
     return from_dict(cls, data)
@@ -356,7 +364,10 @@ def apply_override(data: dict, override: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ValueError(f"override {override!r}: {part!r} is not a section")
-    node[leaf] = yaml.safe_load(raw)
+    try:
+        node[leaf] = yaml.safe_load(raw)
+    except yaml.YAMLError as error:
+        raise ValueError(f"override {override!r}: the value is not valid YAML ({error}); quote it") from None
 
 
 def from_dict(cls: type, data: Any, prefix: str = ""):

@@ -23,6 +23,25 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
+def check_safetensors(path: str | os.PathLike) -> None:
+    """ValueError naming `path` unless it is a whole safetensors file: a readable header whose
+    tensors all end inside the file (a truncated copy fails here, before any model is built)."""
+    path = Path(path)
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            if size < 8 or header_len > size - 8:
+                raise ValueError("the header is cut off")
+            header = json.loads(f.read(header_len))
+        ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{path} is not a readable safetensors file ({error}): copy it again") from None
+    if 8 + header_len + max(ends, default=0) > size:
+        raise ValueError(f"{path} is truncated: its header needs {8 + header_len + max(ends)} bytes, the file "
+                         f"has {size}; copy it again")
+
+
 class HFCheckpointReader:
     """Lazy reader of an HF safetensors checkpoint: reads only the requested slices."""
 
@@ -38,6 +57,8 @@ class HFCheckpointReader:
             raise ValueError(f"{self.dir} has neither {INDEX_FILE} nor {SINGLE_FILE}: pass an HF "
                              f"checkpoint directory saved with safetensors")
         self.weight_map: dict[str, str] = weight_map
+        for file in sorted(set(weight_map.values())):
+            check_safetensors(self.dir / file)
         self._files: dict[str, Any] = {}
 
     def names(self) -> set[str]:

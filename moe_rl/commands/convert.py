@@ -53,6 +53,10 @@ def run(args) -> int:
     from parallel.layout import ParallelLayout
     from parallel.world import launched_by_torchrun, spawn, init_distributed
 
+    for axis in ("tp", "pp", "ep", "etp", "world_size"):
+        value = getattr(args, axis)
+        if value is not None and value < 1:
+            raise ValueError(f"--{axis.replace('_', '-')}={value}: must be a positive integer")
     etp = args.etp or args.tp
     if launched_by_torchrun():
         world_size = init_distributed()[1]

@@ -92,6 +92,9 @@ def _load_run_config(path, overrides: list[str]):
     if not path.is_file():
         raise ValueError(f"--resume: {str(path)!r} not found; is {str(path.parent)!r} a moe-rl run directory?")
     data = json.loads(path.read_text())
+    if "architectures" in data or "model_type" in data:
+        raise ValueError(f"--resume: {str(path.parent)!r} is an HF model directory, not a moe-rl run directory "
+                         "(pass the output_dir of an RL run)")
     for override in overrides:
         apply_override(data, override)
     return from_dict(RunConfig, data)

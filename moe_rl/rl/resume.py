@@ -70,7 +70,17 @@ def truncate_rows(path: Path, last_step: int) -> None:
     if not path.is_file():
         return
     rows = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in rows if json.loads(line)["step"] <= last_step]
+    kept = []
+    for number, line in enumerate(rows, 1):
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            if number == len(rows):  # torn by the crash: a row after the checkpoint, redone anyway
+                break
+            raise ValueError(f"{path}: line {number} is not a metrics row ({line[:80]!r}); "
+                             "fix or remove that line, then --resume again") from None
+        if step <= last_step:
+            kept.append(line)
     path.write_text("".join(line + "\n" for line in kept))
 
 

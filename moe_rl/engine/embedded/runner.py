@@ -32,6 +32,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, DynamicCache
 
 from moe_rl.engine.embedded.lora import LoraAdapter, LoraSet
+from parallel.hf_checkpoint import check_safetensors
 
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
@@ -41,9 +42,14 @@ def load_checkpoint_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {model_dir}: save the model with save_pretrained")
+    for file in files:  # every header first: a truncated file fails before anything is read
+        check_safetensors(file)
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(str(file)))
+    for name, tensor in state.items():  # NaN logprobs are not even JSON: refuse such weights here
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{model_dir}: tensor {name} holds NaN or infinite values; the engine refuses it")
     return state
 
 
@@ -63,8 +69,11 @@ class ModelRunner:
                 "a transformers CausalLM class there (e.g. Qwen3MoeForCausalLM)"
             )
         self.model_class = getattr(transformers, architectures[0])
-        self.checkpoint = load_checkpoint_state(self.model_dir)
         text_config = self.config.get_text_config()
+        if getattr(text_config, "num_experts_per_tok", None) is None:
+            raise ValueError(f"{model_dir}: {architectures[0]} is not a Mixture-of-Experts model (no "
+                             "num_experts_per_tok): the embedded engine serves MoE checkpoints such as Qwen3-MoE")
+        self.checkpoint = load_checkpoint_state(self.model_dir)
         self.num_layers = text_config.num_hidden_layers
         self.topk = text_config.num_experts_per_tok
         self.vocab_size = text_config.vocab_size

@@ -21,7 +21,7 @@ a missing rank shows up at the first broadcast.
 
 Every member must call `WeightUpdateGroup.join(...)`, then the same sequence of `broadcast`
 calls, then `destroy`. Each collective waits at most `timeout_s`. Rank 0 may first `host_store` (which
-returns at once and retries busy ports) so it can tell the engines its port before joining.
+returns at once, listening on master_address only) so it can tell the engines its port before joining.
 A rendezvous that cannot complete (a member died before joining) is aborted by dropping the
 hosted store: every rank blocked in `join` then fails within a fraction of a second instead of
 waiting out `timeout_s`. For that, rank 0 joins through its own `client_store`, so the hosting
@@ -44,21 +44,21 @@ its port, so a store that does not answer by then is a wrong address or port, no
 
 
 def host_store(master_address: str, world_size: int, timeout_s: float, port: int = 0) -> dist.TCPStore:
-    """Rank 0: start the rendezvous store on `port` (0: a free one, retried if taken meanwhile)."""
-    for attempt in range(5):
-        try:
-            return dist.TCPStore(
-                master_address,
-                port or _free_port(master_address),
-                world_size,
-                is_master=True,
-                timeout=timedelta(seconds=timeout_s),
-                wait_for_workers=False,
-            )
-        except dist.DistNetworkError:
-            if port or attempt == 4:
-                raise
-    raise AssertionError("unreachable")
+    """Rank 0: start the rendezvous store on `port` (0: a free one). It listens on `master_address`
+    only (torch's own store would listen on every interface): the socket is bound here and handed
+    to the store, which owns it from then on."""
+    listener = socket.socket(socket.AF_INET6 if ":" in master_address else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((master_address, port))
+        listener.listen(1024)
+    except OSError as error:
+        listener.close()
+        raise ValueError(f"master_address/master_port: cannot listen on {master_address}:{port} ({error}); "
+                         "use an address of this host and a free port (0 picks one)") from None
+    return dist.TCPStore(master_address, listener.getsockname()[1], world_size, is_master=True,
+                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+                         master_listen_fd=listener.detach())
 
 
 def client_store(master_address: str, master_port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
@@ -85,14 +85,8 @@ class WeightUpdateGroup:
         if store is None and rank != 0:
             _reachable(master_address, master_port)
         if store is None:
-            store = dist.TCPStore(
-                master_address,
-                master_port,
-                world_size,
-                is_master=(rank == 0),
-                timeout=timedelta(seconds=timeout_s),
-                wait_for_workers=False,
-            )
+            store = host_store(master_address, world_size, timeout_s, master_port) if rank == 0 else \
+                client_store(master_address, master_port, world_size, timeout_s)
         return cls(store, rank, world_size, group_name, backend, timeout_s)
 
     def __init__(
@@ -192,9 +186,3 @@ def address_for(peer_hosts: list[str]) -> str:
 def store_prefixes(group_name: str, backend: str) -> list[str]:
     """The store prefixes of an SGLang group rank, outermost first (see the module docstring)."""
     return [group_name, f"{group_name}/", "cpu/" if backend == "gloo" else "cuda/"]
-
-
-def _free_port(address: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((address, 0))
-        return sock.getsockname()[1]

@@ -103,6 +103,7 @@ def check_output(source: str, out: str, overwrite: bool) -> None:
 def _check_before_launch(direction: str, source: str, layout) -> None:
     """Unknown architecture or a layout that cannot split the model: ValueError, no ranks started."""
     from parallel.bridges import bridge_for
+    from parallel.checkpoint_trust import check_dist_checkpoint
     from parallel.hf_checkpoint import load_hf_config
 
     if direction == "hf-to-megatron":
@@ -111,6 +112,7 @@ def _check_before_launch(direction: str, source: str, layout) -> None:
         meta = Path(source) / META_FILE
         if not meta.exists():
             raise ValueError(f"{source} has no {META_FILE}: pass a checkpoint written by hf-to-megatron")
+        check_dist_checkpoint(source)  # its pickles, before any rank lets torch unpickle them
         hf_config = json.loads(meta.read_text())["hf_config"]
     layout.check_model(bridge_for(hf_config).model_shape())
 

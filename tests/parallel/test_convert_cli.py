@@ -73,3 +73,33 @@ def test_output_that_would_destroy_anything_is_refused(tmp_path, capsys):
             assert message in capsys.readouterr().err, (out, direction)
     assert sorted((p.name, p.stat().st_size) for p in hf.iterdir()) == before
     assert (used / "keep.txt").read_text() == "a user's file"
+
+
+class _RunsCode:
+    """A pickle that calls os.system on load: what a crafted checkpoint would carry."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_crafted_checkpoint_is_refused_before_anything_unpickles_it(tmp_path, capsys):
+    import pickle
+    import shutil
+
+    hf = save_tiny_hf_model(qwen3_moe_config(), tmp_path / "hf")
+    megatron = tmp_path / "megatron"
+    assert main(["convert", "hf-to-megatron", "--hf", str(hf), "--out", str(megatron)]) == 0
+    from parallel.checkpoint_trust import check_dist_checkpoint
+
+    check_dist_checkpoint(megatron)  # our own checkpoints pass
+    crafted, marker = tmp_path / "crafted", tmp_path / "ran"
+    shutil.copytree(megatron, crafted)
+    (crafted / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    assert main(["convert", "megatron-to-hf", "--megatron", str(crafted), "--out", str(tmp_path / "out")]) == 2
+    assert "refused (it references posix.system" in capsys.readouterr().err
+    assert not marker.exists() and not (tmp_path / "out").exists()

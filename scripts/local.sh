@@ -7,8 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [[ -f .venv/bin/activate ]] && source .venv/bin/activate
 [[ $# -ge 1 ]] || { echo "usage: $0 [--resume RUN_DIR] CONFIG [dotted.override=value ...]" >&2; exit 2; }
-export RAY_AUTH_MODE=disabled
-unset RAY_ADDRESS   # never join a cluster by accident
+unset RAY_ADDRESS   # never join a cluster by accident (moe-rl train starts its own, token-protected)
 RESUME=()
 if [[ $1 == --resume ]]; then
   RESUME=(--resume "$2")

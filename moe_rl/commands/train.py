@@ -44,6 +44,7 @@ def run(args) -> int:
     if args.resume is None and int(os.environ.get("RANK", 0)) == 0:  # under torchrun rank 0 decides
         fresh_run_dir(Path(config.output_dir), args.overwrite)
     if config.is_rl:
+        protect_local_ray()
         from moe_rl.jobs import rl
 
         summary = rl.run(config, resume=args.resume is not None)
@@ -61,6 +62,20 @@ def run(args) -> int:
         losses = spawn(supervised.run, config.trainer.world_size, config, timeout_s=None)[0]
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; run dir: {config.output_dir}")
     return 0
+
+
+def protect_local_ray() -> None:
+    """A Ray this command starts keeps token authentication on (its processes listen on every
+    interface): a random per-run token in the environment only, inherited by every Ray process.
+    Ray reads the mode when it is imported, so this runs before; an explicit RAY_AUTH_MODE, a
+    cluster to join (RAY_ADDRESS) or an already imported Ray leave things as they are."""
+    import os
+    import secrets
+    import sys
+
+    if "RAY_AUTH_MODE" in os.environ or os.environ.get("RAY_ADDRESS") or "ray" in sys.modules:
+        return
+    os.environ["RAY_AUTH_MODE"], os.environ["RAY_AUTH_TOKEN"] = "token", secrets.token_hex(32)
 
 
 RUN_FILES = ("config.json", "metrics.jsonl")

@@ -15,12 +15,14 @@ import time
 
 import ray
 
-RUNTIME_ENV = {"env_vars": {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}}
+RUNTIME_ENV = {"env_vars": {"OMP_NUM_THREADS": "1"}}  # workers inherit the auth mode of the cluster
 
 
 def init_ray(num_cpus: int, num_gpus: int) -> str:
     """Connect to RAY_ADDRESS if set (its resources are the cluster's), else start a local Ray with
     `num_cpus` logical CPUs and `num_gpus` GPUs. Returns the GCS address joined."""
+    # `moe-rl train` turns token auth on before Ray is imported (commands.train.protect_local_ray);
+    # a caller that imported Ray already gets a Ray without auth rather than one that rejects it
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     quiet = dict(log_to_driver=False, logging_level="ERROR", runtime_env=RUNTIME_ENV)
     address = os.environ.get("RAY_ADDRESS")

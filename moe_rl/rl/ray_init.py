@@ -11,6 +11,7 @@ import argparse
 import os
 import socket
 import sys
+import tempfile
 import time
 
 import ray
@@ -28,8 +29,9 @@ def init_ray(num_cpus: int, num_gpus: int) -> str:
     address = os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, **quiet)
-    else:
-        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, **quiet)
+    else:  # its own temp dir: never the /tmp/ray of another (or a killed) Ray on this machine
+        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+                 _temp_dir=tempfile.mkdtemp(prefix="moe-rl-ray-", dir="/tmp"), **quiet)
     return ray.get_runtime_context().gcs_address
 
 

@@ -34,3 +34,31 @@ def test_the_local_ray_of_a_run_refuses_clients_without_its_token():
     lines = {line.split()[0]: line.split()[1:] for line in out.stdout.splitlines() if line.startswith(("with", "without"))}
     assert lines.get("without", [None])[0] != "0" and lines["without"][2] == "True", out.stdout + out.stderr[-2000:]
     assert lines["with"] == ["0", "True", "False"], out.stdout + out.stderr[-2000:]
+
+
+def _start_beside_a_stale_cluster(stale_file: str) -> str:
+    """A fresh process: /tmp/ray names a cluster that no longer exists (a killed run); start ours."""
+    from moe_rl.rl.ray_init import init_ray
+
+    os.makedirs(os.path.dirname(stale_file), exist_ok=True)
+    with open(stale_file, "w") as f:
+        f.write("127.0.0.1:1\n")
+    return init_ray(num_cpus=1, num_gpus=0)
+
+
+def test_a_stale_cluster_of_a_killed_run_is_never_joined():
+    stale = "/tmp/ray/ray_current_cluster"
+    backup = open(stale).read() if os.path.exists(stale) else None
+    try:
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+        env.pop("RAY_ADDRESS", None)
+        code = f"from tests.ops.test_ray_auth import _start_beside_a_stale_cluster as s; print(s({stale!r}))"
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "127.0.0.1:1" not in out.stdout  # a local Ray of its own, not the stale address
+    finally:
+        if backup is None:
+            os.remove(stale)
+        else:
+            with open(stale, "w") as f:
+                f.write(backup)

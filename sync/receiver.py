@@ -237,8 +237,7 @@ class WeightReceiver:
             if self._labelled not in (None, version):  # another version: forget the abandoned one
                 self._reset()
             self._labelled = version
-        if not self._staging_open:
-            self._staging_open = True
+        self._staging_open = True
         return self._labelled if self._labelled is not None else "being staged"
 
     def _timeout_s(self) -> float:

@@ -119,10 +119,7 @@ class WeightSender:
 
     def remove(self, name: str) -> None:
         """Forget a member the orchestrator knows is dead (the next update then does not wait on it)."""
-        self.engines.drop({name})
-        self.behind.discard(name)
-        self.partial.discard(name)
-        self.transport.broken = True
+        self._forget({name})
 
     def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
         """Source rank only. Returns what was sent; raises SyncError (no engine serves a mix)."""
@@ -164,8 +161,7 @@ class WeightSender:
             self.behind -= set(targets.names)
             self.partial -= set(targets.names)
         except BaseException as failure:
-            if not touched:
-                drain(named_tensors)  # failed before sending: the other ranks still run the export
+            drain(named_tensors)  # if we failed before sending: other ranks run the export
             if session:
                 targets.call(lambda e: e.end_weight_update())  # best effort: the next begin needs it
             if isinstance(failure, SyncError):
@@ -177,22 +173,24 @@ class WeightSender:
                 self.partial |= set(targets.names) & set(self.engines.names)
             else:  # (a commit cleared `partial` of the targets; earlier partial ones stay paused)
                 dead = targets.subset(set(targets.names) - self.partial).call(lambda e: e.continue_generation())
-                if committed and dead:
-                    self.engines.drop(set(dead))
-                    self.behind -= set(dead)
-                    self.transport.broken = True
+                if committed:
+                    self._forget(set(dead))
         return SyncStats(version, nbytes, time.perf_counter() - start,
                          [n for n in targets.names if n not in dead], sorted(dead))
 
     def _drop_dead(self, targets: EngineSet) -> list[str]:
         """After a failure: drop the targets that no longer answer /health; returns their names."""
         dead = set(targets.call(_require_health))
-        if dead:
-            self.engines.drop(dead)
-            self.behind -= dead
-            self.partial -= dead
-            self.transport.broken = True
+        self._forget(dead)
         return sorted(dead)
+
+    def _forget(self, names: set[str]) -> None:
+        """Members gone (dead or removed): out of every set; the next update re-forms the group."""
+        if names:
+            self.engines.drop(names)
+            self.behind -= names
+            self.partial -= names
+            self.transport.broken = True
 
     def _on_all(self, engines: EngineSet, what: str, call) -> None:
         if failed := engines.call(call):

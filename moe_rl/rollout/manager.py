@@ -84,11 +84,12 @@ class RolloutManager:
         waiting = asyncio.ensure_future(waiting)
         try:
             while not waiting.done():
-                pending = {t for t in rounds + list(self._fills) if not t.done()}
-                await asyncio.wait({waiting, *pending}, return_when=asyncio.FIRST_COMPLETED)
-                for task in rounds + list(self._fills):
+                watched = rounds + list(self._fills)
+                for task in watched:
                     if task.done() and not task.cancelled() and task.exception() is not None:
                         raise task.exception()
+                await asyncio.wait({waiting, *(t for t in watched if not t.done())},
+                                   return_when=asyncio.FIRST_COMPLETED)
         finally:
             waiting.cancel()
 

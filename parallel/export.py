@@ -84,9 +84,13 @@ def uses_transformer_engine(model) -> bool:
 
 
 def model_tensors(model) -> dict[str, torch.Tensor]:
-    """Parameters plus persistent buffers (e.g. the router's `expert_bias`): what a checkpoint holds."""
+    """Parameters plus persistent buffers (e.g. the router's `expert_bias`): what an HF checkpoint
+    holds. LoRA adapters are not among them (parallel.peft exports them; merged exports add them)."""
+    from parallel.lora import adapter_parameters
+
     persistent = model.state_dict(keep_vars=True)
-    tensors = dict(model.named_parameters())
+    adapter = adapter_parameters(model)
+    tensors = {name: p for name, p in model.named_parameters() if name not in adapter}
     tensors.update((name, b) for name, b in model.named_buffers() if name in persistent)
     return tensors
 
@@ -150,14 +154,20 @@ def export_hf_weights(model, bridge: Bridge, bucket_bytes: int = DEFAULT_BUCKET_
 
 
 def _export_chunk(model, bridge: Bridge, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+    from parallel.lora import adapters
+
     ctx = parallel_context(model, bridge)
     params = model_tensors(model)
+    lora = adapters(model)  # merged into their base weights: engines without LoRA serve the policy
     with torch.no_grad():
         for bucket in buckets(plan(model, bridge, ctx), bucket_bytes):
             gathered: list[tuple[str, torch.Tensor]] = []
             for task in bucket:
                 if ctx.in_expert_source_replica if task.mapping.expert else ctx.in_source_replica:
-                    gathered.extend(task.mapping.export(params[task.name], ctx, task.indices))
+                    local = params[task.name]
+                    if task.name in lora:  # this rank's shard of base + scale * B A
+                        local = local + lora[task.name].delta()
+                    gathered.extend(task.mapping.export(local, ctx, task.indices))
             gathered.reverse()
             while gathered:  # empty except on the source (the first member of all its groups)
                 yield gathered.pop()

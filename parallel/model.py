@@ -50,15 +50,17 @@ def init_model_parallel(layout: ParallelLayout, seed: int) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
-def build_gpt_model(bridge: Bridge, layout: ParallelLayout, **config_overrides: Any):
+def build_gpt_model(bridge: Bridge, layout: ParallelLayout, use_te: bool | None = None, **config_overrides: Any):
     """This rank's pipeline stage of the model, on the local device (random init).
 
-    Call after `init_model_parallel`. Returns the bare GPTModel (no DDP wrapper).
+    Call after `init_model_parallel`. `use_te`: the Transformer Engine spec (None: where TE is
+    available, see `use_transformer_engine`). Returns the bare GPTModel (no DDP wrapper).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    use_te = use_transformer_engine()
+    if use_te is None:
+        use_te = use_transformer_engine()
     config = bridge.transformer_config(layout, **config_overrides)
     model = GPTModel(
         config=config,

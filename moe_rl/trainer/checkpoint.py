@@ -7,6 +7,9 @@ another (PP2). Optimizer state uses the layout-independent `fully_reshardable` f
 layout is the same (a different layout has different ranks); otherwise they restart from
 the seed, and a warning says so.
 
+With LoRA only the adapters (and their optimizer state) are saved: the frozen base is rebuilt
+from `model.path` or the seed.
+
 Writes go to `<dir>.tmp` and are renamed when every rank has finished, so a crash never
 leaves a half-written checkpoint under the final name.
 """
@@ -22,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from parallel.lora import adapter_parameters
 
 LAYOUT_FILE = "moe_rl_layout.json"
 _OPTIMIZER_METADATA = {
@@ -52,6 +57,9 @@ def _rng_object(rank: int, world_size: int, state=None):
 
 def _sharded_state(trainer, with_rng: bool, is_loading: bool) -> dict:
     model_state = trainer.model.module.sharded_state_dict()
+    if trainer.lora is not None:  # the frozen base comes from model.path / the seed, not from here
+        trainable = {id(p) for p in adapter_parameters(trainer.model.module).values()}
+        model_state = {k: v for k, v in model_state.items() if id(getattr(v, "data", None)) in trainable}
     state = {
         "model": model_state,
         "optimizer": trainer.optimizer.sharded_state_dict(
@@ -99,7 +107,14 @@ def load_checkpoint(trainer, directory: str | Path, load_optimizer: bool = True)
     if not load_optimizer:
         request.pop("optimizer")
     state = dist_checkpointing.load(request, str(directory))
-    trainer.model.module.load_state_dict(state["model"])
+    if trainer.lora is None:
+        trainer.model.module.load_state_dict(state["model"])
+    else:
+        result = trainer.model.module.load_state_dict(state["model"], strict=False)
+        missing = set(result.missing_keys) & set(adapter_parameters(trainer.model.module))
+        if missing or result.unexpected_keys:
+            raise ValueError(f"{str(directory)!r}: its adapters do not match lora: (missing {sorted(missing)[:3]}, "
+                             f"unexpected {result.unexpected_keys[:3]}); resume with the same lora.target_modules")
     if load_optimizer:
         trainer.optimizer.load_state_dict(state["optimizer"])
     trainer.step = int(state["step"])

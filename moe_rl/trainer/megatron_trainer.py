@@ -25,6 +25,7 @@ from moe_rl.trainer.logprobs import token_entropy, token_logprobs
 from moe_rl.trainer.reference import FrozenModel, build_reference
 from moe_rl.trainer.routing_replay import RoutingReplay
 from parallel.bridges import bridge_for
+from parallel.lora import LoRAConfig, add_lora
 from parallel.model import build_gpt_model, init_model_parallel
 
 LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
@@ -76,7 +77,7 @@ class StepResult:
 
 
 class MegatronTrainer:
-    def __init__(self, config: TrainerConfig, hf_config: Any):
+    def __init__(self, config: TrainerConfig, hf_config: Any, lora: LoRAConfig | None = None):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -90,7 +91,12 @@ class MegatronTrainer:
             else {}
         )
         replay = dict(moe_enable_routing_replay=True) if config.routing_replay else {}
-        model = build_gpt_model(self.bridge, config, calculate_per_token_loss=True, **recompute, **replay)
+        # LoRA wraps megatron-core's local linears, so a LoRA model is built from the local spec.
+        model = build_gpt_model(self.bridge, config, use_te=None if lora is None else False,
+                                calculate_per_token_loss=True, **recompute, **replay)
+        self.lora = lora
+        if lora is not None:  # freezes the base: DDP, the optimizer and checkpoints see only adapters
+            add_lora(model, self.bridge, lora, config.seed)
         _expert_params_own_optimizer(model)
         self.routing = RoutingReplay(model) if config.routing_replay else None
         ddp_config = DistributedDataParallelConfig(
@@ -147,8 +153,34 @@ class MegatronTrainer:
 
         return export_hf_weights(self.model.module, self.bridge, bucket_bytes=bucket_bytes)
 
+    def export_adapter(self) -> tuple[dict, dict[str, torch.Tensor]] | None:
+        """(PEFT adapter_config, {PEFT name: tensor}) of the adapters on global rank 0, None on the
+        other ranks (collective; see parallel.peft)."""
+        from parallel.peft import collect_adapter
+
+        return collect_adapter(self.model.module, self.bridge, self._require_lora("export_adapter"))
+
+    def save_adapter(self, out_dir: str, base_model: str | None = None) -> None:
+        """Write the adapters as a PEFT adapter directory (collective)."""
+        from parallel.peft import save_adapter
+
+        save_adapter(self.model.module, self.bridge, self._require_lora("save_adapter"), out_dir, base_model)
+
+    def load_adapter(self, adapter_dir: str) -> None:
+        """Fill the adapters from a PEFT adapter directory (collective)."""
+        from parallel.peft import load_adapter
+
+        self._require_lora("load_adapter")
+        load_adapter(self.model.module, self.bridge, adapter_dir)
+
+    def _require_lora(self, what: str) -> LoRAConfig:
+        if self.lora is None:
+            raise ValueError(f"{what} needs adapters: set the lora: section")
+        return self.lora
+
     def save_hf_checkpoint(self, out_dir: str, hf_config: dict) -> None:
-        """Write the current weights as an HF checkpoint the engines can serve (collective)."""
+        """Write the current weights as an HF checkpoint the engines can serve (collective); with
+        LoRA the adapters are merged in (base + scale * B A)."""
         from parallel.export import save_hf_checkpoint
 
         save_hf_checkpoint(self.model.module, self.bridge, out_dir, hf_config)

@@ -1,0 +1,244 @@
+"""LoRA on the Megatron model: one low-rank adapter per targeted linear, routed experts included.
+
+`add_lora(model, bridge, config, seed)` gives every targeted `ColumnParallelLinear` /
+`RowParallelLinear` of this rank's stage a `LoRAAdapter`, registered next to it as
+`<name>_lora` (so the base parameters keep their names, and the checkpoint and HF mappings stay
+as they are), and freezes every other parameter. The base layer's output gains
+`scale * B(A(x))` through a forward hook. Routers are never adapted, so routing replay means
+the same with and without LoRA. Routed experts (SequentialMLP) get one adapter per expert,
+living with their expert on its EP rank.
+
+Sharding follows the base layer (Megatron-Bridge's rule):
+- column-parallel (`linear_qkv`, `linear_fc1`): A [r, in] is replicated, B [out / tp, r] is split
+  on the output like the weight (for `linear_fc1` as [gate_r; up_r], like the weight);
+- row-parallel (`linear_proj`, `linear_fc2`): A [r, in / tp] is split on the input, B [out, r]
+  is replicated.
+The low-rank activation `h` crosses the tensor-parallel group the way the base layer's does, so
+only r-wide tensors are communicated. Where each rank's gradient of a replicated A or B is
+partial (a sequence-parallel shard of tokens, or an expert-TP rank whose partial outputs the token
+dispatcher sums), `_SumGrad` all-reduces it in backward, so the gradients equal those on one rank.
+
+Initialisation is layout-independent: A is PEFT's Kaiming-uniform, drawn whole from a generator
+seeded by (seed, the HF name of the base weight) and sliced to this rank's shard; B is zero.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""Megatron module names LoRA can target; each matches attention (qkv, proj), dense MLPs,
+shared experts and routed experts (fc1, fc2) alike."""
+
+SUFFIX = "_lora"
+"""The adapter of module `<parent>.<name>` is `<parent>.<name>_lora`."""
+
+
+@dataclass(kw_only=True)
+class LoRAConfig:
+    """Adapter-only training: the base model is frozen, only the adapters learn."""
+
+    config_name = "lora"
+
+    rank: int = 8
+    """r: rank of every adapter (rank 1-8 matches full fine-tuning for policy-gradient RL when
+    every layer is adapted; use an LR about 10x the full fine-tuning one)."""
+    alpha: float = 16.0
+    """Scaling numerator: the update is (alpha / rank) * B A."""
+    target_modules: list[str] = field(default_factory=lambda: list(TARGETS))
+    """Megatron modules to adapt, from linear_qkv, linear_proj (attention), linear_fc1,
+    linear_fc2 (dense MLPs, shared experts and every routed expert)."""
+    dropout: float = 0.0
+    """Must be 0: the trainer's logprobs must equal the engine's."""
+    use_rslora: bool = False
+    """rsLoRA scaling alpha / sqrt(rank). SGLang ignores `use_rslora`, so adapters are exported with
+    lora_alpha = alpha * sqrt(rank) and plain scaling: the same update."""
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise ValueError(f"lora.rank={self.rank}: must be >= 1")
+        if self.alpha <= 0:
+            raise ValueError(f"lora.alpha={self.alpha}: must be > 0")
+        unknown = sorted(set(self.target_modules) - set(TARGETS))
+        if unknown or not self.target_modules:
+            raise ValueError(f"lora.target_modules={self.target_modules}: choose a non-empty subset of {list(TARGETS)}")
+        if self.dropout != 0.0:
+            raise ValueError(f"lora.dropout={self.dropout}: must be 0 (RL needs the trainer's logprobs to equal "
+                             f"the engine's, which applies no dropout)")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+    @property
+    def export_alpha(self) -> float:
+        """`lora_alpha` of the exported PEFT config, whose scaling is always alpha / r."""
+        return self.scale * self.rank
+
+
+class _SumGrad(torch.autograd.Function):
+    """Identity on a replicated weight whose per-rank gradient is partial: all-reduces it."""
+
+    @staticmethod
+    def forward(ctx, weight, group):
+        ctx.group = group
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _summed(weight: torch.Tensor, group, size: int) -> torch.Tensor:
+    return weight if size == 1 else _SumGrad.apply(weight, group)
+
+
+class LoRAAdapter(torch.nn.Module):
+    """`scale * B(A(x))` for one Megatron linear (`column`: column-parallel, else row-parallel).
+
+    `lora_A` / `lora_B` are this rank's shards, sized and sharded like the base (module docstring).
+    """
+
+    def __init__(self, base, *, column: bool, rank: int, scale: float, gated: bool):
+        super().__init__()
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        out_local, in_local = base.weight.shape
+        self.column, self.scale, self.gated = column, scale, gated
+        self.group, self.group_size = base.tp_group, dist.get_world_size(base.tp_group)
+        self.sequence_parallel = bool(base.sequence_parallel)
+        self.explicit_expert_comm = bool(getattr(base, "explicit_expert_comm", False))
+        device, dtype = base.weight.device, base.weight.dtype
+        self.lora_A = torch.nn.Parameter(torch.empty(rank, in_local, device=device, dtype=dtype))
+        self.lora_B = torch.nn.Parameter(torch.zeros(out_local, rank, device=device, dtype=dtype))
+        # Megatron's grad-norm and checkpoint code read these (a split tensor counts once per rank).
+        set_tensor_model_parallel_attributes(self.lora_A, not column, 1, 1)
+        set_tensor_model_parallel_attributes(self.lora_B, column, 0, 1)
+        if base.is_expert:
+            for param in (self.lora_A, self.lora_B):
+                param.allreduce = False  # expert-data-parallel, like the expert weights
+
+    def delta(self) -> torch.Tensor:
+        """`scale * B @ A` on this rank's shard: what merging adds to the base weight's shard."""
+        return self.scale * (self.lora_B @ self.lora_A)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import mappings
+
+        group, size = self.group, self.group_size
+        if self.column:  # x: the base's input, whole features (sequence-sharded under SP)
+            if self.explicit_expert_comm:  # the dispatcher sums each ETP rank's partial dx
+                h = x @ _summed(self.lora_A, group, size).t()
+            elif self.sequence_parallel:
+                h = x @ _summed(self.lora_A, group, size).t()
+                h = mappings.gather_from_sequence_parallel_region(h, group=group)
+            else:
+                h = mappings.copy_to_tensor_model_parallel_region(x @ self.lora_A.t(), group=group)
+            return self.scale * (h @ self.lora_B.t())
+        h = x @ self.lora_A.t()  # x: this rank's input features; h: a partial sum over TP
+        if self.explicit_expert_comm:  # partial outputs, summed by the dispatcher like the base's
+            return self.scale * (h @ _summed(self.lora_B, group, size).t())
+        if self.sequence_parallel:
+            h = mappings.reduce_scatter_to_sequence_parallel_region(h, group=group)
+            return self.scale * (h @ _summed(self.lora_B, group, size).t())
+        h = mappings.reduce_from_tensor_model_parallel_region(h, group=group)
+        return self.scale * (h @ self.lora_B.t())
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Checkpoint tensors by global shape, like the base weight (fc1's B as gate and up halves)."""
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        state = make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix,
+            {"lora_B": 0} if self.column else {"lora_A": 1}, sharded_offsets,
+            tp_group=self.group, dp_cp_group=metadata["dp_cp_group"],
+        )
+        if self.gated:
+            key = f"{prefix}lora_B"
+            state[key] = apply_swiglu_sharded_factory(state[key], sharded_offsets,
+                                                      metadata.get("singleton_local_shards", False))
+        return state
+
+
+def _hook(adapter: LoRAAdapter):
+    def hook(module, args, output):
+        out, bias = output
+        return out + adapter(args[0]), bias
+
+    return hook
+
+
+def _seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
+
+
+def _init_a(adapter: LoRAAdapter, hf_name: str, seed: int, shard: tuple[int, int]) -> None:
+    """PEFT's kaiming_uniform_(a=sqrt(5)) over the whole A, then this rank's columns."""
+    rank, in_local = adapter.lora_A.shape
+    index, count = shard
+    fan_in = in_local * count
+    bound = 1.0 / math.sqrt(fan_in)
+    generator = torch.Generator().manual_seed(_seed(seed, hf_name))
+    full = (torch.rand(rank, fan_in, generator=generator, dtype=torch.float64) * 2 - 1) * bound
+    with torch.no_grad():
+        adapter.lora_A.copy_(full[:, index * in_local:(index + 1) * in_local])
+
+
+def adapters(model) -> dict[str, LoRAAdapter]:
+    """{name of the base module's weight: its adapter} for this stage (empty without LoRA)."""
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoRAAdapter):
+            found[name[: -len(SUFFIX)] + ".weight"] = module
+    return found
+
+
+def adapter_parameters(model) -> dict[str, torch.nn.Parameter]:
+    """The trainable adapter parameters of this stage, by Megatron name."""
+    return {name: p for name, p in model.named_parameters() if ".".join(name.split(".")[:-1]).endswith(SUFFIX)}
+
+
+def add_lora(model, bridge, config: LoRAConfig, seed: int) -> dict[str, LoRAAdapter]:
+    """Adapt every targeted linear of this stage and freeze everything else; returns `adapters(model)`.
+
+    Call before wrapping the model in DDP (which then only sees the adapters' gradients)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from parallel.export import parallel_context, uses_transformer_engine
+    from parallel.mappings import resolve
+
+    if uses_transformer_engine(model):
+        raise ValueError("lora: the model was built from Transformer Engine's spec; LoRA runs on "
+                         "megatron-core's local spec (the trainer builds that when lora is set)")
+    ctx = parallel_context(model, bridge)
+    table = bridge.mappings()
+    for param in model.parameters():
+        param.requires_grad_(False)
+    found: set[str] = set()
+    for name, module in list(model.named_modules()):
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf not in config.target_modules or not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        column = isinstance(module, ColumnParallelLinear)
+        adapter = LoRAAdapter(module, column=column, rank=config.rank, scale=config.scale, gated=leaf == "linear_fc1")
+        mapping, indices = resolve(table, f"{name}.weight")
+        axis = mapping.axis(ctx)
+        _init_a(adapter, mapping.hf_names(ctx, indices)[0], seed, (0, 1) if column else (axis.rank, axis.size))
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        parent.add_module(leaf + SUFFIX, adapter)
+        module.register_forward_hook(_hook(adapter))
+        found.add(leaf)
+    missing = [t for t in config.target_modules if t not in found]
+    if missing and len(model.decoder.layers):
+        raise ValueError(f"lora.target_modules: {missing} match no layer of this model "
+                         f"({type(bridge).__name__}); remove them")
+    return adapters(model)

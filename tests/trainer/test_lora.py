@@ -1,0 +1,150 @@
+"""LoRA on the Megatron trainer, against PEFT as the ground truth.
+
+A random PEFT adapter on every target of a tiny GLM-4.5 (GQA attention, a dense MLP layer,
+shared and routed experts) is imported into the trainer under TP2+EP2+SP, PP2+EP2 and
+TP2+EP2+ETP2: the trainer's logprobs equal those of PEFT's model (transformers + PeftModel, which
+maps per-expert adapters onto transformers 5's fused experts), the adapter exports back bit for
+bit, and the merged export equals PEFT's merge_and_unload.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from parallel.world import spawn
+
+LAYOUTS = [dict(world_size=4, tp=2, ep=2, etp=1, sequence_parallel=True),
+           dict(world_size=4, pp=2, ep=2),
+           dict(world_size=4, tp=2, ep=2, etp=2, sequence_parallel=True)]
+RANK, ALPHA = 2, 3.0
+SHARED_A = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}  # fused in Megatron: one A
+
+
+def glm4_moe_config():
+    from transformers import Glm4MoeConfig
+
+    return Glm4MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                         n_group=1, topk_group=1, routed_scaling_factor=2.5, attention_bias=True,
+                         use_qk_norm=True, architectures=["Glm4MoeForCausalLM"])
+
+
+def save_tiny_model(out_dir: Path) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(glm4_moe_config(), dtype=torch.float32)
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if name.endswith("e_score_correction_bias"):
+                tensor.uniform_(-0.1, 0.1)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def random_peft_adapter(hf_dir: Path, out_dir: Path, seed: int = 0) -> Path:
+    """A random adapter on every q/k/v/o and gate/up/down projection of the checkpoint, in the
+    per-expert PEFT format; fused Megatron targets share A, as a moe-rl adapter does."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    with safe_open(hf_dir / "model.safetensors", "pt") as f:
+        names = sorted(n for n in f.keys() if n.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                   "gate_proj", "up_proj", "down_proj")
+                       and n.endswith(".weight"))
+        shapes = {n: f.get_slice(n).get_shape() for n in names}
+    for name in sorted(names, key=lambda n: n.split(".")[-2] in SHARED_A):  # owners of a shared A first
+        out_features, in_features = shapes[name]
+        module = name[: -len(".weight")]
+        leaf = module.rsplit(".", 1)[1]
+        if leaf in SHARED_A:
+            a = tensors[f"base_model.model.{module.rsplit('.', 1)[0]}.{SHARED_A[leaf]}.lora_A.weight"].clone()
+        else:
+            a = torch.randn(RANK, in_features, generator=generator) / in_features ** 0.5
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a
+        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(out_features, RANK, generator=generator) * 0.3
+    out_dir.mkdir(parents=True)
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    (out_dir / "adapter_config.json").write_text(json.dumps(dict(
+        peft_type="LORA", task_type="CAUSAL_LM", r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, bias="none",
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])))
+    return out_dir
+
+
+def peft_model(hf_dir: Path, adapter_dir: Path):
+    """PEFT's model with the adapter. PEFT 0.21 on transformers 5 moves every `gate_proj/up_proj/
+    down_proj` target of an MoE model onto the fused experts and drops the dense-MLP and
+    shared-expert ones, so those few are merged into the base first (W + alpha/r * B A)."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    adapter = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    modules = dict(base.named_modules())
+    with torch.no_grad():
+        for key, a in adapter.items():
+            module = key[len("base_model.model."): -len(".lora_A.weight")]
+            if key.endswith(".lora_A.weight") and ".mlp." in module and ".experts." not in module:
+                modules[module].weight += ALPHA / RANK * adapter[key.replace("lora_A", "lora_B")] @ a
+    return PeftModel.from_pretrained(base, adapter_dir).eval()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
+
+
+def run_layouts(hf_dir: str, adapter_dir: str, out_dir: str, tokens: torch.Tensor) -> list:
+    """Rank function: per layout, import base + adapter, logprobs, export adapter and merged."""
+    import torch.distributed as dist
+
+    from moe_rl.config import TrainerConfig
+    from moe_rl.trainer.megatron_trainer import MegatronTrainer
+    from parallel.hf_checkpoint import load_hf_config
+    from parallel.lora import LoRAConfig
+
+    hf_config = load_hf_config(hf_dir)
+    out = []
+    for i, layout in enumerate(LAYOUTS):
+        trainer = MegatronTrainer(TrainerConfig(**layout, micro_batch_size=2, global_batch_size=4),
+                                  glm4_moe_config(), lora=LoRAConfig(rank=RANK, alpha=ALPHA))
+        trainer.load_hf_weights(hf_dir)
+        trainer.load_adapter(adapter_dir)
+        logprobs = trainer.forward_logprobs({"tokens": tokens, "loss_mask": torch.ones_like(tokens)})
+        trainer.save_adapter(f"{out_dir}/adapter{i}")
+        trainer.save_hf_checkpoint(f"{out_dir}/merged{i}", hf_config)
+        out.append(logprobs.numpy().copy() if dist.get_rank() == 0 else None)
+    return out
+
+
+def test_lora_matches_peft_under_every_layout(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = save_tiny_model(tmp_path / "hf")
+    adapter_dir = random_peft_adapter(hf_dir, tmp_path / "adapter")
+    tokens = torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(1))
+    model = peft_model(hf_dir, adapter_dir)
+    with torch.no_grad():
+        expected = token_logprobs(model(tokens).logits, tokens)
+        merged_reference = {k: v.clone() for k, v in model.merge_and_unload().state_dict().items()}
+
+    results = spawn(run_layouts, 4, str(hf_dir), str(adapter_dir), str(tmp_path / "out"), tokens)[0]
+    original = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    for i, layout in enumerate(LAYOUTS):
+        logprobs = torch.from_numpy(results[i])
+        assert (logprobs - expected).abs().max() < 1e-4, (layout, (logprobs - expected).abs().max())
+        exported = load_file(str(tmp_path / "out" / f"adapter{i}" / "adapter_model.safetensors"))
+        assert exported.keys() == original.keys(), layout
+        assert all(torch.equal(exported[k], original[k]) for k in original), layout  # PEFT -> Megatron -> PEFT
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / f"merged{i}", dtype=torch.float32)
+        state = merged.state_dict()
+        assert state.keys() == merged_reference.keys()
+        worst = max((state[k] - merged_reference[k]).abs().max().item() for k in state)
+        assert worst < 1e-6, (layout, worst)

@@ -140,25 +140,28 @@ def model_chunks(model) -> list:
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
-def export_hf_weights(model, bridge: Bridge, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_weights(model, bridge: Bridge, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                      merge_adapters: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, tensor)` for this stage's parameters on the source rank. `model` is
     a GPTModel or the list of virtual-pipeline chunks (each numbers its layers globally, so
     every chunk exports under its own layer offset, in chunk order).
 
     Collective: every rank of the world iterates it to the end (see the module docstring).
+    LoRA adapters (parallel.lora) are merged into their base weights (`merge_adapters`), so
+    engines without LoRA serve the policy; `merge_adapters=False` exports the frozen base.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes}: must be positive")
     for chunk in model_chunks(model):
-        yield from _export_chunk(chunk, bridge, bucket_bytes)
+        yield from _export_chunk(chunk, bridge, bucket_bytes, merge_adapters)
 
 
-def _export_chunk(model, bridge: Bridge, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _export_chunk(model, bridge: Bridge, bucket_bytes: int, merge_adapters: bool) -> Iterator[tuple[str, torch.Tensor]]:
     from parallel.lora import adapters
 
     ctx = parallel_context(model, bridge)
     params = model_tensors(model)
-    lora = adapters(model)  # merged into their base weights: engines without LoRA serve the policy
+    lora = adapters(model) if merge_adapters else {}
     with torch.no_grad():
         for bucket in buckets(plan(model, bridge, ctx), bucket_bytes):
             gathered: list[tuple[str, torch.Tensor]] = []
@@ -175,7 +178,7 @@ def _export_chunk(model, bridge: Bridge, bucket_bytes: int) -> Iterator[tuple[st
 
 def save_hf_checkpoint(model, bridge: Bridge, out_dir, hf_config: dict, *, max_shard_bytes: int = 5 * 2**30,
                        bucket_bytes: int = DEFAULT_BUCKET_BYTES, extra_files: dict[str, bytes] | None = None,
-                       progress=None) -> None:
+                       progress=None, merge_adapters: bool = True) -> None:
     """Write the model as an HF checkpoint (safetensors shards + index + config) to `out_dir`.
 
     Collective: every rank calls it. Each stage's source rank writes its own shards into
@@ -195,7 +198,7 @@ def save_hf_checkpoint(model, bridge: Bridge, out_dir, hf_config: dict, *, max_s
         tmp.mkdir(parents=True)
     dist.barrier()
     prefix = f"stage{ps.get_pipeline_model_parallel_rank():03d}"
-    items = export_hf_weights(model, bridge, bucket_bytes=bucket_bytes)
+    items = export_hf_weights(model, bridge, bucket_bytes=bucket_bytes, merge_adapters=merge_adapters)
     weight_map = write_shards(items, tmp, prefix, max_shard_bytes, progress=progress)
     maps: list = [None] * dist.get_world_size()
     dist.all_gather_object(maps, weight_map)

@@ -102,6 +102,17 @@ def export_adapter(model, bridge: Bridge) -> Iterator[tuple[str, torch.Tensor]]:
                         yield from mapping.export(param.detach(), ctx, indices)
 
 
+def hf_lora_targets(bridge: Bridge, target_modules: list[str]) -> list[str]:
+    """The HF module names (e.g. q_proj, gate_proj; Mixtral's w1) that adapting these Megatron
+    modules adapts, from the bridge's table: what engines are told to serve (`--lora-target-modules`)."""
+    names = set()
+    for mapping in bridge.mappings():
+        leaf = mapping.megatron.rsplit(".", 2)
+        if len(leaf) == 3 and leaf[1] in target_modules and leaf[2] == "weight":
+            names.update(name.split(".")[-2] for name in mapping.hf)
+    return sorted(names)
+
+
 def hf_target_modules(names) -> list[str]:
     """PEFT's `target_modules` (HF leaf names, e.g. q_proj, gate_proj) of these PEFT tensor names."""
     return sorted({name.split(".")[-3] for name in names})

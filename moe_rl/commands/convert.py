@@ -1,4 +1,5 @@
-"""`moe-rl convert hf-to-megatron | megatron-to-hf`: checkpoint conversion through the bridges.
+"""`moe-rl convert hf-to-megatron | megatron-to-hf | peft-to-megatron | megatron-to-peft`:
+checkpoint conversion through the bridges.
 
 hf-to-megatron: every rank builds its stage of the Megatron model for the requested layout,
 reads only its slices of the HF safetensors, and all ranks write one Megatron
@@ -9,6 +10,12 @@ under `hf_files/`.
 megatron-to-hf: loads such a checkpoint at any layout, streams the HF tensors out of each
 pipeline stage and writes safetensors shards + index + config that
 `transformers.AutoModelForCausalLM.from_pretrained` loads.
+
+peft-to-megatron: a PEFT LoRA adapter of an HF model (`--peft`, `--hf` the base model directory or
+just its config.json) -> a torch_dist checkpoint of the Megatron adapters (`parallel.lora`) plus
+`moe_rl_meta.json` (HF config and `lora:` settings). megatron-to-peft: such a checkpoint, or a LoRA
+trainer checkpoint of `moe-rl train` (which holds only the adapters), -> a PEFT adapter directory
+(`parallel.peft`) for SGLang, vLLM or PEFT. Only adapters move: no base weights are read.
 
 Runs as spawned gloo ranks on one machine, or joins the world under torchrun
 (`scripts/convert_*.sh`). Output goes to `<out>.tmp` and is renamed to `<out>` when complete.
@@ -38,7 +45,13 @@ def add_arguments(parser) -> None:
     to_hf.add_argument("--megatron", required=True, help="checkpoint written by hf-to-megatron")
     to_hf.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file")
     to_hf.add_argument("--bucket-mb", type=float, default=512, help="export gather bucket size")
-    for sub in (to_megatron, to_hf):
+    from_peft = directions.add_parser("peft-to-megatron", help="PEFT LoRA adapter -> Megatron torch_dist adapters")
+    from_peft.add_argument("--peft", required=True, help="adapter directory (adapter_config.json + safetensors)")
+    from_peft.add_argument("--hf", required=True, help="the base model's HF directory (config.json is enough)")
+    to_peft = directions.add_parser("megatron-to-peft", help="Megatron adapters -> PEFT LoRA adapter")
+    to_peft.add_argument("--megatron", required=True,
+                         help="checkpoint written by peft-to-megatron, or a LoRA trainer checkpoint")
+    for sub in (to_megatron, to_hf, from_peft, to_peft):
         sub.add_argument("--out", required=True, help="output directory (written when complete)")
         sub.add_argument("--overwrite", action="store_true",
                          help="replace an existing non-empty --out (never one that holds the input)")
@@ -64,12 +77,17 @@ def run(args) -> int:
         world_size = args.world_size or math.lcm(args.tp, args.ep * etp) * args.pp
     layout = ParallelLayout(world_size=world_size, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
                             sequence_parallel=args.tp > 1)
+    extra = ()
     if args.direction == "hf-to-megatron":
         fn, source = hf_to_megatron, args.hf
-        extra = ()
-    else:
+    elif args.direction == "megatron-to-hf":
         fn, source = megatron_to_hf, args.megatron
         extra = (int(args.max_shard_gb * 2**30), int(args.bucket_mb * 2**20))
+    elif args.direction == "peft-to-megatron":
+        fn, source = peft_to_megatron, args.peft
+        extra = (args.hf,)
+    else:
+        fn, source = megatron_to_peft, args.megatron
     if not Path(source).is_dir():
         raise ValueError(f"{source} is not a directory: pass an existing checkpoint")
     check_output(source, args.out, args.overwrite)
@@ -108,6 +126,11 @@ def _check_before_launch(direction: str, source: str, layout) -> None:
 
     if direction == "hf-to-megatron":
         hf_config = load_hf_config(source)
+    elif direction == "peft-to-megatron":
+        from parallel.peft import lora_config_of
+
+        lora_config_of(source)  # a bad adapter config fails here, before any rank starts
+        return
     else:
         meta = Path(source) / META_FILE
         if not meta.exists():
@@ -179,6 +202,70 @@ def megatron_to_hf(layout, ckpt_dir: str, out: str, max_shard_bytes: int, bucket
     with _progress("writing HF shards") as advance:
         save_hf_checkpoint(model, bridge, out, hf_config, max_shard_bytes=max_shard_bytes,
                            bucket_bytes=bucket_bytes, extra_files=side, progress=advance)
+
+
+def peft_to_megatron(layout, peft_dir: str, out: str, hf_dir: str) -> None:
+    """Rank function: build the model with adapters matching the PEFT file, fill them, save them."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from parallel.hf_checkpoint import load_hf_config
+    from parallel.lora import TARGETS, add_lora, adapter_parameters
+    from parallel.peft import load_adapter, lora_config_of
+
+    hf_config = load_hf_config(hf_dir)
+    bridge, model = _build(hf_config, layout)
+    lora = lora_config_of(peft_dir, target_modules=_megatron_targets(bridge, peft_dir, TARGETS))
+    add_lora(model, bridge, lora, seed=0)
+    load_adapter(model, bridge, peft_dir)
+    tmp = _fresh_tmp(out)
+    _say(f"saving the adapters of {peft_dir} to {tmp}")
+    trainable = {id(p) for p in adapter_parameters(model).values()}
+    state = {k: v for k, v in model.sharded_state_dict().items() if id(getattr(v, "data", None)) in trainable}
+    dist_checkpointing.save(state, str(tmp))
+    if dist.get_rank() == 0:
+        write_lora_meta(tmp, hf_config, lora)
+        _replace(tmp, Path(out))
+    dist.barrier()
+
+
+def megatron_to_peft(layout, ckpt_dir: str, out: str) -> None:
+    """Rank function: load the adapters of a torch_dist checkpoint at `layout`, write PEFT."""
+    from megatron.core import dist_checkpointing
+
+    from parallel.lora import LoRAConfig, add_lora, adapter_parameters
+    from parallel.peft import save_adapter
+
+    meta = json.loads((Path(ckpt_dir) / META_FILE).read_text())
+    if "lora" not in meta:
+        raise ValueError(f"{ckpt_dir}: {META_FILE} has no lora settings: it holds no adapters (use megatron-to-hf)")
+    lora = LoRAConfig(**meta["lora"])
+    bridge, model = _build(meta["hf_config"], layout)
+    add_lora(model, bridge, lora, seed=0)
+    trainable = {id(p) for p in adapter_parameters(model).values()}
+    request = {k: v for k, v in model.sharded_state_dict().items() if id(getattr(v, "data", None)) in trainable}
+    _say(f"loading the adapters of {ckpt_dir} at tp={layout.tp} pp={layout.pp} ep={layout.ep} etp={layout.expert_tp}")
+    model.load_state_dict(dist_checkpointing.load(request, ckpt_dir), strict=False)
+    save_adapter(model, bridge, lora, out, base_model=meta["hf_config"].get("_name_or_path") or None)
+
+
+def write_lora_meta(directory: Path, hf_config: dict, lora) -> None:
+    """`moe_rl_meta.json` of an adapter checkpoint: what megatron-to-peft needs to rebuild it."""
+    import dataclasses
+
+    (directory / META_FILE).write_text(json.dumps({"hf_config": hf_config, "lora": dataclasses.asdict(lora),
+                                                   "format": "torch_dist"}, indent=2))
+
+
+def _megatron_targets(bridge, peft_dir: str, targets) -> list[str]:
+    """The Megatron modules whose HF names the adapter file covers."""
+    from parallel.peft import hf_lora_targets, read_adapter_config
+
+    wanted = set(read_adapter_config(peft_dir)["target_modules"])
+    chosen = [t for t in targets if set(hf_lora_targets(bridge, [t])) & wanted]
+    if not chosen:
+        raise ValueError(f"{peft_dir}: target_modules {sorted(wanted)} match no module of this model")
+    return chosen
 
 
 def _replace(tmp: Path, out: Path) -> None:

@@ -85,6 +85,11 @@ def save_checkpoint(trainer, directory: str | Path) -> Path:
     dist_checkpointing.save(_sharded_state(trainer, with_rng=True, is_loading=False), str(staging))
     if dist.get_rank() == 0:
         (staging / LAYOUT_FILE).write_text(json.dumps(_layout_record(trainer)))
+        if trainer.lora is not None:  # `moe-rl convert megatron-to-peft` reads the adapters from here
+            from moe_rl.commands.convert import write_lora_meta
+
+            hf = trainer.bridge.hf
+            write_lora_meta(staging, hf if isinstance(hf, dict) else hf.to_dict(), trainer.lora)
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)

@@ -178,12 +178,12 @@ class MegatronTrainer:
             raise ValueError(f"{what} needs adapters: set the lora: section")
         return self.lora
 
-    def save_hf_checkpoint(self, out_dir: str, hf_config: dict) -> None:
+    def save_hf_checkpoint(self, out_dir: str, hf_config: dict, merged: bool = True) -> None:
         """Write the current weights as an HF checkpoint the engines can serve (collective); with
-        LoRA the adapters are merged in (base + scale * B A)."""
+        LoRA the adapters are merged in (base + scale * B A) unless `merged=False` (the frozen base)."""
         from parallel.export import save_hf_checkpoint
 
-        save_hf_checkpoint(self.model.module, self.bridge, out_dir, hf_config)
+        save_hf_checkpoint(self.model.module, self.bridge, out_dir, hf_config, merge_adapters=merged)
 
     # -- training -----------------------------------------------------------------------------
     def train_step(self, batch: Batch, loss_fn: LossFn = next_token_loss) -> StepResult:

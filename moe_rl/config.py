@@ -21,6 +21,7 @@ import yaml
 from moe_rl.algorithms.config import AlgorithmConfig
 from moe_rl.rollout.config import RolloutConfig
 from parallel.layout import ParallelLayout
+from parallel.lora import LoRAConfig
 from sync.sender import SyncConfig
 
 
@@ -264,6 +265,9 @@ class RunConfig:
     """RL: the loop's mode and end-of-run outputs."""
     cluster: ClusterConfig | None = None
     """The GPU allocation (`moe-rl plan` places the trainer and engines on it); None on CPU."""
+    lora: LoRAConfig | None = None
+    """Adapter-only training (parallel.lora): the base is frozen; RL syncs only the adapters, one
+    `policy-v{N}` per version, without pausing generation (sync.lora). None: full fine-tuning."""
 
     def __post_init__(self):
         if self.steps < 1:
@@ -302,6 +306,9 @@ class RunConfig:
             raise ValueError(f"sync.transport='cuda_ipc' with engines.count={self.engines.count}: CUDA-IPC buckets "
                              "live on the sync source's GPU, which only engine 0 sees; use one engine or "
                              "sync.transport: broadcast")
+        if self.lora is not None and self.rl.colocate:
+            raise ValueError("lora with rl.colocate: adapter sync keeps engines generating while the trainer "
+                             "trains; colocated engines release their GPUs instead. Set rl.colocate: false")
         if self.sync.pause_mode == "in_place" and self.sync.transport == "disk":
             # SGLang flushes the cache after a disk load and refuses while paused requests run
             raise ValueError("sync.pause_mode='in_place' with sync.transport='disk': SGLang's disk update "

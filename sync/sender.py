@@ -71,11 +71,19 @@ class SyncConfig(TransportConfig):
     "cuda_ipc" (colocated engines: CUDA-IPC handles via /update_weights_from_tensor)."""
     pause_mode: str = "retract"
     """`/pause_generation` mode: abort | retract | in_place (SGLang's)."""
+    lora_route: str = "tensors"
+    """With `lora:`, only adapters move and generation never pauses (`sync.lora`): "tensors"
+    (`/load_lora_adapter_from_tensors`) or "disk" (PEFT directories `policy-v{N}/` in `disk_dir`,
+    default `<output_dir>/adapters`, for engines that share only storage with the trainer)."""
 
     def __post_init__(self):
+        from sync.lora import ADAPTER_ROUTES
+
         super().__post_init__()
         if self.pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode: {self.pause_mode!r} is not one of {PAUSE_MODES}")
+        if self.lora_route not in ADAPTER_ROUTES:
+            raise ValueError(f"lora_route: {self.lora_route!r} is not one of {ADAPTER_ROUTES}")
 
 
 @dataclass

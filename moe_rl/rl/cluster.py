@@ -61,22 +61,33 @@ class RLCluster:
 
     def _start(self, use_gpus: bool) -> None:
         cfg = self.config
-        self.trainer = TrainerGroup(cfg.trainer.world_size, cfg.trainer, cfg.model, use_gpus=use_gpus)
+        self.trainer = TrainerGroup(cfg.trainer.world_size, cfg.trainer, cfg.model, use_gpus=use_gpus, lora=cfg.lora)
         version = 0
         if self.restore is not None:  # resume: the engines start on the checkpoint's weights
             version = self.trainer.call("load_checkpoint", self.restore["trainer_dir"])
             assert version == self.restore["weight_version"], (version, self.restore["weight_version"])
         initial = str(self.run_dir / ("initial_hf" if version == 0 else f"resumed_hf_v{version}"))
-        self.trainer.call("save_hf", initial)
+        # LoRA: the engines serve the frozen base and adapter `policy-v{version}` on top of it
+        self.trainer.call("save_hf", initial, cfg.lora is None)
         self.engines = self._start_engines(initial, version)
         urls = ray.get([engine.url.remote() for engine in self.engines])
-        self.trainer.call("connect", urls, cfg.sync, cfg.engines.kind, version)
+        self.trainer.call("connect", urls, cfg.sync, cfg.engines.kind, version, self._adapter_sync())
         self.version = self.initial_version = version
         hf = cfg.model.load_hf_config()
         worker = ray.remote(RolloutWorker).options(num_cpus=1, max_concurrency=16)
         self.rollout = worker.remote(cfg.effective_rollout(), urls, cfg.engines.kind,
-                                     hf.num_hidden_layers, hf.num_experts_per_tok)
+                                     hf.num_hidden_layers, hf.num_experts_per_tok, cfg.lora is not None)
         ray.get(self.rollout.start.remote(self.restore))
+
+    def _adapter_sync(self):
+        """With LoRA, how adapters reach the engines (sync.lora); None without."""
+        from sync.lora import AdapterSyncConfig
+
+        cfg = self.config
+        if cfg.lora is None:
+            return None
+        return AdapterSyncConfig(route=cfg.sync.lora_route, directory=cfg.sync.disk_dir or str(self.run_dir / "adapters"),
+                                 keep=cfg.effective_rollout().max_staleness + 1, timeout_s=cfg.sync.timeout_s)
 
     def get_batch(self, n_groups: int) -> list:
         """The rollout worker's next batch; recovers engines while waiting for it."""
@@ -134,8 +145,23 @@ class RLCluster:
                 options = dict(options, scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.trainer.placement, options.pop("bundle")))
             engines.append(ray.remote(EngineServer).options(**options).remote(
-                model_dir, cfg.engines, str(self.run_dir / f"engine-{i}.log"), version, gpu_ids))
+                model_dir, cfg.engines, str(self.run_dir / f"engine-{i}.log"), version, gpu_ids, self._lora_slots()))
         return engines
+
+    def _lora_slots(self):
+        """SGLang's LoRA serving flags sized from the config: every kept version, plus one being
+        loaded, may be resident and mixed in a batch."""
+        from moe_rl.engine.sglang_launcher import SGLangLoRA
+        from parallel.bridges import bridge_for
+        from parallel.peft import hf_lora_targets
+
+        cfg = self.config
+        if cfg.lora is None:
+            return None
+        slots = cfg.effective_rollout().max_staleness + 2
+        targets = hf_lora_targets(bridge_for(cfg.model.load_hf_config()), cfg.lora.target_modules)
+        return SGLangLoRA(max_lora_rank=cfg.lora.rank, target_modules=targets, max_loaded_loras=slots,
+                          max_loras_per_batch=slots)
 
     def close(self) -> dict | None:
         ledger = None

@@ -26,8 +26,9 @@ class EngineServer:
     holds none itself; SGLang's memory saver lets the trainer have them while it trains)."""
 
     def __init__(self, model_dir: str, engines, log_path: str, weight_version: int = 0,
-                 gpu_ids: list[str] | None = None):
+                 gpu_ids: list[str] | None = None, lora=None):
         self.model_dir, self.engines, self.log_path, self.gpu_ids = model_dir, engines, log_path, gpu_ids
+        self.lora = lora  # SGLangLoRA slots (the embedded engine always serves adapters)
         self.weight_version = weight_version
         self.process = self._launch()
 
@@ -44,7 +45,8 @@ class EngineServer:
 
         config = SGLangConfig(model_path=self.model_dir, host=ray.util.get_node_ip_address(), tp_size=cfg.tp,
                               ep_size=cfg.ep, attn_dp_size=cfg.attn_dp, mem_fraction_static=cfg.mem_fraction_static,
-                              weight_version=str(self.weight_version), enable_memory_saver=self.gpu_ids is not None)
+                              weight_version=str(self.weight_version), enable_memory_saver=self.gpu_ids is not None,
+                              lora=self.lora)
         env = None if self.gpu_ids is None else {"CUDA_VISIBLE_DEVICES": ",".join(self.gpu_ids)}
         return launch_sglang(config, log_path=self.log_path, env=env)
 
@@ -104,8 +106,10 @@ class CountingPool(EnginePool):
 class RolloutWorker:
     """The rollout manager as an async Ray actor."""
 
-    def __init__(self, config: RolloutConfig, urls: list[str], kind: str, layers: int, topk: int):
+    def __init__(self, config: RolloutConfig, urls: list[str], kind: str, layers: int, topk: int,
+                 adapters: bool = False):
         self.config, self.urls, self.kind, self.layout = config, urls, kind, (layers, topk)
+        self.adapters = adapters  # LoRA: requests name the newest adapter, `policy-v{version}`
         self.manager = self.task = None
 
     async def start(self, restore: dict | None = None) -> None:
@@ -114,7 +118,8 @@ class RolloutWorker:
 
         clients = [self._client(i, url) for i, url in enumerate(self.urls)]
         self.pool = CountingPool(clients)
-        self.manager = RolloutManager(self.config, self.pool, version=restore["step"] if restore else 0)
+        self.manager = RolloutManager(self.config, self.pool, version=restore["step"] if restore else 0,
+                                      adapters=self.adapters)
         if restore is not None:
             self.manager.restore(restore["rollout"])
         self.task = asyncio.get_running_loop().create_task(self.manager.run())

@@ -37,7 +37,7 @@ class TrainerRank:
 
         return ray.util.get_node_ip_address(), free_port()
 
-    def setup(self, master: tuple[str, int], trainer_config, model_config) -> None:
+    def setup(self, master: tuple[str, int], trainer_config, model_config, lora=None) -> None:
         """Join the world and build this rank's model, DDP and optimizer (collective)."""
         from moe_rl.trainer.megatron_trainer import MegatronTrainer
         from parallel import cpu_compat
@@ -50,7 +50,7 @@ class TrainerRank:
             cpu_compat.apply()
         self.hf_config = model_config.load_hf_config()
         self.model_path = model_config.path
-        self.trainer = MegatronTrainer(trainer_config, self.hf_config)
+        self.trainer = MegatronTrainer(trainer_config, self.hf_config, lora=lora)
         if model_config.path is not None:
             self.trainer.load_hf_weights(model_config.path)
 
@@ -60,9 +60,11 @@ class TrainerRank:
 
             cpu_compat.apply()  # idempotent; Ray may run a method on another thread
 
-    def save_hf(self, out_dir: str) -> None:
+    def save_hf(self, out_dir: str, merged: bool = True) -> None:
+        """The weights as an HF checkpoint; with LoRA, `merged=False` writes the frozen base alone
+        (what adapter engines serve)."""
         self._enter()
-        self.trainer.save_hf_checkpoint(out_dir, self.hf_config.to_dict())
+        self.trainer.save_hf_checkpoint(out_dir, self.hf_config.to_dict(), merged=merged)
 
     def save_checkpoint(self, directory: str) -> None:
         """Megatron dist checkpoint: model, optimizer, RNG, step (collective, atomic)."""
@@ -79,9 +81,10 @@ class TrainerRank:
         load_checkpoint(self.trainer, directory)
         return self.trainer.step
 
-    def connect(self, urls: list[str], sync_config, kind: str, version: int = 0) -> None:
+    def connect(self, urls: list[str], sync_config, kind: str, version: int = 0, adapters=None) -> None:
         """Find each pipeline stage's export source; the sync source builds the WeightSender
-        (the engines serve `version`)."""
+        (the engines serve `version`), or with LoRA rank 0 the AdapterSync (`adapters`: its
+        sync.lora.AdapterSyncConfig), and loads the adapter of `version`."""
         import dataclasses
         from urllib.parse import urlsplit
 
@@ -93,6 +96,9 @@ class TrainerRank:
 
         self._enter()
         self.sources, self.kind = export_source_ranks(), kind
+        if adapters is not None:
+            self._connect_adapters(urls, adapters, version)
+            return
         if sync_config.master_address is None:  # engines on other nodes must reach this rank
             hosts = [urlsplit(url).hostname or "127.0.0.1" for url in urls]
             sync_config = dataclasses.replace(sync_config, master_address=address_for(hosts))
@@ -100,6 +106,23 @@ class TrainerRank:
             # one retry: a dead engine is found (and dropped) in ~0.25 s instead of ~1.75 s
             clients = [EngineClient(url, kind=kind, name=f"engine-{i}", retries=1) for i, url in enumerate(urls)]
             self.sender = WeightSender(clients, sync_config, version)
+
+    def _connect_adapters(self, urls: list[str], config, version: int) -> None:
+        from moe_rl.engine.client import EngineClient
+        from sync.lora import AdapterSync
+
+        if self.rank == 0:
+            clients = [EngineClient(url, kind=self.kind, name=f"engine-{i}", retries=1) for i, url in enumerate(urls)]
+            self.sender = AdapterSync(clients, config)
+        self._publish_adapter(version)
+
+    def _publish_adapter(self, version: int) -> dict:
+        """Collect the adapters on rank 0 and load them as `policy-v{version}` (collective)."""
+        collected = self.trainer.export_adapter()
+        if collected is None:
+            return {"engines": [], "dropped": []}
+        stats = self.sender.publish(version, *collected)
+        return {"engines": stats.engines, "dropped": stats.dropped, "bytes": stats.bytes}
 
     def sync_weights(self, version: int, bucket_bytes: int, joined: dict[str, str] | None = None,
                      served_version: int = 0, lost: list[str] = ()) -> dict:
@@ -116,6 +139,8 @@ class TrainerRank:
         from sync.sender import drain
 
         self._enter()
+        if self.trainer.lora is not None:
+            return self._sync_adapters(version, joined or {}, lost)
         start, result, error = time.perf_counter(), {"engines": [], "dropped": []}, None
         if self.sender is not None:
             for name in lost:
@@ -139,6 +164,26 @@ class TrainerRank:
         if error is not None:
             raise error
         return {**result, "seconds": time.perf_counter() - start}
+
+    def _sync_adapters(self, version: int, joined: dict[str, str], lost) -> dict:
+        """LoRA: the new version's adapter to every engine (no pause); a restarted engine loads the
+        kept versions instead (a catch-up: `version` is the one already loaded)."""
+        from moe_rl.engine.client import EngineClient
+        from sync.engine_set import SyncError
+
+        start = time.perf_counter()
+        if self.sender is not None:
+            for name in lost:
+                self.sender.remove(name)
+        dropped = []
+        for name, url in joined.items():
+            try:
+                self.sender.add(EngineClient(url, kind=self.kind, name=name, retries=1))
+            except SyncError:  # it died again: restarted next time (raising here would strand the ranks)
+                dropped.append(name)
+        caught_up = self._agree(self.sender is not None and self.sender.version == version)
+        result = {"engines": [], "dropped": []} if caught_up else self._publish_adapter(version)
+        return {**result, "dropped": result["dropped"] + dropped, "seconds": time.perf_counter() - start}
 
     def _agree(self, decision: bool) -> bool:
         """The sync source's `decision`, on every rank (a collective over the trainer world)."""
@@ -208,7 +253,7 @@ def _logprob_diff(logprobs: torch.Tensor, batch, mask: torch.Tensor, name: str) 
 class TrainerGroup:
     """Driver side: the trainer world's actors, every call issued to all ranks at once."""
 
-    def __init__(self, world_size: int, trainer_config, model_config, *, use_gpus: bool):
+    def __init__(self, world_size: int, trainer_config, model_config, *, use_gpus: bool, lora=None):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -224,7 +269,7 @@ class TrainerGroup:
             for i in range(world_size)
         ]
         master = ray.get(self.actors[0].rendezvous.remote())
-        self.call("setup", master, trainer_config, model_config)
+        self.call("setup", master, trainer_config, model_config, lora)
 
     def call(self, method: str, *args: Any) -> Any:
         """Run `method(*args)` on every rank (a collective); rank 0's result."""

@@ -13,6 +13,8 @@ thread pool. When the orchestrator pauses engines in abort mode for a weight swa
 requests return with finish reason "abort" and their partial tokens; the manager resubmits each
 as prompt + partial response with the remaining budget (`moe_rl.rollout.partial`). In retract
 and in-place modes the engine keeps the request and its per-token versions show the switch.
+With adapters (LoRA), each request names the newest adapter `policy-v{version}` and keeps it to
+its end (generation is never paused), so all its tokens carry that version.
 
 Accounting: every group id the manager creates ends in exactly one of `buffer.delivered` or
 `buffer.dropped` (reasons: zero_variance, oversampled, stale, stopped), or is still queued or
@@ -33,12 +35,14 @@ from moe_rl.rollout.config import RolloutConfig
 from moe_rl.rollout.partial import continue_sample, mask_older_tokens, resume_request
 from moe_rl.sample import Sample
 from moe_rl.tasks import Prompt, Task, get_reward, make_task
+from sync.lora import adapter_name
 
 
 class RolloutManager:
     def __init__(self, config: RolloutConfig, pool: EnginePool, *, task: Task | None = None,
-                 tokenizer_dir: str | Path | None = None, version: int = 0):
+                 tokenizer_dir: str | Path | None = None, version: int = 0, adapters: bool = False):
         self.config, self.pool = config, pool
+        self.adapters = adapters
         if task is None:
             options = dict(config.task_options)
             if config.task == "jsonl":
@@ -211,10 +215,16 @@ class RolloutManager:
             return sample
         while True:
             input_ids, start = resume_request(sample)
+            version = self.buffer.version  # LoRA: the newest adapter, loaded before the buffer heard of it
+            lora = {"lora_path": adapter_name(version)} if self.adapters else {}
             result = await self.pool.generate(
                 input_ids, group_id=gid, max_new_tokens=cfg.max_new_tokens - len(sample.response_ids),
                 stop_token_ids=self.task.stop_token_ids or None, return_logprob=True,
-                return_routed_experts=cfg.return_routed_experts, routed_experts_start_len=start, **cfg.sampling())
+                return_routed_experts=cfg.return_routed_experts, routed_experts_start_len=start, **lora,
+                **cfg.sampling())
+            if self.adapters:  # the engine's base never changes: the adapter's version is the policy's
+                result = dataclasses.replace(result, weight_version=str(version),
+                                             weight_versions=[str(version)] * len(result.output_ids))
             sample = progress[index] = continue_sample(sample, result, routed_experts=cfg.return_routed_experts)
             if result.finish_reason != "abort" or len(sample.response_ids) >= cfg.max_new_tokens:
                 if sample.status == "aborted":  # the abort came exactly at the end of the budget

@@ -31,7 +31,8 @@ import transformers
 from safetensors.torch import load_file
 from transformers import AutoConfig, DynamicCache
 
-from moe_rl.engine.embedded.lora import LoraAdapter, LoraSet
+from moe_rl.engine.embedded.lora import LoraAdapter
+from moe_rl.engine.embedded.lora_hooks import LoraSet
 from parallel.hf_checkpoint import check_safetensors
 
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
@@ -151,16 +152,19 @@ class ModelRunner:
             storages[storage.data_ptr()] = storage.nbytes()
         return sum(storages.values())
 
-    def load_lora(self, name: str, path: str) -> None:
-        """Load a PEFT adapter under `name` (scheduler thread: re-installs the hooks)."""
+    def add_lora(self, adapter: LoraAdapter) -> None:
+        """Bind `adapter` to the live model and hook its targets (scheduler thread, between forwards)."""
         self.require_weights()
-        self.lora.add(LoraAdapter(name, path), self.model)
+        self.lora.add(adapter, self.model)
         self.swap(self.model, self.checkpoint)
 
-    def unload_lora(self, name: str) -> None:
-        if self.lora.adapters.pop(name, None) is None:
-            raise ValueError(f"lora_name: no adapter {name!r} is loaded")
-        self.swap(self.model, self.checkpoint)
+    def remove_lora(self, name: str) -> None:
+        """Drop an adapter if loaded (scheduler thread; the server first waits until no request uses it)."""
+        if name not in self.lora.adapters:
+            return
+        self.lora.remove(name)
+        if self.model is not None:
+            self.swap(self.model, self.checkpoint)
 
     def _install(self, model: torch.nn.Module) -> torch.nn.Module:
         model.eval()

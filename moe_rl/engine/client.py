@@ -17,16 +17,24 @@ import asyncio
 import dataclasses
 import json
 import uuid
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 import aiohttp
 import numpy as np
+import torch
 
 from moe_rl.engine import protocol
+from moe_rl.engine.lora_tensors import LoraTensorsBody
 from moe_rl.sample import decode_routed_experts
 
 TRANSIENT_STATUS = (502, 503, 504)
 KINDS = ("embedded", "sglang")
+
+
+def _lora_name(name: object) -> str:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"lora_name must be a non-empty string, got {name!r}")
+    return name
 
 
 class EngineError(RuntimeError):
@@ -116,7 +124,8 @@ class EngineClient:
             message = data
             if isinstance(data, dict):
                 error = data.get("error")
-                message = (error.get("message") if isinstance(error, dict) else error) or data.get("message") or data
+                message = ((error.get("message") if isinstance(error, dict) else error) or data.get("message")
+                           or data.get("error_message") or data)  # error_message: SGLang's LoRAUpdateOutput
             raise EngineError(self.name, path, status, str(message).strip())
         return data
 
@@ -233,8 +242,44 @@ class EngineClient:
         except EngineError:
             return False
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
-        await self._request("POST", "/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path})
+    # -- LoRA (SGLang's LoRAUpdateOutput answers: `loaded_adapters` {name: lora_path} is returned) ----
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict[str, str]:
+        """Load the PEFT adapter directory `lora_path` (a path on the engine's machine) as `lora_name`;
+        `generate(..., lora_path=lora_name)` then uses it. A loaded name is refused (unload it first)."""
+        body = {"lora_name": _lora_name(lora_name), "lora_path": str(lora_path), "pinned": bool(pinned)}
+        data = await self._request("POST", "/load_lora_adapter", body, timeout_s=max(self.timeout_s, 600.0),
+                                   idempotent=False)  # a repeated load is refused: retry only if never sent
+        return dict(data.get("loaded_adapters") or {})
+
+    async def load_lora_adapter_from_tensors(
+        self,
+        lora_name: str,
+        config_dict: dict,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        tp_size: int = 1,
+        *,
+        load_format: str | None = "flattened_bucket",
+        pinned: bool = False,
+        verify: bool = True,
+    ) -> dict[str, str]:
+        """Load an adapter sent by value: `config_dict` is PEFT's adapter_config.json, `named_tensors`
+        its tensors under PEFT names (`lora_tensors.read_adapter_dir(path)` reads a saved adapter).
+        `tp_size`: the engine's TP ranks (SGLang decodes one payload per rank; the embedded engine
+        has one); `verify` sends `expected_checksums` (every rank checks each tensor's sha256).
+        The body is SGLang 0.5.23's `LoadLoRAAdapterFromTensorsReqInput` (see `lora_tensors`)."""
+        body = LoraTensorsBody.build(_lora_name(lora_name), config_dict, named_tensors, tp_size,
+                                     load_format=load_format, pinned=pinned, verify=verify)
+        data = await self._request("POST", "/load_lora_adapter_from_tensors", body.to_json(),
+                                   timeout_s=max(self.timeout_s, 600.0), idempotent=False)
+        return dict(data.get("loaded_adapters") or {})
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, str]:
+        """Unload `lora_name`: new requests naming it fail at once; the engine answers after the
+        requests still using it have finished (SGLang's rule), so this may take a generation's time."""
+        data = await self._request("POST", "/unload_lora_adapter", {"lora_name": _lora_name(lora_name)},
+                                   timeout_s=self.generate_timeout_s, idempotent=False)
+        return dict(data.get("loaded_adapters") or {})
 
     # -- weights (sync.engine_api.EngineEndpoint) --------------------------------------------------
 

@@ -81,6 +81,10 @@ REQUEST_FIELDS: dict[str, frozenset[str]] = {
     "/destroy_weights_update_group": frozenset({"group_name", "rid", "http_worker_ipc"}),
     "/update_weight_version": frozenset({"new_version", "abort_all_requests", "rid", "http_worker_ipc"}),
     "/load_lora_adapter": frozenset({"lora_name", "lora_path", "pinned", "lora_id", "rid", "http_worker_ipc"}),
+    "/load_lora_adapter_from_tensors": frozenset({  # LoadLoRAAdapterFromTensorsReqInput
+        "lora_name", "config_dict", "serialized_named_tensors", "pinned", "added_tokens_config", "lora_id",
+        "load_format", "expected_checksums", "rid", "http_worker_ipc",
+    }),
     "/unload_lora_adapter": frozenset({"lora_name", "lora_id", "rid", "http_worker_ipc"}),
     "/release_memory_occupation": frozenset({"tags", "rid", "http_worker_ipc"}),
     "/resume_memory_occupation": frozenset({"tags", "rid", "http_worker_ipc"}),
@@ -94,6 +98,7 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "/update_weights_from_distributed": ("names", "dtypes", "shapes"),
     "/update_weights_from_tensor": ("serialized_named_tensors",),
     "/load_lora_adapter": ("lora_name", "lora_path"),
+    "/load_lora_adapter_from_tensors": ("lora_name", "config_dict", "serialized_named_tensors"),
     "/unload_lora_adapter": ("lora_name",),
     "/update_weight_version": ("new_version",),
 }

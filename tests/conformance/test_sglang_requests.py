@@ -30,6 +30,7 @@ REQUEST_CLASSES = {
     "/begin_weight_update": "BeginWeightUpdateReqInput", "/end_weight_update": "EndWeightUpdateReqInput",
     "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
     "/update_weight_version": "UpdateWeightVersionReqInput", "/load_lora_adapter": "LoadLoRAAdapterReqInput",
+    "/load_lora_adapter_from_tensors": "LoadLoRAAdapterFromTensorsReqInput",
     "/unload_lora_adapter": "UnloadLoRAAdapterReqInput",
     "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
     "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",

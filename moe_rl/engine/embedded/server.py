@@ -35,6 +35,7 @@ import uuid
 from aiohttp import web
 
 from moe_rl.engine import protocol
+from moe_rl.engine.embedded.lora_routes import LoraRoutes
 from moe_rl.engine.embedded.request import Request, SamplingParams
 from moe_rl.engine.embedded.runner import ModelRunner, load_checkpoint_state
 from moe_rl.engine.embedded.scheduler import Scheduler
@@ -78,6 +79,7 @@ class EmbeddedServer:
         self._rids: set[str] = set()
         self._session = False  # a /begin_weight_update ... /end_weight_update session is open
         self.released: set[str] = set()  # memory tags released by /release_memory_occupation
+        self.lora = LoraRoutes(self)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors])
@@ -86,10 +88,10 @@ class EmbeddedServer:
             "/abort_request": self.abort, "/update_weights_from_disk": self.update_from_disk,
             "/init_weights_update_group": self.init_group, "/destroy_weights_update_group": self.destroy_group,
             "/update_weights_from_distributed": self.update_from_distributed,
-            "/update_weight_version": self.update_version, "/load_lora_adapter": self.load_lora,
+            "/update_weight_version": self.update_version,
             "/begin_weight_update": self.begin_update, "/end_weight_update": self.end_update,
-            "/unload_lora_adapter": self.unload_lora, "/release_memory_occupation": self.release_memory,
-            "/resume_memory_occupation": self.resume_memory,
+            "/release_memory_occupation": self.release_memory, "/resume_memory_occupation": self.resume_memory,
+            **self.lora.routes(),
         }
         for path, handler in routes.items():
             app.router.add_post(path, handler)
@@ -150,6 +152,7 @@ class EmbeddedServer:
         if self.released or self.runner.weights_state != "loaded":
             raise RuntimeError(f"/generate refused: memory released {sorted(self.released)}, weights "
                                f"{self.runner.weights_state}; call /resume_memory_occupation and update the weights")
+        self.lora.acquire(request.lora_name)  # an unknown adapter fails this request only
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
         request.on_done = lambda result: loop.call_soon_threadsafe(_resolve, done, result)
@@ -162,6 +165,7 @@ class EmbeddedServer:
             raise
         finally:
             self._rids.discard(request.rid)
+            self.lora.release(request.lora_name)  # an unload waiting for it may go on
 
     def _parse_generate(self, body: dict) -> Request:
         raw = body.get("sampling_params") or {}
@@ -209,9 +213,9 @@ class EmbeddedServer:
         start = _int(body.get("routed_experts_start_len", 0), "routed_experts_start_len", 0)
         if start > len(ids):
             raise BadRequest(f"routed_experts_start_len={start} must be in [0, len(input_ids)={len(ids)}]")
-        lora = body.get("lora_path")
-        if lora is not None and lora not in self.runner.lora.adapters:
-            raise BadRequest(f"lora_path: adapter {lora!r} is not loaded; call /load_lora_adapter first")
+        lora = body.get("lora_path")  # SGLang: the name of a loaded adapter (checked on the loop, `LoraRoutes.acquire`)
+        if lora is not None and not isinstance(lora, str):
+            raise BadRequest(f"lora_path must be the name of a loaded adapter (a string), got {lora!r}")
         return Request(
             rid=rid, input_ids=list(ids), params=params, eos_token_ids=self.eos_token_ids,
             return_logprob=bool(body.get("return_logprob")),
@@ -417,16 +421,6 @@ class EmbeddedServer:
         else:  # nothing staged: SGLang's plain relabel
             await self._swap({}, version, abort_all)
         return web.json_response({"success": True, "message": f"Serving weight version {version}."})
-
-    async def load_lora(self, http: web.Request) -> web.Response:
-        body = await self._body(http)
-        await self._on_scheduler(lambda: self.runner.load_lora(body["lora_name"], body["lora_path"]))
-        return web.json_response({"success": True, "loaded_adapters": {n: n for n in self.runner.lora.adapters}})
-
-    async def unload_lora(self, http: web.Request) -> web.Response:
-        body = await self._body(http)
-        await self._on_scheduler(lambda: self.runner.unload_lora(body["lora_name"]))
-        return web.json_response({"success": True, "loaded_adapters": {n: n for n in self.runner.lora.adapters}})
 
 
 def _resolve(future: asyncio.Future, result) -> None:

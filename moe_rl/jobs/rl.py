@@ -5,7 +5,8 @@ before a weight sync (`RLConfig`): `sync` = staleness 0 (round v+1 is not admitt
 engines serve v+1, so generation and training alternate), `one_step_off` = staleness 1 +
 drain-before-sync, `fully_async` = staleness >= 1, generation paused only for the weight swap
 (requests cut by it are resumed as partial rollouts). Runs on the driver; returns a summary.
-With `rl.checkpoint_every`, run checkpoints (`moe_rl.rl.resume`) let `--resume` continue a run.
+With `lora:`, each sync publishes only the new adapter and the run ends with `final_adapter/` (PEFT)
+next to the merged `final_hf/`. With `rl.checkpoint_every`, run checkpoints (`moe_rl.rl.resume`) let `--resume` continue a run.
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ def run(config: RunConfig, resume: bool = False) -> dict:
                 progress.advance(f"reward {rewards[-1]:.3f}  staleness {metrics['rollout/staleness_mean']:.2f}  "
                                  f"sync {metrics['time/sync_s']:.2f}s  step {metrics['time/step_s']:.2f}s")
         train_s = time.perf_counter() - start - setup_s
-        if config.rl.save_hf:
+        if config.rl.save_hf:  # with LoRA: merged (base + adapter), for engines without LoRA
             cluster.trainer.call("save_hf", str(run_dir / "final_hf"))
+        if config.lora is not None:
+            cluster.trainer.call("save_adapter", str(run_dir / "final_adapter"))
     finally:
         ledger = cluster.close()
         logger.close()

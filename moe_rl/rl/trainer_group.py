@@ -66,6 +66,11 @@ class TrainerRank:
         self._enter()
         self.trainer.save_hf_checkpoint(out_dir, self.hf_config.to_dict(), merged=merged)
 
+    def save_adapter(self, out_dir: str) -> None:
+        """LoRA: the adapters as a PEFT directory (collective)."""
+        self._enter()
+        self.trainer.save_adapter(out_dir, self.model_path)
+
     def save_checkpoint(self, directory: str) -> None:
         """Megatron dist checkpoint: model, optimizer, RNG, step (collective, atomic)."""
         from moe_rl.trainer.checkpoint import save_checkpoint

@@ -37,6 +37,10 @@ KV cache, which must be positive.
 
 Bytes per sync: every engine receives the whole exported HF state dict in `param_dtype`
 (broadcast), i.e. B x the model's unique parameters.
+
+With `lora:` (rank r), the base is frozen: gradients and optimizer state cover only the adapters,
+A = r x (in + out) per adapted linear (fused q/k/v and gate/up share one A; every routed expert has
+its own), and each sync sends B x A bytes: the adapter, not the model.
 """
 
 from __future__ import annotations
@@ -139,11 +143,16 @@ def make_plan(config: RunConfig) -> Plan:
     _check_engine_model(config, hf)
     counts = count_parameters(hf)
     dtype_bytes = PARAM_DTYPES[config.cluster.param_dtype]
-    stage, trainer = trainer_memory(config, hf, counts, dtype_bytes)
+    adapter = None if config.lora is None else lora_parameters(hf, counts, config.lora.rank, config.lora.target_modules)
+    stage, trainer = trainer_memory(config, hf, counts, dtype_bytes, adapter)
     engine = engine_memory(config, counts, dtype_bytes) if config.is_rl else {}
+    synced = counts.total if adapter is None else sum(adapter)
     plan = Plan(placement=placement, groups=parallel_groups(config.trainer), trainer_memory=trainer,
-                trainer_stage=stage, engine_memory=engine, sync_bytes=counts.total * dtype_bytes, params=counts)
-    if config.is_rl:
+                trainer_stage=stage, engine_memory=engine, sync_bytes=synced * dtype_bytes, params=counts)
+    if adapter is not None:
+        plan.notes.append(f"lora: {sum(adapter) / 1e6:.1f} M adapter parameters ({adapter[1] / 1e6:.1f} M in routed "
+                          f"experts), {sum(adapter) / counts.total:.3%} of the model; each sync loads a new adapter")
+    if config.is_rl and adapter is None:
         buckets = -(-plan.sync_bytes // config.sync.bucket_bytes)
         plan.notes.append(f"{buckets} buckets of <= {config.sync.bucket_bytes / 2**20:.0f} MiB per sync")
     if trainer["total"] > config.cluster.gpu_memory_gb - HEADROOM_GB:
@@ -210,8 +219,41 @@ def _groups(dims: list[tuple[str, int]], axis: str) -> list[list[int]]:
     return sorted(result)
 
 
-def trainer_memory(config: RunConfig, hf, counts: ParamCounts, dtype_bytes: int) -> tuple[int, dict[str, float]]:
-    """(worst stage, GB per GPU by component); raises when it exceeds the GPU."""
+def lora_parameters(hf, counts: ParamCounts, rank: int, targets: list[str]) -> tuple[int, int]:
+    """(dense, routed-expert) adapter parameters of the whole model for these Megatron targets."""
+    from parallel.bridges import bridge_for
+
+    text = hf.get_text_config()
+    h, heads = text.hidden_size, text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or h // heads
+    mla = getattr(text, "kv_lora_rank", None) is not None
+    attention = 0
+    if "linear_qkv" in targets and not mla:
+        attention += rank * (h + (heads + 2 * text.num_key_value_heads) * head_dim)
+    if "linear_proj" in targets:
+        attention += rank * ((heads * (text.v_head_dim if mla else head_dim)) + h)
+
+    def mlp(f: int) -> int:
+        return rank * ((h + 2 * f) * ("linear_fc1" in targets) + (f + h) * ("linear_fc2" in targets))
+
+    experts = bridge_for(hf).num_experts
+    routed_f = getattr(text, "moe_intermediate_size", None) or text.intermediate_size
+    shared_f = (getattr(text, "n_shared_experts", 0) or 0) * routed_f or getattr(text, "shared_expert_intermediate_size", 0)
+    dense = expert = 0
+    for layer_experts in counts.expert_per_layer:
+        dense += attention
+        if layer_experts:
+            expert += experts * mlp(routed_f)
+            dense += mlp(shared_f) if shared_f else 0
+        else:
+            dense += mlp(text.intermediate_size)
+    return dense, expert
+
+
+def trainer_memory(config: RunConfig, hf, counts: ParamCounts, dtype_bytes: int,
+                   adapter: tuple[int, int] | None = None) -> tuple[int, dict[str, float]]:
+    """(worst stage, GB per GPU by component); raises when it exceeds the GPU. `adapter`: LoRA's
+    (dense, expert) parameters, the only ones with gradients and optimizer state."""
     t = config.trainer
     layers_per_stage = hf.num_hidden_layers // t.pp
     s, b, h = config.data.seq_length, t.micro_batch_size, hf.hidden_size
@@ -223,7 +265,9 @@ def trainer_memory(config: RunConfig, hf, counts: ParamCounts, dtype_bytes: int)
         dense = sum(counts.dense_per_layer[i] for i in layers) + (counts.embedding if p == 0 else 0) \
             + (counts.head if p == t.pp - 1 else 0)
         pd, pe = dense / t.tp, sum(counts.expert_per_layer[i] for i in layers) / (t.expert_tp * t.ep)
-        optimizer = 12 * (pd / t.dp + pe / t.expert_dp) if t.optimizer.distributed else 12 * (pd + pe)
+        # trained parameters: everything, or with LoRA this stage's share of the adapters
+        td, te = (pd, pe) if adapter is None else (adapter[0] / t.pp / t.tp, adapter[1] / t.pp / (t.expert_tp * t.ep))
+        optimizer = 12 * (td / t.dp + te / t.expert_dp) if t.optimizer.distributed else 12 * (td + te)
         in_flight = min(t.pp - p, t.num_microbatches)
         if t.recompute:
             acts = in_flight * len(layers) * 2 * s * b * h / t.tp + max(per_layer[i] for i in layers)
@@ -231,7 +275,8 @@ def trainer_memory(config: RunConfig, hf, counts: ParamCounts, dtype_bytes: int)
             acts = in_flight * sum(per_layer[i] for i in layers)
         if p == t.pp - 1:
             acts += 4 * s * b * hf.vocab_size / t.tp
-        memory = {"weights": dtype_bytes * (pd + pe) / GB, "grads": 4 * (pd + pe) / GB,
+        memory = {"weights": dtype_bytes * (pd + pe + (0 if adapter is None else td + te)) / GB,
+                  "grads": 4 * (td + te) / GB,
                   "optimizer": optimizer / GB, "activations": acts / GB}
         if config.is_rl and config.algorithm.needs_reference:
             memory["reference"] = dtype_bytes * (pd + pe) / GB

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from parallel.lora import TARGETS, LoRAConfig
 from parallel.world import spawn
 
 LAYOUTS = [dict(world_size=4, tp=2, ep=2, etp=1, sequence_parallel=True),
@@ -238,3 +239,22 @@ def test_convert_peft_megatron_peft_is_bit_exact(tmp_path):
     assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in original)
     config = json.loads((tmp_path / "back" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"]) == (RANK, ALPHA)
+
+
+def count_adapter_parameters() -> tuple[int, int]:
+    from moe_rl.config import TrainerConfig
+    from moe_rl.trainer.megatron_trainer import MegatronTrainer
+    from parallel.lora import adapter_parameters
+
+    trainer = MegatronTrainer(TrainerConfig(world_size=1), glm4_moe_config(), lora=LoRAConfig(rank=RANK, alpha=ALPHA))
+    params = adapter_parameters(trainer.model.module)
+    expert = sum(p.numel() for name, p in params.items() if ".local_experts." in name)
+    return sum(p.numel() for p in params.values()) - expert, expert
+
+
+def test_plan_counts_the_adapters_exactly():
+    """`moe-rl plan`'s adapter count (dense layers, shared and routed experts) is the trainer's."""
+    from moe_rl.plan import count_parameters, lora_parameters
+
+    config = glm4_moe_config()
+    assert lora_parameters(config, count_parameters(config), RANK, list(TARGETS)) == spawn(count_adapter_parameters, 1)[0]

@@ -19,7 +19,9 @@ during the sync (VmHWM reset through /proc/self/clear_refs: the kernel's exact p
 sees torch's allocations where tracemalloc cannot).
 
 CONFIG (YAML): model, layout (ParallelLayout fields), bucket_mb, export_bucket_mb, num_engines,
-repeats, output (JSON path). Example: configs/bench/sync_1g.yaml.
+repeats, output (JSON path). Example: configs/bench/sync_1g.yaml. With a `lora:` section
+(LoRAConfig fields) it compares adapter and full-weight syncs instead (moe_rl.bench_lora,
+configs/bench/sync_lora.yaml).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import yaml
 
 COMMAND = ("bench", "sync")
 HELP = "Benchmark the weight sync of a Megatron export against a raw broadcast of the same bytes."
-FIELDS = {"model", "layout", "bucket_mb", "export_bucket_mb", "num_engines", "repeats", "output"}
+FIELDS = {"model", "layout", "bucket_mb", "export_bucket_mb", "num_engines", "repeats", "output", "lora"}
 _AUTH = b"moe-rl-bench-sync"
 
 
@@ -262,6 +264,10 @@ def run(args) -> int:
     for field in ("model", "layout"):
         if not isinstance(cfg.get(field), dict):
             raise ValueError(f"{args.config}: `{field}` must be a mapping (see configs/bench/sync_1g.yaml)")
+    if "lora" in cfg:  # adapter vs full sync on a real engine (configs/bench/sync_lora.yaml)
+        from moe_rl import bench_lora
+
+        return bench_lora.run(cfg)
     layout = ParallelLayout(**cfg["layout"])
     num_engines = int(cfg.get("num_engines", 2))
     if num_engines < 1 or int(cfg.get("repeats", 3)) < 1:

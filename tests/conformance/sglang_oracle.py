@@ -154,6 +154,23 @@ def install() -> None:
     _lazy_package(root, "sglang.srt.configs")
 
 
+def extract(module: str, qualname: str, namespace: dict):
+    """SGLang's own function `qualname` ("Class.method" or "function") from `module`'s source, compiled
+    in `namespace` (the names it uses), for modules that cannot be imported on CPU (GPU kernels or
+    packages the oracle does not install): the code run is SGLang's, only its globals are given."""
+    path = cache_dir() / "wheel" / (module.replace(".", "/") + ".py")
+    tree, node = ast.parse(path.read_text()), None
+    for part in qualname.split("."):
+        body = tree.body if node is None else node.body
+        node = next(n for n in body if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                    and n.name == part)
+    node.decorator_list = []
+    code = compile(ast.Module(body=[node], type_ignores=[]), f"{path}:{qualname}", "exec",
+                   flags=__import__("__future__").annotations.compiler_flag, dont_inherit=True)
+    exec(code, namespace)
+    return namespace[node.name]
+
+
 def _run(fn, args, kwargs, conn):
     try:
         install()

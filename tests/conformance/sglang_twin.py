@@ -22,9 +22,17 @@ a dict of CPU tensors with a `load_weights` that copies in place (each rank hold
 from SGLang's source (a few lines each); the scheduler has no requests except `running_requests`
 (a knob: requests an in_place pause leaves in the running batch, which make SGLang refuse a flush).
 
+LoRA routes (`/load_lora_adapter`, `/load_lora_adapter_from_tensors`, `/unload_lora_adapter`): the
+tokenizer side is `TokenizerControlMixin`'s own load/unload methods over SGLang's `LoRARegistry`, each
+rank runs `BaseTpWorker`'s LoRA methods (its payload decoded by SGLang's deserializer and flattened
+bucket, `expected_checksums` checked) over `LoRAManager`'s load/validate/unload, all compiled from
+SGLang's source (`sglang_oracle.extract`); stand-ins: the LoRA memory pool and the weight upload,
+which records each tensor's sha256.
+
 Observation routes for tests (not SGLang's): `GET /twin/state` (per rank: served version, paused,
-session open, sha256 of each tensor) and `GET /twin/log` (one entry per weight-sync call: route,
-success, the served version before and after).
+session open, sha256 of each tensor), `GET /twin/log` (one entry per weight-sync or LoRA call: route,
+success, the served version before and after) and `GET /twin/lora` ({"registered": the names the
+registry serves, "ranks": per rank {name: {"path", "tensors": {tensor name: sha256}}}}).
 
 A rank that dies takes the server down, as SGLang's launcher does when a scheduler exits.
 """
@@ -60,6 +68,101 @@ def _free_port() -> int:
 
 def _digest(tensor) -> str:
     return hashlib.sha256(tensor.contiguous().view(-1).view(dtype=__import__("torch").uint8).numpy()).hexdigest()
+
+
+LORA_ROUTES = {  # path -> (SGLang request class, BaseTpWorker method: managers/tp_worker.py)
+    "/load_lora_adapter": ("LoadLoRAAdapterReqInput", "load_lora_adapter"),
+    "/load_lora_adapter_from_tensors": ("LoadLoRAAdapterFromTensorsReqInput", "load_lora_adapter_from_tensors"),
+    "/unload_lora_adapter": ("UnloadLoRAAdapterReqInput", "unload_lora_adapter"),
+}
+
+
+def _lora_rank(tp_rank: int, model_dir: str):
+    """One rank's LoRA path, SGLang's code: `BaseTpWorker`'s LoRA methods (payload decoding, the
+    flattened bucket, `expected_checksums`) over `LoRAManager`'s load / validate / unload methods,
+    compiled from SGLang's source (`sglang_oracle.extract`: their modules need GPU kernels). Stand-ins:
+    the memory pool (always fits) and the weight upload (it records each tensor's sha256)."""
+    import json
+    import logging
+    import types
+
+    import torch
+    from safetensors.torch import load_file
+
+    from sglang.srt.lora.lora_config import LoRAConfig
+    from sglang.srt.managers.io_struct import LoRAUpdateOutput
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+    from tests.conformance.sglang_oracle import extract
+
+    os.environ["HF_HUB_OFFLINE"] = "1"  # a lora_path that is no directory fails at once (no hub download)
+    names = dict(torch=torch, LoRAConfig=LoRAConfig, LoRAUpdateOutput=LoRAUpdateOutput, logger=logging.getLogger("twin"),
+                 MultiprocessingSerializer=MultiprocessingSerializer, FlattenedTensorBucket=FlattenedTensorBucket,
+                 monkey_patch_torch_reductions=monkey_patch_torch_reductions,
+                 get_parallel=lambda: types.SimpleNamespace(tp_rank=tp_rank, dcp_replicate_q_proj=False))
+    manager = types.SimpleNamespace(
+        loras={}, configs={}, lora_refs={}, tensors={}, num_pinned_loras=0, attn_dp_enabled=False, max_loras_per_batch=8,
+        base_hf_config=types.SimpleNamespace(vocab_size=json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]),
+        memory_pool=types.SimpleNamespace(can_support=lambda config: True, remove_lora=lambda lora_id: None))
+    for method in ("_load_lora_adapter", "_load_lora_adapter_from_tensors", "_unload_lora_adapter",
+                   "validate_new_adapter", "create_lora_update_result"):
+        fn = extract("sglang.srt.lora.lora_manager", f"LoRAManager.{method}", dict(names))
+        setattr(manager, method, types.MethodType(fn, manager))
+
+    def record(lora_ref, tensors):  # stand-in for the upload into the LoRA memory pool
+        manager.tensors[lora_ref.lora_id] = {name: _digest(t) for name, t in sorted(tensors.items())}
+        manager.loras[lora_ref.lora_id] = lora_ref
+
+    manager.load_lora_weights = lambda ref: record(ref, load_file(os.path.join(ref.lora_path, "adapter_model.safetensors")))
+    manager.load_lora_weights_from_tensors = record
+    runner = types.SimpleNamespace(  # ModelRunner's LoRA methods call the manager (model_runner.py)
+        load_lora_adapter=manager._load_lora_adapter, unload_lora_adapter=manager._unload_lora_adapter,
+        load_lora_adapter_from_tensors=manager._load_lora_adapter_from_tensors)
+    worker = types.SimpleNamespace(model_runner=runner)
+    for method in ("deserialize_own_rank", "load_lora_adapter", "unload_lora_adapter", "load_lora_adapter_from_tensors"):
+        fn = extract("sglang.srt.managers.tp_worker", f"BaseTpWorker.{method}", dict(names))
+        setattr(worker, method, fn if method != "deserialize_own_rank" else types.MethodType(fn, worker))
+    return manager, worker
+
+
+def _lora_front(fan_out):
+    """The tokenizer manager's LoRA side, SGLang's code: `TokenizerControlMixin`'s load / unload
+    methods (`sglang_oracle.extract`; its module needs fastapi) over SGLang's `LoRARegistry`; the
+    ranks' answers merged by SGLang's `_merge_lora_update_results`. Returns (self, methods)."""
+    import logging
+    import types
+
+    from sglang.srt.lora.lora_registry import LoRARef, LoRARegistry
+    from sglang.srt.managers import io_struct
+    from sglang.srt.utils.common import normalize_serialized_named_tensor_payloads
+    from tests.conformance.sglang_oracle import extract
+
+    module = "sglang.srt.managers.tokenizer_control_mixin"
+    names = dict(LoRARef=LoRARef, LoRAUpdateOutput=io_struct.LoRAUpdateOutput, logger=logging.getLogger("twin"),
+                 LoadLoRAAdapterReqOutput=io_struct.LoRAUpdateOutput, UnloadLoRAAdapterReqOutput=io_struct.LoRAUpdateOutput,
+                 LoadLoRAAdapterFromTensorsReqOutput=io_struct.LoRAUpdateOutput,
+                 UnloadLoRAAdapterReqInput=io_struct.UnloadLoRAAdapterReqInput,
+                 normalize_serialized_named_tensor_payloads=normalize_serialized_named_tensor_payloads,
+                 get_lora=lambda: types.SimpleNamespace(enable_lora=True, max_loaded_loras=None),
+                 get_parallel=lambda: types.SimpleNamespace(dp_size=1))
+    for helper in ("_merge_lora_update_results", "_lora_load_needs_cleanup"):
+        names[helper] = extract(module, helper, names)
+
+    async def communicator(obj):
+        results = await fan_out(next(p for p, (cls, _) in LORA_ROUTES.items() if cls == type(obj).__name__), obj)
+        return [io_struct.LoRAUpdateOutput(success=ok, error_message=msg[0], loaded_adapters=msg[1])
+                if isinstance(msg, tuple) else io_struct.LoRAUpdateOutput(success=False, error_message=str(msg))
+                for ok, msg, _, _ in results]  # (a str: the rank raised, as a checksum mismatch does)
+
+    front = types.SimpleNamespace(auto_create_handle_loop=lambda: None, lora_update_lock=asyncio.Lock(),
+                                  pending_lora_unloads={}, lora_registry=LoRARegistry(), lora_ref_cache={},
+                                  update_lora_adapter_communicator=communicator)
+    for method in ("load_lora_adapter", "load_lora_adapter_from_tensors", "unload_lora_adapter",
+                   "_unload_lora_adapter_locked"):
+        fn = extract(module, f"TokenizerControlMixin.{method}", names)
+        setattr(front, method, types.MethodType(fn, front))
+    return front
 
 
 # -- one TP rank (SGLang's scheduler process) -------------------------------------------------------
@@ -142,6 +245,8 @@ def _rank_main(tp_rank: int, tp_size: int, tp_port: int, model_dir: str, version
     def served() -> str:
         return runtime_context.get_serving().weight_version
 
+    lora_manager, lora_worker = _lora_rank(tp_rank, model_dir)
+
     def handle(route: str, req):
         if route == "/pause_generation":
             state["paused"] = req.mode
@@ -152,6 +257,12 @@ def _rank_main(tp_rank: int, tp_size: int, tp_port: int, model_dir: str, version
         if route == "/update_weight_version":
             manager.scheduler.handle_update_weight_version(req)
             return True, "ok"
+        if route in LORA_ROUTES:
+            out = getattr(lora_worker, LORA_ROUTES[route][1])(lora_worker, req)
+            return out.success, (out.error_message, out.loaded_adapters)
+        if route == "/twin/lora":
+            return True, {ref.lora_name: {"path": ref.lora_path, "tensors": lora_manager.tensors[lora_id]}
+                          for lora_id, ref in lora_manager.lora_refs.items()}
         if route == "/twin/state":
             return True, {"version": served(), "paused": state["paused"], "session": manager._session is not None,
                           "weights": {n: _digest(t) for n, t in model.tensors.items()}}
@@ -191,6 +302,7 @@ def _server_main(port: int, tp_size: int, model_dir: str, version: str, running_
     from sglang.srt.managers.communicator import FanOutCommunicator
     from sglang.srt.server_args import ServerArgs
     from sglang.srt.utils.common import build_server_info
+    from sglang.srt.utils.msgspec_utils import msgspec_to_builtins
 
     ctx = mp.get_context("spawn")
     tp_port, conns, ranks = _free_port(), [], []
@@ -246,6 +358,40 @@ def _server_main(port: int, tp_size: int, model_dir: str, version: str, running_
                     "before": [r[2] for r in results], "after": [r[3] for r in results], "time": time.time()})
         return web.json_response({"success": success, "message": message}, status=200 if success else 400)
 
+    lora_front = None
+
+    async def lora_route(http: web.Request) -> web.Response:
+        """SGLang's LoRA handlers (http_server.py): 200 when success, else 400; LoRAUpdateOutput body."""
+        nonlocal lora_front
+        if lora_front is None:
+            lora_front = _lora_front(fan_out_locked)
+        route, body = http.path, await http.json()
+        cls = getattr(io_struct, LORA_ROUTES[route][0])
+        try:
+            unknown = set(body) - set(cls.__struct_fields__) - INTERNAL_FIELDS
+            if unknown:
+                raise ValueError(f"{route}: {sorted(unknown)} are not fields of SGLang's {cls.__name__}")
+            req = pydantic.TypeAdapter(cls).validate_python(body)
+        except (ValueError, pydantic.ValidationError) as error:
+            log.append({"route": route, "success": False, "message": str(error)})
+            return web.json_response({"detail": str(error)}, status=422)
+        method = {"/load_lora_adapter": "load_lora_adapter", "/unload_lora_adapter": "unload_lora_adapter",
+                  "/load_lora_adapter_from_tensors": "load_lora_adapter_from_tensors"}[route]
+        result = await getattr(lora_front, method)(req)
+        log.append({"route": route, "success": result.success, "message": result.error_message, "time": time.time()})
+        return web.json_response(msgspec_to_builtins(result), status=200 if result.success else 400)
+
+    async def fan_out_locked(route: str, req) -> list:
+        async with lock:
+            return await fan_out(route, req)
+
+    async def twin_lora(http: web.Request) -> web.Response:
+        """The registry's adapters (names SGLang serves) and, per rank, each adapter's tensors' sha256."""
+        registered = sorted(lora_front.lora_registry._registry) if lora_front else []
+        async with lock:
+            ranks = [r[1] for r in await fan_out("/twin/lora", None)]
+        return web.json_response({"registered": registered, "ranks": ranks})
+
     async def flush_cache(http: web.Request) -> web.Response:
         async with lock:
             results = await fan_out("/twin/state", None)
@@ -275,9 +421,12 @@ def _server_main(port: int, tp_size: int, model_dir: str, version: str, running_
     app = web.Application(client_max_size=1 << 30)
     for route in ROUTES:
         app.router.add_post(route, weight_route)
+    for route in LORA_ROUTES:
+        app.router.add_post(route, lora_route)
     app.router.add_route("*", "/flush_cache", flush_cache)
     for path, handler in {"/server_info": server_info, "/get_server_info": server_info, "/health": health,
-                          "/twin/state": twin_state, "/twin/log": twin_log, "/twin/ranks": twin_ranks}.items():
+                          "/twin/state": twin_state, "/twin/log": twin_log, "/twin/ranks": twin_ranks,
+                          "/twin/lora": twin_lora}.items():
         app.router.add_get(path, handler)
     web.run_app(app, host="127.0.0.1", port=port, print=None, handle_signals=True)
 

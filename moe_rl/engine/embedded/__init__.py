@@ -2,5 +2,7 @@
 
 `runner` (model, KV-cached forward, routing capture, weight swap), `request` (sampling state and
 the SGLang-shaped response), `scheduler` (continuous batching thread, pause modes), `lora` (PEFT
-adapters per request), `server` (aiohttp routes, validation, weight updates).
+adapters: formats, binding to the model), `lora_hooks` (adapters applied per batch row, fused experts
+included), `lora_routes` (SGLang's LoRA routes and registry rules), `server` (aiohttp routes,
+validation, weight updates).
 """

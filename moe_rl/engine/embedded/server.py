@@ -16,6 +16,10 @@ extension (SGLang loads each bucket in place): the served weights and their labe
 together, at the commit. Buckets that name a `weight_version` (SGLang labels the engine with it
 at the first bucket) are committed as that version at `/end_weight_update` instead.
 
+LoRA (`lora_routes`, `lora`, `lora_hooks`): SGLang's three LoRA routes and registry rules; `/generate`
+with `lora_path` takes a use of that adapter for the request's life (an unknown name fails that
+request alone, 400), and an unload waits for the requests still using it.
+
 Memory occupation (colocated RL): `/release_memory_occupation` (idle engine only, as SGLang asserts)
 frees the weights (`ModelRunner.release_weights`) and/or the KV cache; `/resume_memory_occupation`
 re-allocates them; the weights hold nothing valid until a full weight update. While anything is

@@ -67,7 +67,7 @@ def rank_main(cfg: dict, work_dir: str) -> dict | None:
     from parallel.layout import ParallelLayout
     from parallel.lora import LoRAConfig, add_lora
     from parallel.model import build_gpt_model, init_model_parallel
-    from parallel.peft import collect_adapter
+    from parallel.peft import collect_adapter, write_adapter
     from sync.lora import AdapterSync, AdapterSyncConfig, adapter_name
     from sync.sender import SyncConfig, WeightSender, drain
 
@@ -90,7 +90,7 @@ def rank_main(cfg: dict, work_dir: str) -> dict | None:
     sizes = {}
     with launch_embedded(f"{work_dir}/base", weight_version="0", threads=1) as engine:
         routes = {route: AdapterSync([EngineClient(engine.url, name="engine-0")], AdapterSyncConfig(
-            route=route, directory=f"{work_dir}/adapters", keep=2)) for route in ("tensors", "disk")}
+            route=route, directory=f"{work_dir}/adapters", keep=2), write_adapter) for route in ("tensors", "disk")}
         newest = [None]
         tail = LongTail(engine.url, lambda: newest[0])
         sender = WeightSender([EngineClient(engine.url, name="engine-0")],

@@ -1,6 +1,6 @@
 """Adapter-only sync: each policy version is a new LoRA adapter on every engine, without a pause.
 
-    adapters = AdapterSync(engines, AdapterSyncConfig(route="disk", directory=..., keep=2))
+    adapters = AdapterSync(engines, AdapterSyncConfig(route="disk", directory=..., keep=2), write_adapter)
     adapters.publish(version, adapter_config, tensors)   # rank 0 of the trainer (parallel.peft)
 
 Version N is the adapter `policy-v{N}` (`adapter_name`), served next to the older ones; the base
@@ -30,7 +30,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -90,13 +90,20 @@ class AdapterStats:
     dropped: list[str] = field(default_factory=list)
 
 
+AdapterWriter = Callable[[Path, dict, dict[str, torch.Tensor]], Path]
+"""Writes a PEFT adapter directory atomically and returns it (`parallel.peft.write_adapter`; the
+caller passes it, since `sync` does not import `parallel`)."""
+
+
 class AdapterSync:
-    def __init__(self, engines: list[AdapterEndpoint], config: AdapterSyncConfig):
+    def __init__(self, engines: list[AdapterEndpoint], config: AdapterSyncConfig, write: AdapterWriter | None = None):
         from sync.engine_set import EngineSet
 
         if not engines:
             raise ValueError("engines: need at least one engine to load adapters on")
-        self.config = config
+        if config.route == "disk" and write is None:
+            raise ValueError("the disk adapter route needs `write` (parallel.peft.write_adapter)")
+        self.config, self._write_dir = config, write
         self.engines = EngineSet(engines, config.timeout_s)
         self.version: int | None = None  # newest version loaded on every engine
         self.loaded: deque[int] = deque()  # versions loaded on every engine, oldest first
@@ -165,9 +172,7 @@ class AdapterSync:
         return Path(self.config.directory) / adapter_name(version)
 
     def _write(self, version: int, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
-        from parallel.peft import write_adapter
-
-        return write_adapter(self._path(version), config, tensors)
+        return self._write_dir(self._path(version), config, tensors)
 
     async def _load(self, engine, version: int, config: dict, tensors: dict, path: Path | None) -> None:
         if path is not None:

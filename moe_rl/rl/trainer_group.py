@@ -114,11 +114,12 @@ class TrainerRank:
 
     def _connect_adapters(self, urls: list[str], config, version: int) -> None:
         from moe_rl.engine.client import EngineClient
+        from parallel.peft import write_adapter
         from sync.lora import AdapterSync
 
         if self.rank == 0:
             clients = [EngineClient(url, kind=self.kind, name=f"engine-{i}", retries=1) for i, url in enumerate(urls)]
-            self.sender = AdapterSync(clients, config)
+            self.sender = AdapterSync(clients, config, write_adapter)
         self._publish_adapter(version)
 
     def _publish_adapter(self, version: int) -> dict:

@@ -19,6 +19,7 @@ from moe_rl.engine.client import EngineClient
 from moe_rl.engine.pool import EnginePool
 from moe_rl.engine.process import launch_embedded
 from moe_rl.rollout import RolloutConfig, RolloutManager
+from parallel.peft import write_adapter
 from sync.lora import AdapterSync, AdapterSyncConfig, adapter_name
 
 import moe_rl.rl.long_tail  # noqa: F401  registers copy_digits_long_tail
@@ -63,7 +64,8 @@ def test_adapter_versions_while_generating(model_dirs, tmp_path, route):
                            return_routed_experts=True)
     with launch_embedded(model_dirs[0], weight_version="0", threads=1) as engine:
         client = EngineClient(engine.url, name="engine-0")
-        sync = AdapterSync([client], AdapterSyncConfig(route=route, directory=str(directory), keep=STALENESS + 1))
+        sync = AdapterSync([client], AdapterSyncConfig(route=route, directory=str(directory), keep=STALENESS + 1),
+                           write_adapter)
         try:
             batches, on_disk = asyncio.run(_run(config, client, sync, model_dirs[0], directory))
             served = asyncio.run(EngineClient(engine.url).model_info())

@@ -145,3 +145,41 @@ def test_twin_takes_the_clients_lora_loads_and_unloads(model_dir, tmp_path):
     for rank in loaded["ranks"]:
         assert rank == {"mem": {"path": "__tensor__", "tensors": want}, "disk": {"path": str(tmp_path), "tensors": want}}
     assert after["registered"] == ["mem"] and all(list(rank) == ["mem"] for rank in after["ranks"])
+
+
+def _published(version: int) -> dict[str, torch.Tensor]:
+    return {name: tensor.float() + version for name, tensor in _tensors().items()}
+
+
+@pytest.mark.timeout(600)
+def test_adapter_sync_against_the_twin(model_dir, tmp_path):
+    """sync.lora.AdapterSync on the twin (tp 2), both routes: each version lands on every TP rank
+    with its exact tensors, older ones are unloaded down to `keep`, disk files go only after."""
+    import time
+
+    from parallel.peft import write_adapter
+    from sync.lora import AdapterSync, AdapterSyncConfig, adapter_name
+
+    with SGLangTwin(model_dir, tp_size=2) as twin:
+        syncs = {route: AdapterSync([EngineClient(twin.url, kind="sglang", name="twin", timeout_s=60)],
+                                    AdapterSyncConfig(route=route, directory=str(tmp_path), keep=2), write_adapter)
+                 for route in ("tensors", "disk")}
+        try:
+            for route, first in (("tensors", 0), ("disk", 10)):
+                for version in range(first, first + 3):
+                    syncs[route].publish(version, CONFIG, _published(version))
+            expected = {adapter_name(v) for v in (1, 2, 11, 12)}
+            deadline = time.monotonic() + 120
+            while set(twin.get("/twin/lora")["registered"]) != expected and time.monotonic() < deadline:
+                time.sleep(0.2)  # the unloads of v0 and v10 run in the background
+            state = twin.get("/twin/lora")
+        finally:
+            for sync in syncs.values():
+                sync.close()
+    assert set(state["registered"]) == expected
+    for rank in state["ranks"]:
+        assert set(rank) == expected
+        for version in (1, 2, 11, 12):
+            want = {n: tensor_sha256(t) for n, t in sorted(_published(version).items())}
+            assert rank[adapter_name(version)]["tensors"] == want
+    assert (tmp_path / adapter_name(12)).is_dir() and (tmp_path / adapter_name(11)).is_dir()

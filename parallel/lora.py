@@ -118,12 +118,20 @@ class LoRAAdapter(torch.nn.Module):
         device, dtype = base.weight.device, base.weight.dtype
         self.lora_A = torch.nn.Parameter(torch.empty(rank, in_local, device=device, dtype=dtype))
         self.lora_B = torch.nn.Parameter(torch.zeros(out_local, rank, device=device, dtype=dtype))
-        # Megatron's grad-norm and checkpoint code read these (a split tensor counts once per rank).
-        set_tensor_model_parallel_attributes(self.lora_A, not column, 1, 1)
-        set_tensor_model_parallel_attributes(self.lora_B, column, 0, 1)
+        # Megatron's grad norm counts a tensor-parallel param on every rank, any other on dense-TP
+        # rank 0 only, and never a `shared` one.
+        split, replicated = (self.lora_B, self.lora_A) if column else (self.lora_A, self.lora_B)
+        set_tensor_model_parallel_attributes(split, True, 0 if column else 1, 1)
+        first = dist.get_rank(self.group) == 0
         if base.is_expert:
+            # Replicated over the expert-TP group, which need not be the dense TP group: count it
+            # once, on the group's first member.
+            set_tensor_model_parallel_attributes(replicated, first, 1 if column else 0, 1)
+            replicated.shared = not first
             for param in (self.lora_A, self.lora_B):
                 param.allreduce = False  # expert-data-parallel, like the expert weights
+        else:
+            set_tensor_model_parallel_attributes(replicated, False, 1 if column else 0, 1)
 
     def delta(self) -> torch.Tensor:
         """`scale * B @ A` on this rank's shard: what merging adds to the base weight's shard."""

@@ -44,7 +44,7 @@ def run(config: RunConfig) -> list[float]:
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
 
     is_logger = dist.get_rank() == 0
-    trainer = MegatronTrainer(config.trainer, config.model.load_hf_config())
+    trainer = MegatronTrainer(config.trainer, config.model.load_hf_config(), lora=config.lora)
     batch = load_batch(config.data, config.trainer.global_batch_size, trainer.bridge.vocab_size,
                        config.trainer.seed)
     run_dir = Path(config.output_dir)

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch first, from the CPU wheel (never let a dependency pull a multi-GB CUDA build)
 TORCH ?= torch==2.13.0
 
-.PHONY: setup test demo test-mcore-latest clean
+.PHONY: setup test demo demo-lora test-mcore-latest clean
 
 setup: $(VENV)/.installed
 
@@ -21,6 +21,9 @@ test: setup
 
 demo: setup
 	$(BIN)/moe-rl train configs/demo_cpu.yaml --overwrite  # a fresh runs/demo each time
+
+demo-lora: setup
+	$(BIN)/moe-rl train configs/demo_lora_cpu.yaml --overwrite  # adapter-only RL, runs/demo_lora
 
 # The same suite on Python 3.12 with megatron-core 0.19.x (what clusters run). torch comes
 # from the registry as a CUDA build (~3 GB) and runs on CPU. Not in CI.

@@ -11,7 +11,7 @@ weights never change. `publish` is the update, as numbered steps:
   3. load it on every engine at once (`/load_lora_adapter`, or `/load_lora_adapter_from_tensors`
      with per-tensor checksums): all or nothing. If an engine refuses, the adapter is unloaded
      from the engines that accepted it and SyncError names the engine; an engine that does not
-     answer `/health` afterwards is dead: dropped (`AdapterStats.dropped`) and the others commit;
+     answer `/health` afterwards is dead: dropped (`SyncStats.dropped`) and the others commit;
   4. keep `keep` versions (max_staleness + 1): the oldest beyond them is unloaded in the
      background. SGLang's unload waits for the requests still using it, so the loop never waits
      for it; requests in flight finish on the adapter they started with, new ones name the newest;
@@ -28,13 +28,14 @@ import shutil
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
 import torch
 
 from sync.engine_set import SyncError, describe
+from sync.sender import SyncStats
 
 ADAPTER_ROUTES = ("disk", "tensors")
 
@@ -81,15 +82,6 @@ class AdapterSyncConfig:
             raise ValueError(f"keep={self.keep}: at least one adapter must stay loaded")
 
 
-@dataclass
-class AdapterStats:
-    version: int
-    bytes: int
-    seconds: float
-    engines: list[str] = field(default_factory=list)
-    dropped: list[str] = field(default_factory=list)
-
-
 AdapterWriter = Callable[[Path, dict, dict[str, torch.Tensor]], Path]
 """Writes a PEFT adapter directory atomically and returns it (`parallel.peft.write_adapter`; the
 caller passes it, since `sync` does not import `parallel`)."""
@@ -112,7 +104,7 @@ class AdapterSync:
 
     # -- the update ------------------------------------------------------------------------------
 
-    def publish(self, version: int, config: dict, tensors: dict[str, torch.Tensor]) -> AdapterStats:
+    def publish(self, version: int, config: dict, tensors: dict[str, torch.Tensor]) -> SyncStats:
         start = time.perf_counter()
         # 1. versions only increase
         if self.version is not None and version <= self.version:
@@ -144,7 +136,7 @@ class AdapterSync:
         while len(self.loaded) > self.config.keep:
             self._unload(self.loaded.popleft())
         size = sum(t.numel() * t.element_size() for t in tensors.values())
-        return AdapterStats(version, size, time.perf_counter() - start, engines=self.engines.names, dropped=dropped)
+        return SyncStats(version, size, time.perf_counter() - start, engines=self.engines.names, dropped=dropped)
 
     def add(self, engine: AdapterEndpoint) -> None:
         """A restarted engine (no adapters) joins: it loads every kept version, oldest first;

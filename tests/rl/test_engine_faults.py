@@ -65,8 +65,13 @@ class FaultyCluster(RLCluster):
         while not self.stopped.is_set():
             if ("revived", 1) in [e[:2] for e in self.events]:
                 if ray.get(self.rollout.engine_states.remote())[0]["in_flight"] >= 1:
-                    self.kill(0, "killed_in_rollout")
-                    return
+                    # hold them there (an in-place pause keeps requests in the engine), so they are
+                    # still in flight when the process dies, not finished in between
+                    asyncio.run(_pause(self.url(0)))
+                    if ray.get(self.rollout.engine_states.remote())[0]["in_flight"] >= 1:
+                        self.kill(0, "killed_in_rollout")
+                        return
+                    asyncio.run(_continue(self.url(0)))
             time.sleep(0.002)
 
     def recover(self) -> None:
@@ -92,6 +97,22 @@ class FaultyCluster(RLCluster):
         self.final = {"states": ray.get(self.rollout.engine_states.remote()), "version": self.version,
                       "versions": [asyncio.run(_served_version(self.url(i))) for i in range(len(self.engines))]}
         return super().close()
+
+
+async def _pause(url: str) -> None:
+    client = EngineClient(url)
+    try:
+        await client.pause_generation("in_place")
+    finally:
+        await client.close()
+
+
+async def _continue(url: str) -> None:
+    client = EngineClient(url)
+    try:
+        await client.continue_generation()
+    finally:
+        await client.close()
 
 
 async def _served_version(url: str) -> str:

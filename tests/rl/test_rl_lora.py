@@ -1,10 +1,12 @@
 """An RL run with LoRA end to end (Ray, Megatron EP2 ranks, a real embedded engine): adapters
 only move (no pause), every group is trained once or dropped with a reason, the engine ends with
 at most max_staleness + 1 adapters, and the final adapter, loaded by PEFT on the base, gives the
-logprobs of the merged `final_hf/` checkpoint."""
+logprobs of the merged `final_hf/` checkpoint. Then the run is resumed from its adapter-only run
+checkpoint for more steps: metrics continue, adapter versions continue."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -34,7 +36,7 @@ def test_rl_with_lora(tmp_path):
         "rollout": {"task": "copy_digits_long_tail", "task_options": {"num_stop_tokens": 40},
                     "groups_per_step": 4, "n_samples_per_prompt": 2, "max_new_tokens": 12, "max_staleness": 1},
         "sync": {"lora_route": "disk"},
-        "rl": {"mode": "fully_async", "report": False},
+        "rl": {"mode": "fully_async", "report": False, "checkpoint_every": 2},
         "steps": STEPS, "output_dir": str(tmp_path / "run"),
     })
     summary = rl.run(config)
@@ -56,3 +58,10 @@ def test_rl_with_lora(tmp_path):
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final_hf", dtype=torch.float32)(tokens).logits
     assert (adapted - merged).abs().max() < 1e-4
     assert (adapted - before).abs().max() > 1e-3  # the adapter learned something
+
+    more = dataclasses.replace(config, steps=STEPS + 2)
+    rl.run(more, resume=True)
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 3))
+    left = sorted(p.name for p in (tmp_path / "run" / "adapters").iterdir())
+    assert f"policy-v{STEPS + 2}" in left

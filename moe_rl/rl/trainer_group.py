@@ -177,16 +177,15 @@ class TrainerRank:
         from moe_rl.engine.client import EngineClient
         from sync.engine_set import SyncError
 
-        start = time.perf_counter()
-        if self.sender is not None:
+        start, dropped = time.perf_counter(), []
+        if self.sender is not None:  # rank 0 only: the other ranks hold no sender
             for name in lost:
                 self.sender.remove(name)
-        dropped = []
-        for name, url in joined.items():
-            try:
-                self.sender.add(EngineClient(url, kind=self.kind, name=name, retries=1))
-            except SyncError:  # it died again: restarted next time (raising here would strand the ranks)
-                dropped.append(name)
+            for name, url in joined.items():
+                try:
+                    self.sender.add(EngineClient(url, kind=self.kind, name=name, retries=1))
+                except SyncError:  # it died again: restarted next time (raising here would strand the ranks)
+                    dropped.append(name)
         caught_up = self._agree(self.sender is not None and self.sender.version == version)
         result = {"engines": [], "dropped": []} if caught_up else self._publish_adapter(version)
         return {**result, "dropped": result["dropped"] + dropped, "seconds": time.perf_counter() - start}

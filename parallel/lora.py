@@ -215,6 +215,12 @@ def adapter_parameters(model) -> dict[str, torch.nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if ".".join(name.split(".")[:-1]).endswith(SUFFIX)}
 
 
+def adapter_sharded_state_dict(model) -> dict:
+    """The entries of `model.sharded_state_dict()` that hold adapters: an adapter-only checkpoint."""
+    trainable = {id(p) for p in adapter_parameters(model).values()}
+    return {k: v for k, v in model.sharded_state_dict().items() if id(getattr(v, "data", None)) in trainable}
+
+
 def add_lora(model, bridge, config: LoRAConfig, seed: int) -> dict[str, LoRAAdapter]:
     """Adapt every targeted linear of this stage and freeze everything else; returns `adapters(model)`.
 

@@ -210,7 +210,7 @@ def peft_to_megatron(layout, peft_dir: str, out: str, hf_dir: str) -> None:
     from megatron.core import dist_checkpointing
 
     from parallel.hf_checkpoint import load_hf_config
-    from parallel.lora import TARGETS, add_lora, adapter_parameters
+    from parallel.lora import TARGETS, add_lora, adapter_sharded_state_dict
     from parallel.peft import load_adapter, lora_config_of
 
     hf_config = load_hf_config(hf_dir)
@@ -220,9 +220,7 @@ def peft_to_megatron(layout, peft_dir: str, out: str, hf_dir: str) -> None:
     load_adapter(model, bridge, peft_dir)
     tmp = _fresh_tmp(out)
     _say(f"saving the adapters of {peft_dir} to {tmp}")
-    trainable = {id(p) for p in adapter_parameters(model).values()}
-    state = {k: v for k, v in model.sharded_state_dict().items() if id(getattr(v, "data", None)) in trainable}
-    dist_checkpointing.save(state, str(tmp))
+    dist_checkpointing.save(adapter_sharded_state_dict(model), str(tmp))
     if dist.get_rank() == 0:
         write_lora_meta(tmp, hf_config, lora)
         _replace(tmp, Path(out))
@@ -233,7 +231,7 @@ def megatron_to_peft(layout, ckpt_dir: str, out: str) -> None:
     """Rank function: load the adapters of a torch_dist checkpoint at `layout`, write PEFT."""
     from megatron.core import dist_checkpointing
 
-    from parallel.lora import LoRAConfig, add_lora, adapter_parameters
+    from parallel.lora import LoRAConfig, add_lora, adapter_sharded_state_dict
     from parallel.peft import save_adapter
 
     meta = json.loads((Path(ckpt_dir) / META_FILE).read_text())
@@ -242,8 +240,7 @@ def megatron_to_peft(layout, ckpt_dir: str, out: str) -> None:
     lora = LoRAConfig(**meta["lora"])
     bridge, model = _build(meta["hf_config"], layout)
     add_lora(model, bridge, lora, seed=0)
-    trainable = {id(p) for p in adapter_parameters(model).values()}
-    request = {k: v for k, v in model.sharded_state_dict().items() if id(getattr(v, "data", None)) in trainable}
+    request = adapter_sharded_state_dict(model)
     _say(f"loading the adapters of {ckpt_dir} at tp={layout.tp} pp={layout.pp} ep={layout.ep} etp={layout.expert_tp}")
     model.load_state_dict(dist_checkpointing.load(request, ckpt_dir), strict=False)
     save_adapter(model, bridge, lora, out, base_model=meta["hf_config"].get("_name_or_path") or None)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from parallel.lora import adapter_parameters
+from parallel.lora import adapter_parameters, adapter_sharded_state_dict
 
 LAYOUT_FILE = "moe_rl_layout.json"
 _OPTIMIZER_METADATA = {
@@ -56,10 +56,9 @@ def _rng_object(rank: int, world_size: int, state=None):
 
 
 def _sharded_state(trainer, with_rng: bool, is_loading: bool) -> dict:
-    model_state = trainer.model.module.sharded_state_dict()
-    if trainer.lora is not None:  # the frozen base comes from model.path / the seed, not from here
-        trainable = {id(p) for p in adapter_parameters(trainer.model.module).values()}
-        model_state = {k: v for k, v in model_state.items() if id(getattr(v, "data", None)) in trainable}
+    model = trainer.model.module
+    # with LoRA the frozen base comes from model.path / the seed, not from here
+    model_state = model.sharded_state_dict() if trainer.lora is None else adapter_sharded_state_dict(model)
     state = {
         "model": model_state,
         "optimizer": trainer.optimizer.sharded_state_dict(

@@ -43,18 +43,19 @@ def check_safetensors(path: str | os.PathLike) -> None:
 
 
 class HFCheckpointReader:
-    """Lazy reader of an HF safetensors checkpoint: reads only the requested slices."""
+    """Lazy reader of an HF safetensors checkpoint: reads only the requested slices.
+    `single_file`: the file of an unsharded checkpoint (a PEFT adapter's is adapter_model.safetensors)."""
 
-    def __init__(self, hf_dir: str | os.PathLike):
+    def __init__(self, hf_dir: str | os.PathLike, single_file: str = SINGLE_FILE):
         self.dir = Path(hf_dir)
         index = self.dir / INDEX_FILE
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
-        elif (self.dir / SINGLE_FILE).exists():
-            with safe_open(self.dir / SINGLE_FILE, "pt") as f:
-                weight_map = {name: SINGLE_FILE for name in f.keys()}
+        elif (self.dir / single_file).exists():
+            with safe_open(self.dir / single_file, "pt") as f:
+                weight_map = {name: single_file for name in f.keys()}
         else:
-            raise ValueError(f"{self.dir} has neither {INDEX_FILE} nor {SINGLE_FILE}: pass an HF "
+            raise ValueError(f"{self.dir} has neither {INDEX_FILE} nor {single_file}: pass an HF "
                              f"checkpoint directory saved with safetensors")
         self.weight_map: dict[str, str] = weight_map
         for file in sorted(set(weight_map.values())):
@@ -67,7 +68,7 @@ class HFCheckpointReader:
     def _slice(self, name: str):
         if name not in self.weight_map:
             raise ValueError(f"HF checkpoint {self.dir} has no tensor {name!r}: the bridge expects it "
-                             f"(wrong architecture or config?)")
+                             f"(wrong architecture or config, or an adapter lora.target_modules does not match?)")
         file = self.weight_map[name]
         if file not in self._files:
             self._files[file] = safe_open(self.dir / file, "pt")

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.bridges import Bridge
+from parallel.hf_checkpoint import HFCheckpointReader
 from parallel.lora import LoRAAdapter, LoRAConfig, adapters
 from parallel.mappings import ColumnParallel, GatedColumn, Mapping, Replicated, resolve
 
@@ -84,7 +85,7 @@ def _tasks(model, bridge: Bridge):
     for base_name, adapter in adapters(model).items():
         mapping, indices = resolve(table, base_name)
         mapping_a, mapping_b = _halves(mapping, adapter)
-        yield adapter, indices, ((adapter.lora_A, _renamed(mapping_a, "A")), (adapter.lora_B, _renamed(mapping_b, "B")))
+        yield indices, ((adapter.lora_A, _renamed(mapping_a, "A")), (adapter.lora_B, _renamed(mapping_b, "B")))
 
 
 def export_adapter(model, bridge: Bridge) -> Iterator[tuple[str, torch.Tensor]]:
@@ -96,7 +97,7 @@ def export_adapter(model, bridge: Bridge) -> Iterator[tuple[str, torch.Tensor]]:
     with torch.no_grad():
         for chunk in model_chunks(model):
             ctx = parallel_context(chunk, bridge)
-            for adapter, indices, halves in _tasks(chunk, bridge):
+            for indices, halves in _tasks(chunk, bridge):
                 for param, mapping in halves:
                     if ctx.in_expert_source_replica if mapping.expert else ctx.in_source_replica:
                         yield from mapping.export(param.detach(), ctx, indices)
@@ -111,11 +112,6 @@ def hf_lora_targets(bridge: Bridge, target_modules: list[str]) -> list[str]:
         if len(leaf) == 3 and leaf[1] in target_modules and leaf[2] == "weight":
             names.update(name.split(".")[-2] for name in mapping.hf)
     return sorted(names)
-
-
-def hf_target_modules(names) -> list[str]:
-    """PEFT's `target_modules` (HF leaf names, e.g. q_proj, gate_proj) of these PEFT tensor names."""
-    return sorted({name.split(".")[-3] for name in names})
 
 
 def adapter_config(lora: LoRAConfig, target_modules: list[str], base_model: str | None = None) -> dict:
@@ -134,11 +130,11 @@ def collect_adapter(model, bridge: Bridge, lora: LoRAConfig) -> tuple[dict, dict
     if dist.get_rank() != 0:
         return None
     tensors = {name: tensor for part in parts for name, tensor in part.items()}
-    return adapter_config(lora, hf_target_modules(tensors)), tensors
+    return adapter_config(lora, hf_lora_targets(bridge, lora.target_modules)), tensors
 
 
 def write_adapter(directory: str | os.PathLike, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
-    """Write a PEFT adapter directory atomically: `<dir>.tmp`, then renamed into place."""
+    """Write a PEFT adapter directory atomically: `.tmp-<name>` beside it, then renamed into place."""
     from safetensors.torch import save_file
 
     final = Path(directory)
@@ -187,29 +183,6 @@ def lora_config_of(directory: str | os.PathLike, target_modules: list[str] | Non
                       use_rslora=bool(config.get("use_rslora", False)), **extra)
 
 
-class _AdapterReader:
-    """ShardReader over adapter_model.safetensors (lazy slices)."""
-
-    def __init__(self, path: Path):
-        from safetensors import safe_open
-
-        self.path, self.file = path, safe_open(path, "pt")
-        self.names = set(self.file.keys())
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._slice(name).get_shape())
-
-    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        tensor = self._slice(name)
-        return tensor[:] if dim is None else tensor[(slice(None),) * dim + (slice(start, stop),)]
-
-    def _slice(self, name: str):
-        if name not in self.names:
-            raise ValueError(f"{self.path} has no tensor {name!r}: the adapter does not cover every module "
-                             f"lora.target_modules adapts")
-        return self.file.get_slice(name)
-
-
 def load_adapter(model, bridge: Bridge, directory: str | os.PathLike) -> None:
     """Fill this rank's adapters from a PEFT adapter directory (collective: checks that every
     tensor of the file was used by some rank). The model's LoRAConfig must match the file's
@@ -222,18 +195,18 @@ def load_adapter(model, bridge: Bridge, directory: str | os.PathLike) -> None:
             raise ValueError(f"{directory}: r={expected.rank}, scale={expected.scale} but the model's adapters have "
                              f"r={adapter.lora_A.shape[0]}, scale={adapter.scale}: set lora.rank and lora.alpha "
                              f"(and use_rslora) to the adapter's")
-    reader = _AdapterReader(Path(directory) / WEIGHTS_FILE)
+    reader = HFCheckpointReader(directory, single_file=WEIGHTS_FILE)
     used: set[str] = set()
     with torch.no_grad():
         for chunk in model_chunks(model):
             ctx = parallel_context(chunk, bridge)
-            for adapter, indices, halves in _tasks(chunk, bridge):
+            for indices, halves in _tasks(chunk, bridge):
                 for param, mapping in halves:
                     param.copy_(mapping.load(reader, ctx, indices, param.shape).to(param.dtype))
                     used.update(mapping.hf_names(ctx, indices))
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, sorted(used))
-    unused = reader.names - set().union(*map(set, everyone))
+    unused = reader.names() - set().union(*map(set, everyone))
     if unused:
         raise ValueError(f"{directory}: {len(unused)} adapter tensors match no adapted module, e.g. "
                          f"{sorted(unused)[:3]}; set lora.target_modules to cover them")

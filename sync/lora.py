@@ -35,7 +35,7 @@ from typing import Callable, Protocol
 import torch
 
 from sync.engine_set import SyncError, describe
-from sync.sender import SyncStats
+from sync.sender import SyncStats, require_health
 
 ADAPTER_ROUTES = ("disk", "tensors")
 
@@ -95,12 +95,16 @@ class AdapterSync:
             raise ValueError("engines: need at least one engine to load adapters on")
         if config.route == "disk" and write is None:
             raise ValueError("the disk adapter route needs `write` (parallel.peft.write_adapter)")
-        self.config, self._write_dir = config, write
+        self.config, self._write_adapter = config, write
         self.engines = EngineSet(engines, config.timeout_s)
-        self.version: int | None = None  # newest version loaded on every engine
         self.loaded: deque[int] = deque()  # versions loaded on every engine, oldest first
         self._kept: dict[int, tuple[dict, dict[str, torch.Tensor]]] = {}  # tensors route: for restarts
         self._unloading: dict[int, list[Future]] = {}  # version -> its background unloads
+
+    @property
+    def version(self) -> int | None:
+        """The newest version loaded on every engine (None before the first)."""
+        return self.loaded[-1] if self.loaded else None
 
     # -- the update ------------------------------------------------------------------------------
 
@@ -110,11 +114,11 @@ class AdapterSync:
         if self.version is not None and version <= self.version:
             raise ValueError(f"version: {version} is not newer than the loaded {self.version}")
         # 2. the disk route publishes the directory atomically
-        path = self._write(version, config, tensors) if self.config.route == "disk" else None
+        path = self._write_adapter(self._path(version), config, tensors) if self.config.route == "disk" else None
         # 3. load everywhere, all or nothing
         name = adapter_name(version)
         failed = self.engines.call(lambda engine: self._load(engine, version, config, tensors, path))
-        dropped = sorted(n for n in failed if not self._alive(n))
+        dropped = sorted(self.engines.subset(set(failed)).call(require_health))
         self.engines.drop(set(dropped))
         refused = {n: error for n, error in failed.items() if n not in dropped}
         if refused or not self.engines.engines:
@@ -126,7 +130,6 @@ class AdapterSync:
                               f"no engine serves it", engine=next(iter(refused), None))
             error.dropped = dropped
             raise error
-        self.version = version
         self.loaded.append(version)
         if self.config.route == "tensors":
             self._kept[version] = (config, tensors)
@@ -163,22 +166,12 @@ class AdapterSync:
     def _path(self, version: int) -> Path:
         return Path(self.config.directory) / adapter_name(version)
 
-    def _write(self, version: int, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
-        return self._write_dir(self._path(version), config, tensors)
-
     async def _load(self, engine, version: int, config: dict, tensors: dict, path: Path | None) -> None:
         if path is not None:
             await engine.load_lora_adapter(adapter_name(version), str(path))
         else:
             tp_size = await engine.num_group_ranks()
             await engine.load_lora_adapter_from_tensors(adapter_name(version), config, tensors, tp_size=tp_size)
-
-    def _alive(self, name: str) -> bool:
-        async def healthy(engine):
-            if not await engine.health():
-                raise SyncError(f"{engine.name} is not healthy")
-
-        return not self.engines.subset({name}).call(healthy)
 
     def _unload(self, version: int) -> None:
         self._kept.pop(version, None)

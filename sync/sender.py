@@ -188,7 +188,7 @@ class WeightSender:
 
     def _drop_dead(self, targets: EngineSet) -> list[str]:
         """After a failure: drop the targets that no longer answer /health; returns their names."""
-        dead = set(targets.call(_require_health))
+        dead = set(targets.call(require_health))
         self._forget(dead)
         return sorted(dead)
 
@@ -210,7 +210,7 @@ class WeightSender:
         self.engines.close()
 
 
-async def _require_health(engine: EngineEndpoint) -> None:
+async def require_health(engine: EngineEndpoint) -> None:
     if not await engine.health():
         raise ConnectionError(f"{engine.name} does not answer /health")
 

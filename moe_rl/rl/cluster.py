@@ -139,13 +139,13 @@ class RLCluster:
         cfg = self.config
         colocated = cfg.engines.kind == "sglang" and cfg.rl.colocate
         devices = self.trainer.call_each("device") if colocated else None
-        engines = []
+        engines, lora = [], self._lora_slots()
         for i, (options, gpu_ids) in enumerate(engine_placement(cfg.engines, cfg.rl.colocate, devices)):
             if "bundle" in options:
                 options = dict(options, scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.trainer.placement, options.pop("bundle")))
             engines.append(ray.remote(EngineServer).options(**options).remote(
-                model_dir, cfg.engines, str(self.run_dir / f"engine-{i}.log"), version, gpu_ids, self._lora_slots()))
+                model_dir, cfg.engines, str(self.run_dir / f"engine-{i}.log"), version, gpu_ids, lora))
         return engines
 
     def _lora_slots(self):

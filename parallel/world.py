@@ -31,6 +31,12 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_PORT" in os.environ
 
 
+def is_first_process() -> bool:
+    """Rank 0 under torchrun, and the one process of a run that spawns its own ranks: where a
+    command prints its summary and creates its outputs."""
+    return int(os.environ.get("RANK", 0)) == 0
+
+
 def init_distributed(timeout_s: float = 300) -> tuple[int, int]:
     """Join the default process group from the environment; returns (rank, world_size).
 

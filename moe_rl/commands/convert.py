@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 from pathlib import Path
 
@@ -64,7 +63,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from parallel.layout import ParallelLayout
-    from parallel.world import launched_by_torchrun, spawn, init_distributed
+    from parallel.world import init_distributed, is_first_process, launched_by_torchrun, spawn
 
     for axis in ("tp", "pp", "ep", "etp", "world_size"):
         value = getattr(args, axis)
@@ -100,7 +99,7 @@ def run(args) -> int:
         fn(layout, source, args.out, *extra)
     else:
         spawn(fn, world_size, layout, source, args.out, *extra)
-    if int(os.environ.get("RANK", 0)) == 0:
+    if is_first_process():
         print(f"wrote {args.out}")
     return 0
 

@@ -22,10 +22,10 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    import os
     from pathlib import Path
 
     from moe_rl.config import load_config
+    from parallel.world import is_first_process
 
     overrides = list(args.overrides)
     if args.config is not None and "=" in args.config:  # `train --resume DIR steps=20`
@@ -41,7 +41,7 @@ def run(args) -> int:
         config = load_config(args.config, overrides)
     if args.resume is not None and not config.is_rl:
         raise ValueError("--resume: only RL runs write run checkpoints; restart supervised runs from their config")
-    if args.resume is None and int(os.environ.get("RANK", 0)) == 0:  # under torchrun rank 0 decides
+    if args.resume is None and is_first_process():  # under torchrun rank 0 decides
         fresh_run_dir(Path(config.output_dir), args.overwrite)
     if config.is_rl:
         protect_local_ray()
@@ -60,7 +60,8 @@ def run(args) -> int:
         losses = supervised.run(config)
     else:
         losses = spawn(supervised.run, config.trainer.world_size, config, timeout_s=None)[0]
-    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; run dir: {config.output_dir}")
+    if is_first_process():  # every torchrun rank returns the same curve
+        print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; run dir: {config.output_dir}")
     return 0
 
 

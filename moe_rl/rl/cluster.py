@@ -26,6 +26,7 @@ bookkeeping; the driver calls it while it waits for a batch and after each sync.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -38,6 +39,43 @@ from moe_rl.rl.rollout_actor import EngineServer, RolloutWorker, engine_placemen
 from moe_rl.rl.trainer_group import TrainerGroup
 
 
+@dataclass(frozen=True)
+class RayDemand:
+    """The Ray resources an RL run's actors ask for, all at once."""
+
+    cpus: int
+    gpus: int
+    largest_gpu_ask: int  # GPUs one actor needs on a single node
+
+
+def ray_demand(config: RunConfig, use_gpus: bool) -> RayDemand:
+    """What `RLCluster` will place: one bundle per trainer rank (a GPU each on GPUs), each engine
+    server (`engine_placement`; colocated ones hold nothing) and the rollout worker (1 CPU)."""
+    world = config.trainer.world_size
+    engines = [options for options, _ in engine_placement(
+        config.engines, config.rl.colocate, [("node", ["0"])] * world)]
+    trainer_gpus = world if use_gpus else 0
+    engine_gpus = [options["num_gpus"] if use_gpus else 0 for options in engines]
+    return RayDemand(cpus=world + sum(options["num_cpus"] for options in engines) + 1,
+                     gpus=trainer_gpus + sum(engine_gpus),
+                     largest_gpu_ask=max([1 if trainer_gpus else 0, *engine_gpus]))
+
+
+def require_resources(demand: RayDemand) -> None:
+    """Fail now, with the numbers, when the Ray cluster can never hold the run; Ray itself would
+    leave the actors pending forever ("Pending Demands")."""
+    total = ray.cluster_resources()
+    cpus, gpus = int(total.get("CPU", 0)), int(total.get("GPU", 0))
+    node_gpus = max([int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n["Alive"]] or [0])
+    if cpus < demand.cpus or gpus < demand.gpus or node_gpus < demand.largest_gpu_ask:
+        raise RuntimeError(
+            f"the Ray cluster at {ray.get_runtime_context().gcs_address} has {cpus} CPUs and {gpus} GPUs "
+            f"(at most {node_gpus} on one node); this run needs {demand.cpus} CPUs and {demand.gpus} GPUs, "
+            f"{demand.largest_gpu_ask} on one node: start Ray with more --num-cpus / --num-gpus "
+            "(scripts/slurm/train.sbatch gives the head max(SLURM_CPUS_ON_NODE, the run's CPUs)), or shrink "
+            "trainer.world_size / engines.count / engines.tp")
+
+
 class RLCluster:
     def __init__(self, config: RunConfig, run_dir: Path, restore: dict | None = None):
         self.config, self.run_dir, self.restore = config, run_dir, restore
@@ -48,12 +86,13 @@ class RLCluster:
         self.restarts = 0
         self.lost: list[str] = []  # found dead by the pool, not yet removed from the weight sender
         use_gpus = torch.cuda.is_available()
-        world, engines = config.trainer.world_size, config.engines.count
+        demand = ray_demand(config, use_gpus)
         if not ray.is_initialized():
-            # Local: one logical CPU per trainer rank, engine and the rollout actor (they time-share
-            # cores). With RAY_ADDRESS set (SLURM), the running cluster's resources are used.
-            init_ray(num_cpus=world + engines + 1, num_gpus=torch.cuda.device_count() if use_gpus else 0)
+            # Local: the logical CPUs the actors ask for (they time-share cores). With RAY_ADDRESS set
+            # (SLURM), the running cluster's resources are used.
+            init_ray(num_cpus=demand.cpus, num_gpus=torch.cuda.device_count() if use_gpus else 0)
         try:
+            require_resources(demand)
             self._start(use_gpus)
         except BaseException:
             self.close()

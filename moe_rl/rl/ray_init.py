@@ -1,14 +1,18 @@
 """Joining Ray: start a private local Ray, or connect to a running cluster when RAY_ADDRESS is set.
 
-`scripts/slurm/train.sbatch` starts a head on the first node and workers on the others, waits
-for every node with `python -m moe_rl.rl.ray_init wait --nodes N`, exports RAY_ADDRESS and runs
-`moe-rl train`, whose driver then joins that cluster instead of starting one (`init_ray`).
+`scripts/slurm/train.sbatch` asks this module for the node's address (`address`: never a
+loopback one when the node has another) and for the run's logical CPUs (`demand`), starts a head
+on the first node and workers on the others, waits for every node (`wait --nodes N`), exports
+RAY_ADDRESS and runs `moe-rl train`, whose driver then joins that cluster instead of starting one
+(`init_ray`).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -29,9 +33,11 @@ def init_ray(num_cpus: int, num_gpus: int) -> str:
     address = os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, **quiet)
-    else:  # its own temp dir: never the /tmp/ray of another (or a killed) Ray on this machine
-        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
-                 _temp_dir=tempfile.mkdtemp(prefix="moe-rl-ray-", dir="/tmp"), **quiet)
+    else:  # "local" and its own temp dir: never the /tmp/ray of another (or a killed) Ray on this machine
+        temp = tempfile.mkdtemp(prefix="moe-rl-ray-", dir="/tmp")
+        atexit.register(shutil.rmtree, temp, ignore_errors=True)  # runs after Ray's own shutdown hook
+        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+                 _temp_dir=temp, **quiet)
     return ray.get_runtime_context().gcs_address
 
 
@@ -61,6 +67,24 @@ def wait_for_nodes(address: str, count: int, timeout_s: float) -> int:
         ray.shutdown()
 
 
+def node_address() -> tuple[str, str]:
+    """This node's IPv4 address for other nodes, and the interface holding it (for
+    GLOO_SOCKET_IFNAME, which takes a name, not NCCL's `^lo` exclusions). The address of the
+    default route (Ray's choice) unless that is a loopback; then the first non-loopback address;
+    loopback only on a node that has nothing else."""
+    import ipaddress
+
+    import psutil
+
+    interfaces = {addr.address: name for name, addrs in psutil.net_if_addrs().items()
+                  for addr in addrs if addr.family == socket.AF_INET}
+    chosen = ray.util.get_node_ip_address()
+    if chosen not in interfaces or ipaddress.ip_address(chosen).is_loopback:
+        routable = [a for a in interfaces if not ipaddress.ip_address(a).is_loopback]
+        chosen = routable[0] if routable else "127.0.0.1"
+    return chosen, interfaces.get(chosen, "lo")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_rl.rl.ray_init")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -68,10 +92,25 @@ def main(argv: list[str] | None = None) -> int:
     wait.add_argument("--nodes", type=int, required=True)
     wait.add_argument("--address", default=os.environ.get("RAY_ADDRESS"))
     wait.add_argument("--timeout", type=float, default=600.0)
+    sub.add_parser("address", help="print this node's address for other nodes and its interface: IP IFACE")
+    demand = sub.add_parser("demand", help="print the logical CPUs and GPUs an RL run asks Ray for: CPUS GPUS")
+    demand.add_argument("config")
+    demand.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    if not args.address:
-        parser.error("--address or RAY_ADDRESS is required")
-    print(f"ray: {wait_for_nodes(args.address, args.nodes, args.timeout)} nodes alive at {args.address}")
+    if args.command == "address":
+        print(*node_address())
+    elif args.command == "demand":
+        import torch
+
+        from moe_rl.config import load_config
+        from moe_rl.rl.cluster import ray_demand
+
+        need = ray_demand(load_config(args.config, args.overrides), torch.cuda.is_available())
+        print(need.cpus, need.gpus)
+    else:
+        if not args.address:
+            parser.error("--address or RAY_ADDRESS is required")
+        print(f"ray: {wait_for_nodes(args.address, args.nodes, args.timeout)} nodes alive at {args.address}")
     return 0
 
 

@@ -137,9 +137,9 @@ class SlurmCluster:
         env = {**self.env, **kwargs.pop("env", {})}
         return subprocess.run(cmd, env=env, capture_output=True, text=True, check=check, timeout=timeout, **kwargs)
 
-    def sbatch(self, args: list[str], cwd: Path) -> int:
-        """Submit; the job id."""
-        out = self.run(["sbatch", "--parsable", *args], cwd=cwd).stdout.strip()
+    def sbatch(self, args: list[str], **kwargs) -> int:
+        """Submit (the job inherits this environment plus kwargs' env); the job id."""
+        out = self.run(["sbatch", "--parsable", *args], **kwargs).stdout.strip()
         return int(out.split(";")[0])
 
     def job_state(self, job: int) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -26,12 +27,12 @@ def test_script_is_valid_bash(script):
 def test_sbatch_waits_for_every_node_before_training():
     text = Path("scripts/slurm/train.sbatch").read_text()
     wait = text.index('ray_init wait --nodes "$NNODES"')
-    assert text.index("ray start --address") < wait < text.rindex("moe-rl train")
+    assert text.index('--address="$RAY_ADDRESS"') < wait < text.rindex("moe-rl train")
     for var in ("NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG"):
         assert var in text
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_head():
     """A real Ray head with 1 CPU and a custom resource, started (and stopped) by this test only."""
     port = 20000 + os.getpid() % 20000
@@ -46,7 +47,7 @@ def ray_head():
     try:
         yield address
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
+        head.terminate()  # `ray start --block` stops its own daemons
         try:
             head.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -72,3 +73,29 @@ def test_driver_joins_the_cluster_at_ray_address(ray_head, monkeypatch):
         assert resources["CPU"] == 1 and resources["ops_test_head"] == 1
     finally:
         ray.shutdown()
+
+
+def test_a_run_the_cluster_cannot_hold_fails_fast_with_the_numbers(ray_head, monkeypatch, tmp_path):
+    """The 1-CPU head holds none of the demo's 4 actors: an error naming both sides, not a run
+    pending forever on Ray's "Pending Demands"."""
+    from moe_rl.config import load_config
+    from moe_rl.rl.cluster import RLCluster
+
+    monkeypatch.setenv("RAY_ADDRESS", ray_head)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    with pytest.raises(RuntimeError, match=r"has 1 CPUs and 0 GPUs .*this run needs 4 CPUs and 0 GPUs"):
+        RLCluster(load_config("configs/demo_cpu.yaml"), tmp_path)
+    assert not ray.is_initialized()  # the driver let go of the cluster
+
+
+def test_node_address_is_routable_when_the_node_has_such_an_address():
+    import psutil
+
+    from moe_rl.rl.ray_init import node_address
+
+    address, interface = node_address()
+    mine = {a.address: name for name, addrs in psutil.net_if_addrs().items() for a in addrs
+            if a.family == socket.AF_INET}
+    assert mine[address] == interface
+    if any(not a.startswith("127.") for a in mine):
+        assert not address.startswith("127."), address  # `hostname --ip-address` may answer 127.0.1.1

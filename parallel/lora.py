@@ -1,12 +1,20 @@
 """LoRA on the Megatron model: one low-rank adapter per targeted linear, routed experts included.
 
-`add_lora(model, bridge, config, seed)` gives every targeted `ColumnParallelLinear` /
-`RowParallelLinear` of this rank's stage a `LoRAAdapter`, registered next to it as
-`<name>_lora` (so the base parameters keep their names, and the checkpoint and HF mappings stay
-as they are), and freezes every other parameter. The base layer's output gains
-`scale * B(A(x))` through a forward hook. Routers are never adapted, so routing replay means
-the same with and without LoRA. Routed experts (SequentialMLP) get one adapter per expert,
-living with their expert on its EP rank.
+`add_lora(model, bridge, config, seed)` gives every targeted linear of this rank's stage a
+`LoRAAdapter`, registered next to it as `<name>_lora` (so the base parameters keep their names,
+and the checkpoint and HF mappings stay as they are), and freezes every other parameter. The base
+layer's output gains `scale * B(A(x))` through a forward hook. Routers are never adapted, so
+routing replay means the same with and without LoRA. Routed experts get one adapter per expert,
+living with their expert on its EP rank: SequentialMLP's `local_experts.{j}.linear_fc1_lora`, and
+for TE's grouped experts (TEGroupedMLP) a `GroupedLoRA` `experts.linear_fc1_lora.{j}` that splits
+the tokens like the grouped GEMM does (`m_splits`) and applies expert j's own adapter.
+
+Both of megatron-core's layer specs are covered: the local spec (`ColumnParallelLinear`,
+`RowParallelLinear`) and Transformer Engine's (`TEColumnParallelLinear`, `TERowParallelLinear`,
+the grouped linears, and `TELayerNormColumnParallelLinear`, which fuses the preceding norm into
+`linear_qkv` / dense `linear_fc1`: its adapter reads the normed input that TE returns with
+`return_layernorm_output`, as Megatron-Bridge's LoRA does). TE linears do their tensor-parallel
+communication inside, the local ones outside; either way the output the hook sees is the same.
 
 Sharding follows the base layer (Megatron-Bridge's rule):
 - column-parallel (`linear_qkv`, `linear_fc1`): A [r, in] is replicated, B [out / tp, r] is split
@@ -103,19 +111,28 @@ def _summed(weight: torch.Tensor, group, size: int) -> torch.Tensor:
 class LoRAAdapter(torch.nn.Module):
     """`scale * B(A(x))` for one Megatron linear (`column`: column-parallel, else row-parallel).
 
-    `lora_A` / `lora_B` are this rank's shards, sized and sharded like the base (module docstring).
+    `weight` is the base's weight on this rank, `expert` says whether it is a routed expert's (the
+    bridge's mapping knows), `config` is the layer's TransformerConfig: the same for every linear
+    type. `lora_A` / `lora_B` are this rank's shards, sized and sharded like the base (module
+    docstring).
     """
 
-    def __init__(self, base, *, column: bool, rank: int, scale: float, gated: bool):
+    def __init__(self, weight: torch.Tensor, *, column: bool, expert: bool, config, rank: int, scale: float,
+                 gated: bool):
         super().__init__()
+        from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-        out_local, in_local = base.weight.shape
+        out_local, in_local = weight.shape
         self.column, self.scale, self.gated = column, scale, gated
-        self.group, self.group_size = base.tp_group, dist.get_world_size(base.tp_group)
-        self.sequence_parallel = bool(base.sequence_parallel)
-        self.explicit_expert_comm = bool(getattr(base, "explicit_expert_comm", False))
-        device, dtype = base.weight.device, base.weight.dtype
+        # The groups every megatron-core linear defaults to; derived, not read from the base,
+        # because TE linears keep no group when the dispatcher does their communication.
+        self.group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
+        self.group_size = dist.get_world_size(self.group)
+        self.sequence_parallel = bool(config.sequence_parallel) and self.group_size > 1
+        # megatron-core's rule for an expert linear whose TP/EP traffic the token dispatcher does.
+        self.explicit_expert_comm = expert and (self.group_size > 1 or config.expert_model_parallel_size > 1)
+        device, dtype = weight.device, weight.dtype
         self.lora_A = torch.nn.Parameter(torch.empty(rank, in_local, device=device, dtype=dtype))
         self.lora_B = torch.nn.Parameter(torch.zeros(out_local, rank, device=device, dtype=dtype))
         # Megatron's grad norm counts a tensor-parallel param on every rank, any other on dense-TP
@@ -123,7 +140,7 @@ class LoRAAdapter(torch.nn.Module):
         split, replicated = (self.lora_B, self.lora_A) if column else (self.lora_A, self.lora_B)
         set_tensor_model_parallel_attributes(split, True, 0 if column else 1, 1)
         first = dist.get_rank(self.group) == 0
-        if base.is_expert:
+        if expert:
             # Replicated over the expert-TP group, which need not be the dense TP group: count it
             # once, on the group's first member.
             set_tensor_model_parallel_attributes(replicated, first, 1 if column else 0, 1)
@@ -177,12 +194,95 @@ class LoRAAdapter(torch.nn.Module):
         return state
 
 
+class GroupedLoRA(torch.nn.ModuleList):
+    """The adapters of a TE grouped linear (TEGroupedMLP's `linear_fc1` / `linear_fc2`): adapter j
+    belongs to `weight{j}`, local expert j, as SequentialMLP's expert j has its own."""
+
+    def forward(self, x: torch.Tensor, m_splits: list[int]) -> torch.Tensor:
+        # The grouped GEMM's tokens come sorted by local expert, m_splits[j] of them for expert j.
+        return torch.cat([adapter(tokens) for adapter, tokens in zip(self, torch.split(x, list(m_splits)))])
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Keys and global expert offsets of SequentialMLP's per-expert adapters (as TEGroupedMLP
+        does for its weights), so checkpoints move between the two."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+
+        singleton = (metadata or {}).get("singleton_local_shards", False)
+        local = len(self)
+        first, total = ps.get_expert_model_parallel_rank() * local, ps.get_expert_model_parallel_world_size() * local
+        state = {}
+        for j, adapter in enumerate(self):
+            offsets = sharded_offsets if singleton else (*sharded_offsets, (len(sharded_offsets), first + j, total))
+            part = adapter.sharded_state_dict(f"{prefix}{j}.", offsets, metadata)
+            replace_prefix_for_sharding(part, f"{prefix}{j}.", f"{first + j}.{prefix}" if singleton else prefix)
+            for tensor in part.values():  # replicated over expert-data-parallel ranks only
+                tensor.replica_id = (*tensor.replica_id[:2], ps.get_expert_data_parallel_rank())
+            state.update(part)
+        return state
+
+
 def _hook(adapter: LoRAAdapter):
+    """Plain linears: the adapter reads the base's input."""
     def hook(module, args, output):
         out, bias = output
         return out + adapter(args[0]), bias
 
     return hook
+
+
+def _normed_input_hook(adapter: LoRAAdapter):
+    """TELayerNormColumnParallelLinear with `return_layernorm_output`: the adapter reads the normed
+    input, which megatron's wrapper returns as `((out, normed), None)`, or `(out, bias, normed)`
+    when it returns the bias; the consumer gets the usual `(out, bias)`."""
+    def hook(module, args, output):
+        if len(output) == 3:
+            out, bias, normed = output
+        else:
+            (out, normed), bias = output
+        return out + adapter(normed), bias
+
+    return hook
+
+
+def _grouped_hook(adapter: GroupedLoRA):
+    """TE grouped linears: forward(x, m_splits)."""
+    def hook(module, args, output):
+        out, bias = output
+        return out + adapter(args[0], args[1]), bias
+
+    return hook
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """How to adapt one type of megatron-core linear."""
+
+    column: bool
+    fused_norm: bool = False
+    grouped: bool = False
+
+
+def _linear_kinds(te: bool) -> dict[type, _Kind]:
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    kinds = {ColumnParallelLinear: _Kind(column=True), RowParallelLinear: _Kind(column=False)}
+    if te:  # without transformer_engine these names are placeholders, so only TE-spec models look
+        from megatron.core.extensions import transformer_engine as te_ext
+
+        te_kinds = {
+            te_ext.TELayerNormColumnParallelLinear: _Kind(column=True, fused_norm=True),
+            te_ext.TEColumnParallelLinear: _Kind(column=True),
+            te_ext.TERowParallelLinear: _Kind(column=False),
+            te_ext.TEColumnParallelGroupedLinear: _Kind(column=True, grouped=True),  # None before TE 1.9
+            te_ext.TERowParallelGroupedLinear: _Kind(column=False, grouped=True),
+        }
+        kinds.update((cls, kind) for cls, kind in te_kinds.items() if cls is not None)
+    return kinds
+
+
+def _kind_of(module, kinds: dict[type, _Kind]) -> _Kind | None:
+    return next((kind for cls, kind in kinds.items() if isinstance(module, cls)), None)
 
 
 def _seed(seed: int, name: str) -> int:
@@ -202,17 +302,21 @@ def _init_a(adapter: LoRAAdapter, hf_name: str, seed: int, shard: tuple[int, int
 
 
 def adapters(model) -> dict[str, LoRAAdapter]:
-    """{name of the base module's weight: its adapter} for this stage (empty without LoRA)."""
+    """{name of the base weight: its adapter} for this stage (empty without LoRA); a grouped
+    linear's `weight{j}` has adapter j of its GroupedLoRA."""
     found = {}
     for name, module in model.named_modules():
-        if isinstance(module, LoRAAdapter):
+        if isinstance(module, GroupedLoRA):
+            found.update((f"{name[: -len(SUFFIX)]}.weight{j}", adapter) for j, adapter in enumerate(module))
+        elif isinstance(module, LoRAAdapter) and name.endswith(SUFFIX):
             found[name[: -len(SUFFIX)] + ".weight"] = module
     return found
 
 
 def adapter_parameters(model) -> dict[str, torch.nn.Parameter]:
     """The trainable adapter parameters of this stage, by Megatron name."""
-    return {name: p for name, p in model.named_parameters() if ".".join(name.split(".")[:-1]).endswith(SUFFIX)}
+    mine = {id(p) for adapter in adapters(model).values() for p in adapter.parameters()}
+    return {name: p for name, p in model.named_parameters() if id(p) in mine}
 
 
 def adapter_sharded_state_dict(model) -> dict:
@@ -224,32 +328,47 @@ def adapter_sharded_state_dict(model) -> dict:
 def add_lora(model, bridge, config: LoRAConfig, seed: int) -> dict[str, LoRAAdapter]:
     """Adapt every targeted linear of this stage and freeze everything else; returns `adapters(model)`.
 
-    Call before wrapping the model in DDP (which then only sees the adapters' gradients)."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
+    Works on the local and the Transformer Engine layer spec alike. Call before wrapping the model
+    in DDP (which then only sees the adapters' gradients)."""
     from parallel.export import parallel_context, uses_transformer_engine
     from parallel.mappings import resolve
 
-    if uses_transformer_engine(model):
-        raise ValueError("lora: the model was built from Transformer Engine's spec; LoRA runs on "
-                         "megatron-core's local spec (the trainer builds that when lora is set)")
+    te = uses_transformer_engine(model)
+    kinds = _linear_kinds(te)
     ctx = parallel_context(model, bridge)
-    table = bridge.mappings()
+    table = bridge.mappings(te=te)
     for param in model.parameters():
         param.requires_grad_(False)
     found: set[str] = set()
     for name, module in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
-        if leaf not in config.target_modules or not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        kind = _kind_of(module, kinds)
+        if leaf not in config.target_modules or kind is None:
             continue
-        column = isinstance(module, ColumnParallelLinear)
-        adapter = LoRAAdapter(module, column=column, rank=config.rank, scale=config.scale, gated=leaf == "linear_fc1")
-        mapping, indices = resolve(table, f"{name}.weight")
-        axis = mapping.axis(ctx)
-        _init_a(adapter, mapping.hf_names(ctx, indices)[0], seed, (0, 1) if column else (axis.rank, axis.size))
+        weights = [f"weight{j}" for j in range(module.num_gemms)] if kind.grouped else ["weight"]
+        made = []
+        for weight in weights:
+            mapping, indices = resolve(table, f"{name}.{weight}")
+            adapter = LoRAAdapter(getattr(module, weight), column=kind.column, expert=mapping.expert,
+                                  config=module.config, rank=config.rank, scale=config.scale,
+                                  gated=leaf == "linear_fc1")
+            axis = mapping.axis(ctx)
+            _init_a(adapter, mapping.hf_names(ctx, indices)[0], seed, (0, 1) if kind.column else (axis.rank, axis.size))
+            made.append(adapter)
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        parent.add_module(leaf + SUFFIX, adapter)
-        module.register_forward_hook(_hook(adapter))
+        if kind.grouped:
+            grouped = GroupedLoRA(made)
+            parent.add_module(leaf + SUFFIX, grouped)
+            module.register_forward_hook(_grouped_hook(grouped))
+        else:
+            parent.add_module(leaf + SUFFIX, made[0])
+            if kind.fused_norm:
+                # TE fuses the norm into this GEMM; the adapter must see the normed input, which TE
+                # returns alongside its output (this rank's tokens: the adapter gathers r-wide h).
+                module.return_layernorm_output, module.return_layernorm_output_gathered = True, False
+                module.register_forward_hook(_normed_input_hook(made[0]))
+            else:
+                module.register_forward_hook(_hook(made[0]))
         found.add(leaf)
     missing = [t for t in config.target_modules if t not in found]
     if missing and len(model.decoder.layers):

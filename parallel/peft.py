@@ -13,7 +13,8 @@ The bridge's mapping of the base weight tells how an adapter maps, so no table i
   targets with A duplicated);
 - row-parallel bases: columns of B A are columns of A, so A goes through the base's mapping and
   the replicated B is written once.
-Experts are gathered over EP as their weights are. Import is the inverse (each rank reads its
+Experts are gathered over EP as their weights are; the TE spec's grouped experts (`weight{j}`)
+map to the same per-expert HF names as SequentialMLP's. Import is the inverse (each rank reads its
 shards); it refuses an adapter whose fused targets have different A (q/k/v, gate/up), which one
 Megatron adapter cannot hold.
 """
@@ -81,7 +82,9 @@ def _renamed(mapping: Mapping, half: str) -> Mapping:
 
 
 def _tasks(model, bridge: Bridge):
-    table = bridge.mappings()
+    from parallel.export import uses_transformer_engine
+
+    table = bridge.mappings(te=uses_transformer_engine(model))  # TE's grouped experts: `weight{j}` names
     for base_name, adapter in adapters(model).items():
         mapping, indices = resolve(table, base_name)
         mapping_a, mapping_b = _halves(mapping, adapter)

@@ -91,7 +91,9 @@ class MegatronTrainer:
             else {}
         )
         replay = dict(moe_enable_routing_replay=True) if config.routing_replay else {}
-        # LoRA wraps megatron-core's local linears, so a LoRA model is built from the local spec.
+        # LoRA adapts both specs (parallel.lora), but the TE spec is only tested against a CPU stand-in
+        # for Transformer Engine (tests/trainer/test_lora_te.py), so a LoRA model keeps the local spec
+        # until a GPU run with the real TE confirms it; then pass use_te=None here as well.
         model = build_gpt_model(self.bridge, config, use_te=None if lora is None else False,
                                 calculate_per_token_loss=True, **recompute, **replay)
         self.lora = lora

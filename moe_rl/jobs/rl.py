@@ -18,6 +18,7 @@ import ray
 
 from moe_rl.config import RunConfig, dump_config, to_dict
 from moe_rl.metrics import MetricsLogger
+from moe_rl.progress import StepProgress
 from moe_rl.rl import resume as resume_state
 from moe_rl.rl.batch import build_batch
 from moe_rl.rl.cluster import RLCluster
@@ -45,7 +46,7 @@ def run(config: RunConfig, resume: bool = False) -> dict:
     try:
         setup_s = time.perf_counter() - start
         generated = 0.0
-        with _Progress(config.steps - first) as progress:
+        with StepProgress("rl", config.steps - first) as progress:
             for version in range(first, config.steps):
                 metrics, step_start = {}, time.perf_counter()
                 groups = cluster.get_batch(rollout.groups_per_step)
@@ -131,24 +132,3 @@ def _check_context(config: RunConfig, task) -> None:
             f"rollout.max_new_tokens={config.rollout.max_new_tokens} + the task's prompts (up to {longest} tokens) "
             f"exceed the model's max_position_embeddings {limit}: lower rollout.max_new_tokens to at most "
             f"{limit - longest}")
-
-
-class _Progress:
-    """A rich progress bar over RL steps."""
-
-    def __init__(self, total: int):
-        from rich.progress import Progress
-
-        self.bar = Progress(*Progress.get_default_columns(), "{task.fields[status]}")
-        self.total = total
-
-    def __enter__(self):
-        self.bar.start()
-        self.task = self.bar.add_task("rl", total=self.total, status="starting")
-        return self
-
-    def advance(self, status: str) -> None:
-        self.bar.update(self.task, advance=1, status=status)
-
-    def __exit__(self, *exc):
-        self.bar.stop()

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.config import DataConfig, RunConfig, dump_config
+from moe_rl.progress import StepProgress
 
 
 def load_batch(data: DataConfig, rows: int, vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
@@ -54,38 +55,16 @@ def run(config: RunConfig) -> list[float]:
         dump_config(config, run_dir / "config.json")
         logger = MetricsLogger(run_dir)
     losses = []
-    with _progress(is_logger, config.steps) as advance:
+    with StepProgress("train", config.steps, enabled=is_logger) as progress:
         for _ in range(config.steps):
             result = trainer.train_step(batch)
             losses.append(result.loss)
             if logger:
                 logger.log(result.step, {"train/loss": result.loss, "train/grad_norm": result.grad_norm,
                                          "train/tokens": result.num_tokens})
-            advance(f"loss {result.loss:.4f}  grad norm {result.grad_norm:.3f}")
+            progress.advance(f"loss {result.loss:.4f}  grad norm {result.grad_norm:.3f}")
     if config.save_checkpoint:
         save_checkpoint(trainer, run_dir / "checkpoint")
     if logger:
         logger.close()
     return losses
-
-
-class _progress:
-    """A rich progress bar over steps on the logging rank; a no-op elsewhere."""
-
-    def __init__(self, enabled: bool, total: int):
-        self.bar, self.total = None, total
-        if enabled:
-            from rich.progress import Progress
-
-            self.bar = Progress(*Progress.get_default_columns(), "{task.fields[status]}")
-
-    def __enter__(self):
-        if self.bar is None:
-            return lambda status: None
-        self.bar.start()
-        task = self.bar.add_task("train", total=self.total, status="")
-        return lambda status: self.bar.update(task, advance=1, status=status)
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.stop()

@@ -99,3 +99,18 @@ def test_node_address_is_routable_when_the_node_has_such_an_address():
     assert mine[address] == interface
     if any(not a.startswith("127.") for a in mine):
         assert not address.startswith("127."), address  # `hostname --ip-address` may answer 127.0.1.1
+
+
+def test_progress_in_a_log_file_is_plain_lines(capsys):
+    """Under sbatch stdout is a file: a line every ~5% of the steps and at the last, not a live bar."""
+    from moe_rl.progress import StepProgress
+
+    with StepProgress("rl", 45) as progress:
+        for step in range(45):
+            progress.advance(f"reward {step}")
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[2] for line in lines] == [f"{n}/45" for n in range(2, 45, 2)] + ["45/45"]
+    assert lines[-1].startswith("rl step 45/45 (") and lines[-1].endswith("reward 44")
+    with StepProgress("train", 3, enabled=False) as progress:  # the non-logging ranks
+        progress.advance("loss 1")
+    assert capsys.readouterr().out == ""

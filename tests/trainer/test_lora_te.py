@@ -96,10 +96,10 @@ def _checkpoint_layout(model) -> dict:
     return layout
 
 
-def te_layouts(hf_dir: str, adapter_dir: str, tokens: torch.Tensor) -> list:
-    """Rank function (under the stand-in): per layout, the TE-spec model's fresh adapter, its
-    adapter checkpoint layout next to the local spec's, and with the PEFT adapter loaded its
-    logprobs and its export."""
+def te_layouts(hf_dir: str, adapter_dir: str, tokens: torch.Tensor, layouts: list[dict]) -> list:
+    """Rank function (under the stand-in, or with the real TE on a GPU): per layout and expert
+    kind, the TE-spec model's fresh adapter, its adapter checkpoint layout next to the local
+    spec's, and with the PEFT adapter loaded its logprobs, gradients and export."""
     import torch.distributed as dist
     from megatron.core.tensor_parallel import mappings
 
@@ -111,11 +111,13 @@ def te_layouts(hf_dir: str, adapter_dir: str, tokens: torch.Tensor) -> list:
 
     def collect(model, bridge) -> dict:
         parts: list = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, {k: v.clone() for k, v in export_adapter(model, bridge)})
+        dist.all_gather_object(parts, {k: v.detach().cpu().clone() for k, v in export_adapter(model, bridge)})
         return {k: v for part in parts for k, v in part.items()}
 
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    tokens = tokens.to(device)
     out = []
-    for layout in LAYOUTS:
+    for layout in layouts:
         layout = ParallelLayout(**layout)
         init_model_parallel(layout, seed=0)
         _, local = _build(hf_dir, layout, te=False)
@@ -124,7 +126,7 @@ def te_layouts(hf_dir: str, adapter_dir: str, tokens: torch.Tensor) -> list:
             assert uses_transformer_engine(model) and not uses_transformer_engine(local)
             fresh = collect(model, bridge)
             load_adapter(model, bridge, adapter_dir)
-            positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
             logits = mappings.gather_from_tensor_model_parallel_region(model(tokens, positions, attention_mask=None))
             logprobs = token_logprobs(logits[..., :bridge.vocab_size], tokens)
             logprobs.sum().backward()
@@ -136,7 +138,7 @@ def te_layouts(hf_dir: str, adapter_dir: str, tokens: torch.Tensor) -> list:
             out.append(dict(layout=layout, grouped=grouped, fresh=fresh, exported=collect(model, bridge),
                             expert_adapters=[n for n in adapters(model) if ".experts." in n], gradients=gradients,
                             checkpoint=(_checkpoint_layout(model), _checkpoint_layout(local)),
-                            logprobs=logprobs.detach()))
+                            logprobs=logprobs.detach().cpu()))
     return out
 
 
@@ -149,7 +151,7 @@ def local_fresh_adapter(hf_dir: str) -> dict:
     layout = ParallelLayout(world_size=1)
     init_model_parallel(layout, seed=0)
     bridge, model = _build(hf_dir, layout, te=False)
-    return {k: v.clone() for k, v in export_adapter(model, bridge)}
+    return {k: v.detach().cpu().clone() for k, v in export_adapter(model, bridge)}
 
 
 @pytest.mark.parametrize("model_name", list(MODELS))
@@ -167,8 +169,12 @@ def test_te_lora_matches_peft_and_the_local_spec(tmp_path, model_name):
     original = load_file(str(adapter_dir / "adapter_model.safetensors"))
     local_fresh = spawn(local_fresh_adapter, 1, str(hf_dir))[0]
 
-    results = spawn(under_te, 2, te_layouts, str(hf_dir), str(adapter_dir), tokens)[0]
+    results = spawn(under_te, 2, te_layouts, str(hf_dir), str(adapter_dir), tokens, LAYOUTS)[0]
     assert len(results) == 2 * len(LAYOUTS)
+    check_te_results(results, expected, original, local_fresh)
+
+
+def check_te_results(results: list, expected: torch.Tensor, original: dict, local_fresh: dict) -> None:
     for result in results:
         case = (result["layout"], "grouped" if result["grouped"] else "sequential")
         experts = result["expert_adapters"]  # one adapter per local expert, named by its weight
@@ -188,6 +194,24 @@ def test_te_lora_matches_peft_and_the_local_spec(tmp_path, model_name):
         assert all(torch.equal(result["fresh"][k], local_fresh[k]) for k in local_fresh), case
         te_checkpoint, local_checkpoint = result["checkpoint"]
         assert te_checkpoint == local_checkpoint and te_checkpoint, case
+
+
+@pytest.mark.gpu
+def test_te_lora_matches_peft_with_the_real_transformer_engine(tmp_path):
+    """The same checks with the real Transformer Engine on one GPU: what the stand-in stands for."""
+    pytest.importorskip("transformer_engine")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from safetensors.torch import load_file
+
+    hf_dir = save_qwen3_moe(tmp_path / "hf")
+    adapter_dir = random_peft_adapter(hf_dir, tmp_path / "adapter")
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = token_logprobs(peft_model(hf_dir, adapter_dir)(tokens).logits, tokens)
+    local_fresh = spawn(local_fresh_adapter, 1, str(hf_dir))[0]
+    results = spawn(te_layouts, 1, str(hf_dir), str(adapter_dir), tokens, [dict(world_size=1)])[0]
+    check_te_results(results, expected, load_file(str(adapter_dir / "adapter_model.safetensors")), local_fresh)
 
 
 def test_te_lora_gradients_equal_one_rank(tmp_path):

@@ -97,6 +97,7 @@ def test_sbatch_cpu_demo(slurm, tmp_path):
     job, run, log = _submit_demo(slurm, tmp_path, ["--gpus-per-node=0"], steps=12)
     text = _check_finished_job(job, run, log, slurm.wait_job(job, 900), before)
     assert "over 12 steps (fully_async)" in text
+    assert "rl step 6/12 (" in text  # progress shows in the log while the job runs
     assert [m["step"] for m in _metrics(run)] == list(range(1, 13))
     gloo = text.split("gloo on ", 1)[1].split(")", 1)[0]  # a real interface name, never NCCL's "^lo,docker"
     assert gloo in psutil.net_if_addrs(), gloo

@@ -33,12 +33,22 @@ class ModelConfig:
     """HF model directory (config.json, optionally safetensors weights and a tokenizer)."""
     hf_config: dict[str, Any] | None = None
     """Inline HF config fields (with `model_type` and `architectures`) for a tiny random model."""
+    mtp: str | None = None
+    """"drop": leave out the checkpoint's multi-token-prediction layers (DeepSeek-V3, GLM-4.5:
+    num_nextn_predict_layers): skipped on import with a warning; exports and weight syncs then
+    carry a model without them (num_nextn_predict_layers: 0), so engines cannot speculate with them."""
 
     def __post_init__(self):
+        if self.mtp not in (None, "drop"):
+            raise ValueError(f"model.mtp={self.mtp!r}: the only choice is 'drop' (or leave it unset)")
         if (self.path is None) == (self.hf_config is None):
             raise ValueError("model: set exactly one of model.path (HF dir) or model.hf_config")
         if self.path is not None and not (Path(self.path) / "config.json").is_file():
             raise ValueError(f"model.path={self.path!r}: no config.json there; point it at an HF model dir")
+        if self.path is not None and any(Path(self.path).glob("*.safetensors")):
+            from parallel.hf_checkpoint import mtp_tensor_names
+
+            mtp_tensor_names(self.path, drop=self.mtp == "drop")  # MTP tensors but no choice: say so now
         if self.hf_config is not None:
             for key in ("model_type", "architectures"):
                 if key not in self.hf_config:
@@ -50,9 +60,15 @@ class ModelConfig:
         from transformers import AutoConfig
 
         if self.path is not None:
-            return AutoConfig.from_pretrained(self.path)
-        fields = dict(self.hf_config)
-        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+            config = AutoConfig.from_pretrained(self.path)
+        else:
+            fields = dict(self.hf_config)
+            config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        if self.mtp == "drop":
+            from parallel.bridges import without_mtp
+
+            config = without_mtp(config)
+        return config
 
 
 @dataclass(kw_only=True)

@@ -12,12 +12,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from parallel.fp8 import SCALE_SUFFIX, BlockFP8
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -44,7 +47,18 @@ def check_safetensors(path: str | os.PathLike) -> None:
 
 class HFCheckpointReader:
     """Lazy reader of an HF safetensors checkpoint: reads only the requested slices.
-    `single_file`: the file of an unsharded checkpoint (a PEFT adapter's is adapter_model.safetensors)."""
+    `single_file`: the file of an unsharded checkpoint (a PEFT adapter's is adapter_model.safetensors).
+
+    What it shows is what the bridges map, whatever the checkpoint's storage:
+      - block-scaled FP8 weights (`quantization_config`, `parallel.fp8`) read as float32,
+        dequantized; their `*.weight_scale_inv` are consumed with them and not listed;
+      - experts stored fused the transformers-5 way (`mlp.experts.gate_up_proj` [E, 2I, H],
+        `mlp.experts.down_proj` [E, H, I]) read as per-expert `mlp.experts.{e}.gate_proj.weight`,
+        `up_proj.weight`, `down_proj.weight` (gate is the first half of gate_up, as transformers
+        chunks it);
+      - `rotary_emb.inv_freq` buffers (recomputed from the config by every model) are not listed
+        (`ignored` names them).
+    """
 
     def __init__(self, hf_dir: str | os.PathLike, single_file: str = SINGLE_FILE):
         self.dir = Path(hf_dir)
@@ -61,9 +75,35 @@ class HFCheckpointReader:
         for file in sorted(set(weight_map.values())):
             check_safetensors(self.dir / file)
         self._files: dict[str, Any] = {}
+        config = self.dir / "config.json"
+        self.fp8 = BlockFP8.from_hf_config(json.loads(config.read_text())) if config.exists() else None
+        self.ignored = sorted(n for n in weight_map if n.endswith(".rotary_emb.inv_freq"))
+        self._views = self._fused_expert_views()
+        hidden = set(self.ignored) | {v.fused for v in self._views.values()} | {  # listed as what they stand for
+            n for n in weight_map if self.fp8 and n.endswith(SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX) in weight_map}
+        self._names = (set(weight_map) - hidden) | set(self._views)
+
+    def _fused_expert_views(self) -> dict[str, _ExpertView]:
+        views = {}
+        for name in self.weight_map:
+            if not name.endswith(".mlp.experts.gate_up_proj"):
+                continue
+            prefix = name.removesuffix("gate_up_proj")
+            down = prefix + "down_proj"
+            gate_up, down_shape = self.shape(name, stored=True), self.shape(down, stored=True)
+            experts, rows, hidden = gate_up
+            if len(down_shape) != 3 or down_shape[0] != experts or down_shape[1] != hidden or rows != 2 * down_shape[2]:
+                raise ValueError(f"{self.dir}: fused experts {name} {tuple(gate_up)} and {down} {tuple(down_shape)} "
+                                 "are not transformers' [E, 2I, H] and [E, H, I] layout")
+            half = rows // 2
+            for e in range(experts):
+                views[f"{prefix}{e}.gate_proj.weight"] = _ExpertView(name, e, 0, half)
+                views[f"{prefix}{e}.up_proj.weight"] = _ExpertView(name, e, half, half)
+                views[f"{prefix}{e}.down_proj.weight"] = _ExpertView(down, e, 0, hidden)
+        return views
 
     def names(self) -> set[str]:
-        return set(self.weight_map)
+        return set(self._names)
 
     def _slice(self, name: str):
         if name not in self.weight_map:
@@ -74,18 +114,62 @@ class HFCheckpointReader:
             self._files[file] = safe_open(self.dir / file, "pt")
         return self._files[file].get_slice(name)
 
-    def shape(self, name: str) -> tuple[int, ...]:
+    def shape(self, name: str, stored: bool = False) -> tuple[int, ...]:
+        view = None if stored else self._views.get(name)
+        if view is not None:
+            return (view.rows, self.shape(view.fused, stored=True)[2])
         return tuple(self._slice(name).get_shape())
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        tensor_slice = self._slice(name)
-        if dim is None:
-            return tensor_slice[:]
-        index = (slice(None),) * dim + (slice(start, stop),)
-        return tensor_slice[index]
+        """The tensor `name`, or its [start, stop) along `dim` only."""
+        shape = self.shape(name)
+        index = [slice(0, size) for size in shape]
+        if dim is not None:
+            index[dim] = slice(*slice(start, stop).indices(shape[dim])[:2])
+        view = self._views.get(name)
+        if view is None:
+            return self._read(name, index)
+        rows = index[0]
+        return self._read(view.fused, [view.expert, slice(view.row0 + rows.start, view.row0 + rows.stop), index[1]])
+
+    def _read(self, name: str, index: list) -> torch.Tensor:
+        """A region of a stored tensor (ints and slices, one per dim), dequantized if FP8."""
+        scale = name + SCALE_SUFFIX
+        if self.fp8 is None or scale not in self.weight_map:
+            return self._slice(name)[tuple(index)]
+        (r0, r1), (c0, c1) = (self.fp8.block_span(index[d].start, index[d].stop, d) for d in (-2, -1))
+        blocks = self._slice(scale)[(*index[:-2], slice(r0, r1), slice(c0, c1))]
+        return self.fp8.dequantize(self._slice(name)[tuple(index)], blocks, index[-2].start, index[-1].start)
 
     def close(self) -> None:
         self._files.clear()
+
+
+@dataclass(frozen=True)
+class _ExpertView:
+    """Rows [row0, row0 + rows) of expert `expert` in the stored 3-D tensor `fused`."""
+
+    fused: str
+    expert: int
+    row0: int
+    rows: int
+
+
+def mtp_tensor_names(hf_dir: str | os.PathLike, drop: bool) -> set[str]:
+    """The checkpoint's tensors of multi-token-prediction layers (DeepSeek-V3, GLM-4.5:
+    `model.layers.{num_hidden_layers + i}.*`, i < num_nextn_predict_layers). They are not mapped
+    to Megatron's MTP block: without `drop` (model.mtp: drop) a checkpoint holding any is a
+    ValueError naming the fix, raised before a model is built. Headers only: cheap."""
+    config = load_hf_config(hf_dir)
+    first, count = config.get("num_hidden_layers", 0), config.get("num_nextn_predict_layers") or 0
+    prefixes = tuple(f"model.layers.{first + i}." for i in range(count))
+    names = {name for name in HFCheckpointReader(hf_dir).names() if prefixes and name.startswith(prefixes)}
+    if names and not drop:
+        layers = ", ".join(p + "*" for p in prefixes)
+        raise ValueError(f"{hf_dir} holds {len(names)} tensors of multi-token-prediction layers ({layers}); they are "
+                         "not mapped to Megatron's MTP block: set model.mtp: drop (moe-rl convert hf-to-megatron: "
+                         "--mtp drop) to train and serve without them")
+    return names
 
 
 def load_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
@@ -138,7 +222,9 @@ def finalize_hf_checkpoint(tmp_dir: str | os.PathLike, out_dir: str | os.PathLik
     index = {"metadata": {"total_size": total},
              "weight_map": {name: renamed[file] for name, file in sorted(weight_map.items())}}
     (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
-    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+    # the tensors are the trainer's full-precision ones, whatever the imported checkpoint's storage
+    config = {key: value for key, value in hf_config.items() if key != "quantization_config"}
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
     for name, data in (extra_files or {}).items():  # tokenizer, generation config
         (tmp / name).write_bytes(data)
     if out.exists():

@@ -8,13 +8,14 @@ have a mapping and every HF tensor must be used by some rank: ValueError names t
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
 
 from parallel.bridges import Bridge
 from parallel.export import model_chunks, model_tensors, parallel_context, uses_transformer_engine
-from parallel.hf_checkpoint import HFCheckpointReader
+from parallel.hf_checkpoint import HFCheckpointReader, mtp_tensor_names
 from parallel.mappings import resolve
 
 
@@ -26,7 +27,7 @@ def load_hf_weights(model, bridge: Bridge, hf_dir: str | os.PathLike) -> None:
     rank used, to check that no HF tensor was left unmapped). Memory: one parameter's slices.
     """
     reader = HFCheckpointReader(hf_dir)
-    used: set[str] = set()
+    used = _left_out(reader, bridge, hf_dir)
     with torch.no_grad():
         for chunk in model_chunks(model):
             ctx = parallel_context(chunk, bridge)
@@ -48,3 +49,20 @@ def load_hf_weights(model, bridge: Bridge, hf_dir: str | os.PathLike) -> None:
             f"HF checkpoint {hf_dir} has {len(unused)} tensors no Megatron parameter maps to, e.g. "
             f"{sorted(unused)[:5]}: the bridge for {type(bridge).__name__} lacks their mapping"
         )
+
+
+def _left_out(reader: HFCheckpointReader, bridge: Bridge, hf_dir) -> set[str]:
+    """Checkpoint tensors the model leaves out on purpose, each kind said once (rank 0): the
+    multi-token-prediction layers of a model built `without_mtp` (a ValueError if the model
+    still counts them) and `rotary_emb.inv_freq` buffers (already not listed by the reader)."""
+    dropped = mtp_tensor_names(hf_dir, drop=not bridge.get("num_nextn_predict_layers", 0))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        if dropped:
+            layers = sorted({".".join(name.split(".")[:3]) + ".*" for name in dropped})
+            warnings.warn(f"model.mtp=drop: {len(dropped)} tensors of the multi-token-prediction layers "
+                          f"{', '.join(layers)} are not imported, and no export or weight sync will carry them",
+                          stacklevel=3)
+        if reader.ignored:
+            print(f"[import] ignoring {len(reader.ignored)} rotary_emb.inv_freq buffers: every model recomputes "
+                  "them from the config's rope settings")
+    return dropped

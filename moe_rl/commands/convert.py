@@ -40,6 +40,8 @@ def add_arguments(parser) -> None:
     directions = parser.add_subparsers(dest="direction", required=True)
     to_megatron = directions.add_parser("hf-to-megatron", help="HF safetensors -> Megatron torch_dist")
     to_megatron.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
+    to_megatron.add_argument("--mtp", choices=["drop"], default=None,
+                             help="leave out the multi-token-prediction layers (DeepSeek-V3, GLM-4.5)")
     to_hf = directions.add_parser("megatron-to-hf", help="Megatron torch_dist -> HF safetensors")
     to_hf.add_argument("--megatron", required=True, help="checkpoint written by hf-to-megatron")
     to_hf.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file")
@@ -79,6 +81,7 @@ def run(args) -> int:
     extra = ()
     if args.direction == "hf-to-megatron":
         fn, source = hf_to_megatron, args.hf
+        extra = (args.mtp == "drop",)
     elif args.direction == "megatron-to-hf":
         fn, source = megatron_to_hf, args.megatron
         extra = (int(args.max_shard_gb * 2**30), int(args.bucket_mb * 2**20))
@@ -90,7 +93,7 @@ def run(args) -> int:
     if not Path(source).is_dir():
         raise ValueError(f"{source} is not a directory: pass an existing checkpoint")
     check_output(source, args.out, args.overwrite)
-    _check_before_launch(args.direction, source, layout)
+    _check_before_launch(args.direction, source, layout, drop_mtp=getattr(args, "mtp", None) == "drop")
     if launched_by_torchrun():  # every rank checked before rank 0 creates <out>.tmp
         import torch.distributed as dist
 
@@ -117,14 +120,16 @@ def check_output(source: str, out: str, overwrite: bool) -> None:
                              "--overwrite to replace it")
 
 
-def _check_before_launch(direction: str, source: str, layout) -> None:
+def _check_before_launch(direction: str, source: str, layout, drop_mtp: bool) -> None:
     """Unknown architecture or a layout that cannot split the model: ValueError, no ranks started."""
     from parallel.bridges import bridge_for
     from parallel.checkpoint_trust import check_dist_checkpoint
-    from parallel.hf_checkpoint import load_hf_config
 
     if direction == "hf-to-megatron":
-        hf_config = load_hf_config(source)
+        from parallel.hf_checkpoint import mtp_tensor_names
+
+        mtp_tensor_names(source, drop_mtp)
+        hf_config = _hf_config(source, drop_mtp)
     elif direction == "peft-to-megatron":
         from parallel.peft import lora_config_of
 
@@ -160,15 +165,22 @@ def _fresh_tmp(out: str) -> Path:
     return tmp
 
 
-def hf_to_megatron(layout, hf_dir: str, out: str) -> None:
+def _hf_config(hf_dir: str, drop_mtp: bool) -> dict:
+    from parallel.bridges import without_mtp
+    from parallel.hf_checkpoint import load_hf_config
+
+    hf_config = load_hf_config(hf_dir)
+    return without_mtp(hf_config) if drop_mtp else hf_config
+
+
+def hf_to_megatron(layout, hf_dir: str, out: str, drop_mtp: bool) -> None:
     """Rank function (every rank): import this rank's shards, save torch_dist, rename."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from parallel.hf_checkpoint import load_hf_config
     from parallel.hf_import import load_hf_weights
 
-    hf_config = load_hf_config(hf_dir)
+    hf_config = _hf_config(hf_dir, drop_mtp)
     bridge, model = _build(hf_config, layout)
     tmp = _fresh_tmp(out)
     _say(f"importing {hf_dir} at tp={layout.tp} pp={layout.pp} ep={layout.ep} etp={layout.expert_tp}")

@@ -6,6 +6,7 @@ arguments. Architectures are chosen by the HF `architectures` field (never by su
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, ClassVar
 
@@ -40,6 +41,18 @@ def bridge_for(hf_config: Any) -> "Bridge":
         f"no bridge for architectures={archs} (model_type={_get(hf_config, 'model_type', None)!r}); "
         f"supported: {registered_architectures()}"
     )
+
+
+def without_mtp(hf_config: Any) -> Any:
+    """`hf_config` (a dict or a transformers config, not changed) with its multi-token-prediction
+    layers dropped: num_nextn_predict_layers 0. Import then skips their tensors (with a warning,
+    `parallel.hf_checkpoint.mtp_tensor_names`), and every export and weight sync describes, and
+    carries, a model without them."""
+    if isinstance(hf_config, dict):
+        return {**hf_config, "num_nextn_predict_layers": 0}
+    dropped = copy.deepcopy(hf_config)
+    dropped.num_nextn_predict_layers = 0
+    return dropped
 
 
 def _get(cfg: Any, key: str, default: Any = ...) -> Any:

@@ -1,0 +1,74 @@
+"""Block-scaled FP8 weights, as DeepSeek-V3's checkpoints store them.
+
+`config.json` says `quantization_config: {quant_method: fp8, fmt: e4m3, weight_block_size: [128,
+128]}`; each quantized `X.weight` is float8_e4m3fn and `X.weight_scale_inv` (float32) holds one
+factor per block of 128 x 128 (rows, cols) of its last two dims: weight = fp8 x scale_inv,
+block by block. The grid is ceil(rows / 128) x ceil(cols / 128): the last block of a dim that
+128 does not divide is cut short (DeepSeek-V3's kv_a_proj_with_mqa has 576 rows).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SCALE_SUFFIX = "_scale_inv"
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+
+
+@dataclass(frozen=True)
+class BlockFP8:
+    """The checkpoint's block size (rows, cols)."""
+
+    rows: int
+    cols: int
+
+    @staticmethod
+    def from_hf_config(config: dict[str, Any]) -> BlockFP8 | None:
+        """None for an unquantized checkpoint; ValueError naming the field for a quantization this
+        import cannot read."""
+        quant = config.get("quantization_config")
+        if not quant:
+            return None
+        method, fmt = quant.get("quant_method"), quant.get("fmt", "e4m3")
+        if method != "fp8" or fmt != "e4m3":
+            raise ValueError(f"quantization_config: quant_method={method!r} fmt={fmt!r} cannot be imported (only "
+                             "block-scaled fp8 e4m3, as DeepSeek-V3 ships): dequantize the checkpoint first")
+        block = quant.get("weight_block_size")
+        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+            raise ValueError(f"quantization_config.weight_block_size={block!r}: expected [rows, cols], e.g. [128, 128]")
+        return BlockFP8(*block)
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (*shape[:-2], math.ceil(shape[-2] / self.rows), math.ceil(shape[-1] / self.cols))
+
+    def block_span(self, start: int, stop: int, dim: int) -> tuple[int, int]:
+        """The scale rows (dim -2) or cols (dim -1) covering [start, stop) of the weight."""
+        size = self.rows if dim == -2 else self.cols
+        return start // size, math.ceil(stop / size)
+
+    def dequantize(self, weight: torch.Tensor, scale_inv: torch.Tensor, row0: int = 0, col0: int = 0) -> torch.Tensor:
+        """float32 `weight` x its block factors. `weight` is a region of the full tensor starting at
+        (row0, col0) of its last two dims; `scale_inv` the scale blocks covering it, from block
+        (row0 // rows, col0 // cols)."""
+        r, c = row0 % self.rows, col0 % self.cols
+        factors = scale_inv.float().repeat_interleave(self.rows, dim=-2).repeat_interleave(self.cols, dim=-1)
+        factors = factors[..., r:r + weight.shape[-2], c:c + weight.shape[-1]]
+        return weight.float() * factors
+
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float8_e4m3fn weight, float32 scale_inv) the way DeepSeek's checkpoints are made:
+        each block scaled so that its largest magnitude is 448 (an all-zero block keeps factor 1)."""
+        rows, cols = weight.shape[-2:]
+        grid = self.scale_shape(tuple(weight.shape))
+        padded = torch.zeros(*weight.shape[:-2], grid[-2] * self.rows, grid[-1] * self.cols, dtype=torch.float32)
+        padded[..., :rows, :cols] = weight.float()
+        blocks = padded.unflatten(-1, (grid[-1], self.cols)).unflatten(-3, (grid[-2], self.rows))
+        amax = blocks.abs().amax(dim=(-3, -1))
+        scale_inv = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        expanded = scale_inv.repeat_interleave(self.rows, dim=-2).repeat_interleave(self.cols, dim=-1)
+        quantized = (padded / expanded)[..., :rows, :cols].to(torch.float8_e4m3fn)
+        return quantized, scale_inv

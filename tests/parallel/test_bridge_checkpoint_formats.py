@@ -1,0 +1,185 @@
+"""Checkpoints as users download them, not as save_pretrained writes them:
+- DeepSeek-V3 with block-scaled FP8 weights (float8_e4m3fn + `weight_scale_inv`,
+  `quantization_config`) and one multi-token-prediction layer, imported with `model.mtp: drop`
+  under TP2, EP2 and PP2: logits equal transformers' own dequantized model (its FP8 loader on
+  CPU), the export equals the dequantized tensors, and the MTP tensors are left out (warned);
+- FP8 blocks that do not divide the shape (DeepSeek's 576-row kv_a_proj_with_mqa), read in slices;
+- GLM-4.5 with fused experts (`mlp.experts.gate_up_proj` / `down_proj`) and `rotary_emb.inv_freq`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from moe_rl.cli import main
+from parallel.fp8 import BlockFP8
+from parallel.hf_checkpoint import HFCheckpointReader
+from parallel.layout import ParallelLayout
+from parallel.world import spawn
+from test_bridge_deepseek_v3 import deepseek_v3_config
+from test_bridge_harness import BATCH, SEQ, assert_layout_results, check_layouts, hf_reference, save_tiny_hf_model
+from test_bridge_mixtral_glm import glm4_moe_config
+
+LAYOUTS = [ParallelLayout(world_size=4, tp=2, ep=2, sequence_parallel=True),
+           ParallelLayout(world_size=4, pp=2, ep=2, etp=1)]
+BLOCK = BlockFP8(8, 8)  # DeepSeek's is 128 x 128; 8 divides every tiny shape, as transformers' FP8 loader needs
+
+
+def _tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(hf_dir.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def _write(out: Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def save_deepseek_fp8_with_mtp(tmp_path: Path) -> tuple[Path, set[str]]:
+    """A tiny DeepSeek-V3 laid out as DeepSeek ships it: every projection in FP8 blocks with its
+    scale_inv, `quantization_config`, and MTP layer `model.layers.{num_hidden_layers}` (its own
+    attention and MoE, enorm / hnorm / eh_proj / shared_head). Returns (dir, the MTP tensor names)."""
+    base = save_tiny_hf_model(deepseek_v3_config(), tmp_path / "bf16")
+    tensors, config = _tensors(base), json.loads((base / "config.json").read_text())
+    last, mtp = config["num_hidden_layers"] - 1, config["num_hidden_layers"]
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    g = torch.Generator().manual_seed(3)
+    layer = {n.replace(f"layers.{last}.", f"layers.{mtp}."): t.clone() for n, t in tensors.items()
+             if n.startswith(f"model.layers.{last}.")}
+    layer.update({f"model.layers.{mtp}.{n}": t for n, t in {
+        "enorm.weight": torch.rand(hidden, generator=g) + 0.5, "hnorm.weight": torch.rand(hidden, generator=g) + 0.5,
+        "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=g) * 0.02,
+        "shared_head.norm.weight": torch.rand(hidden, generator=g) + 0.5,
+        "shared_head.head.weight": torch.randn(vocab, hidden, generator=g) * 0.02}.items()})
+    stored = {}
+    for name, tensor in {**tensors, **layer}.items():
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            stored[name], stored[name + "_scale_inv"] = BLOCK.quantize(tensor)
+        else:
+            stored[name] = tensor
+    config.update(num_nextn_predict_layers=1, quantization_config={
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [BLOCK.rows, BLOCK.cols]})
+    mtp_names = {n for n in stored if n.startswith(f"model.layers.{mtp}.") and not n.endswith("_scale_inv")}
+    return _write(tmp_path / "fp8", stored, config), mtp_names
+
+
+def test_deepseek_v3_fp8_with_mtp_dropped_imports_under_tp_ep_pp(tmp_path):
+    hf_dir, mtp_names = save_deepseek_fp8_with_mtp(tmp_path)
+    reader = HFCheckpointReader(hf_dir)
+    assert reader.read("model.layers.0.self_attn.q_a_proj.weight").dtype == torch.float32  # dequantized
+    assert not [n for n in reader.names() if n.endswith("_scale_inv")]
+    tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    reference = hf_reference(hf_dir, tokens)  # transformers dequantizes FP8 checkpoints on CPU
+    warned = spawn(_import_warnings, 1, str(hf_dir))[0]
+    assert any(re.search(rf"model.mtp=drop: {len(mtp_names)} tensors .* model.layers.4.\* are not imported", w)
+               for w in warned), warned
+    per_rank = spawn(check_layouts, 4, str(hf_dir), LAYOUTS, tokens, 4096, True)
+    assert_layout_results(per_rank, hf_dir, reference, tokens, left_out=mtp_names)
+
+
+def _import_warnings(hf_dir: str) -> list[str]:
+    """Rank function: one-rank import of the MTP checkpoint; the warnings it gave."""
+    import warnings
+
+    from parallel.bridges import bridge_for, without_mtp
+    from parallel.hf_import import load_hf_weights
+    from parallel.model import build_gpt_model, init_model_parallel
+
+    bridge = bridge_for(without_mtp(json.loads((Path(hf_dir) / "config.json").read_text())))
+    layout = ParallelLayout(world_size=1)
+    init_model_parallel(layout, seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_hf_weights(build_gpt_model(bridge, layout), bridge, hf_dir)
+    return [str(w.message) for w in caught]
+
+
+def test_mtp_layers_need_a_choice_before_any_work(tmp_path):
+    from moe_rl.config import load_config
+
+    hf_dir, _ = save_deepseek_fp8_with_mtp(tmp_path)
+    assert main(["convert", "hf-to-megatron", "--hf", str(hf_dir), "--out", str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out.tmp").exists()
+    run = tmp_path / "run.yaml"
+    run.write_text(f"model:\n  path: {hf_dir}\ntrainer:\n  micro_batch_size: 1\n  global_batch_size: 1\n")
+    with pytest.raises(ValueError, match=r"holds \d+ tensors of multi-token-prediction layers \(model.layers.4.\*\).*"
+                                         "set model.mtp: drop"):
+        load_config(str(run))
+    assert load_config(str(run), ["model.mtp=drop"]).model.load_hf_config().num_nextn_predict_layers == 0
+
+
+def test_convert_with_mtp_dropped_exports_a_model_transformers_loads(tmp_path, recwarn):
+    """FP8 + MTP -> Megatron (--mtp drop) -> HF: full-precision tensors equal to the dequantized
+    ones, a config without MTP layers or quantization, the same logits in transformers."""
+    from transformers import AutoModelForCausalLM
+
+    hf_dir, mtp_names = save_deepseek_fp8_with_mtp(tmp_path)
+    mcore, back = tmp_path / "mcore", tmp_path / "back"
+    assert main(["convert", "hf-to-megatron", "--hf", str(hf_dir), "--out", str(mcore), "--ep", "2", "--mtp", "drop"]) == 0
+    assert main(["convert", "megatron-to-hf", "--megatron", str(mcore), "--out", str(back), "--ep", "2"]) == 0
+    config = json.loads((back / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 0
+    original, exported = HFCheckpointReader(hf_dir), HFCheckpointReader(back)
+    assert exported.names() == original.names() - mtp_names
+    for name in exported.names():
+        assert torch.equal(exported.read(name), original.read(name)), name
+    tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32).eval()(tokens).logits
+    assert torch.equal(logits, hf_reference(hf_dir, tokens))
+
+
+def test_fp8_blocks_that_do_not_divide_the_shape_read_in_slices(tmp_path):
+    block = BlockFP8(16, 16)
+    weight = torch.randn(37, 50, generator=torch.Generator().manual_seed(0))
+    quantized, scale_inv = block.quantize(weight)
+    assert scale_inv.shape == (3, 4)
+    expected = torch.empty(37, 50)
+    for i in range(3):  # block by block, as written in DeepSeek's model card
+        for j in range(4):
+            rows, cols = slice(16 * i, 16 * (i + 1)), slice(16 * j, 16 * (j + 1))
+            expected[rows, cols] = quantized[rows, cols].float() * scale_inv[i, j]
+    assert (expected - weight).abs().max() <= weight.abs().max() / 16  # e4m3: 3 mantissa bits
+    config = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]}}
+    reader = HFCheckpointReader(_write(tmp_path / "ckpt", {"w.weight": quantized, "w.weight_scale_inv": scale_inv},
+                                       config))
+    assert reader.names() == {"w.weight"} and reader.shape("w.weight") == (37, 50)
+    assert torch.equal(reader.read("w.weight"), expected)
+    assert torch.equal(reader.read("w.weight", 0, 5, 30), expected[5:30])
+    assert torch.equal(reader.read("w.weight", 1, 17, 50), expected[:, 17:])
+    bad = {"quantization_config": {"quant_method": "gptq", "bits": 4}}
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="quant_method='gptq'.*dequantize the checkpoint first"):
+        HFCheckpointReader(tmp_path / "ckpt")
+
+
+def test_glm4_moe_with_fused_experts_and_inv_freq(tmp_path):
+    hf_dir = save_tiny_hf_model(glm4_moe_config(), tmp_path / "per_expert")
+    tensors, config = _tensors(hf_dir), json.loads((hf_dir / "config.json").read_text())
+    fused = {n: t for n, t in tensors.items() if ".mlp.experts." not in n}
+    for layer in range(config["first_k_dense_replace"], config["num_hidden_layers"]):
+        p = f"model.layers.{layer}.mlp.experts"
+        experts = range(config["n_routed_experts"])
+        fused[f"{p}.gate_up_proj"] = torch.stack([torch.cat([tensors[f"{p}.{e}.gate_proj.weight"],
+                                                             tensors[f"{p}.{e}.up_proj.weight"]]) for e in experts])
+        fused[f"{p}.down_proj"] = torch.stack([tensors[f"{p}.{e}.down_proj.weight"] for e in experts])
+        fused[f"model.layers.{layer}.self_attn.rotary_emb.inv_freq"] = torch.rand(8)
+    fused_dir = _write(tmp_path / "fused", fused, config)
+    reader = HFCheckpointReader(fused_dir)
+    assert reader.names() == HFCheckpointReader(hf_dir).names()  # per-expert names, inv_freq left out
+    assert torch.equal(reader.read("model.layers.1.mlp.experts.5.up_proj.weight", 0, 8, 24),
+                       tensors["model.layers.1.mlp.experts.5.up_proj.weight"][8:24])
+    tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    per_rank = spawn(check_layouts, 4, str(fused_dir), LAYOUTS, tokens, 4096)
+    assert_layout_results(per_rank, fused_dir, hf_reference(hf_dir, tokens), tokens)

@@ -91,11 +91,8 @@ class MegatronTrainer:
             else {}
         )
         replay = dict(moe_enable_routing_replay=True) if config.routing_replay else {}
-        # LoRA adapts both specs (parallel.lora), but the TE spec is only tested against a CPU stand-in
-        # for Transformer Engine (tests/trainer/test_lora_te.py), so a LoRA model keeps the local spec
-        # until a GPU run with the real TE confirms it; then pass use_te=None here as well.
-        model = build_gpt_model(self.bridge, config, use_te=None if lora is None else False,
-                                calculate_per_token_loss=True, **recompute, **replay)
+        # LoRA adapts both specs (parallel.lora): the TE spec where TE is installed, as without LoRA
+        model = build_gpt_model(self.bridge, config, calculate_per_token_loss=True, **recompute, **replay)
         self.lora = lora
         if lora is not None:  # freezes the base: DDP, the optimizer and checkpoints see only adapters
             add_lora(model, self.bridge, lora, config.seed)

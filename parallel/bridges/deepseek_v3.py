@@ -66,9 +66,9 @@ class DeepseekV3Bridge(Bridge):
         if self.get("attention_bias", False):
             raise ValueError("DeepSeek-V3 with attention_bias=true is not supported by this bridge: "
                              "Megatron's MLA projections have no bias")
-        if self.q_lora_rank is None and megatron_at_least(0, 17):
+        if self.q_lora_rank is None and megatron_at_least(0, 19):
             raise ValueError(
-                "DeepSeek-V3 with q_lora_rank=null needs megatron-core 0.16.x: 0.17+ builds MLA's q "
+                "DeepSeek-V3 with q_lora_rank=null needs megatron-core < 0.19: 0.19+ builds MLA's q "
                 "projection without q LoRA only as a fused norm+linear, a q norm the HF model lacks"
             )
         heads = self.get("num_attention_heads")

@@ -41,8 +41,8 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_deepseek_v3_roundtrip_and_logits(tmp_path, variant):
     overrides, world_size, layouts = VARIANTS[variant]
-    if "q_lora_rank" in overrides and megatron_at_least(0, 17):
-        pytest.skip("no-q-LoRA MLA needs megatron-core 0.16.x (see test_unsupported_configs_are_clear_errors)")
+    if "q_lora_rank" in overrides and megatron_at_least(0, 19):
+        pytest.skip("no-q-LoRA MLA needs megatron-core < 0.19 (see test_unsupported_configs_are_clear_errors)")
     hf_dir = save_tiny_hf_model(deepseek_v3_config(**overrides), tmp_path / "hf")
     tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     per_rank = spawn(check_layouts, world_size, str(hf_dir), layouts, tokens, 4096)
@@ -53,8 +53,8 @@ def test_deepseek_v3_roundtrip_and_logits(tmp_path, variant):
 def test_unsupported_configs_are_clear_errors():
     from parallel.bridges import bridge_for
 
-    if megatron_at_least(0, 17):
-        with pytest.raises(ValueError, match="q_lora_rank=null needs megatron-core 0.16.x"):
+    if megatron_at_least(0, 19):
+        with pytest.raises(ValueError, match="q_lora_rank=null needs megatron-core < 0.19"):
             bridge_for(deepseek_v3_config(q_lora_rank=None)).transformer_config(ParallelLayout(world_size=1))
 
     with pytest.raises(ValueError, match="attention_bias=true"):

@@ -31,6 +31,7 @@ from typing import Iterator
 import torch
 
 from parallel.bridges import Bridge
+from parallel.fp8 import BlockFP8
 from parallel.mappings import Axis, Mapping, ParallelContext, resolve
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
@@ -178,8 +179,10 @@ def _export_chunk(model, bridge: Bridge, bucket_bytes: int, merge_adapters: bool
 
 def save_hf_checkpoint(model, bridge: Bridge, out_dir, hf_config: dict, *, max_shard_bytes: int = 5 * 2**30,
                        bucket_bytes: int = DEFAULT_BUCKET_BYTES, extra_files: dict[str, bytes] | None = None,
-                       progress=None, merge_adapters: bool = True) -> None:
+                       progress=None, merge_adapters: bool = True, fp8: BlockFP8 | None = None) -> None:
     """Write the model as an HF checkpoint (safetensors shards + index + config) to `out_dir`.
+    `fp8`: decoder linear weights as block-scaled FP8 (`BlockFP8.quantize_stream`), the config
+    saying so; otherwise full precision and no `quantization_config`, whatever was imported.
 
     Collective: every rank calls it. Each stage's source rank writes its own shards into
     `<out_dir>.tmp`; global rank 0 merges the index and renames the directory when complete.
@@ -199,10 +202,15 @@ def save_hf_checkpoint(model, bridge: Bridge, out_dir, hf_config: dict, *, max_s
     dist.barrier()
     prefix = f"stage{ps.get_pipeline_model_parallel_rank():03d}"
     items = export_hf_weights(model, bridge, bucket_bytes=bucket_bytes, merge_adapters=merge_adapters)
+    if fp8 is not None:
+        items = fp8.quantize_stream(items)
     weight_map = write_shards(items, tmp, prefix, max_shard_bytes, progress=progress)
     maps: list = [None] * dist.get_world_size()
     dist.all_gather_object(maps, weight_map)
     if dist.get_rank() == 0:
         merged = {name: file for part in maps for name, file in part.items()}
-        finalize_hf_checkpoint(tmp, out_dir, merged, hf_config, extra_files=extra_files)
+        config = {key: value for key, value in hf_config.items() if key != "quantization_config"}
+        if fp8 is not None:
+            config["quantization_config"] = fp8.hf_config()
+        finalize_hf_checkpoint(tmp, out_dir, merged, config, extra_files=extra_files)
     dist.barrier()

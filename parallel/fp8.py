@@ -5,13 +5,17 @@
 factor per block of 128 x 128 (rows, cols) of its last two dims: weight = fp8 x scale_inv,
 block by block. The grid is ceil(rows / 128) x ceil(cols / 128): the last block of a dim that
 128 does not divide is cut short (DeepSeek-V3's kv_a_proj_with_mqa has 576 rows).
+
+Round trip: FP8 -> dequantized fp32 -> `quantize` gives back the same bytes and scales (the
+block's largest FP8 value is exactly 448 again). Through bf16 the FP8 bytes come back, and each
+scale within 2^-9 of its original (bf16 keeps 8 significant bits of amax).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -41,6 +45,24 @@ class BlockFP8:
         if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
             raise ValueError(f"quantization_config.weight_block_size={block!r}: expected [rows, cols], e.g. [128, 128]")
         return BlockFP8(*block)
+
+    def hf_config(self) -> dict[str, Any]:
+        """The `quantization_config` of a checkpoint written with these blocks (DeepSeek-V3's)."""
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [self.rows, self.cols]}
+
+    def quantize_stream(self, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """An HF (name, tensor) stream with every decoder linear weight as FP8 blocks plus its
+        `*_scale_inv`, as DeepSeek's checkpoints hold them; norms, biases, routers (`*.gate.weight`),
+        embeddings and the LM head stay as they are. One tensor at a time."""
+        for name, tensor in items:
+            if name.startswith("model.layers.") and name.endswith(".weight") and tensor.ndim == 2 \
+                    and not name.endswith(".gate.weight"):
+                quantized, scale_inv = self.quantize(tensor)
+                yield name, quantized
+                yield name + SCALE_SUFFIX, scale_inv
+            else:
+                yield name, tensor
 
     def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return (*shape[:-2], math.ceil(shape[-2] / self.rows), math.ceil(shape[-1] / self.cols))

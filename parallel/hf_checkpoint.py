@@ -222,9 +222,7 @@ def finalize_hf_checkpoint(tmp_dir: str | os.PathLike, out_dir: str | os.PathLik
     index = {"metadata": {"total_size": total},
              "weight_map": {name: renamed[file] for name, file in sorted(weight_map.items())}}
     (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
-    # the tensors are the trainer's full-precision ones, whatever the imported checkpoint's storage
-    config = {key: value for key, value in hf_config.items() if key != "quantization_config"}
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
     for name, data in (extra_files or {}).items():  # tokenizer, generation config
         (tmp / name).write_bytes(data)
     if out.exists():

@@ -46,6 +46,9 @@ def add_arguments(parser) -> None:
     to_hf.add_argument("--megatron", required=True, help="checkpoint written by hf-to-megatron")
     to_hf.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file")
     to_hf.add_argument("--bucket-mb", type=float, default=512, help="export gather bucket size")
+    to_hf.add_argument("--fp8-blocks", type=int, default=None, metavar="N",
+                       help="write decoder linear weights as FP8 e4m3 in N x N blocks with weight_scale_inv, "
+                            "as DeepSeek-V3 ships (N=128), for engines that serve FP8")
     from_peft = directions.add_parser("peft-to-megatron", help="PEFT LoRA adapter -> Megatron torch_dist adapters")
     from_peft.add_argument("--peft", required=True, help="adapter directory (adapter_config.json + safetensors)")
     from_peft.add_argument("--hf", required=True, help="the base model's HF directory (config.json is enough)")
@@ -84,7 +87,9 @@ def run(args) -> int:
         extra = (args.mtp == "drop",)
     elif args.direction == "megatron-to-hf":
         fn, source = megatron_to_hf, args.megatron
-        extra = (int(args.max_shard_gb * 2**30), int(args.bucket_mb * 2**20))
+        if args.fp8_blocks is not None and args.fp8_blocks < 1:
+            raise ValueError(f"--fp8-blocks={args.fp8_blocks}: must be a positive block size, e.g. 128")
+        extra = (int(args.max_shard_gb * 2**30), int(args.bucket_mb * 2**20), args.fp8_blocks)
     elif args.direction == "peft-to-megatron":
         fn, source = peft_to_megatron, args.peft
         extra = (args.hf,)
@@ -199,11 +204,13 @@ def hf_to_megatron(layout, hf_dir: str, out: str, drop_mtp: bool) -> None:
     dist.barrier()
 
 
-def megatron_to_hf(layout, ckpt_dir: str, out: str, max_shard_bytes: int, bucket_bytes: int) -> None:
+def megatron_to_hf(layout, ckpt_dir: str, out: str, max_shard_bytes: int, bucket_bytes: int,
+                   fp8_blocks: int | None) -> None:
     """Rank function (every rank): load torch_dist at `layout`, stream HF tensors, write shards."""
     from megatron.core import dist_checkpointing
 
     from parallel.export import save_hf_checkpoint
+    from parallel.fp8 import BlockFP8
 
     hf_config = json.loads((Path(ckpt_dir) / META_FILE).read_text())["hf_config"]
     bridge, model = _build(hf_config, layout)
@@ -212,7 +219,8 @@ def megatron_to_hf(layout, ckpt_dir: str, out: str, max_shard_bytes: int, bucket
     side = {p.name: p.read_bytes() for p in (Path(ckpt_dir) / HF_FILES_DIR).glob("*") if p.name != "config.json"}
     with _progress("writing HF shards") as advance:
         save_hf_checkpoint(model, bridge, out, hf_config, max_shard_bytes=max_shard_bytes,
-                           bucket_bytes=bucket_bytes, extra_files=side, progress=advance)
+                           bucket_bytes=bucket_bytes, extra_files=side, progress=advance,
+                           fp8=None if fp8_blocks is None else BlockFP8(fp8_blocks, fp8_blocks))
 
 
 def peft_to_megatron(layout, peft_dir: str, out: str, hf_dir: str) -> None:

@@ -63,7 +63,7 @@ def save_deepseek_fp8_with_mtp(tmp_path: Path) -> tuple[Path, set[str]]:
         "shared_head.head.weight": torch.randn(vocab, hidden, generator=g) * 0.02}.items()})
     stored = {}
     for name, tensor in {**tensors, **layer}.items():
-        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+        if name.startswith("model.layers.") and tensor.ndim == 2 and not name.endswith(".gate.weight"):  # linears
             stored[name], stored[name + "_scale_inv"] = BLOCK.quantize(tensor)
         else:
             stored[name] = tensor
@@ -119,25 +119,47 @@ def test_mtp_layers_need_a_choice_before_any_work(tmp_path):
     assert load_config(str(run), ["model.mtp=drop"]).model.load_hf_config().num_nextn_predict_layers == 0
 
 
-def test_convert_with_mtp_dropped_exports_a_model_transformers_loads(tmp_path, recwarn):
-    """FP8 + MTP -> Megatron (--mtp drop) -> HF: full-precision tensors equal to the dequantized
-    ones, a config without MTP layers or quantization, the same logits in transformers."""
+def test_convert_with_mtp_dropped_exports_full_precision_and_fp8(tmp_path):
+    """FP8 + MTP -> Megatron (--mtp drop) -> HF twice. Full precision: tensors equal to the
+    dequantized ones, a config without MTP layers or quantization. --fp8-blocks: the original FP8
+    bytes and scales back bit for bit, DeepSeek's quantization_config. Both give transformers the
+    original's logits."""
     from transformers import AutoModelForCausalLM
 
     hf_dir, mtp_names = save_deepseek_fp8_with_mtp(tmp_path)
-    mcore, back = tmp_path / "mcore", tmp_path / "back"
+    mcore, full, fp8 = tmp_path / "mcore", tmp_path / "full", tmp_path / "fp8_again"
     assert main(["convert", "hf-to-megatron", "--hf", str(hf_dir), "--out", str(mcore), "--ep", "2", "--mtp", "drop"]) == 0
-    assert main(["convert", "megatron-to-hf", "--megatron", str(mcore), "--out", str(back), "--ep", "2"]) == 0
-    config = json.loads((back / "config.json").read_text())
-    assert config["num_nextn_predict_layers"] == 0
-    original, exported = HFCheckpointReader(hf_dir), HFCheckpointReader(back)
+    assert main(["convert", "megatron-to-hf", "--megatron", str(mcore), "--out", str(full), "--ep", "2"]) == 0
+    assert main(["convert", "megatron-to-hf", "--megatron", str(mcore), "--out", str(fp8), "--pp", "2",
+                 "--fp8-blocks", str(BLOCK.rows)]) == 0
+    original = HFCheckpointReader(hf_dir)
+    config = json.loads((full / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 0 and "quantization_config" not in config
+    exported = HFCheckpointReader(full)
     assert exported.names() == original.names() - mtp_names
     for name in exported.names():
         assert torch.equal(exported.read(name), original.read(name)), name
+    config = json.loads((fp8 / "config.json").read_text())
+    assert config["quantization_config"] == json.loads((hf_dir / "config.json").read_text())["quantization_config"]
+    stored, again = _tensors(hf_dir), _tensors(fp8)
+    assert set(again) == {n for n in stored if n.removesuffix("_scale_inv") not in mtp_names}
+    for name, tensor in again.items():
+        assert tensor.dtype == stored[name].dtype and torch.equal(tensor.view(torch.uint8), stored[name].view(torch.uint8)), name
     tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        logits = AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32).eval()(tokens).logits
-    assert torch.equal(logits, hf_reference(hf_dir, tokens))
+    reference = hf_reference(hf_dir, tokens)
+    for out in (full, fp8):
+        with torch.no_grad():
+            logits = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(tokens).logits
+        assert torch.equal(logits, reference), out
+
+
+def test_fp8_round_trip_through_bf16_keeps_the_bytes_and_bounds_the_scales():
+    weight = torch.randn(300, 260, generator=torch.Generator().manual_seed(0)) * 0.02
+    block = BlockFP8(128, 128)
+    quantized, scale_inv = block.quantize(weight)
+    again, scale_again = block.quantize(block.dequantize(quantized, scale_inv).to(torch.bfloat16))
+    assert torch.equal(again.view(torch.uint8), quantized.view(torch.uint8))
+    assert ((scale_again - scale_inv).abs() / scale_inv).max() <= 2**-9
 
 
 def test_fp8_blocks_that_do_not_divide_the_shape_read_in_slices(tmp_path):

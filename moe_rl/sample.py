@@ -1,6 +1,7 @@
 """`Sample`: one rollout (prompt + response) with everything the trainer needs from the engine.
 
-Owns the contract of DESIGN.md: per-token rollout logprobs and weight versions (one per response
+Owns the rollout-record contract (docs/architecture.md, section 2, "The rollout record"):
+per-token rollout logprobs and weight versions (one per response
 token), the loss mask, and the routed experts of every token but the last, int32
 `[prompt_len + response_len - 1, num_hidden_layers, topk]` in SGLang's layout. SGLang sends routed
 experts as base64 of little-endian int32 in C order; `encode_routed_experts` /

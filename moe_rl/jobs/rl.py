@@ -1,4 +1,4 @@
-"""The RL job: the async loop of DESIGN.md flows 1-4, on Ray actors (see `moe_rl.rl.cluster`).
+"""The RL job: the async loop of docs/architecture.md section 2, on Ray actors (see `moe_rl.rl.cluster`).
 
 One loop serves every mode; modes only set the staleness bound and whether generation drains
 before a weight sync (`RLConfig`): `sync` = staleness 0 (round v+1 is not admitted until the

@@ -1,4 +1,4 @@
-"""The rollout side of the async RL loop (DESIGN.md flows 1 and 4).
+"""The rollout side of the async RL loop (docs/architecture.md section 2: generation, buffer, partial rollouts).
 
 - `config`: `RolloutConfig` (task, reward, sampling, staleness, partial-rollout options).
 - `manager`: `RolloutManager`, generates scored groups through the `EnginePool` into the buffer,

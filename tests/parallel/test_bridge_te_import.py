@@ -236,8 +236,9 @@ def import_and_compare(hf_dirs: dict[str, str], layouts: list[dict]) -> list[dic
                         mismatches.append((name, "no rule in the oracle"))
                         continue
                     checked.add(name)
-                    if not torch.equal(t.detach(), want):
-                        worst = ((t.detach() - want).abs().max().item() if t.shape == want.shape
+                    got = t.detach().cpu()
+                    if not torch.equal(got, want):
+                        worst = ((got - want).abs().max().item() if got.shape == want.shape
                                  else f"shape {tuple(t.shape)} != {tuple(want.shape)}")
                         mismatches.append((name, worst))
                 modules = {type(m).__name__ for m in model.modules()}

@@ -64,6 +64,19 @@ class BlockFP8:
             else:
                 yield name, tensor
 
+    def dequantize_named(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """{name: tensor} with each FP8 `X` and its `X_scale_inv` replaced by the float32 `X`; a
+        scale whose weight is not there is a ValueError (they always travel together)."""
+        out = {}
+        for name, tensor in tensors.items():
+            if name.endswith(SCALE_SUFFIX):
+                if name.removesuffix(SCALE_SUFFIX) not in tensors:
+                    raise ValueError(f"{name} came without its weight {name.removesuffix(SCALE_SUFFIX)}")
+                continue
+            scale = tensors.get(name + SCALE_SUFFIX)
+            out[name] = tensor if scale is None else self.dequantize(tensor, scale)
+        return out
+
     def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return (*shape[:-2], math.ceil(shape[-2] / self.rows), math.ceil(shape[-1] / self.cols))
 

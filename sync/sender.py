@@ -71,6 +71,10 @@ class SyncConfig(TransportConfig):
     "cuda_ipc" (colocated engines: CUDA-IPC handles via /update_weights_from_tensor)."""
     pause_mode: str = "retract"
     """`/pause_generation` mode: abort | retract | in_place (SGLang's)."""
+    fp8_blocks: int | None = None
+    """Send decoder linear weights as FP8 e4m3 in N x N blocks with their `weight_scale_inv`
+    (DeepSeek-V3's format, N=128: half the bytes of bf16), for engines that serve FP8; the engines
+    then start from an FP8 checkpoint too. None: the trainer's dtype."""
     lora_route: str = "tensors"
     """With `lora:`, only adapters move and generation never pauses (`sync.lora`): "tensors"
     (`/load_lora_adapter_from_tensors`) or "disk" (PEFT directories `policy-v{N}/` in `disk_dir`,
@@ -82,6 +86,8 @@ class SyncConfig(TransportConfig):
         super().__post_init__()
         if self.pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode: {self.pause_mode!r} is not one of {PAUSE_MODES}")
+        if self.fp8_blocks is not None and (not isinstance(self.fp8_blocks, int) or self.fp8_blocks < 1):
+            raise ValueError(f"fp8_blocks: {self.fp8_blocks!r} is not a block size; use e.g. 128, or null")
         if self.lora_route not in ADAPTER_ROUTES:
             raise ValueError(f"lora_route: {self.lora_route!r} is not one of {ADAPTER_ROUTES}")
 

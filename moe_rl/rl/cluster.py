@@ -107,7 +107,7 @@ class RLCluster:
             assert version == self.restore["weight_version"], (version, self.restore["weight_version"])
         initial = str(self.run_dir / ("initial_hf" if version == 0 else f"resumed_hf_v{version}"))
         # LoRA: the engines serve the frozen base and adapter `policy-v{version}` on top of it
-        self.trainer.call("save_hf", initial, cfg.lora is None)
+        self.trainer.call("save_hf", initial, cfg.lora is None, cfg.sync.fp8_blocks)
         self.engines = self._start_engines(initial, version)
         urls = ray.get([engine.url.remote() for engine in self.engines])
         self.trainer.call("connect", urls, cfg.sync, cfg.engines.kind, version, self._adapter_sync())

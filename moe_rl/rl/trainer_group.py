@@ -60,11 +60,11 @@ class TrainerRank:
 
             cpu_compat.apply()  # idempotent; Ray may run a method on another thread
 
-    def save_hf(self, out_dir: str, merged: bool = True) -> None:
+    def save_hf(self, out_dir: str, merged: bool = True, fp8_blocks: int | None = None) -> None:
         """The weights as an HF checkpoint; with LoRA, `merged=False` writes the frozen base alone
-        (what adapter engines serve)."""
+        (what adapter engines serve); `fp8_blocks`: as FP8 blocks (engines that serve FP8)."""
         self._enter()
-        self.trainer.save_hf_checkpoint(out_dir, self.hf_config.to_dict(), merged=merged)
+        self.trainer.save_hf_checkpoint(out_dir, self.hf_config.to_dict(), merged=merged, fp8=_fp8(fp8_blocks))
 
     def save_adapter(self, out_dir: str) -> None:
         """LoRA: the adapters as a PEFT directory (collective)."""
@@ -101,6 +101,7 @@ class TrainerRank:
 
         self._enter()
         self.sources, self.kind = export_source_ranks(), kind
+        self.fp8 = _fp8(sync_config.fp8_blocks)
         if adapters is not None:
             self._connect_adapters(urls, adapters, version)
             return
@@ -156,6 +157,8 @@ class TrainerRank:
         while self._agree(self.sender is not None and error is None
                           and (version > self.sender.version or bool(self.sender.behind))):
             stream = stage_stream(self.trainer.export_hf_weights(bucket_bytes), self.sources)
+            if self.fp8 is not None:
+                stream = self.fp8.quantize_stream(stream)
             if self.sender is None:
                 drain(stream)
                 continue
@@ -292,3 +295,10 @@ class TrainerGroup:
             for actor in self.actors:
                 ray.kill(actor)
             ray.util.remove_placement_group(self.placement)
+
+
+def _fp8(blocks: int | None):
+    """sync.fp8_blocks as the export's FP8 format (None: full precision)."""
+    from parallel.fp8 import BlockFP8
+
+    return None if blocks is None else BlockFP8(blocks, blocks)

@@ -177,12 +177,13 @@ class MegatronTrainer:
             raise ValueError(f"{what} needs adapters: set the lora: section")
         return self.lora
 
-    def save_hf_checkpoint(self, out_dir: str, hf_config: dict, merged: bool = True) -> None:
+    def save_hf_checkpoint(self, out_dir: str, hf_config: dict, merged: bool = True, fp8=None) -> None:
         """Write the current weights as an HF checkpoint the engines can serve (collective); with
-        LoRA the adapters are merged in (base + scale * B A) unless `merged=False` (the frozen base)."""
+        LoRA the adapters are merged in (base + scale * B A) unless `merged=False` (the frozen base).
+        `fp8` (a parallel.fp8.BlockFP8): linear weights as FP8 blocks."""
         from parallel.export import save_hf_checkpoint
 
-        save_hf_checkpoint(self.model.module, self.bridge, out_dir, hf_config, merge_adapters=merged)
+        save_hf_checkpoint(self.model.module, self.bridge, out_dir, hf_config, merge_adapters=merged, fp8=fp8)
 
     # -- training -----------------------------------------------------------------------------
     def train_step(self, batch: Batch, loss_fn: LossFn = next_token_loss) -> StepResult:

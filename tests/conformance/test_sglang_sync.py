@@ -150,3 +150,60 @@ def test_in_place_pause_syncs_without_the_flush_sglang_refuses(model_dir):
 
         with pytest.raises(EngineError, match="HTTP 400"):  # what a flush would have met
             asyncio.run(flush_while_paused_in_place())
+
+
+def _fp8_dir(model_dir: str, out) -> tuple[str, dict[str, torch.Tensor]]:
+    """`model_dir` stored as DeepSeek stores FP8 weights (8 x 8 blocks here); its tensors."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from parallel.fp8 import BlockFP8
+
+    block = BlockFP8(8, 8)
+    tensors = dict(block.quantize_stream(sorted(load_file(os.path.join(model_dir, "model.safetensors")).items())))
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"))
+    config = json.loads(open(os.path.join(model_dir, "config.json")).read())
+    (out / "config.json").write_text(json.dumps({**config, "quantization_config": block.hf_config()}))
+    return str(out), tensors
+
+
+def test_fp8_blocks_travel_through_sglangs_bucket_code(model_dir, tmp_path):
+    """sync.fp8_blocks against a twin serving FP8: float8_e4m3fn weights and float32
+    weight_scale_inv, through SGLang's FlattenedTensorBucket, held bit for bit by both TP ranks."""
+    from parallel.fp8 import BlockFP8
+
+    start, _ = _fp8_dir(model_dir, tmp_path / "fp8")
+    block = BlockFP8(8, 8)
+    weights = dict(block.quantize_stream(sorted(_version(load_file(os.path.join(model_dir, "model.safetensors")),
+                                                         1).items())))
+    assert any(t.dtype == torch.float8_e4m3fn for t in weights.values())
+    twin = SGLangTwin(start, tp_size=2).start().wait_ready()
+    try:
+        sender = _sender([twin])
+        try:
+            sender.update(iter(weights.items()), 1)
+        finally:
+            sender.close()
+        _assert_serves(twin, weights, "1")
+    finally:
+        twin.stop()
+
+
+def test_fp8_blocks_dequantize_as_sglangs_loader_does():
+    """The checkpoint reader's dequantization equals SGLang's `block_quant_dequant` (what its FP8
+    loader applies to such weights), blocks that do not divide the shape included."""
+    import typing
+
+    from parallel.fp8 import BlockFP8
+    from tests.conformance import sglang_oracle
+
+    sglang_dequant = sglang_oracle.extract("sglang.srt.layers.quantization.fp8_utils", "block_quant_dequant",
+                                           {"torch": torch, "List": typing.List})
+    block = BlockFP8(16, 16)
+    for shape in ((64, 48), (37, 50), (4, 40, 24)):
+        weight = torch.randn(*shape, generator=torch.Generator().manual_seed(len(shape)))
+        quantized, scale_inv = block.quantize(weight)
+        theirs = sglang_dequant(quantized, scale_inv, [16, 16], torch.float32)
+        assert torch.equal(block.dequantize(quantized, scale_inv), theirs), shape

@@ -89,6 +89,44 @@ def test_update_from_distributed_with_weight_sender(engine, qwen3_dir, new_dir):
 
 
 
+def _fp8_copy(model_dir, out_dir):
+    """`model_dir` as DeepSeek ships its weights: linears in 8 x 8 FP8 blocks + weight_scale_inv."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from parallel.fp8 import BlockFP8
+
+    block = BlockFP8(8, 8)
+    out_dir.mkdir()
+    save_file(dict(block.quantize_stream(sorted(load_checkpoint_state(model_dir).items()))),
+              str(out_dir / "model.safetensors"))
+    config = json.loads((model_dir / "config.json").read_text())
+    (out_dir / "config.json").write_text(json.dumps({**config, "quantization_config": block.hf_config()}))
+    return out_dir, block
+
+
+def test_fp8_weights_start_and_update_an_engine(qwen3_dir, new_dir, tmp_path):
+    """sync.fp8_blocks: the engine starts from an FP8 checkpoint and takes FP8 buckets (weights +
+    weight_scale_inv); it serves what transformers' own FP8 loader makes of the same files."""
+    start, block = _fp8_copy(qwen3_dir, tmp_path / "start")
+    update, _ = _fp8_copy(new_dir, tmp_path / "update")
+    stream = sorted(block.quantize_stream(sorted(load_checkpoint_state(new_dir).items())))
+    with launch_embedded(start, weight_version="0") as engine:
+        client = EngineClient(engine.url)
+        sender = WeightSender([client], SyncConfig(transport="broadcast", bucket_bytes=8 << 10, timeout_s=60))
+        try:
+            before = run(generate(client))
+            stats = sender.update(stream, 1)
+            after = run(generate(client))
+        finally:
+            sender.close()
+            run(client.close())
+    assert matches(start, before) and matches(update, after) and not matches(update, before)
+    full = sum(t.numel() * t.element_size() for t in load_checkpoint_state(new_dir).values())
+    assert stats.bytes == sum(t.numel() * t.element_size() for _, t in stream) < full / 2  # fp32 -> FP8
+
+
 def test_weight_update_session_rules_are_sglangs(engine):
     """SGLang 0.5.23's rules (managers/scheduler_components/weight_updater.py): bucket routes only
     inside /begin_weight_update ... /end_weight_update, one session at a time; disk needs none."""

@@ -69,6 +69,18 @@ def test_sync_and_one_step_off(tmp_path, mode, bound):
         assert all("time/drain_s" in r for r in rows)
 
 
+def test_fp8_weight_sync(tmp_path):
+    """sync.fp8_blocks: the engines start from an FP8 checkpoint and every sync sends FP8 blocks;
+    the engine then serves the dequantized weights (the logprob gap to the fp32 trainer shows it)."""
+    config = tiny_config(tmp_path, "sync")
+    config.sync.fp8_blocks = 8
+    summary, rows = run(config)
+    check_ledger(summary)
+    initial = json.loads((tmp_path / "sync" / "initial_hf" / "config.json").read_text())
+    assert initial["quantization_config"]["weight_block_size"] == [8, 8]
+    assert all(0 < r["consistency/logprob_diff_mean"] < 0.5 for r in rows)
+
+
 def test_fully_async_partial_rollouts_r3_and_final_checkpoint(tmp_path):
     summary, rows = run(tiny_config(tmp_path, "fully_async", save_hf=True, report=True))
     check_ledger(summary)

@@ -33,13 +33,15 @@ from transformers import AutoConfig, DynamicCache
 
 from moe_rl.engine.embedded.lora import LoraAdapter
 from moe_rl.engine.embedded.lora_hooks import LoraSet
+from parallel.fp8 import BlockFP8
 from parallel.hf_checkpoint import check_safetensors
 
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
 
-def load_checkpoint_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the `*.safetensors` files in `model_dir`, under its checkpoint name."""
+def load_checkpoint_state(model_dir: str | Path, fp8: BlockFP8 | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the `*.safetensors` files in `model_dir`, under its checkpoint name (FP8
+    blocks of a `quantization_config` checkpoint dequantized: `fp8`)."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {model_dir}: save the model with save_pretrained")
@@ -48,6 +50,8 @@ def load_checkpoint_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(str(file)))
+    if fp8 is not None:
+        state = fp8.dequantize_named(state)
     for name, tensor in state.items():  # NaN logprobs are not even JSON: refuse such weights here
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise ValueError(f"{model_dir}: tensor {name} holds NaN or infinite values; the engine refuses it")
@@ -74,14 +78,19 @@ class ModelRunner:
         if getattr(text_config, "num_experts_per_tok", None) is None:
             raise ValueError(f"{model_dir}: {architectures[0]} is not a Mixture-of-Experts model (no "
                              "num_experts_per_tok): the embedded engine serves MoE checkpoints such as Qwen3-MoE")
-        self.checkpoint = load_checkpoint_state(self.model_dir)
+        # an FP8 checkpoint (sync.fp8_blocks) is served dequantized, and so are its FP8 updates
+        self.fp8 = BlockFP8.from_hf_config(self.config.to_dict())
+        if self.fp8 is not None:
+            del self.config.quantization_config
+        self.checkpoint = load_checkpoint_state(self.model_dir, self.fp8)
         self.num_layers = text_config.num_hidden_layers
         self.topk = text_config.num_experts_per_tok
         self.vocab_size = text_config.vocab_size
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks: list = []
         self.lora = LoraSet()
-        self.model = self._install(self.model_class.from_pretrained(self.model_dir, dtype=torch.float32))
+        self.model = self._install(self.model_class.from_pretrained(None, config=self.config, state_dict=self.checkpoint,
+                                                                    dtype=torch.float32))
         self._layout = {name: (tensor.shape, tensor.dtype) for name, tensor in self.checkpoint.items()}
         self.weights_state = "loaded"
         """"loaded" | "released" (no tensors) | "resumed" (allocated, waiting for a full update)."""
@@ -97,6 +106,8 @@ class ModelRunner:
         if self.weights_state == "released":
             raise RuntimeError("weights are released (/release_memory_occupation): call "
                                "/resume_memory_occupation before updating them")
+        if self.fp8 is not None:
+            tensors = self.fp8.dequantize_named(tensors)
         if self.weights_state == "resumed" and tensors.keys() != self.checkpoint.keys():
             raise ValueError(f"after /resume_memory_occupation the engine holds no valid weights: the update must "
                              f"carry all {len(self.checkpoint)} checkpoint tensors, got {len(tensors)}")

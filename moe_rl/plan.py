@@ -36,7 +36,8 @@ replicates attention over attn_dp groups); the rest of `engines.mem_fraction_sta
 KV cache, which must be positive.
 
 Bytes per sync: every engine receives the whole exported HF state dict in `param_dtype`
-(broadcast), i.e. B x the model's unique parameters.
+(broadcast), i.e. B x the model's unique parameters; with `sync.fp8_blocks` N, decoder linears
+travel as FP8 (1 byte + a 4-byte scale per N x N block, `fp8_sync_bytes`).
 
 With `lora:` (rank r), the base is frozen: gradients and optimizer state cover only the adapters,
 A = r x (in + out) per adapted linear (fused q/k/v and gate/up share one A; every routed expert has
@@ -146,9 +147,14 @@ def make_plan(config: RunConfig) -> Plan:
     adapter = None if config.lora is None else lora_parameters(hf, counts, config.lora.rank, config.lora.target_modules)
     stage, trainer = trainer_memory(config, hf, counts, dtype_bytes, adapter)
     engine = engine_memory(config, counts, dtype_bytes) if config.is_rl else {}
-    synced = counts.total if adapter is None else sum(adapter)
+    sync_bytes = (sum(adapter) if adapter else counts.total) * dtype_bytes
+    if adapter is None and config.sync.fp8_blocks:
+        sync_bytes = fp8_sync_bytes(counts, config.sync.fp8_blocks, dtype_bytes)
     plan = Plan(placement=placement, groups=parallel_groups(config.trainer), trainer_memory=trainer,
-                trainer_stage=stage, engine_memory=engine, sync_bytes=synced * dtype_bytes, params=counts)
+                trainer_stage=stage, engine_memory=engine, sync_bytes=sync_bytes, params=counts)
+    if adapter is None and config.sync.fp8_blocks:
+        plan.notes.append(f"sync.fp8_blocks={config.sync.fp8_blocks}: decoder linears as FP8 blocks, about "
+                          f"{sync_bytes / GB:.2f} GB per sync instead of {counts.total * dtype_bytes / GB:.2f} GB")
     if adapter is not None:
         plan.notes.append(f"lora: {sum(adapter) / 1e6:.1f} M adapter parameters ({adapter[1] / 1e6:.1f} M in routed "
                           f"experts), {sum(adapter) / counts.total:.3%} of the model; each sync loads a new adapter")
@@ -158,6 +164,14 @@ def make_plan(config: RunConfig) -> Plan:
     if trainer["total"] > config.cluster.gpu_memory_gb - HEADROOM_GB:
         plan.notes.append(f"trainer leaves < {HEADROOM_GB:g} GB per GPU for CUDA/NCCL/fragmentation: expect OOM risk")
     return plan
+
+
+def fp8_sync_bytes(counts: ParamCounts, block: int, dtype_bytes: int) -> int:
+    """Bytes of a `sync.fp8_blocks` update: decoder layers at 1 byte a parameter plus a float32
+    scale per block x block (their norms and routers, which stay in `param_dtype`, are counted as
+    FP8: a small underestimate), embedding and head in `param_dtype`."""
+    layers = sum(counts.dense_per_layer) + counts.experts
+    return int(layers * (1 + 4 / block**2)) + (counts.embedding + counts.head) * dtype_bytes
 
 
 def place(config: RunConfig) -> dict[int, list[str]]:

@@ -78,6 +78,26 @@ def test_sync_bytes_equal_the_saved_hf_state_dict(tmp_path):
     assert make_plan(config).sync_bytes == saved
 
 
+def test_fp8_sync_bytes_are_about_the_fp8_stream(tmp_path):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from moe_rl.engine.embedded.runner import load_checkpoint_state
+    from parallel.fp8 import BlockFP8
+
+    fields = dict(TINY)
+    hf = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    AutoModelForCausalLM.from_config(hf).to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    tensors = sorted(load_checkpoint_state(tmp_path / "hf").items())
+    sent = sum(t.numel() * t.element_size() for _, t in BlockFP8(8, 8).quantize_stream(tensors))
+    config = _tiny_run(tmp_path)
+    full = make_plan(config).sync_bytes
+    config.sync.fp8_blocks = 8
+    plan = make_plan(config)
+    assert abs(plan.sync_bytes - sent) <= 0.03 * sent and plan.sync_bytes < 0.75 * full
+    assert any("sync.fp8_blocks=8" in note for note in plan.notes)
+
+
 def test_distributed_optimizer_and_recompute_lower_the_estimate():
     base = make_plan(load_config("configs/models/qwen3_30b_a3b.yaml", ["trainer.recompute=false",
                                                                         "cluster.gpu_memory_gb=200"]))

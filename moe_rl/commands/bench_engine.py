@@ -1,8 +1,15 @@
-"""`moe-rl bench engine`: concurrent vs serial generation on one engine, in the same run.
+"""`moe-rl bench engine`: concurrent vs serial generation on one engine, and transformers' own
+batched `generate()` at equal batch as the baseline, in the same run.
 
 Starts the embedded engine on MODEL_DIR (or a tiny random Qwen3-MoE when none is given), or uses
 a running engine (`--url`, SGLang or embedded). Sends `--requests` requests one after another,
-then the same requests all at once, and reports output tokens/s of each and the speedup.
+then the same requests all at once, and reports output tokens/s of each and the speedup. Then,
+with the engine stopped, `generate()` runs the same model (float32, the embedded engine's dtype;
+on CUDA when there is one) on the same prompts as one left-padded batch with the same sampling
+(temperature 1, top_p 1, no top-k) and exactly `--max-new-tokens` new tokens per row (the engine
+ignores EOS, `generate()` gets `min_new_tokens`). The engine also returns per-token logprobs and
+routed experts, which `generate()` does not compute. With `--url` the baseline needs `--model-dir`
+(the model the engine serves).
 """
 
 from __future__ import annotations
@@ -14,7 +21,8 @@ import tempfile
 import time
 
 COMMAND = ("bench", "engine")
-HELP = "measure an engine's continuous batching: N concurrent requests vs the same N serially"
+HELP = ("measure an engine's continuous batching: N concurrent requests vs the same N serially and vs "
+        "transformers' generate() at batch N")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,11 +49,15 @@ def tiny_model_dir() -> str:
     return path
 
 
+def make_prompts(requests: int, prompt_len: int) -> list[list[int]]:
+    return [[(17 * i + j) % 200 + 1 for j in range(prompt_len)] for i in range(requests)]
+
+
 async def measure(url: str, requests: int, prompt_len: int, max_new_tokens: int) -> dict:
     from moe_rl.engine.client import EngineClient
 
     client = EngineClient(url)
-    prompts = [[(17 * i + j) % 200 + 1 for j in range(prompt_len)] for i in range(requests)]
+    prompts = make_prompts(requests, prompt_len)
 
     async def one(i: int) -> int:
         result = await client.generate(prompts[i], max_new_tokens=max_new_tokens, seed=i, ignore_eos=True,
@@ -64,27 +76,75 @@ async def measure(url: str, requests: int, prompt_len: int, max_new_tokens: int)
         await client.close()
     return {
         "requests": requests, "prompt_len": prompt_len, "max_new_tokens": max_new_tokens,
-        "serial_s": round(serial_s, 3), "serial_tok_per_s": round(serial_tokens / serial_s, 1),
+        "serial_s": round(serial_s, 3), "serial_tok_per_s": round(serial_tokens / serial_s, 1), "serial_tokens": serial_tokens,
         "concurrent_s": round(concurrent_s, 3), "concurrent_tok_per_s": round(concurrent_tokens / concurrent_s, 1),
-        "speedup": round(serial_s / concurrent_s, 2),
+        "concurrent_tokens": concurrent_tokens, "speedup": round(serial_s / concurrent_s, 2),
     }
+
+
+def measure_generate(model_dir: str, requests: int, prompt_len: int, max_new_tokens: int) -> dict:
+    """transformers' batched `generate()` on the prompts `measure` sends, after one warm-up call."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    prompts = make_prompts(requests, prompt_len)
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):  # left padding, as the engine's prefill
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+
+    def generate(rows: int) -> torch.Tensor:
+        # min_new_tokens = max_new_tokens: EOS never ends a row early (the engine's ignore_eos);
+        # top_k=0 turns off transformers' default top-k of 50 (the engine sends top_k=-1)
+        return model.generate(input_ids=ids[:rows], attention_mask=mask[:rows], do_sample=True, temperature=1.0,
+                              top_p=1.0, top_k=0, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                              pad_token_id=0)
+
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        generate(1)  # warm up, like the engine's first request
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        output = generate(len(prompts))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    tokens = int(output[:, width:].numel())
+    return {"generate_device": device, "generate_s": round(seconds, 3),
+            "generate_tok_per_s": round(tokens / seconds, 1), "generate_tokens": tokens}
 
 
 def run(args: argparse.Namespace) -> int:
     if args.requests < 1 or args.max_new_tokens < 1 or args.prompt_len < 1:
         raise ValueError("--requests, --prompt-len and --max-new-tokens must be >= 1")
+    model_dir = args.model_dir
     if args.url:
         report = asyncio.run(measure(args.url, args.requests, args.prompt_len, args.max_new_tokens))
     else:
         from moe_rl.engine.process import launch_embedded
 
-        with launch_embedded(args.model_dir or tiny_model_dir(), max_batch=max(64, args.requests)) as engine:
+        model_dir = model_dir or tiny_model_dir()
+        with launch_embedded(model_dir, max_batch=max(64, args.requests)) as engine:
             report = asyncio.run(measure(engine.url, args.requests, args.prompt_len, args.max_new_tokens))
+    if model_dir:  # the engine is stopped: generate() has the machine to itself, as the engine had
+        report |= measure_generate(model_dir, args.requests, args.prompt_len, args.max_new_tokens)
+        report["vs_generate"] = round(report["concurrent_tok_per_s"] / report["generate_tok_per_s"], 2)
     if args.json:
         print(json.dumps(report))
     else:
         print(f"{report['requests']} requests x {report['max_new_tokens']} new tokens (prompt {report['prompt_len']})")
-        print(f"  serial     {report['serial_s']:8.2f} s  {report['serial_tok_per_s']:9.1f} tok/s")
-        print(f"  concurrent {report['concurrent_s']:8.2f} s  {report['concurrent_tok_per_s']:9.1f} tok/s")
-        print(f"  speedup    {report['speedup']:8.2f}x")
+        for label, key in [("serial", "serial"), ("concurrent", "concurrent"), ("generate()", "generate")]:
+            if f"{key}_s" in report:
+                print(f"  {label:10s} {report[key + '_s']:8.2f} s  {report[key + '_tok_per_s']:9.1f} tok/s  "
+                      f"{report[key + '_tokens']:7d} tokens")
+        print(f"  speedup    {report['speedup']:8.2f}x  concurrent vs serial")
+        if "vs_generate" in report:
+            print(f"  vs generate() {report['vs_generate']:5.2f}x  concurrent vs transformers' generate() at batch "
+                  f"{report['requests']} ({report['generate_device']})")
     return 0

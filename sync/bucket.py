@@ -5,8 +5,11 @@ back to back in order, no padding, each tensor's bytes in C order; the receiver 
 from names, dtypes and shapes alone. SGLang refuses a tensor whose byte offset is not a multiple
 of its itemsize, so the packer closes a bucket rather than misalign the next tensor.
 
-Checksum: CRC-32 (zlib) of the bucket's bytes, as "crc32:%08x". ~4 GB/s on one core here, it
-releases the GIL, and it catches every single-byte and burst error up to 32 bits.
+Checksum: CRC-32 (zlib) of the bucket's bytes, as "crc32:%08x", only where a receiving engine
+verifies it (the embedded engine; SGLang has no such field): computed for nothing else, so a sync
+to SGLang engines runs no hash and copies no weight to host memory. A verified bucket is always
+on the host already (the embedded engine joins gloo groups), where zlib runs ~3-4 GB/s on one
+core, releases the GIL, and catches every single-byte and burst error up to 32 bits.
 
 Memory (sender): `BucketPacker` owns `num_buffers` (default 2) buffers of `bucket_bytes` each,
 allocated once and reused; a tensor larger than `bucket_bytes` becomes a bucket of its own that
@@ -36,8 +39,11 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def checksum(data: torch.Tensor) -> str:
-    """CRC-32 of a flat uint8 tensor's bytes ("crc32:%08x"); copies to host memory if needed."""
-    return f"crc32:{zlib.crc32(data.cpu().numpy()):08x}"
+    """CRC-32 of a flat uint8 host tensor's bytes ("crc32:%08x"). A device tensor is refused:
+    hashing it would copy the weights to the host, which is the tax this check must not add."""
+    if data.device.type != "cpu":
+        raise ValueError(f"checksum of a {data.device} bucket: only host buckets (gloo groups) are verified")
+    return f"crc32:{zlib.crc32(data.numpy()):08x}"
 
 
 @dataclass(frozen=True)
@@ -59,7 +65,7 @@ class Bucket:
     index: int
     data: torch.Tensor  # uint8, 1-D
     metas: list[TensorMeta]
-    checksum: str
+    checksum: str | None  # None unless the packer was asked for checksums
 
     @property
     def nbytes(self) -> int:
@@ -109,12 +115,14 @@ class BucketPacker:
     `pack(named_tensors)` is a lazy generator. Bucket i lives in buffer i % num_buffers, which
     bucket i + num_buffers overwrites: be done with bucket i (e.g. sent it) before asking the
     generator for bucket i + num_buffers. With 2 buffers: send bucket k while packing k + 1.
+    `checksums`: give each bucket its `checksum` (only when a receiver verifies them).
     """
 
-    def __init__(self, bucket_bytes: int, device: torch.device | str = "cpu", num_buffers: int = 2):
+    def __init__(self, bucket_bytes: int, device: torch.device | str = "cpu", num_buffers: int = 2,
+                 checksums: bool = False):
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes: must be positive, got {bucket_bytes}")
-        self.bucket_bytes = bucket_bytes
+        self.bucket_bytes, self.checksums = bucket_bytes, checksums
         self.device = torch.device(device)
         self.buffers = [
             torch.empty(bucket_bytes, dtype=torch.uint8, device=self.device)
@@ -126,7 +134,7 @@ class BucketPacker:
         return sum(b.numel() for b in self.buffers)
 
     def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[Bucket]:
-        """Yield the buckets of `named_tensors`, in order, each with its checksum."""
+        """Yield the buckets of `named_tensors`, in order (with their checksums if asked for)."""
         index, metas, offset = 0, [], 0
         buffer = None
         for name, tensor in named_tensors:
@@ -137,7 +145,7 @@ class BucketPacker:
             if nbytes > self.bucket_bytes:  # its own bucket: a byte view, no copy
                 data = _byte_view(tensor.to(self.device))
                 meta = TensorMeta(name, tensor.dtype, tuple(tensor.shape), 0)
-                yield Bucket(index, data, [meta], checksum(data))
+                yield Bucket(index, data, [meta], checksum(data) if self.checksums else None)
                 index += 1
                 continue
             if not metas:
@@ -149,10 +157,9 @@ class BucketPacker:
         if metas:
             yield self._close(index, buffer, metas, offset)
 
-    @staticmethod
-    def _close(index: int, buffer: torch.Tensor, metas: list[TensorMeta], offset: int) -> Bucket:
+    def _close(self, index: int, buffer: torch.Tensor, metas: list[TensorMeta], offset: int) -> Bucket:
         data = buffer[:offset]
-        return Bucket(index, data, metas, checksum(data))
+        return Bucket(index, data, metas, checksum(data) if self.checksums else None)
 
 
 def _byte_view(tensor: torch.Tensor) -> torch.Tensor:

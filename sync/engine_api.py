@@ -30,9 +30,9 @@ engine follows):
    It stays paused, unserved, until a full resend of the version succeeds (or it is restarted).
 
 Integrity: `checksum` ("crc32:%08x#k": CRC-32 of the bucket's bytes, see `sync.bucket`, and
-the bucket's index k in the version) is an embedded-engine extension, not an SGLang field; the
-client sends it to embedded engines only, which verify it and use k to run the collectives in
-bucket order (the sender keeps two buckets in flight, whose HTTP calls may arrive in either
+the bucket's index k in the version) is an embedded-engine extension, not an SGLang field: it is
+computed only when an engine `verifies_checksums`, and the client sends it to embedded engines
+only, which verify it and use k to run the collectives in bucket order (the sender keeps two buckets in flight, whose HTTP calls may arrive in either
 order). The embedded engine also stages buckets and swaps them in at the commit (another
 extension); the sender's correctness never relies on either.
 
@@ -52,6 +52,7 @@ class EngineEndpoint(Protocol):
     """One inference engine as the weight sender sees it (implemented by moe_rl's client)."""
 
     name: str  # names the engine in errors, e.g. "engine-1 (http://127.0.0.1:30001)"
+    verifies_checksums: bool  # checks update_weights_from_distributed's `checksum` (the embedded engine)
 
     async def num_group_ranks(self) -> int:
         """GET /server_info: the ranks this engine puts into the weight-update group (tp_size)."""

@@ -76,6 +76,7 @@ class EngineClient:
         if kind not in KINDS:
             raise ValueError(f"kind={kind!r}: use one of {KINDS}")
         self.url, self.kind = url.rstrip("/"), kind
+        self.verifies_checksums = kind == "embedded"  # SGLang has no bucket checksum field
         self.name = name or f"{kind} engine ({self.url})"
         self._group_ranks: int | None = None
         self.timeout_s, self.generate_timeout_s = timeout_s, generate_timeout_s
@@ -314,7 +315,7 @@ class EngineClient:
                 "load_format": load_format, "flush_cache": False}
         if weight_version is not None:  # SGLang relabels the engine at once: the sender sends None
             body["weight_version"] = str(weight_version)
-        if checksum is not None and self.kind == "embedded":  # not an SGLang field (sync.engine_api)
+        if checksum is not None and self.verifies_checksums:  # not an SGLang field (sync.engine_api)
             body["checksum"] = checksum
         await self._request("POST", "/update_weights_from_distributed", body,
                             timeout_s=max(self.timeout_s, 600.0), idempotent=False)

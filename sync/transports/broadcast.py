@@ -106,7 +106,9 @@ class BroadcastTransport(Transport):
             raise SyncError(f"weight-update group did not form: {error or 'an engine failed to join'}; "
                             f"{describe(failed)}", engine=next(iter(failed), None))
         self.group = joined.result()
-        self.packer = BucketPacker(cfg.bucket_bytes, self.group.device)
+        # no hash (and no host copy) unless an engine of the group checks it
+        self.packer = BucketPacker(cfg.bucket_bytes, self.group.device,
+                                   checksums=any(e.verifies_checksums for e in engines.engines))
         self.broken = False
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, engines: EngineSet) -> int:
@@ -152,7 +154,8 @@ class BroadcastTransport(Transport):
         acks = engines.submit(
             lambda e: e.update_weights_from_distributed(
                 **fields, group_name=self.config.group_name, weight_version=None,
-                load_format="flattened_bucket", checksum=f"{bucket.checksum}#{bucket.index}",
+                load_format="flattened_bucket",
+                checksum=None if bucket.checksum is None else f"{bucket.checksum}#{bucket.index}",
             )
         )
         work = self.group.broadcast_async(bucket.data)

@@ -150,6 +150,7 @@ class FakeEngineClient:
         self.url = f"http://127.0.0.1:{port}"
         self.name = name or f"fake-engine@{port}"
         self.timeout_s = timeout_s
+        self.verifies_checksums = True  # the fake engine's receiver is the embedded engine's
 
     async def _call(self, route: str, **body) -> dict:
         return await _post(self.url + route, body, self.timeout_s)

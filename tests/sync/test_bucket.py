@@ -30,7 +30,7 @@ def named(n=30, seed=0):
 
 def round_trip(tensors, bucket_bytes):
     got, buckets = [], []
-    for bucket in BucketPacker(bucket_bytes).pack(iter(tensors)):
+    for bucket in BucketPacker(bucket_bytes, checksums=True).pack(iter(tensors)):
         meta = bucket.announcement()
         metas = layout(meta["names"], meta["dtypes"], meta["shapes"])
         received = bucket.data.clone()  # what a receiver gets

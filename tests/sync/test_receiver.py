@@ -30,7 +30,7 @@ def joined():
 def send(source, receiver, state, version, pool, corrupt=None):
     """Announce each bucket on a worker thread (as an HTTP server would), then broadcast it."""
     acks = []
-    for bucket in BucketPacker(64).pack(state.items()):  # 16-byte tensors: 4 per bucket
+    for bucket in BucketPacker(64, checksums=True).pack(state.items()):  # 16-byte tensors: 4 per bucket
         acks.append(pool.submit(receiver.receive_bucket, **bucket.announcement(),
                                 weight_version=version, checksum=f"{bucket.checksum}#{bucket.index}"))
         if bucket.index == corrupt:

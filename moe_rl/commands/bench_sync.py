@@ -88,6 +88,7 @@ class SocketEngine:
 
     def __init__(self, name: str, address):
         self.name, self._conn = name, Client(tuple(address), authkey=_AUTH)
+        self.verifies_checksums = True  # a WeightReceiver, as in the embedded engine
         self._ids, self._calls, self._lock = itertools.count(), {}, threading.Lock()
         threading.Thread(target=self._read, daemon=True).start()
 

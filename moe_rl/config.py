@@ -192,6 +192,9 @@ class ClusterConfig:
     """Memory of one GPU in GB (1e9 bytes), e.g. 80 (H100), 141 (H200)."""
     param_dtype: str = "bfloat16"
     """Dtype of the trained weights on GPUs, of the engines' weights and of the sync buckets."""
+    link_gbps: float = 400.0
+    """Bandwidth in Gb/s of the link a weight sync crosses to each engine (400: InfiniBand NDR);
+    `moe-rl plan` turns the sync bytes into seconds with it."""
 
     def __post_init__(self):
         for name in ("nodes", "gpus_per_node"):
@@ -199,6 +202,9 @@ class ClusterConfig:
                 raise ValueError(f"cluster.{name}={getattr(self, name)!r}: must be an integer >= 1")
         if self.gpu_memory_gb <= 0:
             raise ValueError(f"cluster.gpu_memory_gb={self.gpu_memory_gb}: must be > 0")
+        if self.link_gbps <= 0:
+            raise ValueError(f"cluster.link_gbps={self.link_gbps:g}: must be > 0 (Gb/s of the trainer-to-engine link, "
+                             "e.g. 400 for InfiniBand NDR)")
         if self.param_dtype not in PARAM_DTYPES:
             raise ValueError(f"cluster.param_dtype={self.param_dtype!r}: use one of {sorted(PARAM_DTYPES)}")
 

@@ -42,6 +42,9 @@ travel as FP8 (1 byte + a 4-byte scale per N x N block, `fp8_sync_bytes`).
 With `lora:` (rank r), the base is frozen: gradients and optimizer state cover only the adapters,
 A = r x (in + out) per adapted linear (fused q/k/v and gate/up share one A; every routed expert has
 its own), and each sync sends B x A bytes: the adapter, not the model.
+
+Seconds per sync: bytes x 8 / (`cluster.link_gbps` x 1e9 x SYNC_EFFICIENCY), printed beside the
+published sync time of the same model (SYNC_ANCHORS) where there is one.
 """
 
 from __future__ import annotations
@@ -56,6 +59,17 @@ from moe_rl.config import PARAM_DTYPES, RunConfig
 GB = 1e9
 HEADROOM_GB = 10.0
 """Memory the estimate leaves out (CUDA context, NCCL buffers, fragmentation): a note below it."""
+SYNC_EFFICIENCY = 0.35
+"""Fraction of the link a full sync achieves: the raw/full ratio of `moe-rl bench sync
+configs/bench/sync_1g.yaml` (a raw broadcast of the same bytes over the full export + pack +
+broadcast + commit), best-of-3 0.31-0.43, measured on 2 CPU cores over gloo; not yet measured on NCCL."""
+SYNC_ANCHORS: dict[tuple[str, float], str] = {
+    ("Qwen3MoeForCausalLM", 30.5): "verl Qwen3-30B-A3B ~7 s",
+    ("Qwen3MoeForCausalLM", 235.1): "Miles Qwen3-235B-A22B 10.75 s",
+    ("Glm4MoeForCausalLM", 355.0): "slime GLM-4.5-355B 48 s",
+}
+"""Published full-weight sync times, keyed by (HF architecture, billions of parameters): a model
+matches with the architecture and a parameter count within 10%."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +127,10 @@ class Plan:
     trainer_stage: int
     engine_memory: dict[str, float]
     sync_bytes: int
+    sync_seconds: float
+    link_gbps: float
     params: ParamCounts
+    sync_anchor: str | None = None  # a published sync time of this model
     notes: list[str] = field(default_factory=list)
 
     def render(self) -> str:
@@ -128,7 +145,9 @@ class Plan:
         lines.append(f"trainer memory per GPU (GB, stage {self.trainer_stage}): "
                      + "  ".join(f"{k} {v:.1f}" for k, v in self.trainer_memory.items()))
         lines.append("engine memory per GPU (GB): " + "  ".join(f"{k} {v:.1f}" for k, v in self.engine_memory.items()))
-        lines.append(f"sync: {self.sync_bytes / GB:.2f} GB to each engine per step")
+        anchor = f" (public: {self.sync_anchor})" if self.sync_anchor else ""
+        lines.append(f"sync: {self.sync_bytes / GB:.2f} GB to each engine per step, ~{self.sync_seconds:.1f} s at "
+                     f"{self.link_gbps:g} Gb/s x {SYNC_EFFICIENCY:g}{anchor}")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
@@ -150,8 +169,11 @@ def make_plan(config: RunConfig) -> Plan:
     sync_bytes = (sum(adapter) if adapter else counts.total) * dtype_bytes
     if adapter is None and config.sync.fp8_blocks:
         sync_bytes = fp8_sync_bytes(counts, config.sync.fp8_blocks, dtype_bytes)
+    link_gbps = config.cluster.link_gbps
     plan = Plan(placement=placement, groups=parallel_groups(config.trainer), trainer_memory=trainer,
-                trainer_stage=stage, engine_memory=engine, sync_bytes=sync_bytes, params=counts)
+                trainer_stage=stage, engine_memory=engine, sync_bytes=sync_bytes,
+                sync_seconds=sync_seconds(sync_bytes, link_gbps), link_gbps=link_gbps, params=counts,
+                sync_anchor=None if adapter else sync_anchor(hf, counts))  # anchors are full-weight syncs
     if adapter is None and config.sync.fp8_blocks:
         plan.notes.append(f"sync.fp8_blocks={config.sync.fp8_blocks}: decoder linears as FP8 blocks, about "
                           f"{sync_bytes / GB:.2f} GB per sync instead of {counts.total * dtype_bytes / GB:.2f} GB")
@@ -164,6 +186,20 @@ def make_plan(config: RunConfig) -> Plan:
     if trainer["total"] > config.cluster.gpu_memory_gb - HEADROOM_GB:
         plan.notes.append(f"trainer leaves < {HEADROOM_GB:g} GB per GPU for CUDA/NCCL/fragmentation: expect OOM risk")
     return plan
+
+
+def sync_seconds(nbytes: int, link_gbps: float) -> float:
+    """Seconds to send `nbytes` to each engine over a `link_gbps` link at SYNC_EFFICIENCY."""
+    return nbytes * 8 / (link_gbps * 1e9 * SYNC_EFFICIENCY)
+
+
+def sync_anchor(hf, counts: ParamCounts) -> str | None:
+    """The published sync time of this model (same HF architecture, parameters within 10%), if any."""
+    billions = counts.total / 1e9
+    for (architecture, size), anchor in SYNC_ANCHORS.items():
+        if architecture in (hf.architectures or []) and abs(billions - size) <= 0.1 * size:
+            return anchor
+    return None
 
 
 def fp8_sync_bytes(counts: ParamCounts, block: int, dtype_bytes: int) -> int:

@@ -144,3 +144,41 @@ def _tiny_run(tmp_path):
         "trainer": {"world_size": 1, "global_batch_size": 4}, "rollout": {"groups_per_step": 1, "n_samples_per_prompt": 4},
         "engines": {"kind": "sglang", "count": 1}}))
     return load_config(path)
+
+
+def test_sync_seconds_are_bytes_over_the_link_at_the_bench_efficiency():
+    from moe_rl.plan import SYNC_EFFICIENCY
+
+    plan = make_plan(load_config("configs/models/qwen3_30b_a3b.yaml", ["cluster.link_gbps=200"]))
+    assert plan.link_gbps == 200
+    assert plan.sync_seconds == pytest.approx(plan.sync_bytes * 8 / (200 * 1e9 * SYNC_EFFICIENCY))
+    assert f"~{plan.sync_seconds:.1f} s at 200 Gb/s x {SYNC_EFFICIENCY:g}" in plan.render()
+
+
+@pytest.mark.parametrize("value", [0, -400])
+def test_link_gbps_must_be_positive(value, capsys):
+    assert cli.main(["plan", "configs/models/qwen3_30b_a3b.yaml", f"cluster.link_gbps={value}"]) == 2
+    assert f"cluster.link_gbps={value}: must be > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", MODELS, ids=lambda p: p.stem)
+def test_shipped_configs_print_sync_seconds_and_their_anchor(path, capsys):
+    anchors = {"qwen3_30b_a3b": "verl Qwen3-30B-A3B ~7 s", "qwen3_235b_a22b": "Miles Qwen3-235B-A22B 10.75 s"}
+    assert cli.main(["plan", str(path)]) == 0
+    line = next(row for row in capsys.readouterr().out.splitlines() if row.startswith("sync: "))
+    assert __import__("re").fullmatch(r"sync: [\d.]+ GB to each engine per step, ~[\d.]+ s at 400 Gb/s x [\d.]+.*", line)
+    anchor = anchors.get(path.stem)  # GLM-4.5-Air (106 B) is not GLM-4.5 (355 B): no anchor
+    assert line.endswith(f" (public: {anchor})") if anchor else "public:" not in line
+
+
+def test_sync_anchor_matches_architecture_and_size():
+    from types import SimpleNamespace
+
+    from moe_rl.plan import ParamCounts, sync_anchor
+
+    def anchor(architecture: str, billions: float) -> str | None:
+        return sync_anchor(SimpleNamespace(architectures=[architecture]), ParamCounts((), (), int(billions * 1e9), 0))
+
+    assert anchor("Glm4MoeForCausalLM", 352) == "slime GLM-4.5-355B 48 s"
+    assert anchor("Glm4MoeForCausalLM", 106.9) is None  # GLM-4.5-Air
+    assert anchor("MixtralForCausalLM", 30.5) is None

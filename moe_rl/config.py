@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import yaml
 
 from moe_rl.algorithms.config import AlgorithmConfig
+from moe_rl.cpu_pools import CpuPoolsConfig
 from moe_rl.rollout.config import RolloutConfig
 from parallel.layout import ParallelLayout
 from parallel.lora import LoRAConfig
@@ -290,6 +291,9 @@ class RunConfig:
     lora: LoRAConfig | None = None
     """Adapter-only training (parallel.lora): the base is frozen; RL syncs only the adapters, one
     `policy-v{N}` per version, without pausing generation (sync.lora). None: full fine-tuning."""
+    cpu_pools: CpuPoolsConfig | None = None
+    """RL on CPU: pin the trainer ranks and each embedded engine to cores of their own
+    (`moe_rl.cpu_pools`). None: no pinning (every process may run on every core)."""
 
     def __post_init__(self):
         if self.steps < 1:
@@ -299,6 +303,8 @@ class RunConfig:
         self.trainer.check_model(bridge_for(self.model.load_hf_config()).model_shape())
         if self.rollout is not None:
             self._check_rl()
+        if self.cpu_pools is not None:
+            self.cpu_pools.check(self.trainer.world_size, self.engines.count, self.engines.kind)
         if self.cluster is not None:
             self._check_cluster()
 
@@ -456,7 +462,9 @@ def _convert(hint: Any, value: Any, name: str):
 
 
 def _describe(hint: Any) -> str:
-    return " or ".join(getattr(a, "__name__", str(a)) for a in typing.get_args(hint))
+    # list[int] rather than its __name__ "list", so `list[int] | list[list[int]]` reads as both
+    return " or ".join(str(a) if typing.get_args(a) else getattr(a, "__name__", str(a))
+                       for a in typing.get_args(hint))
 
 
 def to_dict(config) -> dict:

@@ -15,6 +15,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--weight-version", default="0", help="initial weight version (integer string)")
     parser.add_argument("--max-batch", type=int, default=64, help="most requests decoded together")
+    parser.add_argument("--cpus", type=_core_list, default=None,
+                        help="pin the engine to these cores, e.g. 1 or 2,3 (`cpu_pools.engines`)")
+
+
+def _core_list(text: str) -> list[int]:
+    try:
+        return [int(core) for core in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: write core ids separated by commas, e.g. 2,3") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -22,6 +31,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"model_dir: {args.model_dir} has no config.json; pass an HF model directory")
     if args.max_batch < 1:
         raise ValueError("--max-batch must be >= 1")
+    if args.cpus:  # before torch starts its thread pool, so every thread inherits the pinning
+        from moe_rl.cpu_pools import pin_process
+
+        pin_process(args.cpus)
     from moe_rl.engine.embedded.server import serve
 
     serve(args.model_dir, args.host, args.port, args.weight_version, args.max_batch)

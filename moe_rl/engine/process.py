@@ -87,13 +87,18 @@ def launch_embedded(
     log_path: str | Path | None = None,
     timeout_s: float = 120.0,
     threads: int | None = None,
+    cpus: list[int] | None = None,
 ) -> EngineProcess:
-    """Start the embedded engine as a subprocess on a free port and wait until it is healthy."""
+    """Start the embedded engine as a subprocess on a free port and wait until it is healthy.
+    `cpus`: pin it to these cores (`serve --cpus`, one thread per core unless `threads` says)."""
     port = port or free_port(host)
     command = [
         sys.executable, "-m", "moe_rl.cli", "serve", str(model_dir), "--host", host, "--port", str(port),
         "--weight-version", str(weight_version), "--max-batch", str(max_batch),
     ]
+    if cpus:
+        command += ["--cpus", ",".join(map(str, cpus))]
+        threads = threads or len(cpus)
     root = str(Path(__file__).resolve().parents[2])  # this checkout, installed or not
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     if threads:

@@ -100,7 +100,8 @@ class RLCluster:
 
     def _start(self, use_gpus: bool) -> None:
         cfg = self.config
-        self.trainer = TrainerGroup(cfg.trainer.world_size, cfg.trainer, cfg.model, use_gpus=use_gpus, lora=cfg.lora)
+        self.trainer = TrainerGroup(cfg.trainer.world_size, cfg.trainer, cfg.model, use_gpus=use_gpus, lora=cfg.lora,
+                                    cpu_pools=cfg.cpu_pools)
         version = 0
         if self.restore is not None:  # resume: the engines start on the checkpoint's weights
             version = self.trainer.call("load_checkpoint", self.restore["trainer_dir"])
@@ -115,7 +116,8 @@ class RLCluster:
         hf = cfg.model.load_hf_config()
         worker = ray.remote(RolloutWorker).options(num_cpus=1, max_concurrency=16)
         self.rollout = worker.remote(cfg.effective_rollout(), urls, cfg.engines.kind,
-                                     hf.num_hidden_layers, hf.num_experts_per_tok, cfg.lora is not None)
+                                     hf.num_hidden_layers, hf.num_experts_per_tok, cfg.lora is not None,
+                                     cfg.cpu_pools.rollout_cores if cfg.cpu_pools else None)
         ray.get(self.rollout.start.remote(self.restore))
 
     def _adapter_sync(self):
@@ -183,8 +185,9 @@ class RLCluster:
             if "bundle" in options:
                 options = dict(options, scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.trainer.placement, options.pop("bundle")))
+            cpus = cfg.cpu_pools.engines[i] if cfg.cpu_pools else None
             engines.append(ray.remote(EngineServer).options(**options).remote(
-                model_dir, cfg.engines, str(self.run_dir / f"engine-{i}.log"), version, gpu_ids, lora))
+                model_dir, cfg.engines, str(self.run_dir / f"engine-{i}.log"), version, gpu_ids, lora, cpus))
         return engines
 
     def _lora_slots(self):

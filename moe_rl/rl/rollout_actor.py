@@ -23,12 +23,14 @@ class EngineServer:
     kind "embedded": the CPU engine. kind "sglang": `sglang.launch_server` with `engines.tp/ep/dp`,
     on the GPUs Ray gave this actor (disaggregated: the actor holds `engines.tp` GPUs and Ray sets
     CUDA_VISIBLE_DEVICES), or, colocated, on the trainer's GPUs named by `gpu_ids` (the actor
-    holds none itself; SGLang's memory saver lets the trainer have them while it trains)."""
+    holds none itself; SGLang's memory saver lets the trainer have them while it trains).
+    `cpus`: pin the embedded engine's process to these cores (`cpu_pools.engines[i]`), a thread each."""
 
     def __init__(self, model_dir: str, engines, log_path: str, weight_version: int = 0,
-                 gpu_ids: list[str] | None = None, lora=None):
+                 gpu_ids: list[str] | None = None, lora=None, cpus: list[int] | None = None):
         self.model_dir, self.engines, self.log_path, self.gpu_ids = model_dir, engines, log_path, gpu_ids
         self.lora = lora  # SGLangLoRA slots (the embedded engine always serves adapters)
+        self.cpus = cpus
         self.weight_version = weight_version
         self.process = self._launch()
 
@@ -38,7 +40,8 @@ class EngineServer:
             from moe_rl.engine.process import launch_embedded
 
             return launch_embedded(self.model_dir, weight_version=str(self.weight_version), max_batch=cfg.max_batch,
-                                   log_path=self.log_path, threads=cfg.threads)
+                                   log_path=self.log_path, threads=len(self.cpus) if self.cpus else cfg.threads,
+                                   cpus=self.cpus)
         import ray
 
         from moe_rl.engine.sglang_launcher import SGLangConfig, launch_sglang
@@ -107,7 +110,11 @@ class RolloutWorker:
     """The rollout manager as an async Ray actor."""
 
     def __init__(self, config: RolloutConfig, urls: list[str], kind: str, layers: int, topk: int,
-                 adapters: bool = False):
+                 adapters: bool = False, cpus: list[int] | None = None):
+        if cpus:  # `cpu_pools`: the engines' cores (building requests and scoring is generation's work)
+            from moe_rl.cpu_pools import pin_process
+
+            pin_process(cpus)
         self.config, self.urls, self.kind, self.layout = config, urls, kind, (layers, topk)
         self.adapters = adapters  # LoRA: requests name the newest adapter, `policy-v{version}`
         self.manager = self.task = None
@@ -124,6 +131,12 @@ class RolloutWorker:
             self.manager.restore(restore["rollout"])
         self.task = asyncio.get_running_loop().create_task(self.manager.run())
         self.started = time.perf_counter()
+
+    async def cpus(self) -> list[int]:
+        """The cores this worker's process may run on."""
+        import os
+
+        return sorted(os.sched_getaffinity(0))
 
     async def snapshot(self) -> dict:
         """The manager's run-checkpoint state, between two steps (the driver waits for this call)."""

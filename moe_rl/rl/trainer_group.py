@@ -20,12 +20,23 @@ from moe_rl.algorithms import AlgorithmConfig, make_policy_loss, policy_metrics
 
 
 class TrainerRank:
-    """One rank of the trainer world (a Ray actor)."""
+    """One rank of the trainer world (a Ray actor). `cpus`: pin the rank's process to these cores
+    (`cpu_pools.trainer`) first, before torch starts its thread pool."""
 
-    def __init__(self, rank: int, world_size: int, threads: int):
+    def __init__(self, rank: int, world_size: int, threads: int, cpus: list[int] | None = None):
         self.rank, self.world_size = rank, world_size
+        if cpus:
+            from moe_rl.cpu_pools import pin_process
+
+            pin_process(cpus)
         torch.set_num_threads(threads)
         self.trainer = self.sender = None
+
+    def cpus(self) -> dict:
+        """The cores this rank's process may run on and its torch threads (what the pools gave it)."""
+        from moe_rl.cpu_pools import process_cores
+
+        return {"cores": process_cores(os.getpid()), "threads": torch.get_num_threads()}
 
     def device(self) -> tuple[str, list[str]]:
         """(node address, the GPU ids Ray gave this rank): where colocated engines may run."""
@@ -261,20 +272,24 @@ def _logprob_diff(logprobs: torch.Tensor, batch, mask: torch.Tensor, name: str) 
 class TrainerGroup:
     """Driver side: the trainer world's actors, every call issued to all ranks at once."""
 
-    def __init__(self, world_size: int, trainer_config, model_config, *, use_gpus: bool, lora=None):
+    def __init__(self, world_size: int, trainer_config, model_config, *, use_gpus: bool, lora=None,
+                 cpu_pools=None):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle = {"GPU": 1, "CPU": 1} if use_gpus else {"CPU": 1}
         self.placement = placement_group([bundle] * world_size, strategy="PACK")
         ray.get(self.placement.ready())
-        threads = max(1, (os.cpu_count() or 1) // (2 * world_size))
+        if cpu_pools is not None:  # moe_rl.cpu_pools.CpuPoolsConfig: each rank's cores and threads
+            cores = cpu_pools.trainer_cores(world_size)
+        else:  # unpinned: half the machine's cores for the trainer (the engines time-share the rest)
+            cores = [(None, max(1, (os.cpu_count() or 1) // (2 * world_size)))] * world_size
         actor = ray.remote(TrainerRank)
         self.actors = [
             actor.options(num_cpus=1, num_gpus=1 if use_gpus else 0,
                           scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, i)
-                          ).remote(i, world_size, threads)
-            for i in range(world_size)
+                          ).remote(i, world_size, threads, cpus)
+            for i, (cpus, threads) in enumerate(cores)
         ]
         master = ray.get(self.actors[0].rendezvous.remote())
         self.call("setup", master, trainer_config, model_config, lora)

@@ -1,0 +1,100 @@
+"""`cpu_pools`: the section's validation, and pinning applied for real: an embedded engine launched
+on a core reports exactly that core, and in an RL cluster the trainer rank, the engine and the rollout
+worker report the cores their pools gave them (the processes' own affinity, read back)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from moe_rl.config import from_dict
+from moe_rl.cpu_pools import CpuPoolsConfig, process_cores
+
+CORES = sorted(os.sched_getaffinity(0))
+two_cores = pytest.mark.skipif(len(CORES) < 2, reason="pinning to disjoint pools needs >= 2 cores")
+
+
+def test_pools_validation():
+    first = CORES[0]
+    with pytest.raises(ValueError, match=r"cpu_pools.engines\[0\]=\[4096\]: cores \[4096\] are not available"):
+        CpuPoolsConfig(trainer=[first], engines=[[4096]])
+    with pytest.raises(ValueError, match=r"cpu_pools.engines\[0\] and cpu_pools.trainer both hold core"):
+        CpuPoolsConfig(trainer=[first], engines=[[first]])
+    assert CpuPoolsConfig(trainer=[first], engines=[[first]], allow_overlap=True).rollout_cores == [first]
+    with pytest.raises(ValueError, match="listed twice"):
+        CpuPoolsConfig(trainer=[first, first], engines=[[first]], allow_overlap=True)
+    with pytest.raises(ValueError, match=r"cpu_pools.trainer\[1\]=\[\]: give it at least one core"):
+        CpuPoolsConfig(trainer=[[first], []], engines=[[first]], allow_overlap=True)
+    with pytest.raises(ValueError, match="set cpu_pools.trainer"):
+        CpuPoolsConfig(trainer=[], engines=[])
+    # from YAML: a flat list is shared by the ranks, nested lists are per rank
+    pools = from_dict(CpuPoolsConfig, {"trainer": [first], "engines": [[first]], "allow_overlap": True})
+    assert pools.shared_trainer and pools.trainer_cores(2) == [([first], 1), ([first], 1)]
+    pools = from_dict(CpuPoolsConfig, {"trainer": [[first], [first]], "engines": [[first]], "allow_overlap": True})
+    assert not pools.shared_trainer and pools.trainer_cores(2) == [([first], 1), ([first], 1)]
+    with pytest.raises(ValueError, match=r"cpu_pools.trainer=\['a'\]: expected list\[int\] or list\[list\[int\]\]"):
+        from_dict(CpuPoolsConfig, {"trainer": ["a"], "engines": [[first]]}, prefix="cpu_pools.")
+
+
+def test_pools_against_the_run(tmp_path):
+    import dataclasses
+
+    from tests.rl.test_rl_modes import tiny_config
+
+    first = CORES[0]
+    pools = CpuPoolsConfig(trainer=[[first]], engines=[[first], [first]], allow_overlap=True)
+    with pytest.raises(ValueError, match=r"cpu_pools.trainer has 1 lists but trainer.world_size=2"):
+        pools.check(world_size=2, engine_count=2, engine_kind="embedded")
+    with pytest.raises(ValueError, match=r"cpu_pools.engines has 2 lists but engines.count=1"):
+        pools.check(world_size=1, engine_count=1, engine_kind="embedded")
+    with pytest.raises(ValueError, match="only embedded"):
+        pools.check(world_size=1, engine_count=2, engine_kind="sglang")
+    config = tiny_config(tmp_path, "sync")  # trainer.world_size 2, one engine
+    assert config.cpu_pools is None  # the default: no pinning
+    with pytest.raises(ValueError, match=r"cpu_pools.trainer has 1 lists but trainer.world_size=2"):
+        dataclasses.replace(config, cpu_pools=CpuPoolsConfig(trainer=[[first]], engines=[[first]], allow_overlap=True))
+    shared = dataclasses.replace(config, cpu_pools=CpuPoolsConfig(trainer=[first], engines=[[first]], allow_overlap=True))
+    assert shared.cpu_pools.trainer_cores(2) == [([first], 1)] * 2
+
+
+@two_cores
+def test_embedded_engine_runs_on_the_cores_it_was_given(tmp_path):
+    from moe_rl.engine.process import launch_embedded
+    from tests.engine.engine_helpers import save_tiny_model
+
+    model = save_tiny_model("qwen3_moe", tmp_path / "model")
+    with launch_embedded(model, cpus=[CORES[-1]]) as engine:
+        assert process_cores(engine.process.pid) == [CORES[-1]]
+        status = (open(f"/proc/{engine.process.pid}/status").read())
+        assert f"Cpus_allowed_list:\t{CORES[-1]}\n" in status
+        # every thread of the engine (torch's pool included) is pinned, not just the main one
+        tids = os.listdir(f"/proc/{engine.process.pid}/task")
+        assert {tuple(sorted(os.sched_getaffinity(int(t)))) for t in tids} == {(CORES[-1],)}
+
+
+@two_cores
+def test_rl_cluster_pins_trainer_engine_and_rollout_worker(tmp_path):
+    import dataclasses
+
+    import ray
+
+    from moe_rl.config import EngineConfig, TrainerConfig
+    from moe_rl.rl.cluster import RLCluster
+    from tests.rl.test_rl_modes import tiny_config
+
+    base = tiny_config(tmp_path, "fully_async")
+    pools = CpuPoolsConfig(trainer=[CORES[0]], engines=[CORES[1:]])
+    config = dataclasses.replace(
+        base, trainer=TrainerConfig(micro_batch_size=4, global_batch_size=8), engines=EngineConfig(count=1),
+        cpu_pools=pools)
+    cluster = RLCluster(config, tmp_path)
+    try:
+        assert cluster.trainer.call_each("cpus") == [{"cores": [CORES[0]], "threads": 1}]
+        pid = ray.get(cluster.engines[0].pid.remote())
+        assert process_cores(pid) == CORES[1:]
+        assert ray.get(cluster.rollout.cpus.remote()) == CORES[1:]
+        assert len(cluster.get_batch(1)) == 1  # and generation works on them
+    finally:
+        cluster.close()
+    assert os.sched_getaffinity(0) == set(CORES)  # the driver stays unpinned

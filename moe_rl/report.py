@@ -4,7 +4,9 @@ Writes into `RUN_DIR/plots/`: `reward.png` (mean reward per step and a moving av
 `staleness.png` (histogram of sample staleness over the run), `routing_agreement.png` (per-layer
 routing agreement between trainer and engine without replay, and the logprob gap with and
 without replay), `time.png` (per-step time breakdown: trainer wait, old logprobs, train step,
-drain, weight sync). A plot whose metrics the run did not log is skipped. Returns the paths.
+drain, weight sync), `utilization.png` (per step, the fraction of wall time each pool was busy,
+and the engines' paused and idle time: `perf/*`). A plot whose metrics the run did not log is
+skipped. Returns the paths.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def write_report(run_dir: str | Path) -> list[Path]:
     out.mkdir(exist_ok=True)
     written = []
     for name, plot in (("reward", _reward), ("staleness", _staleness), ("routing_agreement", _routing),
-                       ("time", _time)):
+                       ("time", _time), ("utilization", _utilization)):
         fig, ax = plt.subplots(figsize=(7, 4))
         if plot(ax, rows):
             fig.tight_layout()
@@ -108,4 +110,20 @@ def _time(ax, rows) -> bool:
         bottom = values if bottom is None else [a + b for a, b in zip(bottom, values)]
     ax.set(xlabel="step", ylabel="seconds", title="Time per step")
     ax.legend(fontsize=8)
+    return True
+
+
+def _utilization(ax, rows) -> bool:
+    steps, trainer = _series(rows, "perf/trainer_busy_frac")
+    if not steps:
+        return False
+    _, engine = _series(rows, "perf/engine_busy_frac")
+    _, idle = _series(rows, "perf/engine_idle_frac")
+    paused = [1.0 - b - i for b, i in zip(engine, idle)]
+    ax.plot(steps, trainer, label="trainer busy")
+    ax.stackplot(steps, engine, paused, idle, labels=["engines busy", "engines paused", "engines idle"],
+                 colors=["tab:green", "tab:red", "lightgrey"], alpha=0.35)
+    ax.set(xlabel="step", ylabel="fraction of the step's wall time", ylim=(0, 1.02),
+           title="Utilization: busy vs idle per pool")
+    ax.legend(fontsize=8, loc="lower right")
     return True

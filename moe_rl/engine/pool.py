@@ -17,6 +17,7 @@ wait. Whoever restarts a dead engine and re-syncs its weights calls `revive(inde
 from __future__ import annotations
 
 import asyncio
+import time
 
 from moe_rl.engine.client import EngineClient, EngineError, GenerateResult
 
@@ -30,6 +31,8 @@ class EnginePool:
         self.live = [True] * len(clients)
         self.served = [0] * len(clients)  # requests each engine completed since it was (re)started
         self.resubmitted = 0  # requests lost with a dead engine and sent to another one
+        self._active_s = [0.0] * len(clients)  # wall seconds with >= 1 request in flight, per engine
+        self._active_since: list[float | None] = [None] * len(clients)
         self._groups: dict[str, int] = {}
         self._checks: dict[int, asyncio.Task] = {}  # running health check per engine
         self._any_live = asyncio.Event()
@@ -57,7 +60,7 @@ class EnginePool:
             await self._any_live.wait()
             index = self.pick(group_id)
             client = self.clients[index]
-            self.in_flight[index] += 1
+            self._enter(index)
             try:
                 result = await client.generate(input_ids, **kwargs)
             except EngineError as error:
@@ -66,9 +69,27 @@ class EnginePool:
                 self.resubmitted += 1
                 continue
             finally:
-                self.in_flight[index] -= 1
+                self._leave(index)
             self.served[index] += 1
             return result
+
+    def _enter(self, index: int) -> None:
+        if self.in_flight[index] == 0:
+            self._active_since[index] = time.time()
+        self.in_flight[index] += 1
+
+    def _leave(self, index: int) -> None:
+        self.in_flight[index] -= 1
+        if self.in_flight[index] == 0:
+            self._active_s[index] += time.time() - self._active_since[index]
+            self._active_since[index] = None
+
+    def active_seconds(self) -> list[float]:
+        """Per engine: wall seconds so far with at least one request in flight (the engine's
+        busy time as its client sees it; read twice, the difference covers the span between)."""
+        now = time.time()
+        return [total + (now - since if since is not None else 0.0)
+                for total, since in zip(self._active_s, self._active_since)]
 
     async def _died(self, index: int, client: EngineClient) -> bool:
         """Whether the engine behind `client` is dead (marks it dead the first time)."""

@@ -45,7 +45,7 @@ def run(config: RunConfig, resume: bool = False) -> dict:
     rewards, trained, ledger = [], [], None
     try:
         setup_s = time.perf_counter() - start
-        generated = 0.0
+        generated, active = 0.0, ray.get(cluster.rollout.metrics.remote())["engines/active_s"]
         with StepProgress("rl", config.steps - first) as progress:
             for version in range(first, config.steps):
                 metrics, step_start = {}, time.perf_counter()
@@ -53,12 +53,18 @@ def run(config: RunConfig, resume: bool = False) -> dict:
                 metrics["time/trainer_wait_s"] = time.perf_counter() - step_start
                 batch, info = build_batch(groups, config.algorithm, version, rollout.max_staleness)
                 trained += info.group_ids
+                released = time.perf_counter()
                 with engines_released(cluster.engines, config.engines.kind, config.rl.colocate, metrics):
                     metrics.update(cluster.trainer.call("step", batch, config.algorithm))
+                released = time.perf_counter() - released if config.rl.colocate else 0.0
                 metrics.update(_update_weights(cluster, config, version + 1))
                 rollout_metrics = ray.get(cluster.rollout.metrics.remote())
                 metrics.update({**info.metrics(), **rollout_metrics})
                 metrics["time/step_s"] = time.perf_counter() - step_start
+                # engines pause for a full-weight sync (LoRA adapters load beside generation)
+                paused = released + (metrics["time/sync_s"] if config.lora is None else 0.0)
+                metrics.update(utilization(metrics, rollout_metrics["engines/active_s"] - active, paused))
+                active = rollout_metrics["engines/active_s"]
                 new_tokens = rollout_metrics["rollout/generated_tokens"] - generated
                 generated = rollout_metrics["rollout/generated_tokens"]
                 metrics["rollout/step_generated_tokens_per_s"] = new_tokens / metrics["time/step_s"]
@@ -86,6 +92,24 @@ def run(config: RunConfig, resume: bool = False) -> dict:
     return {"reward_first": sum(rewards[:window]) / window, "reward_last": sum(rewards[-window:]) / window,
             "rewards": rewards, "setup_s": setup_s, "train_s": train_s, "wall_s": time.perf_counter() - start,
             "trained_group_ids": trained, "ledger": ledger, "run_dir": str(run_dir)}
+
+
+def utilization(metrics: dict[str, float], engine_active_s: float, engine_paused_s: float) -> dict[str, float]:
+    """Where one step's wall time went, per pool: what async RL exists to keep busy.
+
+    Trainer: waiting for data (the batch, or a drain before the sync) or busy (everything else:
+    old logprobs, the train step, the weight export and sync); busy + wait = the step. Engines
+    (the mean engine): paused (a full-weight sync pauses generation; colocated engines are
+    released for the train step too), busy (at least one request in flight outside the pause:
+    `EnginePool.active_seconds`), or idle; busy + paused + idle = the step.
+    """
+    step = metrics["time/step_s"]
+    wait = min(step, metrics["time/trainer_wait_s"] + metrics.get("time/drain_s", 0.0))
+    paused = min(step, engine_paused_s)
+    busy = min(step - paused, max(0.0, engine_active_s - paused))
+    return {"perf/trainer_busy_frac": (step - wait) / step, "perf/trainer_wait_s": wait,
+            "perf/engine_busy_frac": busy / step, "perf/engine_paused_s": paused,
+            "perf/engine_idle_frac": (step - busy - paused) / step}
 
 
 def _update_weights(cluster: RLCluster, config: RunConfig, version: int) -> dict[str, float]:

@@ -181,8 +181,10 @@ class RolloutWorker:
         return time.perf_counter() - start
 
     async def metrics(self) -> dict[str, float]:
+        active = self.pool.active_seconds()
         return {**self.manager.metrics(), "rollout/generated_tokens": self.pool.generated_tokens,
                 "engines/resubmitted_requests": self.pool.resubmitted, "engines/live": sum(self.pool.live),
+                "engines/active_s": sum(active) / len(active),  # cumulative, mean over engines
                 "rollout/generated_tokens_per_s": self.pool.generated_tokens / (time.perf_counter() - self.started)}
 
     async def stop(self) -> dict:

@@ -46,6 +46,20 @@ def run(config: RunConfig) -> tuple[dict, list[dict]]:
     return summary, rows
 
 
+def check_utilization(rows: list[dict]) -> None:
+    """perf/*: fractions in [0, 1]; trainer busy + wait, and engine busy + paused + idle, add up to
+    the step's wall time; the engines did work."""
+    for r in rows:
+        step = r["time/step_s"]
+        for key in ("perf/trainer_busy_frac", "perf/engine_busy_frac", "perf/engine_idle_frac"):
+            assert 0.0 <= r[key] <= 1.0, (key, r[key])
+        assert r["perf/trainer_busy_frac"] * step + r["perf/trainer_wait_s"] == pytest.approx(step)
+        assert (r["perf/engine_busy_frac"] + r["perf/engine_idle_frac"]) * step + r["perf/engine_paused_s"] \
+            == pytest.approx(step)
+        assert r["perf/engine_paused_s"] == pytest.approx(min(step, r["time/sync_s"]))
+    assert sum(r["perf/engine_busy_frac"] for r in rows) > 0
+
+
 def check_ledger(summary: dict) -> None:
     """Trained exactly once, or dropped exactly once with a reason; nothing else."""
     ledger, trained = summary["ledger"], summary["trained_group_ids"]
@@ -61,6 +75,7 @@ def check_ledger(summary: dict) -> None:
 def test_sync_and_one_step_off(tmp_path, mode, bound):
     summary, rows = run(tiny_config(tmp_path, mode))
     check_ledger(summary)
+    check_utilization(rows)
     assert max(r["rollout/staleness_max"] for r in rows) <= bound
     # generation was never cut mid-sample: drained (one_step_off) or not admitted (sync)
     assert all(r["rollout/partial_samples"] == 0 for r in rows)
@@ -84,6 +99,7 @@ def test_fp8_weight_sync(tmp_path):
 def test_fully_async_partial_rollouts_r3_and_final_checkpoint(tmp_path):
     summary, rows = run(tiny_config(tmp_path, "fully_async", save_hf=True, report=True))
     check_ledger(summary)
+    check_utilization(rows)
     assert max(r["rollout/staleness_max"] for r in rows) <= 2
     last = rows[-1]
     for key in ("routing/agreement/layer0", "routing/agreement/layer1", "consistency/logprob_diff_mean",
@@ -92,7 +108,8 @@ def test_fully_async_partial_rollouts_r3_and_final_checkpoint(tmp_path):
         assert key in last, key
     assert 0.0 <= last["routing/agreement/layer0"] <= 1.0
     # the RL job's own plots
-    assert {p.name for p in (tmp_path / "fully_async" / "plots").iterdir()} >= {"reward.png", "time.png"}
+    assert {p.name for p in (tmp_path / "fully_async" / "plots").iterdir()} >= {"reward.png", "time.png",
+                                                                               "utilization.png"}
     # the final checkpoint is servable by the embedded engine
     from moe_rl.engine.client import EngineClient
     from moe_rl.engine.process import launch_embedded

@@ -319,6 +319,12 @@ class RunConfig:
             raise ValueError(
                 f"trainer.global_batch_size={self.trainer.global_batch_size} but one RL step trains "
                 f"rollout.groups_per_step x n_samples_per_prompt = {rows} sequences: make them equal")
+        per_step = self.algorithm.num_mini_batches * self.trainer.micro_batch_size * self.trainer.dp
+        if rows % per_step:
+            raise ValueError(
+                f"algorithm.num_mini_batches={self.algorithm.num_mini_batches}: each of the {rows} sequences' "
+                f"mini-batches must hold a multiple of micro_batch_size x dp = {self.trainer.micro_batch_size} x "
+                f"{self.trainer.dp} sequences; choose a divisor of {rows // (self.trainer.micro_batch_size * self.trainer.dp)}")
         if mode == "fully_async" and rollout.max_staleness < 1:
             raise ValueError("rl.mode='fully_async' with rollout.max_staleness=0: set max_staleness >= 1, "
                              "or use rl.mode='sync'")

@@ -36,6 +36,16 @@ class AlgorithmConfig:
     clip_high: float = 0.2
     """PPO clip above: the ratio is clipped at 1 + clip_high ("clip-higher", DAPO uses 0.28).
     GSPO needs ~4e-4."""
+    clip_ratio_c: float | None = None
+    """Dual-clip PPO (Ye et al. 2020; verl's default is 3): for negative advantages the token
+    loss is at most -A * clip_ratio_c, so a token whose ratio exploded (a stale or off-policy
+    sample) cannot dominate the step. Must be > 1; None: plain PPO-clip."""
+    num_mini_batches: int = 1
+    """PPO mini-batches: the rollout batch (trainer.global_batch_size rows) is split into this
+    many row blocks, one optimizer step each, all against the old logprobs computed once before
+    the first (verl's ppo_mini_batch_size, slime's steps per rollout). 1: one step per batch,
+    where the ratio stays ~1 and clipping rarely acts. The weight version still advances once
+    per rollout batch: engines get the weights after the last mini-batch."""
     kl_coef: float = 0.0
     """Weight of the per-token KL to the frozen reference policy, added to each token's loss;
     0 means no reference model. A reference costs one more forward per step and one more copy
@@ -94,6 +104,10 @@ class AlgorithmConfig:
             raise ValueError(f"algorithm.clip_low={self.clip_low}: must be in (0, 1), e.g. 0.2")
         if self.clip_high <= 0:
             raise ValueError(f"algorithm.clip_high={self.clip_high}: must be > 0, e.g. 0.28")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
+            raise ValueError(f"algorithm.clip_ratio_c={self.clip_ratio_c}: must be > 1 (verl uses 3), or null")
+        if not isinstance(self.num_mini_batches, int) or self.num_mini_batches < 1:
+            raise ValueError(f"algorithm.num_mini_batches={self.num_mini_batches!r}: must be an integer >= 1")
         if self.kl_coef < 0:
             raise ValueError(f"algorithm.kl_coef={self.kl_coef}: must be >= 0 (0 disables KL)")
         if self.ref_model_path is not None:

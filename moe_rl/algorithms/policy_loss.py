@@ -14,9 +14,13 @@ one sequence (no packing). The microbatch carries:
 Per token t of sequence i, with mask m (loss_mask, minus stale tokens), off-policy weight
 c_t (off_policy.py), ratio r_t and advantage A:
     loss_t = c_t * max(-A r_t, -A clip(r_t, 1 - clip_low, 1 + clip_high)) + kl_coef * kl_t
+with dual-clip (`clip_ratio_c`), for A < 0 the max is further capped at -A clip_ratio_c.
 grpo / dr_grpo: r_t = exp(logp_t - old_t). gspo: r_t has the value of the sequence ratio
-s_i = exp(mean_{t in m} (logp_t - old_t)) and its gradient (GSPO-token form, equal to GSPO's
-sequence objective when A is constant over the sequence).
+s_i = exp(mean_{t in m} (logp_t - old_t)) and its gradient (GSPO-token form: equal to GSPO's
+sequence objective when A and the off-policy weight c_t are constant over the sequence, as
+they are for sequence-level corrections; with token-level TIS/IcePop weights it is the
+token-weighted variant). Log-ratios are clamped to +-20 first (verl's bound): exp of a larger
+one overflows to inf, and inf x a zero weight is a NaN gradient.
 
 The trainer sums `loss_sum` over microbatches and DP ranks and divides by the summed
 `num_tokens` (Megatron's calculate_per_token_loss), so `num_tokens` is each microbatch's
@@ -30,6 +34,7 @@ share of the normaliser:
 Report (all sums, so the trainer can add them over microbatches and ranks):
 - `loss`, `pg_loss` (loss without the KL term): aggregated like loss_sum, mean = x / num_tokens;
 - over the `tokens` in the loss (mean = x / tokens): `kl`, `clip_fraction` (clipped tokens),
+  `dual_clip_fraction` (with clip_ratio_c: tokens it capped),
   `ratio` (r_t), `entropy_estimate` (-logp_t, a sampled estimate: the loss sees no logits),
   `logprob_diff_abs` and the off-policy method's counts;
 - `mis_masked_sequences` (mean = x / sequences);
@@ -73,7 +78,12 @@ def policy_loss(logprobs: torch.Tensor, microbatch: dict[str, torch.Tensor], *, 
     ratio = _ratio(logp, old, mask, config)
     clipped_ratio = ratio.clamp(1 - config.clip_low, 1 + config.clip_high)
     unclipped_loss, clipped_loss = -advantages * ratio, -advantages * clipped_ratio
-    pg = weight * torch.maximum(unclipped_loss, clipped_loss)
+    ppo = torch.maximum(unclipped_loss, clipped_loss)
+    if config.clip_ratio_c is not None:
+        capped = torch.minimum(ppo, -advantages * config.clip_ratio_c)
+        report["dual_clip_fraction"] = ((capped < ppo) & (advantages < 0) & mask).sum()
+        ppo = torch.where(advantages < 0, capped, ppo)
+    pg = weight * ppo
     token_loss = pg
     if config.kl_coef > 0:
         ref = torch.where(mask, microbatch["ref_logprobs"], 0.0)
@@ -126,11 +136,14 @@ def policy_metrics(sums: dict[str, float], num_tokens: float) -> dict[str, float
     return metrics
 
 
+LOG_RATIO_BOUND = 20.0  # exp(20) ~ 5e8: far past any clip, far from float32's overflow at ~88
+
+
 def _ratio(logp, old, mask, config):
     if config.advantage_estimator != "gspo":
-        return torch.exp(logp - old)
+        return torch.exp((logp - old).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     tokens = mask.sum(dim=1, keepdim=True).clamp(min=1)
-    sequence_log_ratio = (logp - old).sum(dim=1, keepdim=True) / tokens
+    sequence_log_ratio = ((logp - old).sum(dim=1, keepdim=True) / tokens).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     # value s_i on every token; gradient s_i * d logp_t (sg = stop-gradient)
     return torch.exp(sequence_log_ratio.detach() + logp - logp.detach())
 

@@ -9,7 +9,9 @@ Start-up, in order:
      which the engines announce as their weight version);
   4. `engines.count` `EngineServer` actors each start an engine server on that checkpoint
      (`engine_placement`: embedded = a CPU each; SGLang = `engines.tp` GPUs each, or, with
-     `rl.colocate`, the GPUs of trainer ranks [i*tp, (i+1)*tp) inside their bundle);
+     `rl.colocate`, the GPUs of trainer ranks [i*tp, (i+1)*tp) inside their bundle); with
+     `cpu_pools`, trainer ranks, embedded engines and the rollout worker are pinned to their cores
+     (`moe_rl.cpu_pools`) and `cpu_pools.json` records the cores each reports;
   5. the trainer's sync source joins the engines' weight-update group (`WeightSender`);
   6. the `RolloutWorker` actor starts generating.
 `close()` undoes them in reverse and returns the rollout ledger.
@@ -104,8 +106,9 @@ class RLCluster:
                                     cpu_pools=cfg.cpu_pools)
         version = 0
         if self.restore is not None:  # resume: the engines start on the checkpoint's weights
-            version = self.trainer.call("load_checkpoint", self.restore["trainer_dir"])
-            assert version == self.restore["weight_version"], (version, self.restore["weight_version"])
+            self.trainer.call("load_checkpoint", self.restore["trainer_dir"])
+            # the run's version, not the trainer's optimizer steps (PPO mini-batches take several)
+            version = self.restore["weight_version"]
         initial = str(self.run_dir / ("initial_hf" if version == 0 else f"resumed_hf_v{version}"))
         # LoRA: the engines serve the frozen base and adapter `policy-v{version}` on top of it
         self.trainer.call("save_hf", initial, cfg.lora is None, cfg.sync.fp8_blocks)
@@ -119,6 +122,20 @@ class RLCluster:
                                      hf.num_hidden_layers, hf.num_experts_per_tok, cfg.lora is not None,
                                      cfg.cpu_pools.rollout_cores if cfg.cpu_pools else None)
         ray.get(self.rollout.start.remote(self.restore))
+        if cfg.cpu_pools is not None:
+            self._record_cores()
+
+    def _record_cores(self) -> None:
+        """`cpu_pools.json` in the run directory: the cores each pinned process reports it runs on
+        (read back from the processes, not copied from the config)."""
+        import json
+
+        from moe_rl.cpu_pools import process_cores
+
+        engines = [process_cores(pid) for pid in ray.get([engine.pid.remote() for engine in self.engines])]
+        cores = {"trainer_ranks": self.trainer.call_each("cpus"), "engines": engines,
+                 "rollout_worker": ray.get(self.rollout.cpus.remote())}
+        (self.run_dir / "cpu_pools.json").write_text(json.dumps(cores, indent=2))
 
     def _adapter_sync(self):
         """With LoRA, how adapters reach the engines (sync.lora); None without."""

@@ -90,7 +90,7 @@ class TrainerRank:
         save_checkpoint(self.trainer, directory)
 
     def load_checkpoint(self, directory: str) -> int:
-        """Load a dist checkpoint into the built trainer (collective); returns its step."""
+        """Load a dist checkpoint into the built trainer (collective); returns its optimizer step."""
         from moe_rl.trainer.checkpoint import load_checkpoint
 
         self._enter()
@@ -217,7 +217,8 @@ class TrainerRank:
 
     def step(self, batch: dict[str, torch.Tensor], algorithm: AlgorithmConfig) -> dict[str, float]:
         """Old logprobs (behaviour policy, with R3 when configured), reference logprobs (kl_coef > 0),
-        consistency metrics, one optimizer step (collective). Returns the step's metrics."""
+        consistency metrics, then one optimizer step per PPO mini-batch, all against these old
+        logprobs (collective). Returns the step's metrics."""
         self._enter()
         trainer, mask = self.trainer, batch["loss_mask"][:, 1:].bool()
         start = time.perf_counter()
@@ -233,7 +234,7 @@ class TrainerRank:
                 metrics[f"routing/agreement/layer{layer}"] = float(agreement)
         batch = {**batch, "old_logprobs": torch.cat([torch.zeros_like(old[:, :1]), old], dim=1)}
         start = time.perf_counter()
-        result = trainer.train_step(batch, make_policy_loss(algorithm))
+        result = trainer.train_step(batch, make_policy_loss(algorithm), algorithm.num_mini_batches)
         metrics["time/train_step_s"] = time.perf_counter() - start
         metrics.update({f"policy/{k}": v for k, v in policy_metrics(result.sums, result.num_tokens).items()})
         if algorithm.needs_reference:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.config import TrainerConfig
-from moe_rl.trainer.batch import Batch, check_batch, microbatches, pad_sequence_dim
+from moe_rl.trainer.batch import Batch, check_batch, microbatches, pad_sequence_dim, split_rows
 from moe_rl.trainer.logprobs import token_entropy, token_logprobs
 from moe_rl.trainer.reference import FrozenModel, build_reference
 from moe_rl.trainer.routing_replay import RoutingReplay
@@ -186,23 +186,36 @@ class MegatronTrainer:
         save_hf_checkpoint(self.model.module, self.bridge, out_dir, hf_config, merge_adapters=merged, fp8=fp8)
 
     # -- training -----------------------------------------------------------------------------
-    def train_step(self, batch: Batch, loss_fn: LossFn = next_token_loss) -> StepResult:
-        """One optimizer step on a global batch (every rank passes the same whole batch)."""
-        self.model.train()
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        reports = self._run_schedule(batch, partial(self._forward_step, loss_fn, self.routing), forward_only=False,
-                                     routing=self._routing_mode(batch, None))
-        updated, grad_norm, _ = self.optimizer.step()
-        self.step += 1
-        sums = self._reduce_reports(reports)
+    def train_step(self, batch: Batch, loss_fn: LossFn = next_token_loss, mini_batches: int = 1) -> StepResult:
+        """Optimizer steps on a global batch (every rank passes the same whole batch): one, or one
+        per block of rows with `mini_batches` (PPO mini-batches), each normalised by its own
+        tokens. The result sums the blocks' reports; `grad_norm` is their mean."""
+        if batch["tokens"].shape[0] != self.config.global_batch_size:
+            raise ValueError(f"batch has {batch['tokens'].shape[0]} sequences but trainer.global_batch_size="
+                             f"{self.config.global_batch_size}: make them equal")
+        sums: dict[str, float] = {}
+        norms, skipped = [], False
+        for index in range(mini_batches):
+            block = split_rows(batch, mini_batches, index)
+            self.model.train()
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            reports = self._run_schedule(block, partial(self._forward_step, loss_fn, self.routing), forward_only=False,
+                                         routing=self._routing_mode(block, None),
+                                         rows=self.config.global_batch_size // mini_batches)
+            updated, grad_norm, _ = self.optimizer.step()
+            self.step += 1
+            for key, value in self._reduce_reports(reports).items():
+                sums[key] = sums.get(key, 0.0) + value
+            norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+            skipped |= not updated
         tokens = sums.pop("num_tokens", 0.0)
         return StepResult(
             step=self.step,
             loss=sums.get("loss", 0.0) / max(tokens, 1.0),
-            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            grad_norm=sum(norms) / len(norms),
             num_tokens=int(tokens),
-            skipped=not updated,
+            skipped=skipped,
             sums=sums,
         )
 
@@ -260,14 +273,15 @@ class MegatronTrainer:
         return "replay" if replay else None
 
     def _run_schedule(self, batch: Batch, forward_step, forward_only: bool, routing: str | None = None,
-                      model=None, replay: RoutingReplay | None = None) -> list[dict]:
+                      model=None, replay: RoutingReplay | None = None, rows: int | None = None) -> list[dict]:
         """`routing`: None (natural), "replay" or "record" (see RoutingReplay). `model`, `replay`:
-        the stage to run and its RoutingReplay (default: the policy's)."""
+        the stage to run and its RoutingReplay (default: the policy's). `rows`: the batch's
+        expected sequences (default trainer.global_batch_size; a mini-batch has fewer)."""
         model, replay = model or self.model, replay or self.routing
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         check_batch(batch)
-        if batch["tokens"].shape[0] != self.config.global_batch_size:
+        if batch["tokens"].shape[0] != (rows or self.config.global_batch_size):
             raise ValueError(
                 f"batch has {batch['tokens'].shape[0]} sequences but trainer.global_batch_size="
                 f"{self.config.global_batch_size}: make them equal"

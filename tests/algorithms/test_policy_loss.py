@@ -56,6 +56,32 @@ def test_asymmetric_clip_higher():
     assert report["clip_fraction"] == 3
 
 
+def test_dual_clip_caps_negative_advantages_only():
+    """clip_ratio_c=1.4: row 3 (A=-1, r=1.5) would cost 1.5; capped at 1.4 and its gradient is 0.
+    Positive advantages (row 0's r=1.5 is clipped at 1.2 anyway) are untouched."""
+    logprobs, microbatch = clip_case()
+    loss, _, report = run(AlgorithmConfig(off_policy="none", clip_ratio_c=1.4), logprobs, microbatch)
+    assert loss == pytest.approx(-1.1 - 1.2 + 0.85 + 0.8 - 0.5 + 1.4)
+    assert report["dual_clip_fraction"] == 1
+    expected = torch.tensor([[0, -1.1, 0], [0, 0.85, 0], [0, -0.5, 0], [0, 0, 0]]) / 6
+    torch.testing.assert_close(logprobs.grad, expected)
+    with pytest.raises(ValueError, match="clip_ratio_c=1.0: must be > 1"):
+        AlgorithmConfig(clip_ratio_c=1.0)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gspo"])
+def test_an_exploded_log_ratio_gives_no_nan(estimator):
+    """log-ratio 100 (exp overflows float32) on a token whose off-policy weight is 0 (IcePop masks
+    ratios above its band): without the +-20 clamp, 0 x inf is a NaN gradient for the whole batch."""
+    logprobs = torch.tensor([[0.0, -0.1, -0.2]], requires_grad=True)
+    old = torch.tensor([[0.0, -100.1, -0.2]])
+    microbatch = {"loss_mask": torch.tensor([[0, 1, 1]]), "advantages": torch.tensor([[1.0] * 3]),
+                  "old_logprobs": old, "rollout_logprobs": old}
+    config = AlgorithmConfig(advantage_estimator=estimator, off_policy="icepop")
+    loss, _, _ = run(config, logprobs, microbatch)
+    assert math.isfinite(loss) and torch.isfinite(logprobs.grad).all()
+
+
 def test_dr_grpo_constant_normaliser():
     logprobs, microbatch = clip_case()
     config = AlgorithmConfig(advantage_estimator="dr_grpo", dr_grpo_norm_len=4, off_policy="none")

@@ -53,3 +53,44 @@ def test_normalisers_and_reports_through_megatron():
         # off-policy gap is exactly 0.05 per token; TIS weight exp(0.05) is below the cap
         assert abs(metrics["logprob_diff_abs"] - 0.05) < 1e-5
         assert abs(metrics["tis_weight"] - math.exp(0.05)) < 1e-5
+
+
+def _mini_batch_rank():
+    """Two trainers from the same seed: one takes `train_step(..., mini_batches=2)`, the other two
+    plain steps on the row halves (global_batch_size = half). Same parameters after, bit for bit;
+    the second mini-batch sees ratios != 1 against the old logprobs, so PPO's clip acts."""
+    from transformers import Qwen3MoeConfig
+
+    from moe_rl.algorithms import AlgorithmConfig, make_policy_loss, policy_metrics
+    from moe_rl.config import OptimizerConfig, TrainerConfig
+    from moe_rl.trainer.batch import split_rows
+    from moe_rl.trainer.megatron_trainer import MegatronTrainer
+
+    hf_config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                               num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                               architectures=["Qwen3MoeForCausalLM"])
+    optimizer = OptimizerConfig(lr=0.05)
+    whole = MegatronTrainer(TrainerConfig(world_size=2, global_batch_size=ROWS, micro_batch_size=1,
+                                          optimizer=optimizer), hf_config)
+    generator = torch.Generator().manual_seed(0)
+    mask = torch.zeros(ROWS, SEQ, dtype=torch.long)
+    mask[:, PROMPT:] = 1
+    batch = {"tokens": torch.randint(0, VOCAB, (ROWS, SEQ), generator=generator), "loss_mask": mask,
+             "advantages": torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None].expand(ROWS, SEQ).contiguous()}
+    batch["old_logprobs"] = torch.cat([torch.zeros(ROWS, 1), whole.forward_logprobs(batch)], dim=1)
+    loss = make_policy_loss(AlgorithmConfig(off_policy="none", clip_low=0.01, clip_high=0.01))
+    result = whole.train_step(batch, loss, mini_batches=2)
+    halves = MegatronTrainer(TrainerConfig(world_size=2, global_batch_size=ROWS // 2, micro_batch_size=1,
+                                           optimizer=optimizer), hf_config)
+    second = [halves.train_step(split_rows(batch, 2, i), loss) for i in range(2)][1]
+    same = all(torch.equal(a, b) for a, b in zip(whole.model.parameters(), halves.model.parameters()))
+    return (result.step, same, policy_metrics(second.sums, second.num_tokens)["clip_fraction"],
+            result.num_tokens)
+
+
+def test_ppo_mini_batches_are_optimizer_steps_on_row_blocks():
+    step, same, clip_fraction, tokens = spawn(_mini_batch_rank, 2)[0]
+    assert step == 2 and same
+    assert clip_fraction > 0  # the first step moved the policy: the second mini-batch's ratios clip
+    assert tokens == ROWS * (SEQ - PROMPT)

@@ -25,7 +25,8 @@ def write_config(path: Path, run_dir: Path) -> None:
             intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
             max_position_embeddings=64)},
-        "trainer": {"world_size": 2, "ep": 2, "micro_batch_size": 4, "global_batch_size": 8, "routing_replay": True},
+        "trainer": {"world_size": 2, "ep": 2, "micro_batch_size": 2, "global_batch_size": 8, "routing_replay": True},
+        "algorithm": {"num_mini_batches": 2},  # two optimizer steps per weight version, across the resume too
         "rollout": {"task": "copy_digits_long_tail", "task_options": {"num_stop_tokens": 40},
                     "groups_per_step": GROUPS, "n_samples_per_prompt": 2, "max_new_tokens": 12, "max_staleness": 2},
         "sync": {"pause_mode": "abort", "bucket_bytes": 1 << 20},

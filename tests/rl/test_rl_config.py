@@ -30,6 +30,9 @@ def test_demo_config_is_rl_and_modes_set_staleness():
     ("engines.count=0", "engines.count"),
     ("rollout.return_routed_experts=false", "routing_replay"),
     ("sync.pause_mode=stop", "pause_mode"),
+    ("algorithm.num_mini_batches=3", "algorithm.num_mini_batches"),  # 64 rows, micro 32 x dp 1
+    ("algorithm.clip_ratio_c=0.5", "algorithm.clip_ratio_c"),
+    ("sync.fp8_blocks=0", "fp8_blocks"),
 ])
 def test_bad_rl_settings_name_the_field(override, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
@@ -45,10 +48,11 @@ def test_off_policy_none_needs_staleness_zero():
 def test_report_writes_every_plot(tmp_path):
     rows = [{"step": s, "rollout/reward_mean": s / 10, "rollout/staleness_count/0": 3, "rollout/staleness_count/1": s,
              "routing/agreement/layer0": 0.9, "routing/agreement/layer1": 0.8, "time/trainer_wait_s": 0.1,
-             "time/train_step_s": 0.2, "time/sync_s": 0.05} for s in range(1, 6)]
+             "time/train_step_s": 0.2, "time/sync_s": 0.05, "perf/trainer_busy_frac": 0.7,
+             "perf/engine_busy_frac": 0.5, "perf/engine_idle_frac": 0.3} for s in range(1, 6)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     names = {p.name for p in write_report(tmp_path)}
-    assert names == {"reward.png", "staleness.png", "routing_agreement.png", "time.png"}
+    assert names == {"reward.png", "staleness.png", "routing_agreement.png", "time.png", "utilization.png"}
     with pytest.raises(ValueError, match="metrics.jsonl"):
         write_report(tmp_path / "missing")
 

@@ -187,18 +187,15 @@ def save_hf_checkpoint(model, bridge: Bridge, out_dir, hf_config: dict, *, max_s
     Collective: every rank calls it. Each stage's source rank writes its own shards into
     `<out_dir>.tmp`; global rank 0 merges the index and renames the directory when complete.
     """
-    import shutil
-    from pathlib import Path
-
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from parallel.hf_checkpoint import finalize_hf_checkpoint, write_shards
+    from parallel.staging import fresh_staging, staging_dir
 
-    tmp = Path(f"{out_dir}.tmp")
+    tmp = staging_dir(out_dir)
     if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        fresh_staging(out_dir)
     dist.barrier()
     prefix = f"stage{ps.get_pipeline_model_parallel_rank():03d}"
     items = export_hf_weights(model, bridge, bucket_bytes=bucket_bytes, merge_adapters=merge_adapters)

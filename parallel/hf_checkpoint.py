@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -21,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from parallel.fp8 import SCALE_SUFFIX, BlockFP8
+from parallel.staging import publish
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -225,6 +225,4 @@ def finalize_hf_checkpoint(tmp_dir: str | os.PathLike, out_dir: str | os.PathLik
     (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
     for name, data in (extra_files or {}).items():  # tokenizer, generation config
         (tmp / name).write_bytes(data)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    publish(tmp, out)

@@ -24,8 +24,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 from pathlib import Path
+from parallel.staging import fresh_staging, publish
 from typing import Iterator
 
 import torch
@@ -140,15 +140,10 @@ def write_adapter(directory: str | os.PathLike, config: dict, tensors: dict[str,
     """Write a PEFT adapter directory atomically: `.tmp-<name>` beside it, then renamed into place."""
     from safetensors.torch import save_file
 
-    final = Path(directory)
-    staging = final.with_name(f".tmp-{final.name}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    staging = fresh_staging(directory, hidden=True)
     save_file({name: t.contiguous() for name, t in sorted(tensors.items())}, str(staging / WEIGHTS_FILE))
     (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    shutil.rmtree(final, ignore_errors=True)
-    staging.rename(final)
-    return final
+    return publish(staging, directory)
 
 
 def save_adapter(model, bridge: Bridge, lora: LoRAConfig, directory: str | os.PathLike,

@@ -29,6 +29,7 @@ import json
 import math
 import shutil
 from pathlib import Path
+from parallel.staging import fresh_staging, publish, staging_dir
 
 COMMAND = ("convert",)
 HELP = "convert checkpoints between HF safetensors and Megatron dist_checkpointing"
@@ -119,7 +120,7 @@ def check_output(source: str, out: str, overwrite: bool) -> None:
     if source_path == out_path or out_path in source_path.parents:
         raise ValueError(f"--out {out} would replace the input {source} (it equals or contains it): "
                          "choose another output directory")
-    for path in (out_path, out_path.with_name(out_path.name + ".tmp")):
+    for path in (out_path, staging_dir(out_path)):
         if not overwrite and (path.is_file() or (path.is_dir() and any(path.iterdir()))):
             raise ValueError(f"--out: {path} exists and is not empty; choose a new directory or pass "
                              "--overwrite to replace it")
@@ -162,12 +163,10 @@ def _fresh_tmp(out: str) -> Path:
     """Rank 0 empties `<out>.tmp`; every rank calls it (barrier)."""
     import torch.distributed as dist
 
-    tmp = Path(f"{out}.tmp")
     if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        fresh_staging(out)
     dist.barrier()
-    return tmp
+    return staging_dir(out)
 
 
 def _hf_config(hf_dir: str, drop_mtp: bool) -> dict:
@@ -200,7 +199,7 @@ def hf_to_megatron(layout, hf_dir: str, out: str, drop_mtp: bool) -> None:
         for path in Path(hf_dir).iterdir():
             if path.is_file() and not path.name.endswith(".safetensors") and path.name != "model.safetensors.index.json":
                 shutil.copy(path, side / path.name)
-        _replace(tmp, Path(out))
+        publish(tmp, out)
     dist.barrier()
 
 
@@ -242,7 +241,7 @@ def peft_to_megatron(layout, peft_dir: str, out: str, hf_dir: str) -> None:
     dist_checkpointing.save(adapter_sharded_state_dict(model), str(tmp))
     if dist.get_rank() == 0:
         write_lora_meta(tmp, hf_config, lora)
-        _replace(tmp, Path(out))
+        publish(tmp, out)
     dist.barrier()
 
 
@@ -282,12 +281,6 @@ def _megatron_targets(bridge, peft_dir: str, targets) -> list[str]:
     if not chosen:
         raise ValueError(f"{peft_dir}: target_modules {sorted(wanted)} match no module of this model")
     return chosen
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
 
 
 def _say(message: str) -> None:

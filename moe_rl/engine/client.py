@@ -59,6 +59,16 @@ class GenerateResult:
     meta_info: dict[str, Any]
 
 
+def engine_name(index: int) -> str:
+    """The RL job's name of engine `index` (its clients, the weight sender, the rollout pool and
+    the restart bookkeeping all use it); `engine_index` reads it back."""
+    return f"engine-{index}"
+
+
+def engine_index(name: str) -> int:
+    return int(name.removeprefix("engine-"))
+
+
 class EngineClient:
     def __init__(
         self,

@@ -33,9 +33,9 @@ def run(config: RunConfig, resume: bool = False) -> dict:
     restore, first = None, 0
     if resume:
         restore = resume_state.load_run_checkpoint(resume_state.latest_checkpoint(run_dir))
-        first = restore["step"]
+        first = restore.step
         for name in ("metrics.jsonl", resume_state.TRAINED_FILE):  # steps after the checkpoint are redone
-            resume_state.truncate_rows(run_dir / name, restore["metrics_offset"])
+            resume_state.truncate_rows(run_dir / name, restore.metrics_offset)
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(config, run_dir / "config.json")
     rollout = config.effective_rollout()
@@ -55,7 +55,7 @@ def run(config: RunConfig, resume: bool = False) -> dict:
                 trained += info.group_ids
                 released = time.perf_counter()
                 with engines_released(cluster.engines, config.engines.kind, config.rl.colocate, metrics):
-                    metrics.update(cluster.trainer.call("step", batch, config.algorithm))
+                    metrics.update(cluster.trainer.step(batch, config.algorithm))
                 released = time.perf_counter() - released if config.rl.colocate else 0.0
                 metrics.update(_update_weights(cluster, config, version + 1))
                 rollout_metrics = ray.get(cluster.rollout.metrics.remote())
@@ -78,9 +78,9 @@ def run(config: RunConfig, resume: bool = False) -> dict:
                                  f"sync {metrics['time/sync_s']:.2f}s  step {metrics['time/step_s']:.2f}s")
         train_s = time.perf_counter() - start - setup_s
         if config.rl.save_hf:  # with LoRA: merged (base + adapter), for engines without LoRA
-            cluster.trainer.call("save_hf", str(run_dir / "final_hf"))
+            cluster.trainer.save_hf(str(run_dir / "final_hf"))
         if config.lora is not None:
-            cluster.trainer.call("save_adapter", str(run_dir / "final_adapter"))
+            cluster.trainer.save_adapter(str(run_dir / "final_adapter"))
     finally:
         ledger = cluster.close()
         logger.close()

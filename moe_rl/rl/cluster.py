@@ -36,7 +36,9 @@ import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from moe_rl.config import RunConfig
+from moe_rl.engine.client import engine_index, engine_name
 from moe_rl.rl.ray_init import init_ray
+from moe_rl.rl.resume import RunCheckpoint
 from moe_rl.rl.rollout_actor import EngineServer, RolloutWorker, engine_placement
 from moe_rl.rl.trainer_group import TrainerGroup
 
@@ -79,7 +81,7 @@ def require_resources(demand: RayDemand) -> None:
 
 
 class RLCluster:
-    def __init__(self, config: RunConfig, run_dir: Path, restore: dict | None = None):
+    def __init__(self, config: RunConfig, run_dir: Path, restore: RunCheckpoint | None = None):
         self.config, self.run_dir, self.restore = config, run_dir, restore
         self.trainer = self.rollout = None
         self.engines: list = []
@@ -106,15 +108,15 @@ class RLCluster:
                                     cpu_pools=cfg.cpu_pools)
         version = 0
         if self.restore is not None:  # resume: the engines start on the checkpoint's weights
-            self.trainer.call("load_checkpoint", self.restore["trainer_dir"])
+            self.trainer.load_checkpoint(self.restore.trainer_dir)
             # the run's version, not the trainer's optimizer steps (PPO mini-batches take several)
-            version = self.restore["weight_version"]
+            version = self.restore.weight_version
         initial = str(self.run_dir / ("initial_hf" if version == 0 else f"resumed_hf_v{version}"))
         # LoRA: the engines serve the frozen base and adapter `policy-v{version}` on top of it
-        self.trainer.call("save_hf", initial, cfg.lora is None, cfg.sync.fp8_blocks)
+        self.trainer.save_hf(initial, merged=cfg.lora is None, fp8_blocks=cfg.sync.fp8_blocks)
         self.engines = self._start_engines(initial, version)
         urls = ray.get([engine.url.remote() for engine in self.engines])
-        self.trainer.call("connect", urls, cfg.sync, cfg.engines.kind, version, self._adapter_sync())
+        self.trainer.connect(urls, cfg.sync, cfg.engines.kind, version, self._adapter_sync())
         self.version = self.initial_version = version
         hf = cfg.model.load_hf_config()
         worker = ray.remote(RolloutWorker).options(num_cpus=1, max_concurrency=16)
@@ -133,7 +135,7 @@ class RLCluster:
         from moe_rl.cpu_pools import process_cores
 
         engines = [process_cores(pid) for pid in ray.get([engine.pid.remote() for engine in self.engines])]
-        cores = {"trainer_ranks": self.trainer.call_each("cpus"), "engines": engines,
+        cores = {"trainer_ranks": self.trainer.cpus(), "engines": engines,
                  "rollout_worker": ray.get(self.rollout.cpus.remote())}
         (self.run_dir / "cpu_pools.json").write_text(json.dumps(cores, indent=2))
 
@@ -164,10 +166,10 @@ class RLCluster:
         """Weight update to `version` on every live engine (dead ones are dropped and restarted);
         returns its seconds."""
         lost, self.lost = self.lost, []
-        result = self.trainer.call("sync_weights", version, self.config.sync.bucket_bytes, None, 0, lost)
+        result = self.trainer.sync_weights(version, self.config.sync.bucket_bytes, lost=lost)
         self.version = version
         for name in result["dropped"]:
-            ray.get(self.rollout.mark_dead.remote(_index(name)))
+            ray.get(self.rollout.mark_dead.remote(engine_index(name)))
         self.recover()
         return result["seconds"]
 
@@ -178,15 +180,15 @@ class RLCluster:
             if not state["live"] and index not in self.restarting:
                 self.restarting[index] = self.engines[index].restart.remote()
                 self.restarts += 1
-                self.lost.append(f"engine-{index}")
+                self.lost.append(engine_name(index))
         for index, restarted in list(self.restarting.items()):
             if not ray.wait([restarted], timeout=0)[0]:
                 continue
-            url, name = ray.get(restarted), f"engine-{index}"
+            url, name = ray.get(restarted), engine_name(index)
             if name in self.lost:  # the sender replaces the dead member with the restarted one
                 self.lost.remove(name)
-            result = self.trainer.call("sync_weights", self.version, self.config.sync.bucket_bytes,
-                                       {name: url}, self.initial_version)
+            result = self.trainer.sync_weights(self.version, self.config.sync.bucket_bytes, joined={name: url},
+                                               served_version=self.initial_version)
             del self.restarting[index]
             if name in result["dropped"]:  # died again while catching up: restarted next time
                 continue
@@ -196,7 +198,7 @@ class RLCluster:
         """One `EngineServer` actor per engine, placed by `engine_placement`."""
         cfg = self.config
         colocated = cfg.engines.kind == "sglang" and cfg.rl.colocate
-        devices = self.trainer.call_each("device") if colocated else None
+        devices = self.trainer.devices() if colocated else None
         engines, lora = [], self._lora_slots()
         for i, (options, gpu_ids) in enumerate(engine_placement(cfg.engines, cfg.rl.colocate, devices)):
             if "bundle" in options:
@@ -238,6 +240,3 @@ class RLCluster:
 
 _POLL_S = 0.2  # how often the driver looks for dead and restarted engines while it waits
 
-
-def _index(name: str) -> int:
-    return int(name.rsplit("-", 1)[1])  # engines are named engine-{i}

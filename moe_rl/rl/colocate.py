@@ -25,7 +25,7 @@ from contextlib import contextmanager
 
 import ray
 
-from moe_rl.engine.client import EngineClient
+from moe_rl.engine.client import EngineClient, engine_name
 
 TAGS = ["weights", "kv_cache"]
 
@@ -33,7 +33,7 @@ TAGS = ["weights", "kv_cache"]
 def _on_engines(urls: list[str], kind: str, call) -> list:
     """`await call(client)` on every engine at once, from the driver; their results in order."""
     async def run():
-        clients = [EngineClient(url, kind=kind, name=f"engine-{i}") for i, url in enumerate(urls)]
+        clients = [EngineClient(url, kind=kind, name=engine_name(i)) for i, url in enumerate(urls)]
         try:
             return await asyncio.gather(*(call(client) for client in clients))
         finally:

@@ -18,13 +18,32 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
 
+from parallel.staging import fresh_staging, publish
+
 CHECKPOINTS = "checkpoints"
 TRAINED_FILE = "trained.jsonl"
 """One row per step: {"step": N, "groups": [group ids trained at step N]}."""
+
+
+@dataclass(frozen=True)
+class RunCheckpoint:
+    """What a resumed run starts from (read by `load_run_checkpoint`)."""
+
+    step: int
+    """RL steps done: the loop continues at step + 1."""
+    weight_version: int
+    """The version the engines start serving (the trainer's weights at `step`)."""
+    metrics_offset: int
+    """Metrics rows (and trained-group records) up to this step are kept; later ones are redone."""
+    trainer_dir: str
+    """The Megatron dist checkpoint the trainer ranks load."""
+    rollout: dict
+    """`RolloutManager.snapshot()` as saved: buffer, ledger, data position, partial groups."""
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -43,26 +62,23 @@ def latest_checkpoint(run_dir: str | Path) -> Path:
 def save_run_checkpoint(cluster, run_dir: Path, step: int, keep: int) -> Path:
     """Collective on the trainer; snapshots the rollout worker between two steps."""
     final = checkpoint_dir(run_dir, step)
-    staging = final.with_name(final.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    cluster.trainer.call("save_checkpoint", str(staging / "trainer"))
+    staging = fresh_staging(final)
+    cluster.trainer.save_checkpoint(str(staging / "trainer"))
     rollout = ray.get(cluster.rollout.snapshot.remote())
     (staging / "rollout.json").write_text(json.dumps(rollout))
     (staging / "state.json").write_text(json.dumps({"step": step, "weight_version": step, "metrics_offset": step}))
-    shutil.rmtree(final, ignore_errors=True)
-    staging.rename(final)
+    publish(staging, final)
     for old in sorted(p for p in final.parent.glob("step_*") if not p.name.endswith(".tmp"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def load_run_checkpoint(path: Path) -> dict:
-    """The rollout/driver state of a run checkpoint (the trainer part is loaded by the ranks)."""
+def load_run_checkpoint(path: Path) -> RunCheckpoint:
+    """A run checkpoint's state (the trainer part stays on disk for the ranks to load)."""
     state = json.loads((path / "state.json").read_text())
-    state["rollout"] = json.loads((path / "rollout.json").read_text())
-    state["trainer_dir"] = str(path / "trainer")
-    return state
+    return RunCheckpoint(step=state["step"], weight_version=state["weight_version"],
+                         metrics_offset=state["metrics_offset"], trainer_dir=str(path / "trainer"),
+                         rollout=json.loads((path / "rollout.json").read_text()))
 
 
 def truncate_rows(path: Path, last_step: int) -> None:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from moe_rl.engine.client import EngineClient
+from moe_rl.engine.client import EngineClient, engine_name
 from moe_rl.engine.pool import EnginePool
+from moe_rl.rl.resume import RunCheckpoint
 from moe_rl.rollout import RolloutConfig, RolloutManager
 
 
@@ -119,16 +120,16 @@ class RolloutWorker:
         self.adapters = adapters  # LoRA: requests name the newest adapter, `policy-v{version}`
         self.manager = self.task = None
 
-    async def start(self, restore: dict | None = None) -> None:
-        """Start generating; `restore` is a run checkpoint's state (`moe_rl.rl.resume`)."""
+    async def start(self, restore: RunCheckpoint | None = None) -> None:
+        """Start generating; `restore`: the run checkpoint to continue from."""
         import moe_rl.rl.long_tail  # noqa: F401  registers the benchmark's long-tailed task
 
         clients = [self._client(i, url) for i, url in enumerate(self.urls)]
         self.pool = CountingPool(clients)
-        self.manager = RolloutManager(self.config, self.pool, version=restore["step"] if restore else 0,
+        self.manager = RolloutManager(self.config, self.pool, version=restore.step if restore else 0,
                                       adapters=self.adapters)
         if restore is not None:
-            self.manager.restore(restore["rollout"])
+            self.manager.restore(restore.rollout)
         self.task = asyncio.get_running_loop().create_task(self.manager.run())
         self.started = time.perf_counter()
 
@@ -167,7 +168,7 @@ class RolloutWorker:
         await self.pool.revive(index, self._client(index, url))
 
     def _client(self, index: int, url: str) -> EngineClient:
-        return EngineClient(url, kind=self.kind, name=f"engine-{index}", num_hidden_layers=self.layout[0],
+        return EngineClient(url, kind=self.kind, name=engine_name(index), num_hidden_layers=self.layout[0],
                             topk=self.layout[1])
 
     async def set_version(self, version: int) -> None:

@@ -104,7 +104,7 @@ class TrainerRank:
         import dataclasses
         from urllib.parse import urlsplit
 
-        from moe_rl.engine.client import EngineClient
+        from moe_rl.engine.client import EngineClient, engine_name
         from parallel.export import export_source_ranks
         from sync.group import address_for
         from sync.pipeline import sync_source
@@ -121,16 +121,16 @@ class TrainerRank:
             sync_config = dataclasses.replace(sync_config, master_address=address_for(hosts))
         if self.rank == sync_source(self.sources):
             # one retry: a dead engine is found (and dropped) in ~0.25 s instead of ~1.75 s
-            clients = [EngineClient(url, kind=kind, name=f"engine-{i}", retries=1) for i, url in enumerate(urls)]
+            clients = [EngineClient(url, kind=kind, name=engine_name(i), retries=1) for i, url in enumerate(urls)]
             self.sender = WeightSender(clients, sync_config, version)
 
     def _connect_adapters(self, urls: list[str], config, version: int) -> None:
-        from moe_rl.engine.client import EngineClient
+        from moe_rl.engine.client import EngineClient, engine_name
         from parallel.peft import write_adapter
         from sync.lora import AdapterSync
 
         if self.rank == 0:
-            clients = [EngineClient(url, kind=self.kind, name=f"engine-{i}", retries=1) for i, url in enumerate(urls)]
+            clients = [EngineClient(url, kind=self.kind, name=engine_name(i), retries=1) for i, url in enumerate(urls)]
             self.sender = AdapterSync(clients, config, write_adapter)
         self._publish_adapter(version)
 
@@ -142,7 +142,7 @@ class TrainerRank:
         stats = self.sender.publish(version, *collected)
         return {"engines": stats.engines, "dropped": stats.dropped, "bytes": stats.bytes}
 
-    def sync_weights(self, version: int, bucket_bytes: int, joined: dict[str, str] | None = None,
+    def sync_weights(self, version: int, bucket_bytes: int, *, joined: dict[str, str] | None = None,
                      served_version: int = 0, lost: list[str] = ()) -> dict:
         """Stream the weights to the engines as `version` (collective: every rank calls it).
 
@@ -293,20 +293,51 @@ class TrainerGroup:
             for i, (cpus, threads) in enumerate(cores)
         ]
         master = ray.get(self.actors[0].rendezvous.remote())
-        self.call("setup", master, trainer_config, model_config, lora)
+        self._all(TrainerRank.setup, master, trainer_config, model_config, lora)
 
-    def call(self, method: str, *args: Any) -> Any:
-        """Run `method(*args)` on every rank (a collective); rank 0's result."""
-        refs = [ray.put(a) if isinstance(a, dict) else a for a in args]
-        return ray.get([getattr(actor, method).remote(*refs) for actor in self.actors])[0]
+    # -- the ranks' methods, each run on every rank at once (see TrainerRank for what they do) --
+    def step(self, batch: dict[str, torch.Tensor], algorithm: AlgorithmConfig) -> dict[str, float]:
+        return self._all(TrainerRank.step, batch, algorithm)
 
-    def call_each(self, method: str, *args: Any) -> list:
-        """Run `method(*args)` on every rank; every rank's result, in rank order."""
-        return ray.get([getattr(actor, method).remote(*args) for actor in self.actors])
+    def sync_weights(self, version: int, bucket_bytes: int, *, joined: dict[str, str] | None = None,
+                     served_version: int = 0, lost: list[str] = ()) -> dict:
+        return self._all(TrainerRank.sync_weights, version, bucket_bytes, joined=joined,
+                         served_version=served_version, lost=lost)
+
+    def connect(self, urls: list[str], sync_config, kind: str, version: int = 0, adapters=None) -> None:
+        self._all(TrainerRank.connect, urls, sync_config, kind, version, adapters)
+
+    def save_hf(self, out_dir: str, merged: bool = True, fp8_blocks: int | None = None) -> None:
+        self._all(TrainerRank.save_hf, out_dir, merged, fp8_blocks)
+
+    def save_adapter(self, out_dir: str) -> None:
+        self._all(TrainerRank.save_adapter, out_dir)
+
+    def save_checkpoint(self, directory: str) -> None:
+        self._all(TrainerRank.save_checkpoint, directory)
+
+    def load_checkpoint(self, directory: str) -> int:
+        return self._all(TrainerRank.load_checkpoint, directory)
+
+    def cpus(self) -> list[dict]:
+        """Every rank's cores and threads, in rank order."""
+        return self._each(TrainerRank.cpus)
+
+    def devices(self) -> list[tuple[str, list[str]]]:
+        """Every rank's (node address, GPU ids), in rank order."""
+        return self._each(TrainerRank.device)
+
+    def _all(self, method, *args: Any, **kwargs: Any) -> Any:
+        """`TrainerRank.method(*args, **kwargs)` on every rank (a collective); rank 0's result."""
+        args = [ray.put(a) if isinstance(a, dict) else a for a in args]  # large batches: one copy
+        return self._each(method, *args, **kwargs)[0]
+
+    def _each(self, method, *args: Any, **kwargs: Any) -> list:
+        return ray.get([getattr(actor, method.__name__).remote(*args, **kwargs) for actor in self.actors])
 
     def close(self) -> None:
         try:
-            self.call("close")
+            self._all(TrainerRank.close)
         finally:
             for actor in self.actors:
                 ray.kill(actor)

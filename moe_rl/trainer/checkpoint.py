@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import warnings
 from pathlib import Path
+from parallel.staging import fresh_staging, publish, staging_dir
 
 import numpy as np
 import torch
@@ -75,11 +75,9 @@ def save_checkpoint(trainer, directory: str | Path) -> Path:
     """Save on every rank (collective); returns the final directory."""
     from megatron.core import dist_checkpointing
 
-    final = Path(directory)
-    staging = final.with_name(final.name + ".tmp")
+    final, staging = Path(directory), staging_dir(directory)
     if dist.get_rank() == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
+        fresh_staging(final)
     dist.barrier()
     dist_checkpointing.save(_sharded_state(trainer, with_rng=True, is_loading=False), str(staging))
     if dist.get_rank() == 0:
@@ -91,8 +89,7 @@ def save_checkpoint(trainer, directory: str | Path) -> Path:
             write_lora_meta(staging, hf if isinstance(hf, dict) else hf.to_dict(), trainer.lora)
     dist.barrier()
     if dist.get_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        staging.rename(final)
+        publish(staging, final)
     dist.barrier()
     return final
 

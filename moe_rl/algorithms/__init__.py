@@ -1,9 +1,8 @@
-"""RL algorithm pieces: config, group advantages, off-policy weights, stale tokens and the policy loss."""
+"""RL algorithm pieces: config, group advantages, off-policy weights and the policy loss."""
 
 from moe_rl.algorithms.advantages import GroupAdvantages, group_advantages, sample_advantages
 from moe_rl.algorithms.config import AlgorithmConfig
 from moe_rl.algorithms.policy_loss import make_policy_loss, policy_metrics
-from moe_rl.algorithms.staleness import stale_token_mask
 
 __all__ = [
     "AlgorithmConfig",
@@ -12,5 +11,4 @@ __all__ = [
     "make_policy_loss",
     "policy_metrics",
     "sample_advantages",
-    "stale_token_mask",
 ]

@@ -5,9 +5,10 @@ with rewards r_1..r_G, mean m and unbiased (Bessel-corrected, as in verl and TRL
 - grpo, gspo: A_i = (r_i - m) / (s + adv_eps)
 - dr_grpo:    A_i = r_i - m
 A group whose rewards are all equal (or that has one sample) has zero variance: every A_i is
-exactly 0 and it carries no learning signal. With `drop_zero_variance_groups` its samples are
-reported as not kept, and the caller leaves them out of the batch; otherwise they stay and only
-add tokens to the normaliser. The per-token `advantages` tensor the loss reads is A_i broadcast
+exactly 0 and it carries no learning signal: in the batch it only adds tokens to the normaliser.
+Such groups are flagged (`zero_variance`); leaving them out is the rollout's job
+(`rollout.drop_zero_variance_groups` drops them at generation and starts a fresh prompt, so the
+batch keeps its size). The per-token `advantages` tensor the loss reads is A_i broadcast
 over sample i's response tokens; building it is the batch builder's job.
 """
 
@@ -30,9 +31,6 @@ class GroupAdvantages:
     """float32 [n]: the advantage of each sample."""
     zero_variance: torch.Tensor
     """bool [n]: the sample's group has all-equal rewards (or a single sample)."""
-    keep: torch.Tensor
-    """bool [n]: train on this sample; False only for zero-variance groups when
-    `drop_zero_variance_groups` is set."""
 
 
 def group_advantages(
@@ -60,8 +58,7 @@ def group_advantages(
             advantages[index] = centred
         else:
             advantages[index] = centred / (group.std(unbiased=True) + config.adv_eps)
-    keep = ~zero_variance if config.drop_zero_variance_groups else torch.ones_like(zero_variance)
-    return GroupAdvantages(advantages.to(torch.float32), zero_variance, keep)
+    return GroupAdvantages(advantages.to(torch.float32), zero_variance)
 
 
 def sample_advantages(samples: Sequence[Sample], config: AlgorithmConfig) -> GroupAdvantages:

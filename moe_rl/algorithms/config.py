@@ -76,12 +76,6 @@ class AlgorithmConfig:
     """MIS: sequences whose geometric-mean ratio is below this are masked out."""
     mis_high: float = 2.0
     """MIS: sequences whose geometric-mean ratio is above this are masked out."""
-    mask_stale_tokens: bool = False
-    """Drop tokens the caller marks in the per-token `stale_mask` (1 = produced by weights too old
-    to train on) from the loss and from the normaliser."""
-    drop_zero_variance_groups: bool = False
-    """Groups whose rewards are all equal carry no signal: report them as not kept, so the caller
-    leaves them out of the batch (DAPO's dynamic sampling)."""
 
     def __post_init__(self):
         _choice("advantage_estimator", self.advantage_estimator, ESTIMATORS)

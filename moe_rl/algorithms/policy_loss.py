@@ -8,10 +8,9 @@ one sequence (no packing). The microbatch carries:
 - `advantages`: the sequence's advantage broadcast over its tokens (see advantages.py);
 - `old_logprobs`: pi_old, recomputed by the trainer with the weights before this update;
 - `rollout_logprobs`: the engine's logprobs (required unless off_policy="none");
-- `ref_logprobs`: the frozen reference model's (required when kl_coef > 0);
-- `stale_mask`: 1 on tokens too stale to train on (required when mask_stale_tokens).
+- `ref_logprobs`: the frozen reference model's (required when kl_coef > 0).
 
-Per token t of sequence i, with mask m (loss_mask, minus stale tokens), off-policy weight
+Per token t of sequence i, with mask m (loss_mask), off-policy weight
 c_t (off_policy.py), ratio r_t and advantage A:
     loss_t = c_t * max(-A r_t, -A clip(r_t, 1 - clip_low, 1 + clip_high)) + kl_coef * kl_t
 with dual-clip (`clip_ratio_c`), for A < 0 the max is further capped at -A clip_ratio_c.
@@ -38,7 +37,7 @@ Report (all sums, so the trainer can add them over microbatches and ranks):
   `ratio` (r_t), `entropy_estimate` (-logp_t, a sampled estimate: the loss sees no logits),
   `logprob_diff_abs` and the off-policy method's counts;
 - `mis_masked_sequences` (mean = x / sequences);
-- counts, kept as they are: `tokens`, `sequences` (with a loss token), `stale_tokens` (dropped).
+- counts, kept as they are: `tokens`, `sequences` (with a loss token).
 `policy_metrics(sums, num_tokens)` does those divisions. The max of |old - rollout| cannot be
 summed and is not reported: the caller has both tensors and can take it.
 """
@@ -64,10 +63,6 @@ def policy_loss(logprobs: torch.Tensor, microbatch: dict[str, torch.Tensor], *, 
     _check_inputs(logprobs, microbatch, config)
     mask = microbatch["loss_mask"].bool()
     report: Report = {}
-    if config.mask_stale_tokens:
-        stale = microbatch["stale_mask"].bool() & mask
-        report["stale_tokens"] = stale.sum()
-        mask = mask & ~stale
     maskf = mask.to(logprobs.dtype)
     # Padding and prompt columns may hold anything (even -inf): zero them before any exp.
     logp = torch.where(mask, logprobs, 0.0)
@@ -121,7 +116,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 
 def policy_metrics(sums: dict[str, float], num_tokens: float) -> dict[str, float]:
     """Means from the summed report of one step (`StepResult.sums`, `StepResult.num_tokens`)."""
-    counts = {"tokens", "sequences", "stale_tokens"}
+    counts = {"tokens", "sequences"}
     tokens, sequences = max(sums.get("tokens", 0.0), 1.0), max(sums.get("sequences", 0.0), 1.0)
     metrics = {}
     for key, value in sums.items():
@@ -168,8 +163,6 @@ def _check_inputs(logprobs, microbatch, config):
         needed["rollout_logprobs"] = f"the engine (off_policy={config.off_policy!r})"
     if config.kl_coef > 0:
         needed["ref_logprobs"] = "the reference model (kl_coef > 0)"
-    if config.mask_stale_tokens:
-        needed["stale_mask"] = "the caller, from per-token weight versions (mask_stale_tokens)"
     for key, source in needed.items():
         if key not in microbatch:
             raise ValueError(f"microbatch lacks {key!r}: add it [mb, L] from {source}")

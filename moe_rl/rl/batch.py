@@ -3,14 +3,17 @@
 Row i is sample i: tokens = prompt + response, right-padded with 0 to the longest row. Every
 per-token tensor sits at the token's own position t (the trainer aligns column t + 1 of it with
 the prediction of token t + 1):
-- `loss_mask`: the sample's loss mask on its response positions, 0 elsewhere (and on every token
-  of a sample the advantage step says not to keep);
+- `loss_mask`: the sample's loss mask on its response positions, 0 elsewhere (the rollout has
+  already zeroed tokens older than their sample's newest version when `rollout.mask_stale_tokens`);
 - `advantages`: the sample's group advantage on its response positions;
 - `rollout_logprobs`: the engine's logprob of each response token;
-- `stale_mask`: 1 on response tokens more than `max_token_staleness` versions old;
 - `routed_experts` (when the samples carry routing): int32 [B, S, layers, topk], row t = the
   experts token t was routed to; rows without routing (the last token, padding) hold the distinct
   experts 0..topk-1, so a replayed router never sees a duplicate index.
+
+Filtering is the rollout's: the buffer delivers only groups whose stalest token is at most
+`rollout.max_staleness` versions behind, and `rollout.drop_zero_variance_groups` drops groups
+with all-equal rewards at generation. Every sample given here is a row with its own loss mask.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_rl.algorithms import AlgorithmConfig, sample_advantages, stale_token_mask
+from moe_rl.algorithms import AlgorithmConfig, sample_advantages
 from moe_rl.rollout import staleness
 from moe_rl.sample import Sample
 
@@ -53,16 +56,25 @@ class BatchInfo:
 
 
 def build_batch(groups: list[list[Sample]], algorithm: AlgorithmConfig, version: int,
-                max_token_staleness: int) -> tuple[dict[str, torch.Tensor], BatchInfo]:
-    """The trainer batch of `groups` consumed at trainer `version`, and what to log about it."""
+                max_staleness: int | None = None) -> tuple[dict[str, torch.Tensor], BatchInfo]:
+    """The trainer batch of `groups` consumed at trainer `version`, and what to log about it.
+
+    `max_staleness`: the bound the buffer delivered `groups` under. A sample past it means
+    `version` is not the version they were delivered at (the logged staleness would be wrong),
+    and raises; it filters nothing."""
     samples = [s for group in groups for s in group]
+    ages = [staleness(s, version) for s in samples]
+    if max_staleness is not None and max(ages, default=0) > max_staleness:
+        worst = ages.index(max(ages))
+        raise ValueError(f"sample {worst} (group {samples[worst].group_id!r}) is {ages[worst]} versions behind "
+                         f"trainer version {version}, past max_staleness={max_staleness}: the buffer delivers "
+                         "only groups within the bound; pass the version the batch was delivered at")
     advantages = sample_advantages(samples, algorithm)
     rows, seq = len(samples), max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     tokens = torch.zeros(rows, seq, dtype=torch.long)
     loss_mask = torch.zeros(rows, seq, dtype=torch.long)
     adv = torch.zeros(rows, seq)
     rollout_lp = torch.zeros(rows, seq)
-    stale = torch.zeros(rows, seq, dtype=torch.long)
     routed = _routing_tensor(samples, rows, seq)
     for i, sample in enumerate(samples):
         p, r = len(sample.prompt_ids), len(sample.response_ids)
@@ -70,22 +82,19 @@ def build_batch(groups: list[list[Sample]], algorithm: AlgorithmConfig, version:
         if r == 0:
             continue
         response = slice(p, p + r)
-        keep = bool(advantages.keep[i])
-        loss_mask[i, response] = torch.tensor(sample.loss_mask) * int(keep)
+        loss_mask[i, response] = torch.tensor(sample.loss_mask)
         adv[i, response] = advantages.advantages[i]
         rollout_lp[i, response] = torch.tensor(sample.rollout_logprobs)
-        stale[i, response] = stale_token_mask(sample.weight_versions, version, max_token_staleness).long()
         if routed is not None:
             routed[i, : p + r - 1] = torch.as_tensor(sample.routed_experts.copy())
-    batch = {"tokens": tokens, "loss_mask": loss_mask, "advantages": adv, "rollout_logprobs": rollout_lp,
-             "stale_mask": stale}
+    batch = {"tokens": tokens, "loss_mask": loss_mask, "advantages": adv, "rollout_logprobs": rollout_lp}
     if routed is not None:
         batch["routed_experts"] = routed
     info = BatchInfo(
         group_ids=[g[0].group_id for g in groups],
         rewards=[float(s.reward) for s in samples],
         response_lengths=[len(s.response_ids) for s in samples],
-        staleness=[staleness(s, version) for s in samples],
+        staleness=ages,
         segments=[int(s.metadata.get("num_segments", 1)) for s in samples],
     )
     return batch, info

@@ -39,11 +39,14 @@ class RolloutConfig:
     budget, new weights); False restarts it from the prompt and discards the partial tokens."""
     mask_stale_tokens: bool = False
     """Set loss_mask 0 on response tokens older than the newest weight version in their sample
-    (only partial rollouts mix versions); their logprobs and routing are kept."""
+    (only partial rollouts mix versions), so each sample trains on its newest-policy tokens;
+    their logprobs and routing are kept. How old a sample may get is `max_staleness`'s."""
     return_routed_experts: bool = True
     """Ask engines for routed experts (routing replay needs them)."""
     drop_zero_variance_groups: bool = False
-    """Drop groups whose samples all got the same reward (zero GRPO advantage), and refill."""
+    """Drop groups whose samples all got the same reward (zero GRPO advantage) at generation,
+    counted `dropped_zero_variance`, and start a fresh prompt in their place (DAPO's dynamic
+    sampling): the batch keeps groups_per_step groups, all with a signal."""
     oversample_factor: float = 1.0
     """Start ceil(factor * groups_per_step) groups per round, keep the first groups_per_step that
     complete (and pass filters), abort and count the rest."""

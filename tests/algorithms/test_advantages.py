@@ -16,7 +16,7 @@ def test_grpo_normalises_by_group_mean_and_unbiased_std():
     s7, s05 = math.sqrt(7), math.sqrt(0.5)
     expected = [-2 / s7, -0.5 / s05, -1 / s7, 3 / s7, 0.5 / s05]
     torch.testing.assert_close(result.advantages, torch.tensor(expected), atol=1e-5, rtol=1e-5)
-    assert not result.zero_variance.any() and result.keep.all()
+    assert not result.zero_variance.any()
 
 
 def test_gspo_uses_grpo_advantages():
@@ -32,16 +32,13 @@ def test_dr_grpo_only_centres():
     assert torch.equal(result.advantages, torch.tensor([-2.0, -1.0, 3.0, -0.5, 0.5]))
 
 
-def test_zero_variance_groups_are_zero_and_dropped_on_request():
+def test_zero_variance_groups_are_zero_and_flagged():
     rewards, groups = [0.1, 0.1, 0.1, 1.0, 0.0, 5.0], ["a", "a", "a", "b", "b", "c"]
-    kept = group_advantages(rewards, groups, AlgorithmConfig())
+    result = group_advantages(rewards, groups, AlgorithmConfig())
     # all-equal group "a" and single-sample group "c" carry no signal: exactly 0, flagged
-    assert torch.equal(kept.zero_variance, torch.tensor([True, True, True, False, False, True]))
-    assert torch.equal(kept.advantages[[0, 1, 2, 5]], torch.zeros(4))
-    assert kept.keep.all()
-    dropped = group_advantages(rewards, groups, AlgorithmConfig(drop_zero_variance_groups=True))
-    assert torch.equal(dropped.keep, torch.tensor([False, False, False, True, True, False]))
-    assert torch.equal(dropped.advantages, kept.advantages)
+    assert torch.equal(result.zero_variance, torch.tensor([True, True, True, False, False, True]))
+    assert torch.equal(result.advantages[[0, 1, 2, 5]], torch.zeros(4))
+    assert torch.equal(result.advantages[3:5], group_advantages([1.0, 0.0], ["b", "b"], AlgorithmConfig()).advantages)
 
 
 def test_from_samples_and_bad_input():

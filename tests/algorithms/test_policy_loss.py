@@ -1,5 +1,5 @@
 """Policy loss against hand-computed cases: PPO clip (both sides, asymmetric), GRPO / Dr.GRPO /
-GSPO aggregation, KL estimators, stale-token masking, gradient sign, microbatch invariance."""
+GSPO aggregation, KL estimators, loss-mask holes, gradient sign, microbatch invariance."""
 
 import math
 
@@ -137,16 +137,16 @@ def test_kl_term_in_loss():
         make_policy_loss(config)(logprobs, {k: v for k, v in microbatch.items() if k != "ref_logprobs"})
 
 
-def test_stale_tokens_leave_loss_and_normaliser():
+def test_masked_tokens_leave_loss_and_normaliser():
+    # a hole in loss_mask (what rollout.mask_stale_tokens leaves on a resumed sample's older
+    # tokens) drops the token from the loss and the normaliser; a row with none left drops out
     logprobs, microbatch = clip_case()
-    microbatch["stale_mask"] = torch.tensor([[0, 0, 1], [0, 0, 0], [0, 0, 0], [0, 1, 0]])
-    loss, tokens, report = run(AlgorithmConfig(off_policy="none", mask_stale_tokens=True), logprobs, microbatch)
+    microbatch["loss_mask"] = torch.tensor([[0, 1, 0], [0, 1, 1], [0, 1, 0], [0, 0, 0]])
+    loss, tokens, report = run(AlgorithmConfig(off_policy="none"), logprobs, microbatch)
     assert loss == pytest.approx(-1.1 + 0.85 + 0.8 - 0.5)  # row 0 col 2 and row 3 dropped
-    assert tokens == 4 and report["stale_tokens"] == 2 and report["sequences"] == 3
-    assert policy_metrics(report, tokens)["stale_tokens"] == 2
-    with pytest.raises(ValueError, match="stale_mask"):
-        make_policy_loss(AlgorithmConfig(off_policy="none", mask_stale_tokens=True))(
-            logprobs, {k: v for k, v in microbatch.items() if k != "stale_mask"})
+    assert tokens == 4 and report["sequences"] == 3 and policy_metrics(report, tokens)["tokens"] == 4
+    assert logprobs.grad[0, 2] == 0 and logprobs.grad[3].abs().sum() == 0
+    assert "stale_tokens" not in report
 
 
 def test_gradient_step_moves_probability_with_advantage_sign():

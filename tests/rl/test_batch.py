@@ -24,7 +24,8 @@ def sample(prompt, response, reward, gid, versions, routed=True):
 def test_positions_advantages_staleness_and_routing():
     groups = [[sample([1, 5, 2], [7, 8], 1.0, "a", ["3", "3"]), sample([1, 5, 2], [9], 0.0, "a", ["2"])],
               [sample([1, 6, 2], [4, 4, 4], 0.5, "b", ["1", "2", "3"]), sample([1, 6, 2], [3], 0.5, "b", ["3"])]]
-    batch, info = build_batch(groups, AlgorithmConfig(), version=3, max_token_staleness=1)
+    batch, info = build_batch(groups, AlgorithmConfig(), version=3, max_staleness=2)
+    assert set(batch) == {"tokens", "loss_mask", "advantages", "rollout_logprobs", "routed_experts"}
     assert batch["tokens"].tolist() == [[1, 5, 2, 7, 8, 0], [1, 5, 2, 9, 0, 0], [1, 6, 2, 4, 4, 4], [1, 6, 2, 3, 0, 0]]
     assert batch["loss_mask"].tolist() == [[0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 0, 0], [0, 0, 0, 1, 1, 1],
                                            [0, 0, 0, 1, 0, 0]]
@@ -34,7 +35,6 @@ def test_positions_advantages_staleness_and_routing():
     torch.testing.assert_close(batch["advantages"][1, 3], torch.tensor(-a, dtype=torch.float32))
     assert batch["advantages"][2:].abs().sum() == 0  # zero-variance group b
     assert batch["rollout_logprobs"][2].tolist() == [0, 0, 0, -0.5, -1.5, -2.5]
-    assert batch["stale_mask"][2].tolist() == [0, 0, 0, 1, 0, 0]  # version 1 at trainer 3, bound 1
     routed = batch["routed_experts"]
     assert routed.shape == (4, 6, LAYERS, TOPK) and routed.dtype == torch.int32
     assert torch.equal(routed[0, :4], torch.from_numpy(groups[0][0].routed_experts))
@@ -45,10 +45,21 @@ def test_positions_advantages_staleness_and_routing():
     assert metrics["rollout/partial_samples"] == 1
 
 
-def test_dropped_zero_variance_groups_are_masked_and_mixed_routing_is_refused():
+def test_rows_past_the_buffer_bound_mean_a_wrong_version():
+    # the buffer delivered these within max_staleness 1 at version 3; at version 4 one is 2 behind
+    groups = [[sample([1, 2], [3, 4], 1.0, "a", ["2", "3"]), sample([1, 2], [5], 0.0, "a", ["3"])]]
+    build_batch(groups, AlgorithmConfig(), 3, max_staleness=1)
+    with pytest.raises(ValueError, match=r"group 'a'\) is 2 versions behind trainer version 4, past max_staleness=1"):
+        build_batch(groups, AlgorithmConfig(), 4, max_staleness=1)
+    assert build_batch(groups, AlgorithmConfig(), 4)[1].staleness == [2, 1]  # no bound given: none checked
+
+
+def test_zero_variance_groups_stay_in_the_batch_and_mixed_routing_is_refused():
+    # leaving them out is the rollout's job (rollout.drop_zero_variance_groups): here they keep
+    # their tokens, with advantage 0 (only the normaliser sees them)
     groups = [[sample([1, 2], [3], 1.0, "a", ["0"]), sample([1, 2], [4], 1.0, "a", ["0"])]]
-    batch, _ = build_batch(groups, AlgorithmConfig(drop_zero_variance_groups=True), 0, 0)
-    assert batch["loss_mask"].sum() == 0
+    batch, _ = build_batch(groups, AlgorithmConfig(), 0, 0)
+    assert batch["loss_mask"].tolist() == [[0, 0, 1], [0, 0, 1]] and batch["advantages"].abs().sum() == 0
     mixed = [[sample([1, 2], [3], 1.0, "a", ["0"]), sample([1, 2], [4], 0.0, "a", ["0"], routed=False)]]
     with pytest.raises(ValueError, match="routed experts"):
         build_batch(mixed, AlgorithmConfig(), 0, 0)

@@ -39,6 +39,14 @@ def test_bad_rl_settings_name_the_field(override, field):
         load_config(DEMO, [override])
 
 
+@pytest.mark.parametrize("name", ["mask_stale_tokens", "drop_zero_variance_groups"])
+def test_filtering_options_are_the_rollouts_only(name):
+    # one owner each: the rollout (masks at generation / drops and refills at generation)
+    assert getattr(load_config(DEMO, [f"rollout.{name}=true"]).rollout, name) is True
+    with pytest.raises(ValueError, match=rf"unknown config field 'algorithm\.{name}'"):
+        load_config(DEMO, [f"algorithm.{name}=true"])
+
+
 def test_off_policy_none_needs_staleness_zero():
     with pytest.raises(ValueError, match="off_policy"):
         load_config(DEMO, ["algorithm.off_policy=none"])

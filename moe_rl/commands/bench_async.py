@@ -1,32 +1,56 @@
 """`moe-rl bench async CONFIG`: what asynchrony and partial rollouts buy, measured end to end.
 
-Runs the RL job on CONFIG (same model, layout, batch and `steps`) four times, each a full run
-with its own Ray cluster and engines:
-1. mode comparison on the config's own task: `sync` vs `fully_async`; reports the wall time of
-   the training steps (start-up excluded) and the speedup;
+Runs the RL job on CONFIG (same model, layout, batch and `steps`) six times, each a full run with
+its own Ray cluster and engines. By default on a machine with >= 2 cores the runs use disjoint
+CPU pools (`cpu_pools`, the CPU picture of disaggregated GPU pools): one trainer rank
+(trainer.world_size=1, no EP) on the first half of the cores, one engine on the rest; the cores
+each process reports are printed. `--no-pools` keeps CONFIG's layout, unpinned.
+1. `sync` vs `fully_async` on two workloads: "balanced" (`--balanced-max-new-tokens` chosen so
+   generation takes about as long as the rest of a sync step) and "unbalanced" (CONFIG's own task,
+   short responses: training dominates). Reports the wall time of the training steps (start-up
+   excluded), the speedup, and its ideal from the sync run: with gen = the trainer's wait for the
+   batch and train = the rest of the step, overlapping them at best turns gen + train into
+   max(gen, train), so ideal = (gen + train) / max(gen, train) (2x when balanced);
 2. long-tailed response lengths (task `copy_digits_long_tail`: responses stop at any of
    `num_stop_tokens` tokens, else run to `long_tail_max_new_tokens`): drain-before-sync
    (`one_step_off`) vs partial rollouts (`fully_async`, pause_mode abort, resume after the swap)
-   at the same staleness bound 1; reports generated tokens/s and step throughput.
+   at the same staleness bound 1; reports generated tokens/s and step throughput, and the ideal
+   (no drain wait: the drain run's step without its drain seconds).
 Writes every number to `output` (JSON) and prints a table.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 from pathlib import Path
 
 COMMAND = ("bench", "async")
-HELP = "sync vs fully_async speedup, and partial rollouts vs drain-before-sync under long-tailed lengths"
+HELP = "sync vs fully_async speedup (balanced and unbalanced), and partial rollouts vs drain-before-sync under long tails"
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("config", help="RL run config (YAML with a rollout section), e.g. configs/demo_cpu.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted overrides applied to every run")
-    parser.add_argument("--steps", type=int, default=40, help="RL steps per run")
-    parser.add_argument("--long-tail-max-new-tokens", type=int, default=48)
-    parser.add_argument("--num-stop-tokens", type=int, default=24, help="stop tokens of the long-tailed task")
+    parser.add_argument("--steps", type=int, default=20, help="RL steps per run (one full bench: ~4-6 min on 2 cores)")
+    parser.add_argument("--balanced-max-new-tokens", type=int, default=36,
+                        help="response length of the balanced workload (generation ~ training in sync mode)")
+    parser.add_argument("--long-tail-max-new-tokens", type=int, default=56)
+    parser.add_argument("--num-stop-tokens", type=int, default=8,
+                        help="stop tokens of the long-tailed task (8 of 256: mean length ~32, ~17%% run to the budget)")
+    parser.add_argument("--pools", action=argparse.BooleanOptionalAction, default=None,
+                        help="disjoint CPU pools: one trainer rank and one engine on cores of their own "
+                             "(default: on with >= 2 cores, unless CONFIG sets cpu_pools)")
     parser.add_argument("--output", default="runs/bench_async/results.json")
+
+
+def pool_overrides(cores: list[int]) -> list[str]:
+    """One trainer rank (no EP) on the first half of `cores`, one engine on the other half."""
+    half = len(cores) // 2
+    trainer, engine = cores[:half], cores[half:]
+    return ["trainer.world_size=1", "trainer.ep=1", "engines.count=1",
+            f"cpu_pools={{trainer: {trainer}, engines: [{engine}]}}"]
 
 
 def _run(config_path: str, overrides: list[str], name: str, out: Path) -> dict:
@@ -37,7 +61,9 @@ def _run(config_path: str, overrides: list[str], name: str, out: Path) -> dict:
                                        "rl.save_hf=false"])
     summary = rl.run(config)
     rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
-    last = rows[-1]
+    last, n = rows[-1], len(rows)
+    mean = lambda key: sum(r.get(key, 0.0) for r in rows) / n  # noqa: E731
+    cores = out / name / "cpu_pools.json"
     return {
         "mode": config.rl.mode, "steps": config.steps, "train_s": summary["train_s"],
         "steps_per_s": config.steps / summary["train_s"],
@@ -45,41 +71,90 @@ def _run(config_path: str, overrides: list[str], name: str, out: Path) -> dict:
         "trained_tokens_per_s": sum(r["train/tokens"] for r in rows) / summary["train_s"],
         "reward_first": summary["reward_first"], "reward_last": summary["reward_last"],
         "resumed_requests": last["rollout/resumed_requests"],
-        "mean_sync_s": sum(r["time/sync_s"] for r in rows) / len(rows),
-        "mean_trainer_wait_s": sum(r["time/trainer_wait_s"] for r in rows) / len(rows),
-        "mean_drain_s": sum(r.get("time/drain_s", 0.0) for r in rows) / len(rows),
-        "mean_response_length": sum(r["rollout/response_length_mean"] for r in rows) / len(rows),
+        "mean_step_s": mean("time/step_s"), "mean_sync_s": mean("time/sync_s"),
+        "mean_trainer_wait_s": mean("time/trainer_wait_s"), "mean_train_step_s": mean("time/train_step_s"),
+        "mean_drain_s": mean("time/drain_s"),
+        "mean_response_length": mean("rollout/response_length_mean"),
         "max_response_length": max(r["rollout/response_length_max"] for r in rows),
+        "cores": json.loads(cores.read_text()) if cores.is_file() else None,
     }
+
+
+def overlap_ideal(sync_run: dict) -> dict:
+    """From a sync run: gen = the trainer's wait for its batch, train = the rest of the step, and
+    the best fully_async can do by overlapping them, (gen + train) / max(gen, train)."""
+    gen = sync_run["mean_trainer_wait_s"]
+    train = sync_run["mean_step_s"] - gen
+    return {"gen_s": gen, "train_s": train, "ideal": (gen + train) / max(gen, train)}
 
 
 def run(args) -> int:
+    from moe_rl.cpu_pools import available_cores
+    from moe_rl.config import load_config
+
     out = Path(args.output).parent
-    base = [*args.overrides, f"steps={args.steps}"]
+    cores = sorted(available_cores())
+    pools = args.pools
+    if pools is None:
+        pools = len(cores) >= 2 and load_config(args.config, args.overrides).cpu_pools is None
+    if pools and len(cores) < 2:
+        raise ValueError(f"--pools needs >= 2 cores, this process may use {cores}; pass --no-pools")
+    base = [*(pool_overrides(cores) if pools else []), *args.overrides, f"steps={args.steps}"]
+    print(f"cpu pools: {_describe_pools(load_config(args.config, base))} ({os.cpu_count()} cores here)", flush=True)
+    balanced = [*base, f"rollout.max_new_tokens={args.balanced_max_new_tokens}"]
     tail = [*base, "rollout.task=copy_digits_long_tail", f"rollout.max_new_tokens={args.long_tail_max_new_tokens}",
             f"rollout.task_options={{length: 1, num_stop_tokens: {args.num_stop_tokens}}}",
             "rollout.max_staleness=1", "sync.pause_mode=abort", "rollout.partial_rollout=true"]
+    sync, fully_async = ["rl.mode=sync", "rollout.max_staleness=0"], ["rl.mode=fully_async"]
     runs = {
-        "sync": _run(args.config, [*base, "rl.mode=sync", "rollout.max_staleness=0"], "sync", out),
-        "fully_async": _run(args.config, [*base, "rl.mode=fully_async"], "fully_async", out),
+        "balanced_sync": _run(args.config, [*balanced, *sync], "balanced_sync", out),
+        "balanced_fully_async": _run(args.config, [*balanced, *fully_async], "balanced_fully_async", out),
+        "unbalanced_sync": _run(args.config, [*base, *sync], "unbalanced_sync", out),
+        "unbalanced_fully_async": _run(args.config, [*base, *fully_async], "unbalanced_fully_async", out),
         "long_tail_drain": _run(args.config, [*tail, "rl.mode=one_step_off"], "long_tail_drain", out),
         "long_tail_partial": _run(args.config, [*tail, "rl.mode=fully_async"], "long_tail_partial", out),
     }
-    results = {
-        "runs": runs,
-        "speedup_fully_async_over_sync": runs["sync"]["train_s"] / runs["fully_async"]["train_s"],
-        "partial_over_drain_generated_tokens_per_s":
-            runs["long_tail_partial"]["generated_tokens_per_s"] / runs["long_tail_drain"]["generated_tokens_per_s"],
-        "partial_over_drain_steps_per_s":
-            runs["long_tail_partial"]["steps_per_s"] / runs["long_tail_drain"]["steps_per_s"],
+    workloads = {}
+    for name in ("balanced", "unbalanced"):
+        sync_run, async_run = runs[f"{name}_sync"], runs[f"{name}_fully_async"]
+        workloads[name] = {"speedup": sync_run["train_s"] / async_run["train_s"], **overlap_ideal(sync_run)}
+    drain, partial = runs["long_tail_drain"], runs["long_tail_partial"]
+    long_tail = {
+        "generated_tokens_per_s": partial["generated_tokens_per_s"] / drain["generated_tokens_per_s"],
+        "steps_per_s": partial["steps_per_s"] / drain["steps_per_s"],
+        "ideal_steps_per_s": drain["mean_step_s"] / (drain["mean_step_s"] - drain["mean_drain_s"]),
     }
+    results = {"pools": pools, "cores": cores, "runs": runs, "fully_async_over_sync": workloads,
+               "partial_over_drain": long_tail, "load_average": os.getloadavg()}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(results, indent=2))
-    print(f"{'run':<18} {'train s':>8} {'steps/s':>8} {'gen tok/s':>10} {'wait s':>7} {'drain s':>8} {'resumed':>8}")
+    print(f"{'run':<23} {'train s':>8} {'steps/s':>8} {'gen tok/s':>10} {'step s':>7} {'wait s':>7} "
+          f"{'drain s':>8} {'resumed':>8}")
     for name, r in runs.items():
-        print(f"{name:<18} {r['train_s']:8.1f} {r['steps_per_s']:8.2f} {r['generated_tokens_per_s']:10.0f} "
-              f"{r['mean_trainer_wait_s']:7.3f} {r['mean_drain_s']:8.3f} {r['resumed_requests']:8.0f}")
-    print(f"fully_async over sync: {results['speedup_fully_async_over_sync']:.2f}x (same steps); partial rollouts "
-          f"over drain-before-sync (long tail): {results['partial_over_drain_generated_tokens_per_s']:.2f}x "
-          f"generated tokens/s, {results['partial_over_drain_steps_per_s']:.2f}x steps/s; {args.output}")
+        print(f"{name:<23} {r['train_s']:8.1f} {r['steps_per_s']:8.2f} {r['generated_tokens_per_s']:10.0f} "
+              f"{r['mean_step_s']:7.3f} {r['mean_trainer_wait_s']:7.3f} {r['mean_drain_s']:8.3f} "
+              f"{r['resumed_requests']:8.0f}")
+    reported = runs["balanced_sync"]["cores"]
+    if reported:
+        print(f"cores the processes reported (balanced_sync/cpu_pools.json): trainer ranks "
+              f"{[r['cores'] for r in reported['trainer_ranks']]}, engines {reported['engines']}, "
+              f"rollout worker {reported['rollout_worker']}")
+    for name, w in workloads.items():
+        print(f"fully_async over sync, {name}: {w['speedup']:.2f}x (ideal {w['ideal']:.2f}x: gen {w['gen_s']:.3f} s, "
+              f"train {w['train_s']:.3f} s per sync step)")
+    print(f"partial rollouts over drain-before-sync (long tail): {long_tail['steps_per_s']:.2f}x steps/s "
+          f"(ideal {long_tail['ideal_steps_per_s']:.2f}x: no drain wait), "
+          f"{long_tail['generated_tokens_per_s']:.2f}x generated tokens/s")
+    print(f"load average during the bench: {results['load_average'][1]:.2f} (5 min); {args.output}")
     return 0
+
+
+def _describe_pools(config) -> str:
+    """Which cores each side was given (the runs' cpu_pools.json has what each process reported)."""
+    pools = config.cpu_pools
+    if pools is None:
+        return f"none (unpinned: trainer.world_size={config.trainer.world_size}, engines.count={config.engines.count})"
+    ranks = "; ".join(f"trainer rank {i} on cores {cores} ({threads} threads)"
+                      for i, (cores, threads) in enumerate(pools.trainer_cores(config.trainer.world_size)))
+    engines = "; ".join(f"engine {i} on cores {cores}" for i, cores in enumerate(pools.engines))
+    return f"{ranks}; {engines}; rollout worker on {pools.rollout_cores}; driver unpinned"

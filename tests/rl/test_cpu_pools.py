@@ -4,6 +4,7 @@ worker report the cores their pools gave them (the processes' own affinity, read
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -90,11 +91,24 @@ def test_rl_cluster_pins_trainer_engine_and_rollout_worker(tmp_path):
         cpu_pools=pools)
     cluster = RLCluster(config, tmp_path)
     try:
-        assert cluster.trainer.call_each("cpus") == [{"cores": [CORES[0]], "threads": 1}]
+        assert cluster.trainer.cpus() == [{"cores": [CORES[0]], "threads": 1}]
         pid = ray.get(cluster.engines[0].pid.remote())
         assert process_cores(pid) == CORES[1:]
         assert ray.get(cluster.rollout.cpus.remote()) == CORES[1:]
         assert len(cluster.get_batch(1)) == 1  # and generation works on them
+        recorded = json.loads((tmp_path / "cpu_pools.json").read_text())
+        assert recorded == {"trainer_ranks": [{"cores": [CORES[0]], "threads": 1}], "engines": [CORES[1:]],
+                            "rollout_worker": CORES[1:]}
     finally:
         cluster.close()
     assert os.sched_getaffinity(0) == set(CORES)  # the driver stays unpinned
+
+
+def test_bench_async_pools_and_ideal():
+    from moe_rl.commands.bench_async import overlap_ideal, pool_overrides
+
+    assert pool_overrides([0, 1]) == ["trainer.world_size=1", "trainer.ep=1", "engines.count=1",
+                                      "cpu_pools={trainer: [0], engines: [[1]]}"]
+    assert pool_overrides([0, 1, 2, 3])[-1] == "cpu_pools={trainer: [0, 1], engines: [[2, 3]]}"
+    assert overlap_ideal({"mean_trainer_wait_s": 0.5, "mean_step_s": 1.0})["ideal"] == 2.0  # balanced
+    assert overlap_ideal({"mean_trainer_wait_s": 0.1, "mean_step_s": 0.5})["ideal"] == pytest.approx(1.25)

@@ -10,13 +10,13 @@ thread that runs Megatron (the CPU patches are per thread for the device-literal
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import ray
 import torch
 
-from moe_rl.algorithms import AlgorithmConfig, make_policy_loss, policy_metrics
+from moe_rl.algorithms import AlgorithmConfig
+from moe_rl.trainer.weight_sync import WeightSync, fp8_format
 
 
 class TrainerRank:
@@ -30,7 +30,7 @@ class TrainerRank:
 
             pin_process(cpus)
         torch.set_num_threads(threads)
-        self.trainer = self.sender = None
+        self.trainer = self.weight_sync = None
 
     def cpus(self) -> dict:
         """The cores this rank's process may run on and its torch threads (what the pools gave it)."""
@@ -64,6 +64,7 @@ class TrainerRank:
         self.trainer = MegatronTrainer(trainer_config, self.hf_config, lora=lora)
         if model_config.path is not None:
             self.trainer.load_hf_weights(model_config.path)
+        self.weight_sync = WeightSync(self.trainer, self.rank, self.world_size)
 
     def _enter(self) -> None:
         if not torch.cuda.is_available():
@@ -75,7 +76,7 @@ class TrainerRank:
         """The weights as an HF checkpoint; with LoRA, `merged=False` writes the frozen base alone
         (what adapter engines serve); `fp8_blocks`: as FP8 blocks (engines that serve FP8)."""
         self._enter()
-        self.trainer.save_hf_checkpoint(out_dir, self.hf_config.to_dict(), merged=merged, fp8=_fp8(fp8_blocks))
+        self.trainer.save_hf_checkpoint(out_dir, self.hf_config.to_dict(), merged=merged, fp8=fp8_format(fp8_blocks))
 
     def save_adapter(self, out_dir: str) -> None:
         """LoRA: the adapters as a PEFT directory (collective)."""
@@ -97,177 +98,39 @@ class TrainerRank:
         load_checkpoint(self.trainer, directory)
         return self.trainer.step
 
+
+
+
+
+
+
     def connect(self, urls: list[str], sync_config, kind: str, version: int = 0, adapters=None) -> None:
-        """Find each pipeline stage's export source; the sync source builds the WeightSender
-        (the engines serve `version`), or with LoRA rank 0 the AdapterSync (`adapters`: its
-        sync.lora.AdapterSyncConfig), and loads the adapter of `version`."""
-        import dataclasses
-        from urllib.parse import urlsplit
-
-        from moe_rl.engine.client import EngineClient, engine_name
-        from parallel.export import export_source_ranks
-        from sync.group import address_for
-        from sync.pipeline import sync_source
-        from sync.sender import WeightSender
-
+        """`WeightSync.connect` on this rank (collective)."""
         self._enter()
-        self.sources, self.kind = export_source_ranks(), kind
-        self.fp8 = _fp8(sync_config.fp8_blocks)
-        if adapters is not None:
-            self._connect_adapters(urls, adapters, version)
-            return
-        if sync_config.master_address is None:  # engines on other nodes must reach this rank
-            hosts = [urlsplit(url).hostname or "127.0.0.1" for url in urls]
-            sync_config = dataclasses.replace(sync_config, master_address=address_for(hosts))
-        if self.rank == sync_source(self.sources):
-            # one retry: a dead engine is found (and dropped) in ~0.25 s instead of ~1.75 s
-            clients = [EngineClient(url, kind=kind, name=engine_name(i), retries=1) for i, url in enumerate(urls)]
-            self.sender = WeightSender(clients, sync_config, version)
-
-    def _connect_adapters(self, urls: list[str], config, version: int) -> None:
-        from moe_rl.engine.client import EngineClient, engine_name
-        from parallel.peft import write_adapter
-        from sync.lora import AdapterSync
-
-        if self.rank == 0:
-            clients = [EngineClient(url, kind=self.kind, name=engine_name(i), retries=1) for i, url in enumerate(urls)]
-            self.sender = AdapterSync(clients, config, write_adapter)
-        self._publish_adapter(version)
-
-    def _publish_adapter(self, version: int) -> dict:
-        """Collect the adapters on rank 0 and load them as `policy-v{version}` (collective)."""
-        collected = self.trainer.export_adapter()
-        if collected is None:
-            return {"engines": [], "dropped": []}
-        stats = self.sender.publish(version, *collected)
-        return {"engines": stats.engines, "dropped": stats.dropped, "bytes": stats.bytes}
+        self.weight_sync.connect(urls, sync_config, kind, version, adapters)
 
     def sync_weights(self, version: int, bucket_bytes: int, *, joined: dict[str, str] | None = None,
                      served_version: int = 0, lost: list[str] = ()) -> dict:
-        """Stream the weights to the engines as `version` (collective: every rank calls it).
-
-        `lost`: engines known dead, removed from the sender first. `joined`: restarted engines
-        (name -> url, serving `served_version`) the sender takes back; with `version` = the
-        committed one only they receive it (catch-up). An engine that dies mid-sync is dropped
-        and the sync retried (a fresh export) until the live engines commit. Returns seconds,
-        the engines that committed, and those dropped as dead."""
-        from moe_rl.engine.client import EngineClient
-        from sync.engine_set import SyncError
-        from sync.pipeline import stage_stream
-        from sync.sender import drain
-
+        """`WeightSync.sync` on this rank (collective)."""
         self._enter()
-        if self.trainer.lora is not None:
-            return self._sync_adapters(version, joined or {}, lost)
-        start, result, error = time.perf_counter(), {"engines": [], "dropped": []}, None
-        if self.sender is not None:
-            for name in lost:
-                self.sender.remove(name)
-            for name, url in (joined or {}).items():
-                self.sender.add(EngineClient(url, kind=self.kind, name=name, retries=1), served_version)
-        while self._agree(self.sender is not None and error is None
-                          and (version > self.sender.version or bool(self.sender.behind))):
-            stream = stage_stream(self.trainer.export_hf_weights(bucket_bytes), self.sources)
-            if self.fp8 is not None:
-                stream = self.fp8.quantize_stream(stream)
-            if self.sender is None:
-                drain(stream)
-                continue
-            try:
-                stats = self.sender.update(stream, version)
-                result["engines"], result["dropped"] = stats.engines, result["dropped"] + stats.dropped
-            except SyncError as failure:  # retried while it was an engine dying, raised otherwise
-                result["dropped"] += failure.dropped
-                error = None if failure.dropped else failure
-            except Exception as failure:  # noqa: BLE001 - raised below, once every rank left the loop
-                error = failure
-        if error is not None:
-            raise error
-        return {**result, "seconds": time.perf_counter() - start}
-
-    def _sync_adapters(self, version: int, joined: dict[str, str], lost) -> dict:
-        """LoRA: the new version's adapter to every engine (no pause); a restarted engine loads the
-        kept versions instead (a catch-up: `version` is the one already loaded)."""
-        from moe_rl.engine.client import EngineClient
-        from sync.engine_set import SyncError
-
-        start, dropped = time.perf_counter(), []
-        if self.sender is not None:  # rank 0 only: the other ranks hold no sender
-            for name in lost:
-                self.sender.remove(name)
-            for name, url in joined.items():
-                try:
-                    self.sender.add(EngineClient(url, kind=self.kind, name=name, retries=1))
-                except SyncError:  # it died again: restarted next time (raising here would strand the ranks)
-                    dropped.append(name)
-        caught_up = self._agree(self.sender is not None and self.sender.version == version)
-        result = {"engines": [], "dropped": []} if caught_up else self._publish_adapter(version)
-        return {**result, "dropped": result["dropped"] + dropped, "seconds": time.perf_counter() - start}
-
-    def _agree(self, decision: bool) -> bool:
-        """The sync source's `decision`, on every rank (a collective over the trainer world)."""
-        import torch.distributed as dist
-        from sync.pipeline import sync_source
-
-        if self.world_size == 1:
-            return decision
-        box = [decision]
-        dist.broadcast_object_list(box, src=sync_source(self.sources))
-        return bool(box[0])
+        return self.weight_sync.sync(version, bucket_bytes, joined=joined, served_version=served_version, lost=lost)
 
     def step(self, batch: dict[str, torch.Tensor], algorithm: AlgorithmConfig) -> dict[str, float]:
-        """Old logprobs (behaviour policy, with R3 when configured), reference logprobs (kl_coef > 0),
-        consistency metrics, then one optimizer step per PPO mini-batch, all against these old
-        logprobs (collective). Returns the step's metrics."""
-        self._enter()
-        trainer, mask = self.trainer, batch["loss_mask"][:, 1:].bool()
-        start = time.perf_counter()
-        old = trainer.forward_logprobs(batch)
-        metrics = {"time/old_logprobs_s": time.perf_counter() - start,
-                   **_logprob_diff(old, batch, mask, "consistency/logprob_diff")}
-        if algorithm.needs_reference:
-            batch = {**batch, "ref_logprobs": self._reference_logprobs(batch, algorithm, metrics)}
-        if trainer.config.routing_replay:
-            natural = trainer.forward_logprobs(batch, replay=False)
-            metrics.update(_logprob_diff(natural, batch, mask, "consistency/logprob_diff_no_replay"))
-            for layer, agreement in trainer.routing_agreement(batch).items():
-                metrics[f"routing/agreement/layer{layer}"] = float(agreement)
-        batch = {**batch, "old_logprobs": torch.cat([torch.zeros_like(old[:, :1]), old], dim=1)}
-        start = time.perf_counter()
-        result = trainer.train_step(batch, make_policy_loss(algorithm), algorithm.num_mini_batches)
-        metrics["time/train_step_s"] = time.perf_counter() - start
-        metrics.update({f"policy/{k}": v for k, v in policy_metrics(result.sums, result.num_tokens).items()})
-        if algorithm.needs_reference:
-            metrics["loss/kl"] = metrics["policy/kl"]  # mean over the trained tokens
-        metrics.update({"train/grad_norm": result.grad_norm, "train/loss": result.loss,
-                        "train/tokens": result.num_tokens, "train/skipped": float(result.skipped)})
-        return metrics
+        """`moe_rl.trainer.rl_step.rl_step` on this rank (collective)."""
+        from moe_rl.trainer.rl_step import rl_step
 
-    def _reference_logprobs(self, batch, algorithm: AlgorithmConfig, metrics: dict) -> torch.Tensor:
-        """The frozen reference's logprobs at the batch's token positions (built on first use: the
-        initial policy, rebuilt from model.path or trainer.seed, so a resumed run gets the same)."""
-        start = time.perf_counter()
-        if self.trainer.reference is None:
-            self.trainer.build_reference(algorithm.ref_model_path or self.model_path)
-        ref = self.trainer.reference_logprobs(batch)
-        metrics["time/ref_logprobs_s"] = time.perf_counter() - start
-        return torch.cat([torch.zeros_like(ref[:, :1]), ref], dim=1)
+        self._enter()
+        return rl_step(self.trainer, batch, algorithm, self.model_path)
+
+
 
     def close(self) -> None:
-        if self.sender is not None:
-            self.sender.close()
+        if self.weight_sync is not None:
+            self.weight_sync.close()
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _logprob_diff(logprobs: torch.Tensor, batch, mask: torch.Tensor, name: str) -> dict[str, float]:
-    """|trainer - engine| logprob over the loss tokens: mean and max."""
-    diff = (logprobs - batch["rollout_logprobs"][:, 1:]).abs()[mask]
-    if diff.numel() == 0:
-        return {}
-    return {f"{name}_mean": float(diff.mean()), f"{name}_max": float(diff.max())}
 
 
 class TrainerGroup:
@@ -342,10 +205,3 @@ class TrainerGroup:
             for actor in self.actors:
                 ray.kill(actor)
             ray.util.remove_placement_group(self.placement)
-
-
-def _fp8(blocks: int | None):
-    """sync.fp8_blocks as the export's FP8 format (None: full precision)."""
-    from parallel.fp8 import BlockFP8
-
-    return None if blocks is None else BlockFP8(blocks, blocks)

@@ -1,0 +1,69 @@
+"""One RL optimizer step on a trainer rank: the behaviour policy's logprobs, the KL reference's,
+the consistency metrics between trainer and engines, then the PPO update (`rl_step`).
+
+Every rank of the trainer world calls it with the same batch (it runs collectives); the Ray
+actor (`moe_rl.rl.trainer_group.TrainerRank`) only forwards the call, and tests call it under
+`parallel.world.spawn`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from moe_rl.algorithms import AlgorithmConfig, make_policy_loss, policy_metrics
+
+if TYPE_CHECKING:  # megatron-core loads only where a trainer runs, not in the driver
+    from moe_rl.trainer.megatron_trainer import MegatronTrainer
+
+
+def rl_step(trainer: MegatronTrainer, batch: dict[str, torch.Tensor], algorithm: AlgorithmConfig,
+            model_path: str | None = None) -> dict[str, float]:
+    """Old logprobs (behaviour policy, with R3 when configured), reference logprobs (kl_coef > 0),
+    consistency metrics, then one optimizer step per PPO mini-batch, all against these old
+    logprobs (collective: every rank calls it with the same batch). Returns the step's metrics.
+    `model_path`: where the KL reference comes from unless algorithm.ref_model_path says."""
+    mask = batch["loss_mask"][:, 1:].bool()
+    start = time.perf_counter()
+    old = trainer.forward_logprobs(batch)
+    metrics = {"time/old_logprobs_s": time.perf_counter() - start,
+               **_logprob_diff(old, batch, mask, "consistency/logprob_diff")}
+    if algorithm.needs_reference:
+        batch = {**batch, "ref_logprobs": _reference_logprobs(trainer, batch, algorithm, model_path, metrics)}
+    if trainer.config.routing_replay:
+        natural = trainer.forward_logprobs(batch, replay=False)
+        metrics.update(_logprob_diff(natural, batch, mask, "consistency/logprob_diff_no_replay"))
+        for layer, agreement in trainer.routing_agreement(batch).items():
+            metrics[f"routing/agreement/layer{layer}"] = float(agreement)
+    batch = {**batch, "old_logprobs": torch.cat([torch.zeros_like(old[:, :1]), old], dim=1)}
+    start = time.perf_counter()
+    result = trainer.train_step(batch, make_policy_loss(algorithm), algorithm.num_mini_batches)
+    metrics["time/train_step_s"] = time.perf_counter() - start
+    metrics.update({f"policy/{k}": v for k, v in policy_metrics(result.sums, result.num_tokens).items()})
+    if algorithm.needs_reference:
+        metrics["loss/kl"] = metrics["policy/kl"]  # mean over the trained tokens
+    metrics.update({"train/grad_norm": result.grad_norm, "train/loss": result.loss,
+                    "train/tokens": result.num_tokens, "train/skipped": float(result.skipped)})
+    return metrics
+
+
+def _reference_logprobs(trainer: MegatronTrainer, batch, algorithm: AlgorithmConfig, model_path: str | None,
+                        metrics: dict) -> torch.Tensor:
+    """The frozen reference's logprobs at the batch's token positions (built on first use: the
+    initial policy, rebuilt from model.path or trainer.seed, so a resumed run gets the same)."""
+    start = time.perf_counter()
+    if trainer.reference is None:
+        trainer.build_reference(algorithm.ref_model_path or model_path)
+    ref = trainer.reference_logprobs(batch)
+    metrics["time/ref_logprobs_s"] = time.perf_counter() - start
+    return torch.cat([torch.zeros_like(ref[:, :1]), ref], dim=1)
+
+
+def _logprob_diff(logprobs: torch.Tensor, batch, mask: torch.Tensor, name: str) -> dict[str, float]:
+    """|trainer - engine| logprob over the loss tokens: mean and max."""
+    diff = (logprobs - batch["rollout_logprobs"][:, 1:]).abs()[mask]
+    if diff.numel() == 0:
+        return {}
+    return {f"{name}_mean": float(diff.mean()), f"{name}_max": float(diff.max())}

@@ -1,0 +1,99 @@
+"""The RL step and the weight sync as the trainer ranks run them (`moe_rl.trainer.rl_step`,
+`moe_rl.trainer.weight_sync`), without Ray: two gloo ranks (EP2) under `parallel.world.spawn`,
+and a real embedded engine for the sync."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import torch
+
+from parallel.world import spawn
+
+ROWS, SEQ, PROMPT = 4, 10, 3
+MODEL = dict(vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+             norm_topk_prob=True, architectures=["Qwen3MoeForCausalLM"])
+
+
+def _trainer(**trainer):
+    from transformers import Qwen3MoeConfig
+
+    from moe_rl.config import TrainerConfig
+    from moe_rl.trainer.megatron_trainer import MegatronTrainer
+
+    config = TrainerConfig(world_size=2, ep=2, global_batch_size=ROWS, micro_batch_size=1, **trainer)
+    return MegatronTrainer(config, Qwen3MoeConfig(**MODEL))
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    mask = torch.zeros(ROWS, SEQ, dtype=torch.long)
+    mask[:, PROMPT:] = 1
+    return {"tokens": torch.randint(0, 256, (ROWS, SEQ), generator=generator), "loss_mask": mask,
+            "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None].expand(ROWS, SEQ).contiguous(),
+            "rollout_logprobs": torch.full((ROWS, SEQ), -math.log(256))}
+
+
+def _step_rank():
+    from moe_rl.algorithms import AlgorithmConfig
+    from moe_rl.trainer.rl_step import rl_step
+
+    trainer = _trainer()
+    metrics = rl_step(trainer, _batch(), AlgorithmConfig(num_mini_batches=2))
+    return metrics, trainer.step
+
+
+def test_rl_step_on_two_ranks():
+    """Old logprobs once, two PPO mini-batches, the same metrics on every rank."""
+    (metrics, steps), (other, other_steps) = spawn(_step_rank, 2)
+    untimed = {k: v for k, v in metrics.items() if not k.startswith("time/")}
+    assert untimed == {k: v for k, v in other.items() if not k.startswith("time/")}
+    assert steps == other_steps == 2
+    for key in ("consistency/logprob_diff_mean", "policy/clip_fraction", "policy/ratio", "train/grad_norm",
+                "time/old_logprobs_s", "time/train_step_s"):
+        assert key in metrics, key
+    assert metrics["train/tokens"] == ROWS * (SEQ - PROMPT) and math.isfinite(metrics["train/loss"])
+    assert metrics["consistency/logprob_diff_mean"] < 0.5  # a fresh tiny model is near uniform
+
+
+def _sync_rank(url: str):
+    import torch.distributed as dist
+
+    from moe_rl.trainer.weight_sync import WeightSync
+    from sync.sender import SyncConfig
+
+    trainer = _trainer()
+    weight_sync = WeightSync(trainer, dist.get_rank(), 2)
+    weight_sync.connect([url], SyncConfig(bucket_bytes=64 << 10, timeout_s=60), "embedded", version=0)
+    try:
+        result = weight_sync.sync(1, 16 << 10)
+        again = weight_sync.sync(1, 16 << 10)  # the committed version again: nothing to send
+    finally:
+        weight_sync.close()
+    return result["engines"], again["engines"]
+
+
+def test_weight_sync_commits_a_version_on_an_embedded_engine(tmp_path):
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from moe_rl.engine.client import EngineClient
+    from moe_rl.engine.process import launch_embedded
+
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(Qwen3MoeConfig(**MODEL)).save_pretrained(tmp_path / "hf")
+    with launch_embedded(tmp_path / "hf", weight_version="0", threads=1) as engine:
+        per_rank = spawn(_sync_rank, 2, engine.url)
+
+        async def info():
+            client = EngineClient(engine.url)
+            try:
+                return await client.model_info()
+            finally:
+                await client.close()
+
+        served = asyncio.run(info())["weight_version"]
+    committed = [engines for engines, _ in per_rank if engines]
+    assert committed == [["engine-0"]]  # the sync source reports it; the other rank holds no sender
+    assert all(again == [] for _, again in per_rank) and served == "1"

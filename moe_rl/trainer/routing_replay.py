@@ -74,8 +74,9 @@ class RoutingReplay:
         self.num_layers = config.num_layers
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
-        self.tp_size = parallel_state.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
-        self.tp_rank = parallel_state.get_tensor_model_parallel_rank() if config.sequence_parallel else 0
+        # sequence parallel splits each microbatch's tokens over the TP ranks: this rank routes chunk sp_index of sp_split
+        self.sp_split = parallel_state.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
+        self.sp_index = parallel_state.get_tensor_model_parallel_rank() if config.sequence_parallel else 0
         self._mode: str | None = None  # "replay" | "record" while a schedule runs
         self._tally: dict[int, list[float]] = {}
 
@@ -106,8 +107,8 @@ class RoutingReplay:
     # -- what this rank's routers see ---------------------------------------------------------
     def _local_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         """[mb, S', ...] -> [S_local * mb, ...] in router row order (s * mb + b, SP chunk)."""
-        chunk = tensor.shape[1] // self.tp_size
-        local = tensor.transpose(0, 1)[self.tp_rank * chunk : (self.tp_rank + 1) * chunk]
+        chunk = tensor.shape[1] // self.sp_split
+        local = tensor.transpose(0, 1)[self.sp_index * chunk : (self.sp_index + 1) * chunk]
         return local.reshape(-1, *tensor.shape[2:])
 
     def _targets(self, microbatch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report))
         return 0
     print(f"{report['requests']} requests x {report['max_new_tokens']} new tokens (prompt {report['prompt_len']}), "
-          f"best of {report['repeats']} for concurrent and generate()")
+          f"best of {report['repeats']} concurrent{' and generate()' if device else ''} runs")
     for label, key in [("serial", "serial"), ("concurrent", "concurrent"), ("generate()", "generate")]:
         if f"{key}_s" in report:
             print(f"  {label:10s} {report[key + '_s']:8.2f} s  {report[key + '_tok_per_s']:9.1f} tok/s  "

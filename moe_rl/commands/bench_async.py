@@ -38,7 +38,7 @@ def add_arguments(parser) -> None:
                         help="response length of the balanced workload (generation ~ training in sync mode)")
     parser.add_argument("--long-tail-max-new-tokens", type=int, default=56)
     parser.add_argument("--num-stop-tokens", type=int, default=8,
-                        help="stop tokens of the long-tailed task (8 of 256: mean length ~32, ~17%% run to the budget)")
+                        help="stop tokens of the long-tailed task (8 of 256: mean length ~27, ~17%% run to the budget)")
     parser.add_argument("--pools", action=argparse.BooleanOptionalAction, default=None,
                         help="disjoint CPU pools: one trainer rank and one engine on cores of their own "
                              "(default: on with >= 2 cores, unless CONFIG sets cpu_pools)")
@@ -74,6 +74,8 @@ def _run(config_path: str, overrides: list[str], name: str, out: Path) -> dict:
         "mean_step_s": mean("time/step_s"), "mean_sync_s": mean("time/sync_s"),
         "mean_trainer_wait_s": mean("time/trainer_wait_s"), "mean_train_step_s": mean("time/train_step_s"),
         "mean_drain_s": mean("time/drain_s"),
+        # what bounds the step: the trainer's and the engines' busy fractions (moe_rl.jobs.rl perf/*)
+        "trainer_busy_frac": mean("perf/trainer_busy_frac"), "engine_busy_frac": mean("perf/engine_busy_frac"),
         "mean_response_length": mean("rollout/response_length_mean"),
         "max_response_length": max(r["rollout/response_length_max"] for r in rows),
         "cores": json.loads(cores.read_text()) if cores.is_file() else None,
@@ -129,11 +131,11 @@ def run(args) -> int:
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(results, indent=2))
     print(f"{'run':<23} {'train s':>8} {'steps/s':>8} {'gen tok/s':>10} {'step s':>7} {'wait s':>7} "
-          f"{'drain s':>8} {'resumed':>8}")
+          f"{'drain s':>8} {'resumed':>8} {'trainer busy':>13} {'engine busy':>12}")
     for name, r in runs.items():
         print(f"{name:<23} {r['train_s']:8.1f} {r['steps_per_s']:8.2f} {r['generated_tokens_per_s']:10.0f} "
               f"{r['mean_step_s']:7.3f} {r['mean_trainer_wait_s']:7.3f} {r['mean_drain_s']:8.3f} "
-              f"{r['resumed_requests']:8.0f}")
+              f"{r['resumed_requests']:8.0f} {r['trainer_busy_frac']:13.0%} {r['engine_busy_frac']:12.0%}")
     reported = runs["balanced_sync"]["cores"]
     if reported:
         print(f"cores the processes reported (balanced_sync/cpu_pools.json): trainer ranks "

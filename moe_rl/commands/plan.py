@@ -5,7 +5,7 @@ code 2 with the reason (`moe-rl: error: ...`) when the config cannot run."""
 from __future__ import annotations
 
 COMMAND = ("plan",)
-HELP = "check a cluster config: placement, parallel groups, memory per GPU, sync bytes"
+HELP = "check a cluster config: placement, parallel groups, memory per GPU, sync bytes and seconds"
 
 
 def add_arguments(parser) -> None:

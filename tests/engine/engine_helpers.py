@@ -67,3 +67,42 @@ async def with_client(url, fn, *args):
         return await fn(client, *args)
     finally:
         await client.close()
+
+
+async def engine_load(url: str) -> dict:
+    """The engine's GET /get_load record (SGLang's LoadSnapshot, dp rank 0): num_running_reqs (in
+    the decode batch), num_waiting_reqs (queued), num_used_tokens (prompt + output tokens the
+    running requests hold: it grows by num_running_reqs with every decode step)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url + "/get_load", timeout=aiohttp.ClientTimeout(total=30)) as response:
+            response.raise_for_status()
+            (load,) = await response.json()
+            return load
+
+
+async def wait_for_load(url: str, condition, what: str, timeout_s: float = 60.0, poll_s: float = 0.01) -> dict:
+    """Poll /get_load until `condition(load)` holds; return that load. Fails the test with `what`
+    and the last load after `timeout_s` (generous: a loaded 2-core machine is slow, never this slow)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        load = await engine_load(url)
+        if condition(load):
+            return load
+        assert time.monotonic() < deadline, f"the engine never {what} within {timeout_s} s; last /get_load: {load}"
+        await asyncio.sleep(poll_s)
+
+
+async def wait_until_decoding(url: str, requests: int, steps: int = 2, timeout_s: float = 60.0) -> dict:
+    """Until at least `requests` requests are in the engine's decode batch and it has decoded
+    `steps` more tokens for each of them (num_used_tokens grew by requests * steps) since they all
+    were: the batch is decoding, observed rather than assumed after a sleep."""
+    first = await wait_for_load(url, lambda load: load["num_running_reqs"] >= requests,
+                                f"ran {requests} requests at once", timeout_s)
+    target = first["num_used_tokens"] + requests * steps
+    return await wait_for_load(
+        url, lambda load: load["num_running_reqs"] >= requests and load["num_used_tokens"] >= target,
+        f"decoded {steps} tokens for each of {requests} running requests (from {first})", timeout_s)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import numpy as np
@@ -20,7 +21,7 @@ from moe_rl.engine.embedded.lora import LoraAdapter
 from moe_rl.engine.embedded.runner import ModelRunner
 from moe_rl.engine.lora_tensors import LoraTensorsBody, read_adapter_dir
 from moe_rl.engine.process import launch_embedded
-from tests.engine.engine_helpers import load_reference, reference, run, with_client
+from tests.engine.engine_helpers import load_reference, reference, run, wait_for_load, with_client
 
 PROMPTS = [[5, 17, 3, 99, 42], [7, 7, 120, 1], [200, 31, 8, 64, 12, 90]]
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -221,12 +222,17 @@ def test_unload_waits_for_the_requests_using_the_adapter(qwen3_engine, adapters)
         await client.load_lora_adapter("long", str(adapters["per_expert"]))
         running = asyncio.create_task(client.generate(PROMPTS[0], max_new_tokens=150, ignore_eos=True,
                                                       lora_path="long"))
-        while (await client._request("GET", "/get_load"))[0]["num_running_reqs"] == 0:
-            await asyncio.sleep(0.01)
+        await wait_for_load(client.url, lambda load: load["num_running_reqs"] == 1, "ran the request using 'long'")
         unloading = asyncio.create_task(client.unload_lora_adapter("long"))
-        await asyncio.sleep(0.2)
-        with pytest.raises(EngineError, match="HTTP 400.*not loaded"):  # unregistered at once
-            await client.generate(PROMPTS[1], max_new_tokens=2, lora_path="long")
+        deadline = time.monotonic() + 60
+        while True:  # unregistered at once (once the unload is in): a new request naming it fails
+            try:
+                await client.generate(PROMPTS[1], max_new_tokens=1, lora_path="long")
+            except EngineError as error:
+                assert re.search("HTTP 400.*not loaded", str(error)), error
+                break
+            assert not unloading.done(), "the unload finished with a request still using the adapter"
+            assert time.monotonic() < deadline, "the unload never unregistered the adapter"
         assert not unloading.done() and not running.done()
         result = await running
         done_at = time.monotonic()

@@ -11,7 +11,7 @@ import pytest
 
 from moe_rl.engine.client import EngineError
 from moe_rl.engine.process import launch_embedded
-from tests.engine.engine_helpers import run, save_tiny_model, with_client
+from tests.engine.engine_helpers import run, save_tiny_model, wait_for_load, with_client
 from tests.engine.test_engine_weights import generate, matches
 
 
@@ -57,7 +57,8 @@ def test_release_needs_an_idle_engine(qwen3_dir):
     """A request queued or running (generation not paused) keeps the engine busy: refused."""
     async def go(client):
         long = asyncio.create_task(client.generate([5, 6, 7], max_new_tokens=400, ignore_eos=True))
-        await asyncio.sleep(0.2)  # sent; 400 decode steps take far longer
+        await wait_for_load(client.url, lambda load: load["num_running_reqs"] + load["num_waiting_reqs"] == 1,
+                            "took the request")  # in the engine; 400 decode steps take far longer
         with pytest.raises(EngineError, match="idle"):
             await client.release_memory_occupation()
         return await long

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+from unittest.mock import ANY
 
 import numpy as np
 
-from tests.engine.engine_helpers import load_reference, reference, run, with_client
+from tests.engine.engine_helpers import (
+    engine_load,
+    load_reference,
+    reference,
+    run,
+    wait_for_load,
+    wait_until_decoding,
+    with_client,
+)
 
 PROMPTS = [[(5 * i + 11 * j) % 256 for j in range(2 + i)] for i in range(8)]
 
@@ -26,7 +35,7 @@ async def start_all(client, max_new_tokens):
                                             return_routed_experts=True))
         for i, p in enumerate(PROMPTS)
     ]
-    await asyncio.sleep(0.3)  # the batch is decoding by now
+    await wait_until_decoding(client.url, len(PROMPTS))  # all 8 in the batch, past their prefill
     assert not any(t.done() for t in tasks), "a request finished before the pause: raise max_new_tokens"
     return tasks
 
@@ -63,10 +72,18 @@ def test_retract_and_in_place_continue_to_full_length(qwen3_engine, qwen3_dir):
     async def go(client, mode):
         tasks = await start_all(client, max_new_tokens=max_new)
         await client.pause_generation(mode)
-        await asyncio.sleep(0.5)
+        paused = await engine_load(client.url)  # the pause has run on the scheduler when it returns
+        if mode == "retract":  # KV dropped, every request back in the queue
+            assert paused["num_running_reqs"] == 0 and paused["num_waiting_reqs"] == 8, paused
+        else:  # in place: still in the batch
+            assert paused["num_running_reqs"] == 8, paused
+        await asyncio.sleep(0.5)  # a window in which a paused engine must not step
+        still = await engine_load(client.url)
+        assert still == {**paused, "timestamp": ANY}, f"{mode}: the engine stepped while paused: {paused} -> {still}"
         assert not any(t.done() for t in tasks), f"{mode}: a request finished while paused"
         await client.continue_generation()
-        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
+        # 8 x 200 tokens: minutes on a busy 2-core machine (a safety net, not a measurement)
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
 
     async def uninterrupted(client):
         return await asyncio.gather(*(
@@ -92,12 +109,14 @@ def test_abort_one_request_by_rid(qwen3_engine):
         long = asyncio.create_task(client.generate(PROMPTS[3], max_new_tokens=400, ignore_eos=True, rid="victim",
                                                    return_routed_experts=True))
         short = asyncio.create_task(client.generate(PROMPTS[4], max_new_tokens=5, ignore_eos=True))
-        await asyncio.sleep(0.5)
+        await short  # 5 tokens; then the victim, 400 tokens long, is the batch: let it decode 5 of its own
+        await wait_for_load(client.url, lambda load: load["num_running_reqs"] == 1
+                            and load["num_used_tokens"] >= len(PROMPTS[3]) + 5, "decoded 5 tokens of the victim")
         await client.abort_request("victim")
         return await asyncio.wait_for(long, 10), await short
 
     long, short = run(with_client(qwen3_engine.url, go))
-    assert long.finish_reason == "abort" and len(long.output_ids) < 400
+    assert long.finish_reason == "abort" and 5 <= len(long.output_ids) < 400
     consistent(PROMPTS[3], long)
     assert short.finish_reason == "length" and len(short.output_ids) == 5
 

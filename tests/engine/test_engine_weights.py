@@ -13,7 +13,14 @@ from moe_rl.engine.client import EngineClient, EngineError
 from moe_rl.engine.embedded.runner import load_checkpoint_state
 from moe_rl.engine.process import launch_embedded
 from sync.sender import SyncConfig, WeightSender
-from tests.engine.engine_helpers import load_reference, reference, run, save_tiny_model, with_client
+from tests.engine.engine_helpers import (
+    load_reference,
+    reference,
+    run,
+    save_tiny_model,
+    wait_until_decoding,
+    with_client,
+)
 
 PROMPTS = [[(3 * i + 7 * j) % 256 for j in range(4 + i)] for i in range(4)]
 
@@ -73,7 +80,7 @@ def test_update_from_distributed_with_weight_sender(engine, qwen3_dir, new_dir):
 
         async def go():
             task = asyncio.create_task(in_flight())
-            await asyncio.sleep(0.3)
+            await wait_until_decoding(engine.url, 1)  # under way with version 0 when the update starts
             state = load_checkpoint_state(new_dir)
             stats = await asyncio.to_thread(sender.update, sorted(state.items()), 1)
             return stats, await task, await generate(client)

@@ -115,12 +115,9 @@ def test_router_gating_runs_without_transformer_engine():
     assert torch.allclose(logits, inputs @ weight.T, atol=1e-6)
 
 
-def test_distributed_optimizer_patches_are_installed():
-    """Behaviour is proven by tests/trainer/test_checkpoint.py (distributed optimizer resumed
-    under another layout); here: the patched entry points are the compat layer's."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    assert DistributedOptimizer.sharded_state_dict.__module__ == cpu_compat.__name__
+# patch 8 (distributed-optimizer checkpoints with torch's Adam): its behaviour is tested where a
+# trainer resumes, tests/trainer/test_checkpoint.py (under another layout, and
+# test_distributed_optimizer_resume_gives_each_parameter_its_own_adam_step).
 
 
 def _build_mla_layer() -> list[int]:

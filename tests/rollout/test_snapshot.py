@@ -12,6 +12,7 @@ import numpy as np
 from moe_rl.rollout import RolloutConfig, RolloutManager
 from moe_rl.rollout.manager import is_finished
 from moe_rl.sample import Sample
+from tests.engine.engine_helpers import wait_until_decoding
 from tests.rollout.rollout_helpers import cancel, make_pool, swap_weights
 
 CONFIG = RolloutConfig(groups_per_step=2, n_samples_per_prompt=4, max_new_tokens=600, max_staleness=0,
@@ -23,14 +24,15 @@ def has_partial_tokens(state: dict) -> bool:
 
 
 async def interrupted_run(pool, model_dirs) -> tuple[dict, int]:
-    """Generate one round, swapping weights (abort mode) every 0.1 s until a snapshot holds a
-    sample cut mid-response (600 tokens take seconds here: the first swaps come mid-generation);
+    """Generate one round, swapping weights (abort mode) once requests are decoding, until a
+    snapshot holds a sample cut mid-response (600 tokens each: the first swap comes mid-generation);
     returns that snapshot (as JSON would) and the version reached."""
     manager = RolloutManager(CONFIG, pool, version=0)
     run = asyncio.create_task(manager.run(num_rounds=1))
     version = 0
     for _ in range(50):
-        await asyncio.sleep(0.1)
+        # first the round's 8 samples, then (after a swap) at least one resumed: past a prefill, decoding
+        await wait_until_decoding(pool.clients[0].url, 8 if version == 0 else 1)
         version += 1
         await swap_weights(pool, model_dirs[version % 2], version)
         await manager.buffer.set_version(version)

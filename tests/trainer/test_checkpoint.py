@@ -58,3 +58,60 @@ def test_checkpoint_loads_under_another_layout(tmp_path, saved, loaded, distribu
     assert step_loaded == 2
     # the first loss checks the weights; the second checks the restored Adam moments
     assert resumed == pytest.approx(reference, abs=1e-5), (reference, resumed)
+
+
+DP2 = dict(world_size=2)  # data parallel 2: the distributed optimizer shards Adam's state over both ranks
+
+
+def _adam_steps(trainer) -> list[torch.Tensor]:
+    """The `step` state of every parameter (shard) of torch's Adam under each distributed optimizer."""
+    optimizers = getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])
+    return [state["step"] for opt in optimizers for state in opt.optimizer.state.values()]
+
+
+def _params(trainer) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in trainer.model.module.named_parameters()}
+
+
+def step_save_step(directory):
+    """The run without a resume: a step, a save, the step after it."""
+    from moe_rl.trainer.checkpoint import save_checkpoint
+
+    trainer, batch = _trainer(DP2, distributed=True), _batch()
+    trainer.train_step(batch)
+    save_checkpoint(trainer, directory)
+    trainer.train_step(batch)
+    return _params(trainer), [float(s) for s in _adam_steps(trainer)]
+
+
+def load_step(directory):
+    """A fresh trainer resumed from that save, then the same step."""
+    from moe_rl.trainer.checkpoint import load_checkpoint
+
+    trainer, batch = _trainer(DP2, distributed=True), _batch()
+    load_checkpoint(trainer, directory)
+    loaded = _adam_steps(trainer)
+    trainer.train_step(batch)
+    steps = _adam_steps(trainer)
+    return (_params(trainer), [float(s) for s in steps], len({id(s) for s in loaded}),
+            len({s.data_ptr() for s in steps}), len(steps))
+
+
+def test_distributed_optimizer_resume_gives_each_parameter_its_own_adam_step(tmp_path):
+    """cpu_compat patch 8: without Apex/TE, Megatron's load restores Adam's `step` from the
+    checkpoint's param_groups as one tensor shared by every parameter; torch's Adam increments it
+    in place once per parameter, so the first update after a resume used a wrong bias correction.
+    After the patch each parameter has its own step, and the resumed step is the uninterrupted one."""
+    directory = tmp_path / "ckpt"
+    straight = spawn(step_save_step, 2, directory)
+    resumed = spawn(load_step, 2, directory)
+    for rank, ((want, want_steps), resume) in enumerate(zip(straight, resumed)):
+        got, steps, loaded_objects, step_storages, count = resume
+        assert count > 1, f"rank {rank}: no Adam state to check"
+        assert loaded_objects == count and step_storages == count, (
+            f"rank {rank}: {count} parameters share {loaded_objects} step tensors after the load, "
+            f"{step_storages} storages after the step")
+        assert want_steps == [2.0] * len(want_steps) and steps == [2.0] * count, (rank, steps)
+        assert got.keys() == want.keys()
+        differ = [name for name in want if not torch.equal(got[name], want[name])]
+        assert not differ, f"rank {rank}: the resumed step differs from the uninterrupted one in {differ}"

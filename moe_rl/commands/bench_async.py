@@ -16,6 +16,8 @@ each process reports are printed. `--no-pools` keeps CONFIG's layout, unpinned.
    (`one_step_off`) vs partial rollouts (`fully_async`, pause_mode abort, resume after the swap)
    at the same staleness bound 1; reports generated tokens/s and step throughput, and the ideal
    (no drain wait: the drain run's step without its drain seconds).
+Runs follow one another, so a ratio also measures how the machine's load moved between its two
+runs; `--repeats N` runs every pair N times and reports the median ratio with its range.
 Writes every number to `output` (JSON) and prints a table.
 """
 
@@ -42,6 +44,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--pools", action=argparse.BooleanOptionalAction, default=None,
                         help="disjoint CPU pools: one trainer rank and one engine on cores of their own "
                              "(default: on with >= 2 cores, unless CONFIG sets cpu_pools)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every pair this many times; ratios are then medians with their range")
     parser.add_argument("--output", default="runs/bench_async/results.json")
 
 
@@ -108,47 +112,75 @@ def run(args) -> int:
             f"rollout.task_options={{length: 1, num_stop_tokens: {args.num_stop_tokens}}}",
             "rollout.max_staleness=1", "sync.pause_mode=abort", "rollout.partial_rollout=true"]
     sync, fully_async = ["rl.mode=sync", "rollout.max_staleness=0"], ["rl.mode=fully_async"]
-    runs = {
-        "balanced_sync": _run(args.config, [*balanced, *sync], "balanced_sync", out),
-        "balanced_fully_async": _run(args.config, [*balanced, *fully_async], "balanced_fully_async", out),
-        "unbalanced_sync": _run(args.config, [*base, *sync], "unbalanced_sync", out),
-        "unbalanced_fully_async": _run(args.config, [*base, *fully_async], "unbalanced_fully_async", out),
-        "long_tail_drain": _run(args.config, [*tail, "rl.mode=one_step_off"], "long_tail_drain", out),
-        "long_tail_partial": _run(args.config, [*tail, "rl.mode=fully_async"], "long_tail_partial", out),
+    plan = {
+        "balanced_sync": [*balanced, *sync], "balanced_fully_async": [*balanced, *fully_async],
+        "unbalanced_sync": [*base, *sync], "unbalanced_fully_async": [*base, *fully_async],
+        "long_tail_drain": [*tail, "rl.mode=one_step_off"], "long_tail_partial": [*tail, "rl.mode=fully_async"],
     }
-    workloads = {}
-    for name in ("balanced", "unbalanced"):
-        sync_run, async_run = runs[f"{name}_sync"], runs[f"{name}_fully_async"]
-        workloads[name] = {"speedup": sync_run["train_s"] / async_run["train_s"], **overlap_ideal(sync_run)}
-    drain, partial = runs["long_tail_drain"], runs["long_tail_partial"]
-    long_tail = {
-        "generated_tokens_per_s": partial["generated_tokens_per_s"] / drain["generated_tokens_per_s"],
-        "steps_per_s": partial["steps_per_s"] / drain["steps_per_s"],
-        "ideal_steps_per_s": drain["mean_step_s"] / (drain["mean_step_s"] - drain["mean_drain_s"]),
-    }
-    results = {"pools": pools, "cores": cores, "runs": runs, "fully_async_over_sync": workloads,
-               "partial_over_drain": long_tail, "load_average": os.getloadavg()}
+    repeats = []  # each repeat runs every pair back to back, so both runs of a pair see about the same load
+    for r in range(args.repeats):
+        where = out if args.repeats == 1 else out / f"repeat{r}"
+        runs = {name: _run(args.config, overrides, name, where) for name, overrides in plan.items()}
+        repeats.append({"runs": runs, **_ratios(runs)})
+    summary = {key: _spread([rep[key] for rep in repeats])
+               for key in ("balanced", "unbalanced", "long_tail")}
+    results = {"pools": pools, "cores": cores, "repeats": repeats, "summary": summary,
+               "load_average": os.getloadavg()}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(results, indent=2))
     print(f"{'run':<23} {'train s':>8} {'steps/s':>8} {'gen tok/s':>10} {'step s':>7} {'wait s':>7} "
           f"{'drain s':>8} {'resumed':>8} {'trainer busy':>13} {'engine busy':>12}")
-    for name, r in runs.items():
-        print(f"{name:<23} {r['train_s']:8.1f} {r['steps_per_s']:8.2f} {r['generated_tokens_per_s']:10.0f} "
-              f"{r['mean_step_s']:7.3f} {r['mean_trainer_wait_s']:7.3f} {r['mean_drain_s']:8.3f} "
-              f"{r['resumed_requests']:8.0f} {r['trainer_busy_frac']:13.0%} {r['engine_busy_frac']:12.0%}")
-    reported = runs["balanced_sync"]["cores"]
+    for r, rep in enumerate(repeats):
+        for name, run_ in rep["runs"].items():
+            label = name if args.repeats == 1 else f"{name}#{r}"
+            print(f"{label:<23} {run_['train_s']:8.1f} {run_['steps_per_s']:8.2f} {run_['generated_tokens_per_s']:10.0f} "
+                  f"{run_['mean_step_s']:7.3f} {run_['mean_trainer_wait_s']:7.3f} {run_['mean_drain_s']:8.3f} "
+                  f"{run_['resumed_requests']:8.0f} {run_['trainer_busy_frac']:13.0%} {run_['engine_busy_frac']:12.0%}")
+    reported = repeats[0]["runs"]["balanced_sync"]["cores"]
     if reported:
         print(f"cores the processes reported (balanced_sync/cpu_pools.json): trainer ranks "
               f"{[r['cores'] for r in reported['trainer_ranks']]}, engines {reported['engines']}, "
               f"rollout worker {reported['rollout_worker']}")
-    for name, w in workloads.items():
-        print(f"fully_async over sync, {name}: {w['speedup']:.2f}x (ideal {w['ideal']:.2f}x: gen {w['gen_s']:.3f} s, "
+    for name in ("balanced", "unbalanced"):
+        w = summary[name]
+        print(f"fully_async over sync, {name}: {_show(w, 'speedup')} (ideal {_show(w, 'ideal')}: gen {w['gen_s']:.3f} s, "
               f"train {w['train_s']:.3f} s per sync step)")
-    print(f"partial rollouts over drain-before-sync (long tail): {long_tail['steps_per_s']:.2f}x steps/s "
-          f"(ideal {long_tail['ideal_steps_per_s']:.2f}x: no drain wait), "
-          f"{long_tail['generated_tokens_per_s']:.2f}x generated tokens/s")
+    t = summary["long_tail"]
+    print(f"partial rollouts over drain-before-sync (long tail): {_show(t, 'steps_per_s')} steps/s "
+          f"(ideal {_show(t, 'ideal_steps_per_s')}: no drain wait), {_show(t, 'generated_tokens_per_s')} "
+          "generated tokens/s")
     print(f"load average during the bench: {results['load_average'][1]:.2f} (5 min); {args.output}")
     return 0
+
+
+def _ratios(runs: dict) -> dict:
+    """One repeat's ratios: fully_async over sync per workload (with its ideal), partial over drain."""
+    ratios = {}
+    for name in ("balanced", "unbalanced"):
+        sync_run, async_run = runs[f"{name}_sync"], runs[f"{name}_fully_async"]
+        ratios[name] = {"speedup": sync_run["train_s"] / async_run["train_s"], **overlap_ideal(sync_run)}
+    drain, partial = runs["long_tail_drain"], runs["long_tail_partial"]
+    ratios["long_tail"] = {
+        "generated_tokens_per_s": partial["generated_tokens_per_s"] / drain["generated_tokens_per_s"],
+        "steps_per_s": partial["steps_per_s"] / drain["steps_per_s"],
+        "ideal_steps_per_s": drain["mean_step_s"] / (drain["mean_step_s"] - drain["mean_drain_s"]),
+    }
+    return ratios
+
+
+def _spread(values: list[dict]) -> dict:
+    """Per key: the median over repeats, and every repeat's value (`<key>_all`)."""
+    import statistics
+
+    return {**{key: statistics.median(v[key] for v in values) for key in values[0]},
+            **{f"{key}_all": [v[key] for v in values] for key in values[0]}}
+
+
+def _show(summary: dict, key: str) -> str:
+    """`1.52x`, or with repeats `1.52x (1.31-1.63)`: the median and the range."""
+    values = summary[f"{key}_all"]
+    spread = f" ({min(values):.2f}-{max(values):.2f})" if len(values) > 1 else ""
+    return f"{summary[key]:.2f}x{spread}"
 
 
 def _describe_pools(config) -> str:

@@ -105,10 +105,20 @@ def test_rl_cluster_pins_trainer_engine_and_rollout_worker(tmp_path):
 
 
 def test_bench_async_pools_and_ideal():
-    from moe_rl.commands.bench_async import overlap_ideal, pool_overrides
+    from moe_rl.commands.bench_async import _ratios, _show, _spread, overlap_ideal, pool_overrides
 
     assert pool_overrides([0, 1]) == ["trainer.world_size=1", "trainer.ep=1", "engines.count=1",
                                       "cpu_pools={trainer: [0], engines: [[1]]}"]
     assert pool_overrides([0, 1, 2, 3])[-1] == "cpu_pools={trainer: [0, 1], engines: [[2, 3]]}"
     assert overlap_ideal({"mean_trainer_wait_s": 0.5, "mean_step_s": 1.0})["ideal"] == 2.0  # balanced
     assert overlap_ideal({"mean_trainer_wait_s": 0.1, "mean_step_s": 0.5})["ideal"] == pytest.approx(1.25)
+    run = lambda train_s, wait_s, step_s, drain_s=0.0: {  # noqa: E731
+        "train_s": train_s, "mean_trainer_wait_s": wait_s, "mean_step_s": step_s, "mean_drain_s": drain_s,
+        "generated_tokens_per_s": 100 / train_s, "steps_per_s": 10 / train_s}
+    runs = {"balanced_sync": run(10, .5, 1), "balanced_fully_async": run(6, .1, .6), "unbalanced_sync": run(5, .1, .5),
+            "unbalanced_fully_async": run(5, 0, .5), "long_tail_drain": run(8, 0, .8, .2),
+            "long_tail_partial": run(6, .1, .6)}
+    faster = _ratios({**runs, "balanced_fully_async": run(5, .1, .5)})
+    balanced = _spread([r["balanced"] for r in (_ratios(runs), faster, _ratios(runs))])
+    assert _show(balanced, "speedup") == "1.67x (1.67-2.00)" and balanced["ideal"] == 2.0  # median, range
+    assert _ratios(runs)["long_tail"]["ideal_steps_per_s"] == pytest.approx(0.8 / 0.6)

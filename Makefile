@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch first, from the CPU wheel (never let a dependency pull a multi-GB CUDA build)
 TORCH ?= torch==2.13.0
 
-.PHONY: setup test demo demo-lora test-mcore-latest clean
+.PHONY: setup test lint demo demo-lora test-mcore-latest clean
 
 setup: $(VENV)/.installed
 
@@ -18,6 +18,10 @@ $(VENV)/.installed: pyproject.toml
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+lint: setup  # ruff, configured in pyproject.toml: lint rules and the formatter (120 columns)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 demo: setup
 	$(BIN)/moe-rl train configs/demo_cpu.yaml --overwrite  # a fresh runs/demo each time

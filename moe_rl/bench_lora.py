@@ -1,4 +1,5 @@
-"""`moe-rl bench sync CONFIG` with a `lora:` section (moe_rl.commands.bench_sync hands it here): adapter vs full-weight sync, same model, one run.
+"""`moe-rl bench sync CONFIG` with a `lora:` section (moe_rl.commands.bench_sync hands it here):
+adapter vs full-weight sync, same model, one run.
 
 Trainer: a Megatron GPTModel (random init) with LoRA adapters of `lora.rank` on every target
 (random B, so the adapter is not zero), on `layout.world_size` gloo ranks. Engine: one real
@@ -45,8 +46,13 @@ class LongTail:
     async def _worker(self, client, index: int) -> None:
         while not self._stop.is_set():
             lora = self.adapter()
-            result = await client.generate([1, 10 + index, 2], max_new_tokens=self.max_new_tokens, ignore_eos=True,
-                                           seed=index, **({"lora_path": lora} if lora else {}))
+            result = await client.generate(
+                [1, 10 + index, 2],
+                max_new_tokens=self.max_new_tokens,
+                ignore_eos=True,
+                seed=index,
+                **({"lora_path": lora} if lora else {}),
+            )
             counts = self.finished.setdefault(self.phase, {})  # the phase it ended in: a pause cuts it there
             counts[result.finish_reason] = counts.get(result.finish_reason, 0) + 1
 
@@ -89,12 +95,20 @@ def rank_main(cfg: dict, work_dir: str) -> dict | None:
     times: dict[str, list[float]] = {"adapter_tensors": [], "adapter_disk": [], "full": []}
     sizes = {}
     with launch_embedded(f"{work_dir}/base", weight_version="0", threads=1) as engine:
-        routes = {route: AdapterSync([EngineClient(engine.url, name="engine-0")], AdapterSyncConfig(
-            route=route, directory=f"{work_dir}/adapters", keep=2), write_adapter) for route in ("tensors", "disk")}
+        routes = {
+            route: AdapterSync(
+                [EngineClient(engine.url, name="engine-0")],
+                AdapterSyncConfig(route=route, directory=f"{work_dir}/adapters", keep=2),
+                write_adapter,
+            )
+            for route in ("tensors", "disk")
+        }
         newest = [None]
         tail = LongTail(engine.url, lambda: newest[0])
-        sender = WeightSender([EngineClient(engine.url, name="engine-0")],
-                              SyncConfig(bucket_bytes=64 << 20, backend="gloo", pause_mode="abort"))
+        sender = WeightSender(
+            [EngineClient(engine.url, name="engine-0")],
+            SyncConfig(bucket_bytes=64 << 20, backend="gloo", pause_mode="abort"),
+        )
         try:
             for repeat in range(repeats):
                 for route, version in (("tensors", 2 * repeat), ("disk", 2 * repeat + 1)):
@@ -118,12 +132,18 @@ def rank_main(cfg: dict, work_dir: str) -> dict | None:
                 sync.close()
     best = {key: min(values) for key, values in times.items()}
     return dict(
-        layout=cfg["layout"], lora=cfg["lora"], adapter_bytes=sizes["adapter"], full_bytes=sizes["full"],
+        layout=cfg["layout"],
+        lora=cfg["lora"],
+        adapter_bytes=sizes["adapter"],
+        full_bytes=sizes["full"],
         bytes_ratio_full_over_adapter=sizes["full"] / sizes["adapter"],
-        seconds=times, best_s=best, seconds_ratio_full_over_adapter=best["full"] / best["adapter_tensors"],
+        seconds=times,
+        best_s=best,
+        seconds_ratio_full_over_adapter=best["full"] / best["adapter_tensors"],
         requests_finished=tail.finished,
-        aborted_during_adapter_syncs=sum(tail.finished.get(p, {}).get("abort", 0)
-                                         for p in ("adapter_tensors", "adapter_disk")),
+        aborted_during_adapter_syncs=sum(
+            tail.finished.get(p, {}).get("abort", 0) for p in ("adapter_tensors", "adapter_disk")
+        ),
         aborted_during_full_syncs=tail.finished.get("full", {}).get("abort", 0),
     )
 

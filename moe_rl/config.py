@@ -53,8 +53,10 @@ class ModelConfig:
         if self.hf_config is not None:
             for key in ("model_type", "architectures"):
                 if key not in self.hf_config:
-                    raise ValueError(f"model.hf_config lacks {key!r} (e.g. model_type: qwen3_moe, "
-                                     f"architectures: [Qwen3MoeForCausalLM])")
+                    raise ValueError(
+                        f"model.hf_config lacks {key!r} (e.g. model_type: qwen3_moe, "
+                        f"architectures: [Qwen3MoeForCausalLM])"
+                    )
 
     def load_hf_config(self):
         """The transformers config object (reads config.json; no weights)."""
@@ -165,14 +167,19 @@ class EngineConfig:
             raise ValueError(
                 f"engines.dp={self.dp}: SGLang 0.5.23's --dp-size runs replicas behind one server and its "
                 "weight-update and LoRA routes assert dp_size == 1; for more replicas raise engines.count, "
-                "for DP attention set engines.attn_dp (SGLang --attn-dp-size) and leave engines.dp at 1")
+                "for DP attention set engines.attn_dp (SGLang --attn-dp-size) and leave engines.dp at 1"
+            )
         for name in ("ep", "attn_dp"):
             if self.tp % getattr(self, name):
-                raise ValueError(f"engines.{name}={getattr(self, name)} does not divide engines.tp={self.tp} "
-                                 f"(SGLang splits an engine's tp GPUs into {name} groups): make it a divisor")
+                raise ValueError(
+                    f"engines.{name}={getattr(self, name)} does not divide engines.tp={self.tp} "
+                    f"(SGLang splits an engine's tp GPUs into {name} groups): make it a divisor"
+                )
         if self.kind == "embedded" and self.gpus_per_engine > 1:
-            raise ValueError(f"engines.tp={self.tp}: the embedded engine is one CPU process; set engines.tp: 1 "
-                             "or use engines.kind: sglang")
+            raise ValueError(
+                f"engines.tp={self.tp}: the embedded engine is one CPU process; set engines.tp: 1 "
+                "or use engines.kind: sglang"
+            )
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"engines.mem_fraction_static={self.mem_fraction_static}: must be in (0, 1)")
 
@@ -204,8 +211,10 @@ class ClusterConfig:
         if self.gpu_memory_gb <= 0:
             raise ValueError(f"cluster.gpu_memory_gb={self.gpu_memory_gb}: must be > 0")
         if self.link_gbps <= 0:
-            raise ValueError(f"cluster.link_gbps={self.link_gbps:g}: must be > 0 (Gb/s of the trainer-to-engine link, "
-                             "e.g. 400 for InfiniBand NDR)")
+            raise ValueError(
+                f"cluster.link_gbps={self.link_gbps:g}: must be > 0 (Gb/s of the trainer-to-engine link, "
+                "e.g. 400 for InfiniBand NDR)"
+            )
         if self.param_dtype not in PARAM_DTYPES:
             raise ValueError(f"cluster.param_dtype={self.param_dtype!r}: use one of {sorted(PARAM_DTYPES)}")
 
@@ -246,9 +255,11 @@ class RLConfig:
         if self.mode not in RL_MODES:
             raise ValueError(f"rl.mode={self.mode!r}: use one of {RL_MODES}")
         if self.colocate and self.mode != "sync":
-            raise ValueError(f"rl.colocate=true with rl.mode={self.mode!r}: colocated engines release their memory "
-                             "while the trainer trains, so generation cannot overlap training; set rl.mode: sync "
-                             "or rl.colocate: false")
+            raise ValueError(
+                f"rl.colocate=true with rl.mode={self.mode!r}: colocated engines release their memory "
+                "while the trainer trains, so generation cannot overlap training; set rl.mode: sync "
+                "or rl.colocate: false"
+            )
         if self.checkpoint_every < 0:
             raise ValueError(f"rl.checkpoint_every={self.checkpoint_every}: must be >= 0 (0 disables)")
         if self.keep_checkpoints < 1:
@@ -318,51 +329,69 @@ class RunConfig:
         if self.trainer.global_batch_size != rows:
             raise ValueError(
                 f"trainer.global_batch_size={self.trainer.global_batch_size} but one RL step trains "
-                f"rollout.groups_per_step x n_samples_per_prompt = {rows} sequences: make them equal")
+                f"rollout.groups_per_step x n_samples_per_prompt = {rows} sequences: make them equal"
+            )
         per_step = self.algorithm.num_mini_batches * self.trainer.micro_batch_size * self.trainer.dp
         if rows % per_step:
             raise ValueError(
                 f"algorithm.num_mini_batches={self.algorithm.num_mini_batches}: each of the {rows} sequences' "
                 f"mini-batches must hold a multiple of micro_batch_size x dp = {self.trainer.micro_batch_size} x "
-                f"{self.trainer.dp} sequences; choose a divisor of {rows // (self.trainer.micro_batch_size * self.trainer.dp)}")
+                f"{self.trainer.dp} sequences; choose a divisor of "
+                f"{rows // (self.trainer.micro_batch_size * self.trainer.dp)}"
+            )
         if mode == "fully_async" and rollout.max_staleness < 1:
-            raise ValueError("rl.mode='fully_async' with rollout.max_staleness=0: set max_staleness >= 1, "
-                             "or use rl.mode='sync'")
+            raise ValueError(
+                "rl.mode='fully_async' with rollout.max_staleness=0: set max_staleness >= 1, or use rl.mode='sync'"
+            )
         self.algorithm.check_staleness(self.rl.staleness(rollout))
         if self.trainer.routing_replay and not rollout.return_routed_experts:
-            raise ValueError("trainer.routing_replay needs the engines' routing: set "
-                             "rollout.return_routed_experts: true")
+            raise ValueError(
+                "trainer.routing_replay needs the engines' routing: set rollout.return_routed_experts: true"
+            )
         if self.sync.transport == "cuda_ipc" and not self.rl.colocate:
-            raise ValueError("sync.transport='cuda_ipc' needs engines on the trainer's GPUs: set rl.colocate: true, "
-                             "or use broadcast or disk")
+            raise ValueError(
+                "sync.transport='cuda_ipc' needs engines on the trainer's GPUs: set rl.colocate: true, "
+                "or use broadcast or disk"
+            )
         if self.sync.transport == "cuda_ipc" and self.engines.count > 1:
             # the IPC buffer lives on the sync source's GPU; engine i > 0 runs on other GPUs
-            raise ValueError(f"sync.transport='cuda_ipc' with engines.count={self.engines.count}: CUDA-IPC buckets "
-                             "live on the sync source's GPU, which only engine 0 sees; use one engine or "
-                             "sync.transport: broadcast")
+            raise ValueError(
+                f"sync.transport='cuda_ipc' with engines.count={self.engines.count}: CUDA-IPC buckets "
+                "live on the sync source's GPU, which only engine 0 sees; use one engine or "
+                "sync.transport: broadcast"
+            )
         if self.lora is not None and self.rl.colocate:
-            raise ValueError("lora with rl.colocate: adapter sync keeps engines generating while the trainer "
-                             "trains; colocated engines release their GPUs instead. Set rl.colocate: false")
+            raise ValueError(
+                "lora with rl.colocate: adapter sync keeps engines generating while the trainer "
+                "trains; colocated engines release their GPUs instead. Set rl.colocate: false"
+            )
         if self.sync.pause_mode == "in_place" and self.sync.transport == "disk":
             # SGLang flushes the cache after a disk load and refuses while paused requests run
-            raise ValueError("sync.pause_mode='in_place' with sync.transport='disk': SGLang's disk update "
-                             "flushes the KV cache, refused while in-place-paused requests run; use "
-                             "pause_mode abort or retract, or transport broadcast")
+            raise ValueError(
+                "sync.pause_mode='in_place' with sync.transport='disk': SGLang's disk update "
+                "flushes the KV cache, refused while in-place-paused requests run; use "
+                "pause_mode abort or retract, or transport broadcast"
+            )
 
     def _check_cluster(self) -> None:
         trainer, engines = self.trainer.world_size, self.engines.count * self.engines.gpus_per_engine
         if self.is_rl and self.rl.colocate and engines > trainer:
-            raise ValueError(f"rl.colocate: engines.count x engines.tp = {engines} GPUs but the trainer has "
-                             f"trainer.world_size={trainer}: colocated engines live on the trainer's GPUs; "
-                             "use fewer or smaller engines")
+            raise ValueError(
+                f"rl.colocate: engines.count x engines.tp = {engines} GPUs but the trainer has "
+                f"trainer.world_size={trainer}: colocated engines live on the trainer's GPUs; "
+                "use fewer or smaller engines"
+            )
         if self.is_rl and not self.rl.colocate and trainer + engines > self.cluster.total_gpus:
             raise ValueError(
                 f"cluster: {self.cluster.nodes} nodes x {self.cluster.gpus_per_node} GPUs = {self.cluster.total_gpus} "
                 f"GPUs, but trainer.world_size={trainer} + engines.count x engines.tp={engines} need "
-                f"{trainer + engines}: raise cluster.nodes or shrink a pool")
+                f"{trainer + engines}: raise cluster.nodes or shrink a pool"
+            )
         if not self.is_rl and trainer > self.cluster.total_gpus:
-            raise ValueError(f"trainer.world_size={trainer} exceeds the cluster's {self.cluster.total_gpus} GPUs: "
-                             "raise cluster.nodes or lower world_size")
+            raise ValueError(
+                f"trainer.world_size={trainer} exceeds the cluster's {self.cluster.total_gpus} GPUs: "
+                "raise cluster.nodes or lower world_size"
+            )
 
     def effective_rollout(self) -> RolloutConfig:
         """The rollout section with the staleness bound the mode implies."""
@@ -370,8 +399,10 @@ class RunConfig:
         if staleness != self.rollout.max_staleness and self.rl.mode != "fully_async":
             import warnings
 
-            warnings.warn(f"rl.mode={self.rl.mode!r} trains with staleness {staleness}; "
-                          f"rollout.max_staleness={self.rollout.max_staleness} is ignored")
+            warnings.warn(
+                f"rl.mode={self.rl.mode!r} trains with staleness {staleness}; "
+                f"rollout.max_staleness={self.rollout.max_staleness} is ignored"
+            )
         return self.rollout.replace(max_staleness=staleness)
 
 
@@ -386,8 +417,10 @@ def load_config(path: str | Path, overrides: list[str] = (), cls: type = RunConf
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ValueError(f"config file {str(path)!r} is not valid YAML{where}: "
-                         f"{getattr(error, 'problem', None) or error}; fix the syntax there") from None
+        raise ValueError(
+            f"config file {str(path)!r} is not valid YAML{where}: "
+            f"{getattr(error, 'problem', None) or error}; fix the syntax there"
+        ) from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {str(path)!r} must hold a mapping of sections (model:, trainer:, ...)")
     for override in overrides:
@@ -462,15 +495,14 @@ def _convert(hint: Any, value: Any, name: str):
         return value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if hint in (int, float, str, bool) and not (type(value) is hint):
+    if hint in (int, float, str, bool) and type(value) is not hint:
         raise ValueError(f"{name}={value!r}: expected {hint.__name__}")
     return value
 
 
 def _describe(hint: Any) -> str:
     # list[int] rather than its __name__ "list", so `list[int] | list[list[int]]` reads as both
-    return " or ".join(str(a) if typing.get_args(a) else getattr(a, "__name__", str(a))
-                       for a in typing.get_args(hint))
+    return " or ".join(str(a) if typing.get_args(a) else getattr(a, "__name__", str(a)) for a in typing.get_args(hint))
 
 
 def to_dict(config) -> dict:

@@ -36,12 +36,17 @@ class CpuPoolsConfig:
     which is what pools are meant to rule out, so an overlap is most likely a typo."""
 
     def __post_init__(self):
-        lists = [("cpu_pools.trainer", self.trainer)] if self.shared_trainer else [
-            (f"cpu_pools.trainer[{i}]", cores) for i, cores in enumerate(self.trainer)]
+        lists = (
+            [("cpu_pools.trainer", self.trainer)]
+            if self.shared_trainer
+            else [(f"cpu_pools.trainer[{i}]", cores) for i, cores in enumerate(self.trainer)]
+        )
         lists += [(f"cpu_pools.engines[{i}]", cores) for i, cores in enumerate(self.engines)]
         if not self.trainer or not self.engines:
-            raise ValueError("cpu_pools: set cpu_pools.trainer (e.g. [0]) and cpu_pools.engines (e.g. [[1]]), "
-                             "or leave cpu_pools out (no pinning)")
+            raise ValueError(
+                "cpu_pools: set cpu_pools.trainer (e.g. [0]) and cpu_pools.engines (e.g. [[1]]), "
+                "or leave cpu_pools out (no pinning)"
+            )
         have = available_cores()
         for name, cores in lists:
             if not cores:
@@ -50,15 +55,19 @@ class CpuPoolsConfig:
                 raise ValueError(f"{name}={cores}: a core is listed twice; list each core once")
             missing = sorted(set(cores) - have)
             if missing:
-                raise ValueError(f"{name}={cores}: cores {missing} are not available here (this process may "
-                                 f"use {sorted(have)}, `nproc` = {len(have)}); use cores from that set")
+                raise ValueError(
+                    f"{name}={cores}: cores {missing} are not available here (this process may "
+                    f"use {sorted(have)}, `nproc` = {len(have)}); use cores from that set"
+                )
         if not self.allow_overlap:
             owner: dict[int, str] = {}
             for name, cores in lists:
                 for core in cores:
                     if core in owner:
-                        raise ValueError(f"{name} and {owner[core]} both hold core {core}: pools are disjoint "
-                                         "unless cpu_pools.allow_overlap: true; give each pool its own cores")
+                        raise ValueError(
+                            f"{name} and {owner[core]} both hold core {core}: pools are disjoint "
+                            "unless cpu_pools.allow_overlap: true; give each pool its own cores"
+                        )
                     owner[core] = name
 
     @property
@@ -80,14 +89,20 @@ class CpuPoolsConfig:
     def check(self, world_size: int, engine_count: int, engine_kind: str) -> None:
         """The pools against the run's trainer world and engines (RunConfig calls this)."""
         if not self.shared_trainer and len(self.trainer) != world_size:
-            raise ValueError(f"cpu_pools.trainer has {len(self.trainer)} lists but trainer.world_size={world_size}: "
-                             "give one list per rank, or one flat list shared by every rank")
+            raise ValueError(
+                f"cpu_pools.trainer has {len(self.trainer)} lists but trainer.world_size={world_size}: "
+                "give one list per rank, or one flat list shared by every rank"
+            )
         if len(self.engines) != engine_count:
-            raise ValueError(f"cpu_pools.engines has {len(self.engines)} lists but engines.count={engine_count}: "
-                             "give one list of cores per engine")
+            raise ValueError(
+                f"cpu_pools.engines has {len(self.engines)} lists but engines.count={engine_count}: "
+                "give one list of cores per engine"
+            )
         if engine_kind != "embedded":
-            raise ValueError(f"cpu_pools with engines.kind={engine_kind!r}: only embedded (CPU) engines are pinned; "
-                             "leave cpu_pools out on GPU clusters (the GPUs are the pools there)")
+            raise ValueError(
+                f"cpu_pools with engines.kind={engine_kind!r}: only embedded (CPU) engines are pinned; "
+                "leave cpu_pools out on GPU clusters (the GPUs are the pools there)"
+            )
 
 
 def pin_process(cores: list[int]) -> list[int]:
@@ -110,8 +125,10 @@ def pin_process(cores: list[int]) -> list[int]:
         seen |= tids
     got = set(os.sched_getaffinity(0))
     if got != wanted:  # the kernel keeps only the allowed ones
-        raise ValueError(f"pinned to cores {sorted(wanted)} but the process got {sorted(got)}: "
-                         "some are outside this process's allowed set (taskset / cgroup cpuset)")
+        raise ValueError(
+            f"pinned to cores {sorted(wanted)} but the process got {sorted(got)}: "
+            "some are outside this process's allowed set (taskset / cgroup cpuset)"
+        )
     return sorted(got)
 
 

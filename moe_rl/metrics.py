@@ -24,8 +24,13 @@ def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, float]:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True, wandb_project: str | None = None,
-                 config: dict | None = None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        tensorboard: bool = True,
+        wandb_project: str | None = None,
+        config: dict | None = None,
+    ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a")

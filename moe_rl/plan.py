@@ -142,22 +142,30 @@ class Plan:
             shown = ", ".join(_span(g) for g in groups[:3]) + (", ..." if len(groups) > 3 else "")
             lines.append(f"  {name:4s} {len(groups)} x {len(groups[0])}: {shown}")
         lines.append(f"parameters: {self.params.total / 1e9:.2f} B ({self.params.experts / 1e9:.2f} B routed experts)")
-        lines.append(f"trainer memory per GPU (GB, stage {self.trainer_stage}): "
-                     + "  ".join(f"{k} {v:.1f}" for k, v in self.trainer_memory.items()))
+        lines.append(
+            f"trainer memory per GPU (GB, stage {self.trainer_stage}): "
+            + "  ".join(f"{k} {v:.1f}" for k, v in self.trainer_memory.items())
+        )
         lines.append("engine memory per GPU (GB): " + "  ".join(f"{k} {v:.1f}" for k, v in self.engine_memory.items()))
         anchor = f" (public: {self.sync_anchor})" if self.sync_anchor else ""
-        lines.append(f"sync: {self.sync_bytes / GB:.2f} GB to each engine per step, ~{self.sync_seconds:.1f} s at "
-                     f"{self.link_gbps:g} Gb/s x {SYNC_EFFICIENCY:g}{anchor}")
+        lines.append(
+            f"sync: {self.sync_bytes / GB:.2f} GB to each engine per step, ~{self.sync_seconds:.1f} s at "
+            f"{self.link_gbps:g} Gb/s x {SYNC_EFFICIENCY:g}{anchor}"
+        )
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
 def make_plan(config: RunConfig) -> Plan:
     """Validate `config` against its cluster and return the plan; ValueError when it cannot run."""
     if config.cluster is None:
-        raise ValueError("cluster: missing; add a cluster section (nodes, gpus_per_node, gpu_memory_gb) to plan "
-                         "a GPU run (see configs/models/)")
+        raise ValueError(
+            "cluster: missing; add a cluster section (nodes, gpus_per_node, gpu_memory_gb) to plan "
+            "a GPU run (see configs/models/)"
+        )
     if config.engines.kind != "sglang" and config.is_rl:
-        raise ValueError(f"engines.kind={config.engines.kind!r}: GPU plans place SGLang engines; set engines.kind: sglang")
+        raise ValueError(
+            f"engines.kind={config.engines.kind!r}: GPU plans place SGLang engines; set engines.kind: sglang"
+        )
     placement = place(config)
     hf = config.model.load_hf_config()
     _check_engine_model(config, hf)
@@ -170,16 +178,28 @@ def make_plan(config: RunConfig) -> Plan:
     if adapter is None and config.sync.fp8_blocks:
         sync_bytes = fp8_sync_bytes(counts, config.sync.fp8_blocks, dtype_bytes)
     link_gbps = config.cluster.link_gbps
-    plan = Plan(placement=placement, groups=parallel_groups(config.trainer), trainer_memory=trainer,
-                trainer_stage=stage, engine_memory=engine, sync_bytes=sync_bytes,
-                sync_seconds=sync_seconds(sync_bytes, link_gbps), link_gbps=link_gbps, params=counts,
-                sync_anchor=None if adapter else sync_anchor(hf, counts))  # anchors are full-weight syncs
+    plan = Plan(
+        placement=placement,
+        groups=parallel_groups(config.trainer),
+        trainer_memory=trainer,
+        trainer_stage=stage,
+        engine_memory=engine,
+        sync_bytes=sync_bytes,
+        sync_seconds=sync_seconds(sync_bytes, link_gbps),
+        link_gbps=link_gbps,
+        params=counts,
+        sync_anchor=None if adapter else sync_anchor(hf, counts),
+    )  # anchors are full-weight syncs
     if adapter is None and config.sync.fp8_blocks:
-        plan.notes.append(f"sync.fp8_blocks={config.sync.fp8_blocks}: decoder linears as FP8 blocks, about "
-                          f"{sync_bytes / GB:.2f} GB per sync instead of {counts.total * dtype_bytes / GB:.2f} GB")
+        plan.notes.append(
+            f"sync.fp8_blocks={config.sync.fp8_blocks}: decoder linears as FP8 blocks, about "
+            f"{sync_bytes / GB:.2f} GB per sync instead of {counts.total * dtype_bytes / GB:.2f} GB"
+        )
     if adapter is not None:
-        plan.notes.append(f"lora: {sum(adapter) / 1e6:.1f} M adapter parameters ({adapter[1] / 1e6:.1f} M in routed "
-                          f"experts), {sum(adapter) / counts.total:.3%} of the model; each sync loads a new adapter")
+        plan.notes.append(
+            f"lora: {sum(adapter) / 1e6:.1f} M adapter parameters ({adapter[1] / 1e6:.1f} M in routed "
+            f"experts), {sum(adapter) / counts.total:.3%} of the model; each sync loads a new adapter"
+        )
     if config.is_rl and adapter is None:
         buckets = -(-plan.sync_bytes // config.sync.bucket_bytes)
         plan.notes.append(f"{buckets} buckets of <= {config.sync.bucket_bytes / 2**20:.0f} MiB per sync")
@@ -231,12 +251,15 @@ def place(config: RunConfig) -> dict[int, list[str]]:
             raise ValueError(
                 f"engines: engine {i} (engines.tp={size} GPUs from global GPU {start}) would straddle nodes "
                 f"{first} and {last}: make trainer.world_size a multiple of engines.tp, and engines.tp a divisor "
-                f"or multiple of cluster.gpus_per_node={per_node}")
+                f"or multiple of cluster.gpus_per_node={per_node}"
+            )
         for node in range(first, last + 1):
             lo, hi = max(start, node * per_node), min(start + size, (node + 1) * per_node)
             shared = f", colocated with trainer ranks {lo}-{hi - 1}" if colocated else ""
-            rows[node].append(f"GPUs {lo - node * per_node}-{hi - 1 - node * per_node}: engine {i} "
-                              f"(SGLang tp={engines.tp} ep={engines.ep} attn_dp={engines.attn_dp}{shared})")
+            rows[node].append(
+                f"GPUs {lo - node * per_node}-{hi - 1 - node * per_node}: engine {i} "
+                f"(SGLang tp={engines.tp} ep={engines.ep} attn_dp={engines.attn_dp}{shared})"
+            )
     used = world if colocated else world + count * engines.gpus_per_engine
     for node in range(cluster.nodes):
         if (node + 1) * per_node > used:
@@ -288,7 +311,9 @@ def lora_parameters(hf, counts: ParamCounts, rank: int, targets: list[str]) -> t
 
     experts = bridge_for(hf).num_experts
     routed_f = getattr(text, "moe_intermediate_size", None) or text.intermediate_size
-    shared_f = (getattr(text, "n_shared_experts", 0) or 0) * routed_f or getattr(text, "shared_expert_intermediate_size", 0)
+    shared_f = (getattr(text, "n_shared_experts", 0) or 0) * routed_f or getattr(
+        text, "shared_expert_intermediate_size", 0
+    )
     dense = expert = 0
     for layer_experts in counts.expert_per_layer:
         dense += attention
@@ -300,20 +325,25 @@ def lora_parameters(hf, counts: ParamCounts, rank: int, targets: list[str]) -> t
     return dense, expert
 
 
-def trainer_memory(config: RunConfig, hf, counts: ParamCounts, dtype_bytes: int,
-                   adapter: tuple[int, int] | None = None) -> tuple[int, dict[str, float]]:
+def trainer_memory(
+    config: RunConfig, hf, counts: ParamCounts, dtype_bytes: int, adapter: tuple[int, int] | None = None
+) -> tuple[int, dict[str, float]]:
     """(worst stage, GB per GPU by component); raises when it exceeds the GPU. `adapter`: LoRA's
     (dense, expert) parameters, the only ones with gradients and optimizer state."""
     t = config.trainer
     layers_per_stage = hf.num_hidden_layers // t.pp
     s, b, h = config.data.seq_length, t.micro_batch_size, hf.hidden_size
-    per_layer = [_activation_bytes(hf, s, b, moe=counts.expert_per_layer[i] > 0) / t.tp
-                 for i in range(hf.num_hidden_layers)]
+    per_layer = [
+        _activation_bytes(hf, s, b, moe=counts.expert_per_layer[i] > 0) / t.tp for i in range(hf.num_hidden_layers)
+    ]
     worst = (0, {}, -1.0)
     for p in range(t.pp):
         layers = range(p * layers_per_stage, (p + 1) * layers_per_stage)
-        dense = sum(counts.dense_per_layer[i] for i in layers) + (counts.embedding if p == 0 else 0) \
+        dense = (
+            sum(counts.dense_per_layer[i] for i in layers)
+            + (counts.embedding if p == 0 else 0)
             + (counts.head if p == t.pp - 1 else 0)
+        )
         pd, pe = dense / t.tp, sum(counts.expert_per_layer[i] for i in layers) / (t.expert_tp * t.ep)
         # trained parameters: everything, or with LoRA this stage's share of the adapters
         td, te = (pd, pe) if adapter is None else (adapter[0] / t.pp / t.tp, adapter[1] / t.pp / (t.expert_tp * t.ep))
@@ -325,9 +355,12 @@ def trainer_memory(config: RunConfig, hf, counts: ParamCounts, dtype_bytes: int,
             acts = in_flight * sum(per_layer[i] for i in layers)
         if p == t.pp - 1:
             acts += 4 * s * b * hf.vocab_size / t.tp
-        memory = {"weights": dtype_bytes * (pd + pe + (0 if adapter is None else td + te)) / GB,
-                  "grads": 4 * (td + te) / GB,
-                  "optimizer": optimizer / GB, "activations": acts / GB}
+        memory = {
+            "weights": dtype_bytes * (pd + pe + (0 if adapter is None else td + te)) / GB,
+            "grads": 4 * (td + te) / GB,
+            "optimizer": optimizer / GB,
+            "activations": acts / GB,
+        }
         if config.is_rl and config.algorithm.needs_reference:
             memory["reference"] = dtype_bytes * (pd + pe) / GB
         memory["total"] = sum(memory.values())
@@ -339,7 +372,8 @@ def trainer_memory(config: RunConfig, hf, counts: ParamCounts, dtype_bytes: int,
             f"trainer: ~{total:.0f} GB per GPU on pipeline stage {stage} (weights {memory['weights']:.0f}, grads "
             f"{memory['grads']:.0f}, optimizer {memory['optimizer']:.0f}, activations {memory['activations']:.0f}) "
             f"exceeds cluster.gpu_memory_gb={config.cluster.gpu_memory_gb:g}: raise trainer.ep/pp/tp or world_size, "
-            "set trainer.optimizer.distributed: true or trainer.recompute: true, or lower micro_batch_size")
+            "set trainer.optimizer.distributed: true or trainer.recompute: true, or lower micro_batch_size"
+        )
     return stage, memory
 
 
@@ -365,7 +399,8 @@ def engine_memory(config: RunConfig, counts: ParamCounts, dtype_bytes: int) -> d
         raise ValueError(
             f"engines: ~{weights:.0f} GB of weights per GPU exceed engines.mem_fraction_static x "
             f"cluster.gpu_memory_gb = {e.mem_fraction_static * gpu:.0f} GB: raise engines.tp (GPUs per engine) "
-            f"or lower engines.attn_dp")
+            f"or lower engines.attn_dp"
+        )
     return {"weights": weights, "kv_cache": kv_cache}
 
 
@@ -377,11 +412,12 @@ def _check_engine_model(config: RunConfig, hf) -> None:
         return
     attention_tp = e.tp // e.attn_dp
     if shape.num_attention_heads % attention_tp:
-        raise ValueError(f"engines.tp/engines.attn_dp={attention_tp} does not divide the model's "
-                         f"{shape.num_attention_heads} attention heads: change engines.tp or engines.attn_dp")
+        raise ValueError(
+            f"engines.tp/engines.attn_dp={attention_tp} does not divide the model's "
+            f"{shape.num_attention_heads} attention heads: change engines.tp or engines.attn_dp"
+        )
     if shape.num_experts and shape.num_experts % e.ep:
-        raise ValueError(f"engines.ep={e.ep} does not divide the model's {shape.num_experts} experts: "
-                         "choose a divisor")
+        raise ValueError(f"engines.ep={e.ep} does not divide the model's {shape.num_experts} experts: choose a divisor")
 
 
 def _span(group: list[int]) -> str:

@@ -30,8 +30,13 @@ def write_report(run_dir: str | Path) -> list[Path]:
     out = run_dir / "plots"
     out.mkdir(exist_ok=True)
     written = []
-    for name, plot in (("reward", _reward), ("staleness", _staleness), ("routing_agreement", _routing),
-                       ("time", _time), ("utilization", _utilization)):
+    for name, plot in (
+        ("reward", _reward),
+        ("staleness", _staleness),
+        ("routing_agreement", _routing),
+        ("time", _time),
+        ("utilization", _utilization),
+    ):
         fig, ax = plt.subplots(figsize=(7, 4))
         if plot(ax, rows):
             fig.tight_layout()
@@ -51,8 +56,10 @@ def _reward(ax, rows) -> bool:
     if not steps:
         return False
     window = max(1, len(reward) // 20)
-    smooth = [sum(reward[max(0, i - window + 1): i + 1]) / len(reward[max(0, i - window + 1): i + 1])
-              for i in range(len(reward))]
+    smooth = [
+        sum(reward[max(0, i - window + 1) : i + 1]) / len(reward[max(0, i - window + 1) : i + 1])
+        for i in range(len(reward))
+    ]
     ax.plot(steps, reward, alpha=0.35, label="mean reward")
     ax.plot(steps, smooth, label=f"moving average ({window})")
     ax.set(xlabel="step", ylabel="reward", title="Reward")
@@ -69,15 +76,19 @@ def _staleness(ax, rows) -> bool:
     if not counts:
         return False
     ax.bar(list(counts), list(counts.values()))
-    ax.set(xlabel="staleness (trainer version - oldest token version)", ylabel="samples",
-           title="Staleness of trained samples")
+    ax.set(
+        xlabel="staleness (trainer version - oldest token version)",
+        ylabel="samples",
+        title="Staleness of trained samples",
+    )
     ax.set_xticks(sorted(counts))
     return True
 
 
 def _routing(ax, rows) -> bool:
-    layers = sorted({k for r in rows for k in r if k.startswith("routing/agreement/")},
-                    key=lambda k: int(re.sub(r"\D", "", k) or 0))
+    layers = sorted(
+        {k for r in rows for k in r if k.startswith("routing/agreement/")}, key=lambda k: int(re.sub(r"\D", "", k) or 0)
+    )
     plotted = False
     for key in layers:
         steps, values = _series(rows, key)
@@ -121,9 +132,20 @@ def _utilization(ax, rows) -> bool:
     _, idle = _series(rows, "perf/engine_idle_frac")
     paused = [1.0 - b - i for b, i in zip(engine, idle)]
     ax.plot(steps, trainer, label="trainer busy")
-    ax.stackplot(steps, engine, paused, idle, labels=["engines busy", "engines paused", "engines idle"],
-                 colors=["tab:green", "tab:red", "lightgrey"], alpha=0.35)
-    ax.set(xlabel="step", ylabel="fraction of the step's wall time", ylim=(0, 1.02),
-           title="Utilization: busy vs idle per pool")
+    ax.stackplot(
+        steps,
+        engine,
+        paused,
+        idle,
+        labels=["engines busy", "engines paused", "engines idle"],
+        colors=["tab:green", "tab:red", "lightgrey"],
+        alpha=0.35,
+    )
+    ax.set(
+        xlabel="step",
+        ylabel="fraction of the step's wall time",
+        ylim=(0, 1.02),
+        title="Utilization: busy vs idle per pool",
+    )
     ax.legend(fontsize=8, loc="lower right")
     return True

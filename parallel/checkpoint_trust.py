@@ -16,16 +16,28 @@ from pathlib import Path
 
 import torch
 
-_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
-                     "torch.distributed.checkpoint.filesystem")
-_ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-            ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice")}
+_METADATA_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.planner",
+    "torch.distributed.checkpoint.filesystem",
+)
+_ALLOWED = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        allowed = ((module, name) in _ALLOWED or module in _METADATA_MODULES
-                   or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+        allowed = (
+            (module, name) in _ALLOWED
+            or module in _METADATA_MODULES
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        )
         if not allowed:
             raise pickle.UnpicklingError(f"it references {module}.{name}, which a checkpoint's metadata never needs")
         return super().find_class(module, name)
@@ -40,8 +52,9 @@ def check_dist_checkpoint(directory: str | Path) -> None:
     try:
         _MetadataUnpickler(io.BytesIO(metadata.read_bytes())).load()
     except Exception as error:  # noqa: BLE001 - any failure means: do not let torch unpickle it
-        raise ValueError(f"{metadata}: refused ({error}); load only checkpoints you trust, or convert "
-                         "from HF safetensors instead") from None
+        raise ValueError(
+            f"{metadata}: refused ({error}); load only checkpoints you trust, or convert from HF safetensors instead"
+        ) from None
     common = directory / "common.pt"
     if common.is_file():
         try:

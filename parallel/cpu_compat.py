@@ -159,9 +159,7 @@ def _cuda_runtime_as_noops() -> None:
     cuda.memory_allocated = lambda device=None: 0
     cuda.max_memory_allocated = lambda device=None: 0
     cuda.reset_peak_memory_stats = lambda device=None: None
-    cuda.nvtx = types.SimpleNamespace(
-        range_push=lambda *a, **k: None, range_pop=lambda *a, **k: None
-    )
+    cuda.nvtx = types.SimpleNamespace(range_push=lambda *a, **k: None, range_pop=lambda *a, **k: None)
 
 
 # -- patch 2: CUDA RNG -> the CPU generator ---------------------------------------------------
@@ -239,8 +237,15 @@ def _sequence_parallel_torch_norm() -> None:
     does for params marked `.sequence_parallel = True` (as TE's norms are)."""
     from megatron.core.transformer import torch_norm
 
-    def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
-            zero_centered_gamma=False, normalization="LayerNorm"):
+    def new(
+        cls,
+        config,
+        hidden_size,
+        eps=1e-5,
+        persist_layer_norm=False,
+        zero_centered_gamma=False,
+        normalization="LayerNorm",
+    ):
         if config.normalization == "LayerNorm":
             norm = torch.nn.LayerNorm(hidden_size, eps=eps)
         elif config.normalization == "RMSNorm":

@@ -45,10 +45,16 @@ def parallel_context(model, bridge: Bridge) -> ParallelContext:
     num_experts = int(getattr(model.config, "num_moe_experts", None) or 0)
     ep = ps.get_expert_model_parallel_world_size()
     return ParallelContext(
-        tp=Axis(ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank(),
-                ps.get_tensor_model_parallel_world_size()),
-        etp=Axis(ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_rank(),
-                 ps.get_expert_tensor_parallel_world_size()),
+        tp=Axis(
+            ps.get_tensor_model_parallel_group(),
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_world_size(),
+        ),
+        etp=Axis(
+            ps.get_expert_tensor_parallel_group(),
+            ps.get_expert_tensor_parallel_rank(),
+            ps.get_expert_tensor_parallel_world_size(),
+        ),
         ep=Axis(ps.get_expert_model_parallel_group(), ps.get_expert_model_parallel_rank(), ep),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         pp_size=ps.get_pipeline_model_parallel_world_size(),
@@ -64,8 +70,11 @@ def is_export_source() -> bool:
     """True on the rank that receives this stage's exported tensors (TP0 / DP0 / CP0)."""
     from megatron.core import parallel_state as ps
 
-    return (ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-            and ps.get_context_parallel_rank() == 0)
+    return (
+        ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_data_parallel_rank() == 0
+        and ps.get_context_parallel_rank() == 0
+    )
 
 
 def export_source_ranks() -> dict[int, int]:
@@ -141,8 +150,9 @@ def model_chunks(model) -> list:
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
-def export_hf_weights(model, bridge: Bridge, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                      merge_adapters: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_weights(
+    model, bridge: Bridge, bucket_bytes: int = DEFAULT_BUCKET_BYTES, merge_adapters: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, tensor)` for this stage's parameters on the source rank. `model` is
     a GPTModel or the list of virtual-pipeline chunks (each numbers its layers globally, so
     every chunk exports under its own layer offset, in chunk order).
@@ -177,9 +187,19 @@ def _export_chunk(model, bridge: Bridge, bucket_bytes: int, merge_adapters: bool
                 yield gathered.pop()
 
 
-def save_hf_checkpoint(model, bridge: Bridge, out_dir, hf_config: dict, *, max_shard_bytes: int = 5 * 2**30,
-                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, extra_files: dict[str, bytes] | None = None,
-                       progress=None, merge_adapters: bool = True, fp8: BlockFP8 | None = None) -> None:
+def save_hf_checkpoint(
+    model,
+    bridge: Bridge,
+    out_dir,
+    hf_config: dict,
+    *,
+    max_shard_bytes: int = 5 * 2**30,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    extra_files: dict[str, bytes] | None = None,
+    progress=None,
+    merge_adapters: bool = True,
+    fp8: BlockFP8 | None = None,
+) -> None:
     """Write the model as an HF checkpoint (safetensors shards + index + config) to `out_dir`.
     `fp8`: decoder linear weights as block-scaled FP8 (`BlockFP8.quantize_stream`), the config
     saying so; otherwise full precision and no `quantization_config`, whatever was imported.

@@ -39,8 +39,10 @@ class BlockFP8:
             return None
         method, fmt = quant.get("quant_method"), quant.get("fmt", "e4m3")
         if method != "fp8" or fmt != "e4m3":
-            raise ValueError(f"quantization_config: quant_method={method!r} fmt={fmt!r} cannot be imported (only "
-                             "block-scaled fp8 e4m3, as DeepSeek-V3 ships): dequantize the checkpoint first")
+            raise ValueError(
+                f"quantization_config: quant_method={method!r} fmt={fmt!r} cannot be imported (only "
+                "block-scaled fp8 e4m3, as DeepSeek-V3 ships): dequantize the checkpoint first"
+            )
         block = quant.get("weight_block_size")
         if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
             raise ValueError(f"quantization_config.weight_block_size={block!r}: expected [rows, cols], e.g. [128, 128]")
@@ -48,16 +50,24 @@ class BlockFP8:
 
     def hf_config(self) -> dict[str, Any]:
         """The `quantization_config` of a checkpoint written with these blocks (DeepSeek-V3's)."""
-        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": [self.rows, self.cols]}
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [self.rows, self.cols],
+        }
 
     def quantize_stream(self, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """An HF (name, tensor) stream with every decoder linear weight as FP8 blocks plus its
         `*_scale_inv`, as DeepSeek's checkpoints hold them; norms, biases, routers (`*.gate.weight`),
         embeddings and the LM head stay as they are. One tensor at a time."""
         for name, tensor in items:
-            if name.startswith("model.layers.") and name.endswith(".weight") and tensor.ndim == 2 \
-                    and not name.endswith(".gate.weight"):
+            if (
+                name.startswith("model.layers.")
+                and name.endswith(".weight")
+                and tensor.ndim == 2
+                and not name.endswith(".gate.weight")
+            ):
                 quantized, scale_inv = self.quantize(tensor)
                 yield name, quantized
                 yield name + SCALE_SUFFIX, scale_inv
@@ -91,7 +101,7 @@ class BlockFP8:
         (row0 // rows, col0 // cols)."""
         r, c = row0 % self.rows, col0 % self.cols
         factors = scale_inv.float().repeat_interleave(self.rows, dim=-2).repeat_interleave(self.cols, dim=-1)
-        factors = factors[..., r:r + weight.shape[-2], c:c + weight.shape[-1]]
+        factors = factors[..., r : r + weight.shape[-2], c : c + weight.shape[-1]]
         return weight.float() * factors
 
     def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

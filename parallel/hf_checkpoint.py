@@ -41,8 +41,10 @@ def check_safetensors(path: str | os.PathLike) -> None:
     except (ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{path} is not a readable safetensors file ({error}): copy it again") from None
     if 8 + header_len + max(ends, default=0) > size:
-        raise ValueError(f"{path} is truncated: its header needs {8 + header_len + max(ends)} bytes, the file "
-                         f"has {size}; copy it again")
+        raise ValueError(
+            f"{path} is truncated: its header needs {8 + header_len + max(ends)} bytes, the file "
+            f"has {size}; copy it again"
+        )
 
 
 class HFCheckpointReader:
@@ -69,8 +71,10 @@ class HFCheckpointReader:
             with safe_open(self.dir / single_file, "pt") as f:
                 weight_map = {name: single_file for name in f.keys()}
         else:
-            raise ValueError(f"{self.dir} has neither {INDEX_FILE} nor {single_file}: pass an HF "
-                             f"checkpoint directory saved with safetensors")
+            raise ValueError(
+                f"{self.dir} has neither {INDEX_FILE} nor {single_file}: pass an HF "
+                f"checkpoint directory saved with safetensors"
+            )
         self.weight_map: dict[str, str] = weight_map
         for file in sorted(set(weight_map.values())):
             check_safetensors(self.dir / file)
@@ -79,8 +83,15 @@ class HFCheckpointReader:
         self.fp8 = BlockFP8.from_hf_config(json.loads(config.read_text())) if config.exists() else None
         self.ignored = sorted(n for n in weight_map if n.endswith(".rotary_emb.inv_freq"))
         self._views = self._fused_expert_views()
-        hidden = set(self.ignored) | {v.fused for v in self._views.values()} | {  # listed as what they stand for
-            n for n in weight_map if self.fp8 and n.endswith(SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX) in weight_map}
+        hidden = (
+            set(self.ignored)
+            | {v.fused for v in self._views.values()}
+            | {  # listed as what they stand for
+                n
+                for n in weight_map
+                if self.fp8 and n.endswith(SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX) in weight_map
+            }
+        )
         self._names = (set(weight_map) - hidden) | set(self._views)
 
     def _fused_expert_views(self) -> dict[str, _ExpertView]:
@@ -93,8 +104,10 @@ class HFCheckpointReader:
             gate_up, down_shape = self.shape(name, stored=True), self.shape(down, stored=True)
             experts, rows, hidden = gate_up
             if len(down_shape) != 3 or down_shape[0] != experts or down_shape[1] != hidden or rows != 2 * down_shape[2]:
-                raise ValueError(f"{self.dir}: fused experts {name} {tuple(gate_up)} and {down} {tuple(down_shape)} "
-                                 "are not transformers' [E, 2I, H] and [E, H, I] layout")
+                raise ValueError(
+                    f"{self.dir}: fused experts {name} {tuple(gate_up)} and {down} {tuple(down_shape)} "
+                    "are not transformers' [E, 2I, H] and [E, H, I] layout"
+                )
             half = rows // 2
             for e in range(experts):
                 views[f"{prefix}{e}.gate_proj.weight"] = _ExpertView(name, e, 0, half)
@@ -107,8 +120,10 @@ class HFCheckpointReader:
 
     def _slice(self, name: str):
         if name not in self.weight_map:
-            raise ValueError(f"HF checkpoint {self.dir} has no tensor {name!r}: the bridge expects it "
-                             f"(wrong architecture or config, or an adapter lora.target_modules does not match?)")
+            raise ValueError(
+                f"HF checkpoint {self.dir} has no tensor {name!r}: the bridge expects it "
+                f"(wrong architecture or config, or an adapter lora.target_modules does not match?)"
+            )
         file = self.weight_map[name]
         if file not in self._files:
             self._files[file] = safe_open(self.dir / file, "pt")
@@ -166,9 +181,11 @@ def mtp_tensor_names(hf_dir: str | os.PathLike, drop: bool) -> set[str]:
     names = {name for name in HFCheckpointReader(hf_dir).names() if prefixes and name.startswith(prefixes)}
     if names and not drop:
         layers = ", ".join(p + "*" for p in prefixes)
-        raise ValueError(f"{hf_dir} holds {len(names)} tensors of multi-token-prediction layers ({layers}); they are "
-                         "not mapped to Megatron's MTP block: set model.mtp: drop (moe-rl convert hf-to-megatron: "
-                         "--mtp drop) to train and serve without them")
+        raise ValueError(
+            f"{hf_dir} holds {len(names)} tensors of multi-token-prediction layers ({layers}); they are "
+            "not mapped to Megatron's MTP block: set model.mtp: drop (moe-rl convert hf-to-megatron: "
+            "--mtp drop) to train and serve without them"
+        )
     return names
 
 
@@ -179,8 +196,13 @@ def load_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def write_shards(items: Iterable[tuple[str, torch.Tensor]], tmp_dir: str | os.PathLike, prefix: str,
-                 max_shard_bytes: int, progress=None) -> dict[str, str]:
+def write_shards(
+    items: Iterable[tuple[str, torch.Tensor]],
+    tmp_dir: str | os.PathLike,
+    prefix: str,
+    max_shard_bytes: int,
+    progress=None,
+) -> dict[str, str]:
     """Write a stream to `tmp_dir/{prefix}-{k}.safetensors` files of at most `max_shard_bytes`
     (one tensor larger than that gets a file of its own). Returns {name: file}. Memory: one shard."""
     weight_map: dict[str, str] = {}
@@ -209,8 +231,13 @@ def write_shards(items: Iterable[tuple[str, torch.Tensor]], tmp_dir: str | os.Pa
     return weight_map
 
 
-def finalize_hf_checkpoint(tmp_dir: str | os.PathLike, out_dir: str | os.PathLike, weight_map: dict[str, str],
-                           hf_config: dict[str, Any], extra_files: dict[str, bytes] | None = None) -> None:
+def finalize_hf_checkpoint(
+    tmp_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    weight_map: dict[str, str],
+    hf_config: dict[str, Any],
+    extra_files: dict[str, bytes] | None = None,
+) -> None:
     """Rename shards to HF's numbering, write index + config + `extra_files`, then move
     `tmp_dir` to `out_dir` (replacing it). One rank calls it, after every writer finished."""
     tmp, out = Path(tmp_dir), Path(out_dir)
@@ -219,8 +246,10 @@ def finalize_hf_checkpoint(tmp_dir: str | os.PathLike, out_dir: str | os.PathLik
     for old, new in renamed.items():
         (tmp / old).rename(tmp / new)
     total = sum((tmp / f).stat().st_size for f in renamed.values())
-    index = {"metadata": {"total_size": total},
-             "weight_map": {name: renamed[file] for name, file in sorted(weight_map.items())}}
+    index = {
+        "metadata": {"total_size": total},
+        "weight_map": {name: renamed[file] for name, file in sorted(weight_map.items())},
+    }
     (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
     (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
     for name, data in (extra_files or {}).items():  # tokenizer, generation config

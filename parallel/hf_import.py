@@ -59,10 +59,14 @@ def _left_out(reader: HFCheckpointReader, bridge: Bridge, hf_dir) -> set[str]:
     if not dist.is_initialized() or dist.get_rank() == 0:
         if dropped:
             layers = sorted({".".join(name.split(".")[:3]) + ".*" for name in dropped})
-            warnings.warn(f"model.mtp=drop: {len(dropped)} tensors of the multi-token-prediction layers "
-                          f"{', '.join(layers)} are not imported, and no export or weight sync will carry them",
-                          stacklevel=3)
+            warnings.warn(
+                f"model.mtp=drop: {len(dropped)} tensors of the multi-token-prediction layers "
+                f"{', '.join(layers)} are not imported, and no export or weight sync will carry them",
+                stacklevel=3,
+            )
         if reader.ignored:
-            print(f"[import] ignoring {len(reader.ignored)} rotary_emb.inv_freq buffers: every model recomputes "
-                  "them from the config's rope settings")
+            print(
+                f"[import] ignoring {len(reader.ignored)} rotary_emb.inv_freq buffers: every model recomputes "
+                "them from the config's rope settings"
+            )
     return dropped

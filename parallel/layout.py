@@ -73,8 +73,7 @@ class ParallelLayout:
             )
         if self.sequence_parallel and self.tp == 1:
             raise ValueError(
-                f"{self.config_name}.sequence_parallel=true needs {self.config_name}.tp > 1: "
-                f"set it to false"
+                f"{self.config_name}.sequence_parallel=true needs {self.config_name}.tp > 1: set it to false"
             )
         per_step = self.micro_batch_size * self.dp
         if self.global_batch_size % per_step:

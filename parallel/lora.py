@@ -76,8 +76,10 @@ class LoRAConfig:
         if unknown or not self.target_modules:
             raise ValueError(f"lora.target_modules={self.target_modules}: choose a non-empty subset of {list(TARGETS)}")
         if self.dropout != 0.0:
-            raise ValueError(f"lora.dropout={self.dropout}: must be 0 (RL needs the trainer's logprobs to equal "
-                             f"the engine's, which applies no dropout)")
+            raise ValueError(
+                f"lora.dropout={self.dropout}: must be 0 (RL needs the trainer's logprobs to equal "
+                f"the engine's, which applies no dropout)"
+            )
 
     @property
     def scale(self) -> float:
@@ -117,8 +119,9 @@ class LoRAAdapter(torch.nn.Module):
     docstring).
     """
 
-    def __init__(self, weight: torch.Tensor, *, column: bool, expert: bool, config, rank: int, scale: float,
-                 gated: bool):
+    def __init__(
+        self, weight: torch.Tensor, *, column: bool, expert: bool, config, rank: int, scale: float, gated: bool
+    ):
         super().__init__()
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -183,14 +186,18 @@ class LoRAAdapter(torch.nn.Module):
 
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         state = make_sharded_tensors_for_checkpoint(
-            self.state_dict(prefix="", keep_vars=True), prefix,
-            {"lora_B": 0} if self.column else {"lora_A": 1}, sharded_offsets,
-            tp_group=self.group, dp_cp_group=metadata["dp_cp_group"],
+            self.state_dict(prefix="", keep_vars=True),
+            prefix,
+            {"lora_B": 0} if self.column else {"lora_A": 1},
+            sharded_offsets,
+            tp_group=self.group,
+            dp_cp_group=metadata["dp_cp_group"],
         )
         if self.gated:
             key = f"{prefix}lora_B"
-            state[key] = apply_swiglu_sharded_factory(state[key], sharded_offsets,
-                                                      metadata.get("singleton_local_shards", False))
+            state[key] = apply_swiglu_sharded_factory(
+                state[key], sharded_offsets, metadata.get("singleton_local_shards", False)
+            )
         return state
 
 
@@ -224,6 +231,7 @@ class GroupedLoRA(torch.nn.ModuleList):
 
 def _hook(adapter: LoRAAdapter):
     """Plain linears: the adapter reads the base's input."""
+
     def hook(module, args, output):
         out, bias = output
         return out + adapter(args[0]), bias
@@ -235,6 +243,7 @@ def _normed_input_hook(adapter: LoRAAdapter):
     """TELayerNormColumnParallelLinear with `return_layernorm_output`: the adapter reads the normed
     input, which megatron's wrapper returns as `((out, normed), None)`, or `(out, bias, normed)`
     when it returns the bias; the consumer gets the usual `(out, bias)`."""
+
     def hook(module, args, output):
         if len(output) == 3:
             out, bias, normed = output
@@ -247,6 +256,7 @@ def _normed_input_hook(adapter: LoRAAdapter):
 
 def _grouped_hook(adapter: GroupedLoRA):
     """TE grouped linears: forward(x, m_splits)."""
+
     def hook(module, args, output):
         out, bias = output
         return out + adapter(args[0], args[1]), bias
@@ -298,7 +308,7 @@ def _init_a(adapter: LoRAAdapter, hf_name: str, seed: int, shard: tuple[int, int
     generator = torch.Generator().manual_seed(_seed(seed, hf_name))
     full = (torch.rand(rank, fan_in, generator=generator, dtype=torch.float64) * 2 - 1) * bound
     with torch.no_grad():
-        adapter.lora_A.copy_(full[:, index * in_local:(index + 1) * in_local])
+        adapter.lora_A.copy_(full[:, index * in_local : (index + 1) * in_local])
 
 
 def adapters(model) -> dict[str, LoRAAdapter]:
@@ -349,9 +359,15 @@ def add_lora(model, bridge, config: LoRAConfig, seed: int) -> dict[str, LoRAAdap
         made = []
         for weight in weights:
             mapping, indices = resolve(table, f"{name}.{weight}")
-            adapter = LoRAAdapter(getattr(module, weight), column=kind.column, expert=mapping.expert,
-                                  config=module.config, rank=config.rank, scale=config.scale,
-                                  gated=leaf == "linear_fc1")
+            adapter = LoRAAdapter(
+                getattr(module, weight),
+                column=kind.column,
+                expert=mapping.expert,
+                config=module.config,
+                rank=config.rank,
+                scale=config.scale,
+                gated=leaf == "linear_fc1",
+            )
             axis = mapping.axis(ctx)
             _init_a(adapter, mapping.hf_names(ctx, indices)[0], seed, (0, 1) if kind.column else (axis.rank, axis.size))
             made.append(adapter)
@@ -372,6 +388,7 @@ def add_lora(model, bridge, config: LoRAConfig, seed: int) -> dict[str, LoRAAdap
         found.add(leaf)
     missing = [t for t in config.target_modules if t not in found]
     if missing and len(model.decoder.layers):
-        raise ValueError(f"lora.target_modules: {missing} match no layer of this model "
-                         f"({type(bridge).__name__}); remove them")
+        raise ValueError(
+            f"lora.target_modules: {missing} match no layer of this model ({type(bridge).__name__}); remove them"
+        )
     return adapters(model)

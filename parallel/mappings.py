@@ -93,7 +93,7 @@ def gather_along(tensor: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor | N
     out = gather_to_first(tensor, axis)
     if out is None or dim == 0:
         return out if out is None else out.view(-1, *tensor.shape[1:])
-    return out.movedim(0, dim).reshape(*tensor.shape[:dim], -1, *tensor.shape[dim + 1:])
+    return out.movedim(0, dim).reshape(*tensor.shape[:dim], -1, *tensor.shape[dim + 1 :])
 
 
 def _pattern(template: str) -> re.Pattern:
@@ -138,7 +138,9 @@ class Mapping:
         return ctx.etp if self.expert else ctx.tp
 
     # -- export: collective over the TP/ETP group, then (experts) the EP group -------------
-    def export(self, local: torch.Tensor, ctx: ParallelContext, indices: tuple[int, ...]) -> list[tuple[str, torch.Tensor]]:
+    def export(
+        self, local: torch.Tensor, ctx: ParallelContext, indices: tuple[int, ...]
+    ) -> list[tuple[str, torch.Tensor]]:
         """All ranks of the param's TP/ETP group call it in lockstep, then (experts) the ETP
         rank-0 members of the EP group; the first member of each gets every HF tensor of the
         param (experts: of all EP ranks), the others []. Memory: the full tensors, there."""
@@ -159,7 +161,9 @@ class Mapping:
         return out
 
     # -- import: no collective; reads only this rank's slices ------------------------------
-    def load(self, reader: ShardReader, ctx: ParallelContext, indices: tuple[int, ...], local_shape: torch.Size) -> torch.Tensor:
+    def load(
+        self, reader: ShardReader, ctx: ParallelContext, indices: tuple[int, ...], local_shape: torch.Size
+    ) -> torch.Tensor:
         shard = self.read_shard(reader, self.hf_names(ctx, indices), self.axis(ctx), local_shape)
         if tuple(shard.shape) != tuple(local_shape):
             raise ValueError(
@@ -288,7 +292,7 @@ class RopeRows(ColumnParallel):
 
     def _reorder(self, rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
         blocks = rows.reshape(-1, self.block, *rows.shape[1:])
-        rope = blocks[:, self.block - self.rope:]
+        rope = blocks[:, self.block - self.rope :]
         return torch.cat([blocks[:, : self.block - self.rope], rope[:, order]], dim=1).reshape(rows.shape)
 
     def gather(self, local, axis):
@@ -306,7 +310,7 @@ class RopeRows(ColumnParallel):
         if self.hf_order is not None:
             part = self._reorder(part, torch.argsort(self.hf_order))
         offset = start - first * self.block
-        return part[offset: offset + n]
+        return part[offset : offset + n]
 
 
 def resolve(table: tuple[Mapping, ...], name: str) -> tuple[Mapping, tuple[int, ...]]:
@@ -316,4 +320,3 @@ def resolve(table: tuple[Mapping, ...], name: str) -> tuple[Mapping, tuple[int, 
         if indices is not None:
             return mapping, indices
     raise ValueError(f"Megatron parameter {name!r} has no mapping in this bridge's table: add one")
-

@@ -35,8 +35,7 @@ def init_model_parallel(layout: ParallelLayout, seed: int) -> None:
 
     if dist.get_world_size() != layout.world_size:
         raise ValueError(
-            f"layout.world_size={layout.world_size} but {dist.get_world_size()} ranks were "
-            f"launched: make them equal"
+            f"layout.world_size={layout.world_size} but {dist.get_world_size()} ranks were launched: make them equal"
         )
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

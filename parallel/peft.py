@@ -25,7 +25,6 @@ import json
 import math
 import os
 from pathlib import Path
-from parallel.staging import fresh_staging, publish
 from typing import Iterator
 
 import torch
@@ -35,6 +34,7 @@ from parallel.bridges import Bridge
 from parallel.hf_checkpoint import HFCheckpointReader
 from parallel.lora import LoRAAdapter, LoRAConfig, adapters
 from parallel.mappings import ColumnParallel, GatedColumn, Mapping, Replicated, resolve
+from parallel.staging import fresh_staging, publish
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -51,8 +51,10 @@ class _Shared(Replicated):
         first = reader.read(names[0])
         for name in names[1:]:
             if not torch.equal(reader.read(name), first):
-                raise ValueError(f"adapter: {name} differs from {names[0]}; one Megatron adapter shares it "
-                                 f"across these fused targets, so they must be equal")
+                raise ValueError(
+                    f"adapter: {name} differs from {names[0]}; one Megatron adapter shares it "
+                    f"across these fused targets, so they must be equal"
+                )
         return first
 
 
@@ -119,9 +121,18 @@ def hf_lora_targets(bridge: Bridge, target_modules: list[str]) -> list[str]:
 
 def adapter_config(lora: LoRAConfig, target_modules: list[str], base_model: str | None = None) -> dict:
     """`adapter_config.json` for SGLang / vLLM / PEFT: plain alpha / r scaling (rsLoRA folded in)."""
-    return dict(peft_type="LORA", task_type="CAUSAL_LM", r=lora.rank, lora_alpha=lora.export_alpha,
-                target_modules=target_modules, lora_dropout=0.0, bias="none", use_rslora=False,
-                base_model_name_or_path=base_model, inference_mode=True)
+    return dict(
+        peft_type="LORA",
+        task_type="CAUSAL_LM",
+        r=lora.rank,
+        lora_alpha=lora.export_alpha,
+        target_modules=target_modules,
+        lora_dropout=0.0,
+        bias="none",
+        use_rslora=False,
+        base_model_name_or_path=base_model,
+        inference_mode=True,
+    )
 
 
 def collect_adapter(model, bridge: Bridge, lora: LoRAConfig) -> tuple[dict, dict[str, torch.Tensor]] | None:
@@ -146,8 +157,9 @@ def write_adapter(directory: str | os.PathLike, config: dict, tensors: dict[str,
     return publish(staging, directory)
 
 
-def save_adapter(model, bridge: Bridge, lora: LoRAConfig, directory: str | os.PathLike,
-                 base_model: str | None = None) -> None:
+def save_adapter(
+    model, bridge: Bridge, lora: LoRAConfig, directory: str | os.PathLike, base_model: str | None = None
+) -> None:
     """Write the model's adapters as a PEFT adapter directory (collective; rank 0 writes)."""
     collected = collect_adapter(model, bridge, lora)
     if collected is not None:
@@ -168,8 +180,10 @@ def read_adapter_config(directory: str | os.PathLike) -> dict:
         if config.get(key):
             raise ValueError(f"{path}: {key} is set; moe-rl adapters have one rank and alpha for every module")
     if config.get("target_parameters"):
-        raise ValueError(f"{path}: target_parameters (PEFT's fused 3-D expert format) cannot be imported; "
-                         f"save the adapter in the per-expert format (mlp.experts.{{e}}.gate_proj ...)")
+        raise ValueError(
+            f"{path}: target_parameters (PEFT's fused 3-D expert format) cannot be imported; "
+            f"save the adapter in the per-expert format (mlp.experts.{{e}}.gate_proj ...)"
+        )
     return config
 
 
@@ -177,8 +191,12 @@ def lora_config_of(directory: str | os.PathLike, target_modules: list[str] | Non
     """The LoRAConfig that holds this PEFT adapter (rank, alpha, rsLoRA)."""
     config = read_adapter_config(directory)
     extra = {} if target_modules is None else dict(target_modules=target_modules)
-    return LoRAConfig(rank=int(config["r"]), alpha=float(config.get("lora_alpha", config["r"])),
-                      use_rslora=bool(config.get("use_rslora", False)), **extra)
+    return LoRAConfig(
+        rank=int(config["r"]),
+        alpha=float(config.get("lora_alpha", config["r"])),
+        use_rslora=bool(config.get("use_rslora", False)),
+        **extra,
+    )
 
 
 def load_adapter(model, bridge: Bridge, directory: str | os.PathLike) -> None:
@@ -190,9 +208,11 @@ def load_adapter(model, bridge: Bridge, directory: str | os.PathLike) -> None:
     expected = lora_config_of(directory)
     for adapter in (a for chunk in model_chunks(model) for a in adapters(chunk).values()):
         if adapter.lora_A.shape[0] != expected.rank or not math.isclose(adapter.scale, expected.scale):
-            raise ValueError(f"{directory}: r={expected.rank}, scale={expected.scale} but the model's adapters have "
-                             f"r={adapter.lora_A.shape[0]}, scale={adapter.scale}: set lora.rank and lora.alpha "
-                             f"(and use_rslora) to the adapter's")
+            raise ValueError(
+                f"{directory}: r={expected.rank}, scale={expected.scale} but the model's adapters have "
+                f"r={adapter.lora_A.shape[0]}, scale={adapter.scale}: set lora.rank and lora.alpha "
+                f"(and use_rslora) to the adapter's"
+            )
     reader = HFCheckpointReader(directory, single_file=WEIGHTS_FILE)
     used: set[str] = set()
     with torch.no_grad():
@@ -206,5 +226,7 @@ def load_adapter(model, bridge: Bridge, directory: str | os.PathLike) -> None:
     dist.all_gather_object(everyone, sorted(used))
     unused = reader.names() - set().union(*map(set, everyone))
     if unused:
-        raise ValueError(f"{directory}: {len(unused)} adapter tensors match no adapted module, e.g. "
-                         f"{sorted(unused)[:3]}; set lora.target_modules to cover them")
+        raise ValueError(
+            f"{directory}: {len(unused)} adapter tensors match no adapted module, e.g. "
+            f"{sorted(unused)[:3]}; set lora.target_modules to cover them"
+        )

@@ -47,9 +47,7 @@ def init_distributed(timeout_s: float = 300) -> tuple[int, int]:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
-        )
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     return rank, world_size
 
 
@@ -127,4 +125,3 @@ def _rank_main(fn, args, rank, world_size, port, threads, results) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-

@@ -84,8 +84,7 @@ def layout(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list
     """Rebuild a bucket's metadata from an announcement (receiver side); checks it first."""
     if not (len(names) == len(dtypes) == len(shapes)) or not names:
         raise ValueError(
-            f"names/dtypes/shapes: need equal, non-zero lengths, got "
-            f"{len(names)}/{len(dtypes)}/{len(shapes)}"
+            f"names/dtypes/shapes: need equal, non-zero lengths, got {len(names)}/{len(dtypes)}/{len(shapes)}"
         )
     metas, offset = [], 0
     for name, dtype_str, shape in zip(names, dtypes, shapes):
@@ -104,9 +103,7 @@ def unpack(data: torch.Tensor, metas: list[TensorMeta]) -> list[tuple[str, torch
     """Views of each tensor in a received buffer (no copy: they share `data`'s memory)."""
     total = sum(m.nbytes for m in metas)
     assert data.dtype == torch.uint8 and data.numel() == total, (data.numel(), total)
-    return [
-        (m.name, data[m.offset : m.offset + m.nbytes].view(m.dtype).view(m.shape)) for m in metas
-    ]
+    return [(m.name, data[m.offset : m.offset + m.nbytes].view(m.dtype).view(m.shape)) for m in metas]
 
 
 class BucketPacker:
@@ -118,16 +115,14 @@ class BucketPacker:
     `checksums`: give each bucket its `checksum` (only when a receiver verifies them).
     """
 
-    def __init__(self, bucket_bytes: int, device: torch.device | str = "cpu", num_buffers: int = 2,
-                 checksums: bool = False):
+    def __init__(
+        self, bucket_bytes: int, device: torch.device | str = "cpu", num_buffers: int = 2, checksums: bool = False
+    ):
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes: must be positive, got {bucket_bytes}")
         self.bucket_bytes, self.checksums = bucket_bytes, checksums
         self.device = torch.device(device)
-        self.buffers = [
-            torch.empty(bucket_bytes, dtype=torch.uint8, device=self.device)
-            for _ in range(num_buffers)
-        ]
+        self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8, device=self.device) for _ in range(num_buffers)]
 
     @property
     def buffer_bytes(self) -> int:

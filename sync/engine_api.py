@@ -32,9 +32,10 @@ engine follows):
 Integrity: `checksum` ("crc32:%08x#k": CRC-32 of the bucket's bytes, see `sync.bucket`, and
 the bucket's index k in the version) is an embedded-engine extension, not an SGLang field: it is
 computed only when an engine `verifies_checksums`, and the client sends it to embedded engines
-only, which verify it and use k to run the collectives in bucket order (the sender keeps two buckets in flight, whose HTTP calls may arrive in either
-order). The embedded engine also stages buckets and swaps them in at the commit (another
-extension); the sender's correctness never relies on either.
+only, which verify it and use k to run the collectives in bucket order (the sender keeps two
+buckets in flight, whose HTTP calls may arrive in either order). The embedded engine also
+stages buckets and swaps them in at the commit (another extension); the sender's correctness
+never relies on either.
 
 Group membership follows SGLang's `/init_weights_update_group` (master_address, master_port,
 rank_offset, world_size, group_name, backend): the trainer source is rank 0 and each engine

@@ -47,9 +47,7 @@ class EngineSet:
     def submit(self, call: Callable[[EngineEndpoint], Coroutine[Any, Any, Any]]) -> dict[str, Future]:
         """Start `call(engine)` on every engine; returns a future per engine name."""
         return {
-            e.name: asyncio.run_coroutine_threadsafe(
-                asyncio.wait_for(call(e), self.timeout_s), self._loop
-            )
+            e.name: asyncio.run_coroutine_threadsafe(asyncio.wait_for(call(e), self.timeout_s), self._loop)
             for e in self.engines
         }
 

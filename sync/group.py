@@ -54,17 +54,24 @@ def host_store(master_address: str, world_size: int, timeout_s: float, port: int
         listener.listen(1024)
     except OSError as error:
         listener.close()
-        raise ValueError(f"master_address/master_port: cannot listen on {master_address}:{port} ({error}); "
-                         "use an address of this host and a free port (0 picks one)") from None
-    return dist.TCPStore(master_address, listener.getsockname()[1], world_size, is_master=True,
-                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
-                         master_listen_fd=listener.detach())
+        raise ValueError(
+            f"master_address/master_port: cannot listen on {master_address}:{port} ({error}); "
+            "use an address of this host and a free port (0 picks one)"
+        ) from None
+    return dist.TCPStore(
+        master_address,
+        listener.getsockname()[1],
+        world_size,
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+    )
 
 
 def client_store(master_address: str, master_port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
     """A client connection to a hosted store (rank 0 joins through one to keep the rendezvous abortable)."""
-    return dist.TCPStore(master_address, master_port, world_size, is_master=False,
-                         timeout=timedelta(seconds=timeout_s))
+    return dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
 class WeightUpdateGroup:
@@ -85,8 +92,11 @@ class WeightUpdateGroup:
         if store is None and rank != 0:
             _reachable(master_address, master_port)
         if store is None:
-            store = host_store(master_address, world_size, timeout_s, master_port) if rank == 0 else \
-                client_store(master_address, master_port, world_size, timeout_s)
+            store = (
+                host_store(master_address, world_size, timeout_s, master_port)
+                if rank == 0
+                else client_store(master_address, master_port, world_size, timeout_s)
+            )
         return cls(store, rank, world_size, group_name, backend, timeout_s)
 
     def __init__(
@@ -163,8 +173,10 @@ def _reachable(address: str, port: int, within_s: float = CONNECT_S) -> None:
             return
         except OSError as error:
             if time.monotonic() > deadline:
-                raise ValueError(f"master_address/master_port: nothing answers at {address}:{port} after "
-                                 f"{within_s:.0f} s ({error}); check the sync source's address and port") from None
+                raise ValueError(
+                    f"master_address/master_port: nothing answers at {address}:{port} after "
+                    f"{within_s:.0f} s ({error}); check the sync source's address and port"
+                ) from None
             time.sleep(0.2)
 
 
@@ -178,8 +190,10 @@ def address_for(peer_hosts: list[str]) -> str:
         try:
             sock.connect((remote[0], 9))  # UDP connect only picks the route
         except OSError as error:
-            raise ValueError(f"master_address: no route from this host to the engine host {remote[0]} "
-                             f"({error}); set sync.master_address to an address the engines reach") from None
+            raise ValueError(
+                f"master_address: no route from this host to the engine host {remote[0]} "
+                f"({error}); set sync.master_address to an address the engines reach"
+            ) from None
         return sock.getsockname()[0]
 
 

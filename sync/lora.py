@@ -52,8 +52,9 @@ class AdapterEndpoint(Protocol):
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None: ...
 
-    async def load_lora_adapter_from_tensors(self, lora_name: str, config_dict: dict,
-                                             named_tensors: dict[str, torch.Tensor], tp_size: int = 1) -> None: ...
+    async def load_lora_adapter_from_tensors(
+        self, lora_name: str, config_dict: dict, named_tensors: dict[str, torch.Tensor], tp_size: int = 1
+    ) -> None: ...
 
     async def unload_lora_adapter(self, lora_name: str) -> None: ...
 
@@ -123,11 +124,14 @@ class AdapterSync:
         refused = {n: error for n, error in failed.items() if n not in dropped}
         if refused or not self.engines.engines:
             self.engines.subset(set(self.engines.names) - set(failed)).call(
-                lambda engine: engine.unload_lora_adapter(name))
+                lambda engine: engine.unload_lora_adapter(name)
+            )
             if path is not None:
                 shutil.rmtree(path, ignore_errors=True)
-            error = SyncError(f"adapter {name}: {describe(refused) if refused else 'every engine is dead'}; "
-                              f"no engine serves it", engine=next(iter(refused), None))
+            error = SyncError(
+                f"adapter {name}: {describe(refused) if refused else 'every engine is dead'}; no engine serves it",
+                engine=next(iter(refused), None),
+            )
             error.dropped = dropped
             raise error
         self.loaded.append(version)
@@ -151,8 +155,10 @@ class AdapterSync:
             path = self._path(version) if self.config.route == "disk" else None
             if failed := one.call(lambda e: self._load(e, version, config, tensors, path)):
                 self.engines.drop({engine.name})
-                raise SyncError(f"restarted {engine.name} could not load {adapter_name(version)}: {describe(failed)}",
-                                engine=engine.name)
+                raise SyncError(
+                    f"restarted {engine.name} could not load {adapter_name(version)}: {describe(failed)}",
+                    engine=engine.name,
+                )
 
     def remove(self, name: str) -> None:
         """Forget a member the orchestrator knows is dead."""
@@ -175,8 +181,9 @@ class AdapterSync:
 
     def _unload(self, version: int) -> None:
         self._kept.pop(version, None)
-        self._unloading[version] = list(self.engines.submit(
-            lambda engine: engine.unload_lora_adapter(adapter_name(version))).values())
+        self._unloading[version] = list(
+            self.engines.submit(lambda engine: engine.unload_lora_adapter(adapter_name(version))).values()
+        )
 
     def _delete_unloaded(self) -> None:
         for version, futures in list(self._unloading.items()):

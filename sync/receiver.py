@@ -86,9 +86,7 @@ class WeightReceiver:
     ) -> None:
         """Join the weight-update group as `rank` (blocks until every rank joined)."""
         if self.group is not None:
-            raise RuntimeError(
-                f"already in group {self.group.group_name!r}; call leave() before joining another"
-            )
+            raise RuntimeError(f"already in group {self.group.group_name!r}; call leave() before joining another")
         self.group = WeightUpdateGroup.join(
             master_address, master_port, rank, world_size, group_name, backend, timeout_s
         )
@@ -133,8 +131,10 @@ class WeightReceiver:
                 index = self._tickets
             self._tickets += 1
             if not self._turn.wait_for(lambda: self._buckets == index, self._timeout_s()):
-                raise RuntimeError(f"version {version}: bucket {index} waited for bucket {self._buckets} "
-                                   f"until the timeout; was it announced?")
+                raise RuntimeError(
+                    f"version {version}: bucket {index} waited for bucket {self._buckets} "
+                    f"until the timeout; was it announced?"
+                )
         failure = None
         try:
             with self._state:
@@ -202,9 +202,13 @@ class WeightReceiver:
             if not self.staged or self._rejected is not None or self._labelled not in (None, version):
                 raise RuntimeError(
                     f"commit of version {version}, but "
-                    + (f"the staged version was rejected ({self._rejected})" if self._rejected else
-                       f"the staged buckets are of version {self._labelled}" if self.staged else
-                       "nothing is staged")
+                    + (
+                        f"the staged version was rejected ({self._rejected})"
+                        if self._rejected
+                        else f"the staged buckets are of version {self._labelled}"
+                        if self.staged
+                        else "nothing is staged"
+                    )
                 )
             staging = self._sets[self._staging]
             for key in set(staging) - self._used:  # layouts this version did not use
@@ -231,8 +235,7 @@ class WeightReceiver:
             version = _parse_version(weight_version)
             if version <= self.version:
                 raise ValueError(
-                    f"weight_version: {version} is stale or repeated (serving {self.version}); "
-                    f"versions must increase"
+                    f"weight_version: {version} is stale or repeated (serving {self.version}); versions must increase"
                 )
             if self._labelled not in (None, version):  # another version: forget the abandoned one
                 self._reset()
@@ -255,7 +258,7 @@ class WeightReceiver:
 
 
 def _split_tag(tag: str | None) -> tuple[str | None, int | None]:
-    """"crc32:XXXXXXXX#k" -> ("crc32:XXXXXXXX", k); a plain checksum has no bucket index."""
+    """ "crc32:XXXXXXXX#k" -> ("crc32:XXXXXXXX", k); a plain checksum has no bucket index."""
     if tag is None or "#" not in tag:
         return tag, None
     checksum, index = tag.rsplit("#", 1)

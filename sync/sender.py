@@ -189,8 +189,9 @@ class WeightSender:
                 dead = targets.subset(set(targets.names) - self.partial).call(lambda e: e.continue_generation())
                 if committed:
                     self._forget(set(dead))
-        return SyncStats(version, nbytes, time.perf_counter() - start,
-                         [n for n in targets.names if n not in dead], sorted(dead))
+        return SyncStats(
+            version, nbytes, time.perf_counter() - start, [n for n in targets.names if n not in dead], sorted(dead)
+        )
 
     def _drop_dead(self, targets: EngineSet) -> list[str]:
         """After a failure: drop the targets that no longer answer /health; returns their names."""

@@ -37,8 +37,9 @@ def test_yaml_syntax_error_names_the_file_and_line(tmp_path, capsys):
 
 def test_convert_with_a_zero_size_is_refused(tiny_dir, tmp_path, capsys):
     for flag in ("--tp", "--ep", "--pp"):
-        err = error_of(capsys, ["convert", "hf-to-megatron", "--hf", str(tiny_dir), "--out", str(tmp_path / "o"),
-                                flag, "0"])
+        err = error_of(
+            capsys, ["convert", "hf-to-megatron", "--hf", str(tiny_dir), "--out", str(tmp_path / "o"), flag, "0"]
+        )
         assert f"{flag}=0: must be a positive integer" in err
 
 
@@ -46,8 +47,16 @@ def test_serve_refuses_a_dense_a_truncated_or_a_nan_checkpoint(tiny_dir, tmp_pat
     from transformers import LlamaConfig, LlamaForCausalLM
 
     dense = tmp_path / "dense"
-    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=64)).save_pretrained(dense)
+    LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=64,
+        )
+    ).save_pretrained(dense)
     capsys.readouterr()  # save_pretrained's progress bar
     assert "is not a Mixture-of-Experts model" in error_of(capsys, ["serve", str(dense), "--port", "0"])
 
@@ -68,7 +77,9 @@ def test_serve_refuses_a_dense_a_truncated_or_a_nan_checkpoint(tiny_dir, tmp_pat
 
 
 def test_resume_on_an_hf_directory_says_what_it_is(tiny_dir, capsys):
-    assert "is an HF model directory, not a moe-rl run directory" in error_of(capsys, ["train", "--resume", str(tiny_dir)])
+    assert "is an HF model directory, not a moe-rl run directory" in error_of(
+        capsys, ["train", "--resume", str(tiny_dir)]
+    )
 
 
 def test_a_torn_last_metrics_line_is_dropped_and_a_bad_one_named(tmp_path):

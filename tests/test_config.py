@@ -8,10 +8,18 @@ from moe_rl.config import RunConfig, load_config
 
 TINY_MODEL = {
     "hf_config": {
-        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 256,
-        "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
-        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "num_experts": 4, "num_experts_per_tok": 2,
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
     }
 }
 
@@ -24,8 +32,9 @@ def config_file(tmp_path):
 
 
 def test_yaml_and_overrides_build_typed_config(config_file):
-    config = load_config(config_file, ["trainer.tp=2", "trainer.sequence_parallel=true",
-                                       "trainer.optimizer.lr=1", "steps=3"])
+    config = load_config(
+        config_file, ["trainer.tp=2", "trainer.sequence_parallel=true", "trainer.optimizer.lr=1", "steps=3"]
+    )
     assert isinstance(config, RunConfig)
     assert (config.trainer.tp, config.trainer.ep, config.trainer.dp) == (2, 2, 2)
     assert config.trainer.expert_dp == 1
@@ -33,20 +42,32 @@ def test_yaml_and_overrides_build_typed_config(config_file):
     assert config.steps == 3
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["trainer.world_size=3"], r"trainer.world_size=3 is not divisible by etp\*ep\*pp"),
-    (["trainer.ep=3", "trainer.world_size=3"], r"trainer.ep=3 does not divide the model's 4 experts"),
-    (["trainer.tp=4", "trainer.ep=1", "trainer.sequence_parallel=true"], r"trainer.tp=4 does not divide the model's 2 KV groups"),
-    (["trainer.tp=8", "trainer.ep=1", "trainer.world_size=8"], r"trainer.tp=8 does not divide the model's 4 attention heads"),
-    (["trainer.pp=3", "trainer.ep=1", "trainer.world_size=3"], r"trainer.pp=3 does not divide the model's 4 layers"),
-    (["trainer.tp=2"], r"requires sequence parallel.*set trainer.sequence_parallel=true"),
-    (["trainer.sequence_parallel=true"], r"sequence_parallel=true needs trainer.tp > 1"),
-    (["trainer.global_batch_size=3"], r"global_batch_size=3 is not divisible by micro_batch_size\*dp"),
-    (["trainer.tpp=2"], r"unknown config field 'trainer.tpp'; did you mean 'tp'"),
-    (["trainer.tp=two"], r"trainer.tp='two': expected int"),
-    (["trainer.optimizer.lr=-1"], r"optimizer.lr=-1.0: must be > 0"),
-    (["steps"], r"write it as dotted.key=value"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.world_size=3"], r"trainer.world_size=3 is not divisible by etp\*ep\*pp"),
+        (["trainer.ep=3", "trainer.world_size=3"], r"trainer.ep=3 does not divide the model's 4 experts"),
+        (
+            ["trainer.tp=4", "trainer.ep=1", "trainer.sequence_parallel=true"],
+            r"trainer.tp=4 does not divide the model's 2 KV groups",
+        ),
+        (
+            ["trainer.tp=8", "trainer.ep=1", "trainer.world_size=8"],
+            r"trainer.tp=8 does not divide the model's 4 attention heads",
+        ),
+        (
+            ["trainer.pp=3", "trainer.ep=1", "trainer.world_size=3"],
+            r"trainer.pp=3 does not divide the model's 4 layers",
+        ),
+        (["trainer.tp=2"], r"requires sequence parallel.*set trainer.sequence_parallel=true"),
+        (["trainer.sequence_parallel=true"], r"sequence_parallel=true needs trainer.tp > 1"),
+        (["trainer.global_batch_size=3"], r"global_batch_size=3 is not divisible by micro_batch_size\*dp"),
+        (["trainer.tpp=2"], r"unknown config field 'trainer.tpp'; did you mean 'tp'"),
+        (["trainer.tp=two"], r"trainer.tp='two': expected int"),
+        (["trainer.optimizer.lr=-1"], r"optimizer.lr=-1.0: must be > 0"),
+        (["steps"], r"write it as dotted.key=value"),
+    ],
+)
 def test_impossible_configs_name_the_field_and_fix(config_file, overrides, message):
     with pytest.raises(ValueError, match=message):
         load_config(config_file, overrides)
@@ -54,8 +75,9 @@ def test_impossible_configs_name_the_field_and_fix(config_file, overrides, messa
 
 def test_unknown_architecture_is_named(config_file):
     with pytest.raises(ValueError, match=r"no bridge for architectures=\['LlamaForCausalLM'\]"):
-        load_config(config_file, ["model.hf_config.architectures=[LlamaForCausalLM]",
-                                  "model.hf_config.model_type=llama"])
+        load_config(
+            config_file, ["model.hf_config.architectures=[LlamaForCausalLM]", "model.hf_config.model_type=llama"]
+        )
 
 
 def test_cli_rejects_a_bad_layout_without_spawning(config_file, monkeypatch, capsys):
@@ -82,9 +104,11 @@ def test_a_fresh_run_never_mixes_with_an_earlier_one(config_file, tmp_path, monk
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("a user's file")
-    for out, flags, message in [(earlier, [], "holds an earlier run; continue it with --resume"),
-                                (other, [], "is not a moe-rl run directory"),
-                                (other, ["--overwrite"], "is not a moe-rl run directory")]:
+    for out, flags, message in [
+        (earlier, [], "holds an earlier run; continue it with --resume"),
+        (other, [], "is not a moe-rl run directory"),
+        (other, ["--overwrite"], "is not a moe-rl run directory"),
+    ]:
         assert cli.main(["train", str(config_file), f"output_dir={out}", *flags]) == 2
         assert message in capsys.readouterr().err
     assert (earlier / "metrics.jsonl").read_text() == '{"step": 1}\n'

@@ -106,11 +106,15 @@ class AlgorithmConfig:
             raise ValueError(f"algorithm.kl_coef={self.kl_coef}: must be >= 0 (0 disables KL)")
         if self.ref_model_path is not None:
             if self.kl_coef == 0:
-                raise ValueError(f"algorithm.ref_model_path={self.ref_model_path!r} is only used with "
-                                 "kl_coef > 0: set algorithm.kl_coef or remove ref_model_path")
+                raise ValueError(
+                    f"algorithm.ref_model_path={self.ref_model_path!r} is only used with "
+                    "kl_coef > 0: set algorithm.kl_coef or remove ref_model_path"
+                )
             if not (Path(self.ref_model_path) / "config.json").is_file():
-                raise ValueError(f"algorithm.ref_model_path={self.ref_model_path!r}: no config.json there; "
-                                 "point it at an HF model directory")
+                raise ValueError(
+                    f"algorithm.ref_model_path={self.ref_model_path!r}: no config.json there; "
+                    "point it at an HF model directory"
+                )
         if self.tis_cap < 1:
             raise ValueError(f"algorithm.tis_cap={self.tis_cap}: must be >= 1, e.g. 2.0")
         _band("icepop", self.icepop_low, self.icepop_high)

@@ -157,8 +157,11 @@ def _aggregate(token_loss, mask, config):
 
 
 def _check_inputs(logprobs, microbatch, config):
-    needed = {"loss_mask": "the batch builder", "advantages": "advantages.py, per token",
-              "old_logprobs": "the trainer's recompute pass"}
+    needed = {
+        "loss_mask": "the batch builder",
+        "advantages": "advantages.py, per token",
+        "old_logprobs": "the trainer's recompute pass",
+    }
     if config.off_policy != "none":
         needed["rollout_logprobs"] = f"the engine (off_policy={config.off_policy!r})"
     if config.kl_coef > 0:

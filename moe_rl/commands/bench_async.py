@@ -29,23 +29,41 @@ import os
 from pathlib import Path
 
 COMMAND = ("bench", "async")
-HELP = "sync vs fully_async speedup (balanced and unbalanced), and partial rollouts vs drain-before-sync under long tails"
+HELP = (
+    "sync vs fully_async speedup (balanced and unbalanced), and partial rollouts vs drain-before-sync under long tails"
+)
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("config", help="RL run config (YAML with a rollout section), e.g. configs/demo_cpu.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted overrides applied to every run")
     parser.add_argument("--steps", type=int, default=20, help="RL steps per run (one full bench: ~4-6 min on 2 cores)")
-    parser.add_argument("--balanced-max-new-tokens", type=int, default=36,
-                        help="response length of the balanced workload (generation ~ training in sync mode)")
+    parser.add_argument(
+        "--balanced-max-new-tokens",
+        type=int,
+        default=36,
+        help="response length of the balanced workload (generation ~ training in sync mode)",
+    )
     parser.add_argument("--long-tail-max-new-tokens", type=int, default=56)
-    parser.add_argument("--num-stop-tokens", type=int, default=8,
-                        help="stop tokens of the long-tailed task (8 of 256: mean length ~27, ~17%% run to the budget)")
-    parser.add_argument("--pools", action=argparse.BooleanOptionalAction, default=None,
-                        help="disjoint CPU pools: one trainer rank and one engine on cores of their own "
-                             "(default: on with >= 2 cores, unless CONFIG sets cpu_pools)")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="run every pair this many times; ratios are then medians with their range")
+    parser.add_argument(
+        "--num-stop-tokens",
+        type=int,
+        default=8,
+        help="stop tokens of the long-tailed task (8 of 256: mean length ~27, ~17%% run to the budget)",
+    )
+    parser.add_argument(
+        "--pools",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="disjoint CPU pools: one trainer rank and one engine on cores of their own "
+        "(default: on with >= 2 cores, unless CONFIG sets cpu_pools)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every pair this many times; ratios are then medians with their range",
+    )
     parser.add_argument("--output", default="runs/bench_async/results.json")
 
 
@@ -53,33 +71,42 @@ def pool_overrides(cores: list[int]) -> list[str]:
     """One trainer rank (no EP) on the first half of `cores`, one engine on the other half."""
     half = len(cores) // 2
     trainer, engine = cores[:half], cores[half:]
-    return ["trainer.world_size=1", "trainer.ep=1", "engines.count=1",
-            f"cpu_pools={{trainer: {trainer}, engines: [{engine}]}}"]
+    return [
+        "trainer.world_size=1",
+        "trainer.ep=1",
+        "engines.count=1",
+        f"cpu_pools={{trainer: {trainer}, engines: [{engine}]}}",
+    ]
 
 
 def _run(config_path: str, overrides: list[str], name: str, out: Path) -> dict:
     from moe_rl.config import load_config
     from moe_rl.jobs import rl
 
-    config = load_config(config_path, [*overrides, f"output_dir={out / name}", "rl.report=false",
-                                       "rl.save_hf=false"])
+    config = load_config(config_path, [*overrides, f"output_dir={out / name}", "rl.report=false", "rl.save_hf=false"])
     summary = rl.run(config)
     rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
     last, n = rows[-1], len(rows)
     mean = lambda key: sum(r.get(key, 0.0) for r in rows) / n  # noqa: E731
     cores = out / name / "cpu_pools.json"
     return {
-        "mode": config.rl.mode, "steps": config.steps, "train_s": summary["train_s"],
+        "mode": config.rl.mode,
+        "steps": config.steps,
+        "train_s": summary["train_s"],
         "steps_per_s": config.steps / summary["train_s"],
         "generated_tokens_per_s": last["rollout/generated_tokens_per_s"],
         "trained_tokens_per_s": sum(r["train/tokens"] for r in rows) / summary["train_s"],
-        "reward_first": summary["reward_first"], "reward_last": summary["reward_last"],
+        "reward_first": summary["reward_first"],
+        "reward_last": summary["reward_last"],
         "resumed_requests": last["rollout/resumed_requests"],
-        "mean_step_s": mean("time/step_s"), "mean_sync_s": mean("time/sync_s"),
-        "mean_trainer_wait_s": mean("time/trainer_wait_s"), "mean_train_step_s": mean("time/train_step_s"),
+        "mean_step_s": mean("time/step_s"),
+        "mean_sync_s": mean("time/sync_s"),
+        "mean_trainer_wait_s": mean("time/trainer_wait_s"),
+        "mean_train_step_s": mean("time/train_step_s"),
         "mean_drain_s": mean("time/drain_s"),
         # what bounds the step: the trainer's and the engines' busy fractions (moe_rl.jobs.rl perf/*)
-        "trainer_busy_frac": mean("perf/trainer_busy_frac"), "engine_busy_frac": mean("perf/engine_busy_frac"),
+        "trainer_busy_frac": mean("perf/trainer_busy_frac"),
+        "engine_busy_frac": mean("perf/engine_busy_frac"),
         "mean_response_length": mean("rollout/response_length_mean"),
         "max_response_length": max(r["rollout/response_length_max"] for r in rows),
         "cores": json.loads(cores.read_text()) if cores.is_file() else None,
@@ -95,8 +122,8 @@ def overlap_ideal(sync_run: dict) -> dict:
 
 
 def run(args) -> int:
-    from moe_rl.cpu_pools import available_cores
     from moe_rl.config import load_config
+    from moe_rl.cpu_pools import available_cores
 
     out = Path(args.output).parent
     cores = sorted(available_cores())
@@ -108,47 +135,64 @@ def run(args) -> int:
     base = [*(pool_overrides(cores) if pools else []), *args.overrides, f"steps={args.steps}"]
     print(f"cpu pools: {_describe_pools(load_config(args.config, base))} ({os.cpu_count()} cores here)", flush=True)
     balanced = [*base, f"rollout.max_new_tokens={args.balanced_max_new_tokens}"]
-    tail = [*base, "rollout.task=copy_digits_long_tail", f"rollout.max_new_tokens={args.long_tail_max_new_tokens}",
-            f"rollout.task_options={{length: 1, num_stop_tokens: {args.num_stop_tokens}}}",
-            "rollout.max_staleness=1", "sync.pause_mode=abort", "rollout.partial_rollout=true"]
+    tail = [
+        *base,
+        "rollout.task=copy_digits_long_tail",
+        f"rollout.max_new_tokens={args.long_tail_max_new_tokens}",
+        f"rollout.task_options={{length: 1, num_stop_tokens: {args.num_stop_tokens}}}",
+        "rollout.max_staleness=1",
+        "sync.pause_mode=abort",
+        "rollout.partial_rollout=true",
+    ]
     sync, fully_async = ["rl.mode=sync", "rollout.max_staleness=0"], ["rl.mode=fully_async"]
     plan = {
-        "balanced_sync": [*balanced, *sync], "balanced_fully_async": [*balanced, *fully_async],
-        "unbalanced_sync": [*base, *sync], "unbalanced_fully_async": [*base, *fully_async],
-        "long_tail_drain": [*tail, "rl.mode=one_step_off"], "long_tail_partial": [*tail, "rl.mode=fully_async"],
+        "balanced_sync": [*balanced, *sync],
+        "balanced_fully_async": [*balanced, *fully_async],
+        "unbalanced_sync": [*base, *sync],
+        "unbalanced_fully_async": [*base, *fully_async],
+        "long_tail_drain": [*tail, "rl.mode=one_step_off"],
+        "long_tail_partial": [*tail, "rl.mode=fully_async"],
     }
     repeats = []  # each repeat runs every pair back to back, so both runs of a pair see about the same load
     for r in range(args.repeats):
         where = out if args.repeats == 1 else out / f"repeat{r}"
         runs = {name: _run(args.config, overrides, name, where) for name, overrides in plan.items()}
         repeats.append({"runs": runs, **_ratios(runs)})
-    summary = {key: _spread([rep[key] for rep in repeats])
-               for key in ("balanced", "unbalanced", "long_tail")}
-    results = {"pools": pools, "cores": cores, "repeats": repeats, "summary": summary,
-               "load_average": os.getloadavg()}
+    summary = {key: _spread([rep[key] for rep in repeats]) for key in ("balanced", "unbalanced", "long_tail")}
+    results = {"pools": pools, "cores": cores, "repeats": repeats, "summary": summary, "load_average": os.getloadavg()}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(results, indent=2))
-    print(f"{'run':<23} {'train s':>8} {'steps/s':>8} {'gen tok/s':>10} {'step s':>7} {'wait s':>7} "
-          f"{'drain s':>8} {'resumed':>8} {'trainer busy':>13} {'engine busy':>12}")
+    print(
+        f"{'run':<23} {'train s':>8} {'steps/s':>8} {'gen tok/s':>10} {'step s':>7} {'wait s':>7} "
+        f"{'drain s':>8} {'resumed':>8} {'trainer busy':>13} {'engine busy':>12}"
+    )
     for r, rep in enumerate(repeats):
         for name, run_ in rep["runs"].items():
             label = name if args.repeats == 1 else f"{name}#{r}"
-            print(f"{label:<23} {run_['train_s']:8.1f} {run_['steps_per_s']:8.2f} {run_['generated_tokens_per_s']:10.0f} "
-                  f"{run_['mean_step_s']:7.3f} {run_['mean_trainer_wait_s']:7.3f} {run_['mean_drain_s']:8.3f} "
-                  f"{run_['resumed_requests']:8.0f} {run_['trainer_busy_frac']:13.0%} {run_['engine_busy_frac']:12.0%}")
+            print(
+                f"{label:<23} {run_['train_s']:8.1f} {run_['steps_per_s']:8.2f} {run_['generated_tokens_per_s']:10.0f} "
+                f"{run_['mean_step_s']:7.3f} {run_['mean_trainer_wait_s']:7.3f} {run_['mean_drain_s']:8.3f} "
+                f"{run_['resumed_requests']:8.0f} {run_['trainer_busy_frac']:13.0%} {run_['engine_busy_frac']:12.0%}"
+            )
     reported = repeats[0]["runs"]["balanced_sync"]["cores"]
     if reported:
-        print(f"cores the processes reported (balanced_sync/cpu_pools.json): trainer ranks "
-              f"{[r['cores'] for r in reported['trainer_ranks']]}, engines {reported['engines']}, "
-              f"rollout worker {reported['rollout_worker']}")
+        print(
+            f"cores the processes reported (balanced_sync/cpu_pools.json): trainer ranks "
+            f"{[r['cores'] for r in reported['trainer_ranks']]}, engines {reported['engines']}, "
+            f"rollout worker {reported['rollout_worker']}"
+        )
     for name in ("balanced", "unbalanced"):
         w = summary[name]
-        print(f"fully_async over sync, {name}: {_show(w, 'speedup')} (ideal {_show(w, 'ideal')}: gen {w['gen_s']:.3f} s, "
-              f"train {w['train_s']:.3f} s per sync step)")
+        print(
+            f"fully_async over sync, {name}: {_show(w, 'speedup')} (ideal {_show(w, 'ideal')}: gen {w['gen_s']:.3f} s, "
+            f"train {w['train_s']:.3f} s per sync step)"
+        )
     t = summary["long_tail"]
-    print(f"partial rollouts over drain-before-sync (long tail): {_show(t, 'steps_per_s')} steps/s "
-          f"(ideal {_show(t, 'ideal_steps_per_s')}: no drain wait), {_show(t, 'generated_tokens_per_s')} "
-          "generated tokens/s")
+    print(
+        f"partial rollouts over drain-before-sync (long tail): {_show(t, 'steps_per_s')} steps/s "
+        f"(ideal {_show(t, 'ideal_steps_per_s')}: no drain wait), {_show(t, 'generated_tokens_per_s')} "
+        "generated tokens/s"
+    )
     print(f"load average during the bench: {results['load_average'][1]:.2f} (5 min); {args.output}")
     return 0
 
@@ -172,8 +216,10 @@ def _spread(values: list[dict]) -> dict:
     """Per key: the median over repeats, and every repeat's value (`<key>_all`)."""
     import statistics
 
-    return {**{key: statistics.median(v[key] for v in values) for key in values[0]},
-            **{f"{key}_all": [v[key] for v in values] for key in values[0]}}
+    return {
+        **{key: statistics.median(v[key] for v in values) for key in values[0]},
+        **{f"{key}_all": [v[key] for v in values] for key in values[0]},
+    }
 
 
 def _show(summary: dict, key: str) -> str:
@@ -188,7 +234,9 @@ def _describe_pools(config) -> str:
     pools = config.cpu_pools
     if pools is None:
         return f"none (unpinned: trainer.world_size={config.trainer.world_size}, engines.count={config.engines.count})"
-    ranks = "; ".join(f"trainer rank {i} on cores {cores} ({threads} threads)"
-                      for i, (cores, threads) in enumerate(pools.trainer_cores(config.trainer.world_size)))
+    ranks = "; ".join(
+        f"trainer rank {i} on cores {cores} ({threads} threads)"
+        for i, (cores, threads) in enumerate(pools.trainer_cores(config.trainer.world_size))
+    )
     engines = "; ".join(f"engine {i} on cores {cores}" for i, cores in enumerate(pools.engines))
     return f"{ranks}; {engines}; rollout worker on {pools.rollout_cores}; driver unpinned"

@@ -23,8 +23,10 @@ import time
 from typing import Callable
 
 COMMAND = ("bench", "engine")
-HELP = ("measure an engine's continuous batching: N concurrent requests vs the same N serially and vs "
-        "transformers' generate() at batch N")
+HELP = (
+    "measure an engine's continuous batching: N concurrent requests vs the same N serially and vs "
+    "transformers' generate() at batch N"
+)
 
 Baseline = Callable[[], tuple[float, int]]
 """Times one batched generate(): (seconds, new tokens)."""
@@ -46,9 +48,18 @@ def tiny_model_dir() -> str:
 
     torch.manual_seed(0)
     config = Qwen3MoeConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
-        norm_topk_prob=True, architectures=["Qwen3MoeForCausalLM"],
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        architectures=["Qwen3MoeForCausalLM"],
     )
     path = tempfile.mkdtemp(prefix="moe-rl-bench-")
     Qwen3MoeForCausalLM(config).save_pretrained(path)
@@ -72,16 +83,24 @@ def generate_baseline(model_dir: str, requests: int, prompt_len: int, max_new_to
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, prompt in enumerate(prompts):  # left padding, as the engine's prefill
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        mask[row, width - len(prompt):] = 1
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
     ids, mask = ids.to(device), mask.to(device)
 
     def generate(rows: int) -> torch.Tensor:
         # min_new_tokens = max_new_tokens: EOS never ends a row early (the engine's ignore_eos);
         # top_k=0 turns off transformers' default top-k of 50 (the engine sends top_k=-1)
-        return model.generate(input_ids=ids[:rows], attention_mask=mask[:rows], do_sample=True, temperature=1.0,
-                              top_p=1.0, top_k=0, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                              pad_token_id=0)
+        return model.generate(
+            input_ids=ids[:rows],
+            attention_mask=mask[:rows],
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            pad_token_id=0,
+        )
 
     def timed() -> tuple[float, int]:
         if device == "cuda":
@@ -97,16 +116,18 @@ def generate_baseline(model_dir: str, requests: int, prompt_len: int, max_new_to
     return device, timed
 
 
-async def measure(url: str, requests: int, prompt_len: int, max_new_tokens: int, repeats: int = 1,
-                  baseline: Baseline | None = None) -> dict:
+async def measure(
+    url: str, requests: int, prompt_len: int, max_new_tokens: int, repeats: int = 1, baseline: Baseline | None = None
+) -> dict:
     from moe_rl.engine.client import EngineClient
 
     client = EngineClient(url)
     prompts = make_prompts(requests, prompt_len)
 
     async def one(i: int) -> int:
-        result = await client.generate(prompts[i], max_new_tokens=max_new_tokens, seed=i, ignore_eos=True,
-                                       return_routed_experts=True)
+        result = await client.generate(
+            prompts[i], max_new_tokens=max_new_tokens, seed=i, ignore_eos=True, return_routed_experts=True
+        )
         return len(result.output_ids)
 
     concurrent, generated = [], []  # (seconds, tokens) per repeat
@@ -124,9 +145,14 @@ async def measure(url: str, requests: int, prompt_len: int, max_new_tokens: int,
     finally:
         await client.close()
     report = {
-        "requests": requests, "prompt_len": prompt_len, "max_new_tokens": max_new_tokens, "repeats": repeats,
-        "serial_s": round(serial_s, 3), "serial_tok_per_s": round(serial_tokens / serial_s, 1),
-        "serial_tokens": serial_tokens, **_best("concurrent", concurrent),
+        "requests": requests,
+        "prompt_len": prompt_len,
+        "max_new_tokens": max_new_tokens,
+        "repeats": repeats,
+        "serial_s": round(serial_s, 3),
+        "serial_tok_per_s": round(serial_tokens / serial_s, 1),
+        "serial_tokens": serial_tokens,
+        **_best("concurrent", concurrent),
     }
     report["speedup"] = round(serial_s / report["concurrent_s"], 2)
     if generated:
@@ -138,8 +164,12 @@ async def measure(url: str, requests: int, prompt_len: int, max_new_tokens: int,
 
 def _best(name: str, runs: list[tuple[float, int]]) -> dict:
     seconds, tokens = min(runs)
-    return {f"{name}_s": round(seconds, 3), f"{name}_tok_per_s": round(tokens / seconds, 1), f"{name}_tokens": tokens,
-            f"{name}_all_s": [round(s, 3) for s, _ in runs]}
+    return {
+        f"{name}_s": round(seconds, 3),
+        f"{name}_tok_per_s": round(tokens / seconds, 1),
+        f"{name}_tokens": tokens,
+        f"{name}_all_s": [round(s, 3) for s, _ in runs],
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -163,15 +193,21 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"{report['requests']} requests x {report['max_new_tokens']} new tokens (prompt {report['prompt_len']}), "
-          f"best of {report['repeats']} concurrent{' and generate()' if device else ''} runs")
+    print(
+        f"{report['requests']} requests x {report['max_new_tokens']} new tokens (prompt {report['prompt_len']}), "
+        f"best of {report['repeats']} concurrent{' and generate()' if device else ''} runs"
+    )
     for label, key in [("serial", "serial"), ("concurrent", "concurrent"), ("generate()", "generate")]:
         if f"{key}_s" in report:
-            print(f"  {label:10s} {report[key + '_s']:8.2f} s  {report[key + '_tok_per_s']:9.1f} tok/s  "
-                  f"{report[key + '_tokens']:7d} tokens")
+            print(
+                f"  {label:10s} {report[key + '_s']:8.2f} s  {report[key + '_tok_per_s']:9.1f} tok/s  "
+                f"{report[key + '_tokens']:7d} tokens"
+            )
     print(f"  speedup    {report['speedup']:8.2f}x  concurrent vs serial")
     if "vs_generate" in report:
         ratios = report["vs_generate_per_repeat"]
-        print(f"  vs generate() {report['vs_generate']:5.2f}x  concurrent vs transformers' generate() at batch "
-              f"{report['requests']} ({device}); per repeat {min(ratios):.2f}-{max(ratios):.2f}x")
+        print(
+            f"  vs generate() {report['vs_generate']:5.2f}x  concurrent vs transformers' generate() at batch "
+            f"{report['requests']} ({device}); per repeat {min(ratios):.2f}-{max(ratios):.2f}x"
+        )
     return 0

@@ -126,16 +126,34 @@ class SocketEngine:
     async def end_weight_update(self):  # nothing to finalize: the receiver stages, the commit swaps
         pass
 
-    async def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name, backend):
-        await self._call("join", master_address=master_address, master_port=master_port, rank=rank_offset,
-                         world_size=world_size, group_name=group_name, backend=backend)
+    async def init_weights_update_group(
+        self, master_address, master_port, rank_offset, world_size, group_name, backend
+    ):
+        await self._call(
+            "join",
+            master_address=master_address,
+            master_port=master_port,
+            rank=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        )
 
     async def destroy_weights_update_group(self, group_name):
         await self._call("leave")
 
-    async def update_weights_from_distributed(self, names, dtypes, shapes, group_name, weight_version, load_format, checksum):
-        await self._call("receive_bucket", names=names, dtypes=dtypes, shapes=shapes,
-                         weight_version=weight_version, checksum=checksum, group_name=group_name)
+    async def update_weights_from_distributed(
+        self, names, dtypes, shapes, group_name, weight_version, load_format, checksum
+    ):
+        await self._call(
+            "receive_bucket",
+            names=names,
+            dtypes=dtypes,
+            shapes=shapes,
+            weight_version=weight_version,
+            checksum=checksum,
+            group_name=group_name,
+        )
 
     async def update_weights_from_disk(self, model_path, weight_version):
         await self._call("stage_from_disk", model_path=model_path, weight_version=weight_version)
@@ -216,18 +234,29 @@ def _trainer(cfg: dict, addresses: list) -> dict | None:
     ratios = [raw / full for full, raw in zip(times["full"], times["raw"])]
     buffers, bound = 2 * bucket_bytes, 2 * bucket_bytes + largest[0]
     return dict(
-        bytes=nbytes, num_engines=len(engines), layout=cfg["layout"], bucket_bytes=bucket_bytes,
+        bytes=nbytes,
+        num_engines=len(engines),
+        layout=cfg["layout"],
+        bucket_bytes=bucket_bytes,
         export_bucket_bytes=export_bytes,
-        export_seconds=times["export"], export_pack_seconds=times["export_pack"],
-        full_seconds=times["full"], raw_seconds=times["raw"],
-        best_export_s=best["export"], best_pack_s=best["export_pack"] - best["export"],
-        best_full_s=best["full"], best_raw_s=best["raw"],
-        best_full_gb_per_s=nbytes / best["full"] / 1e9, best_raw_gb_per_s=nbytes / best["raw"] / 1e9,
-        ratio_raw_over_full=ratios, ratio_best=best["raw"] / best["full"],
-        largest_tensor_bytes=largest[0], sender_buffer_bytes=buffers,
+        export_seconds=times["export"],
+        export_pack_seconds=times["export_pack"],
+        full_seconds=times["full"],
+        raw_seconds=times["raw"],
+        best_export_s=best["export"],
+        best_pack_s=best["export_pack"] - best["export"],
+        best_full_s=best["full"],
+        best_raw_s=best["raw"],
+        best_full_gb_per_s=nbytes / best["full"] / 1e9,
+        best_raw_gb_per_s=nbytes / best["raw"] / 1e9,
+        ratio_raw_over_full=ratios,
+        ratio_best=best["raw"] / best["full"],
+        largest_tensor_bytes=largest[0],
+        sender_buffer_bytes=buffers,
         peak_transient_bytes_export_pack=transient["export_pack"],
         peak_transient_bytes_full=transient["full"],
-        peak_extra_bytes_source=buffers + transient["full"], bound_bytes=bound,
+        peak_extra_bytes_source=buffers + transient["full"],
+        bound_bytes=bound,
         peak_extra_within_bound=buffers + transient["full"] <= bound,
         stream="Megatron export (parallel.export.export_hf_weights), random init",
         engines="WeightReceiver processes (no model), a thread per call",
@@ -279,15 +308,16 @@ def run(args) -> int:
     for proc in procs:
         proc.start()
     try:
-        result = spawn(_trainer, layout.world_size, cfg, [addresses.get(timeout=120) for _ in procs],
-                       timeout_s=3600)[0]
+        result = spawn(_trainer, layout.world_size, cfg, [addresses.get(timeout=120) for _ in procs], timeout_s=3600)[0]
     finally:
         for proc in procs:
             proc.join(30)
             if proc.is_alive():
                 proc.kill()
     for key, value in result.items():
-        shown = [round(v, 3) for v in value] if isinstance(value, list) and value and isinstance(value[0], float) else value
+        shown = (
+            [round(v, 3) for v in value] if isinstance(value, list) and value and isinstance(value[0], float) else value
+        )
         print(f"{key:>42}: {shown:.4g}" if isinstance(shown, float) else f"{key:>42}: {shown}")
     output = Path(cfg.get("output", "bench_sync.json"))
     output.write_text(json.dumps(result, indent=2))

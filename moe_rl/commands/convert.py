@@ -29,6 +29,7 @@ import json
 import math
 import shutil
 from pathlib import Path
+
 from parallel.staging import fresh_staging, publish, staging_dir
 
 COMMAND = ("convert",)
@@ -41,30 +42,47 @@ def add_arguments(parser) -> None:
     directions = parser.add_subparsers(dest="direction", required=True)
     to_megatron = directions.add_parser("hf-to-megatron", help="HF safetensors -> Megatron torch_dist")
     to_megatron.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
-    to_megatron.add_argument("--mtp", choices=["drop"], default=None,
-                             help="leave out the multi-token-prediction layers (DeepSeek-V3, GLM-4.5)")
+    to_megatron.add_argument(
+        "--mtp",
+        choices=["drop"],
+        default=None,
+        help="leave out the multi-token-prediction layers (DeepSeek-V3, GLM-4.5)",
+    )
     to_hf = directions.add_parser("megatron-to-hf", help="Megatron torch_dist -> HF safetensors")
     to_hf.add_argument("--megatron", required=True, help="checkpoint written by hf-to-megatron")
     to_hf.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file")
     to_hf.add_argument("--bucket-mb", type=float, default=512, help="export gather bucket size")
-    to_hf.add_argument("--fp8-blocks", type=int, default=None, metavar="N",
-                       help="write decoder linear weights as FP8 e4m3 in N x N blocks with weight_scale_inv, "
-                            "as DeepSeek-V3 ships (N=128), for engines that serve FP8")
+    to_hf.add_argument(
+        "--fp8-blocks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="write decoder linear weights as FP8 e4m3 in N x N blocks with weight_scale_inv, "
+        "as DeepSeek-V3 ships (N=128), for engines that serve FP8",
+    )
     from_peft = directions.add_parser("peft-to-megatron", help="PEFT LoRA adapter -> Megatron torch_dist adapters")
     from_peft.add_argument("--peft", required=True, help="adapter directory (adapter_config.json + safetensors)")
     from_peft.add_argument("--hf", required=True, help="the base model's HF directory (config.json is enough)")
     to_peft = directions.add_parser("megatron-to-peft", help="Megatron adapters -> PEFT LoRA adapter")
-    to_peft.add_argument("--megatron", required=True,
-                         help="checkpoint written by peft-to-megatron, or a LoRA trainer checkpoint")
+    to_peft.add_argument(
+        "--megatron", required=True, help="checkpoint written by peft-to-megatron, or a LoRA trainer checkpoint"
+    )
     for sub in (to_megatron, to_hf, from_peft, to_peft):
         sub.add_argument("--out", required=True, help="output directory (written when complete)")
-        sub.add_argument("--overwrite", action="store_true",
-                         help="replace an existing non-empty --out (never one that holds the input)")
+        sub.add_argument(
+            "--overwrite",
+            action="store_true",
+            help="replace an existing non-empty --out (never one that holds the input)",
+        )
         for axis in ("tp", "pp", "ep"):
             sub.add_argument(f"--{axis}", type=int, default=1, help=f"{axis.upper()} size of the conversion world")
         sub.add_argument("--etp", type=int, default=None, help="expert TP size (default: --tp)")
-        sub.add_argument("--world-size", type=int, default=None,
-                         help="ranks to spawn when not under torchrun (default: the smallest that fits)")
+        sub.add_argument(
+            "--world-size",
+            type=int,
+            default=None,
+            help="ranks to spawn when not under torchrun (default: the smallest that fits)",
+        )
 
 
 def run(args) -> int:
@@ -80,8 +98,9 @@ def run(args) -> int:
         world_size = init_distributed()[1]
     else:
         world_size = args.world_size or math.lcm(args.tp, args.ep * etp) * args.pp
-    layout = ParallelLayout(world_size=world_size, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
-                            sequence_parallel=args.tp > 1)
+    layout = ParallelLayout(
+        world_size=world_size, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, sequence_parallel=args.tp > 1
+    )
     extra = ()
     if args.direction == "hf-to-megatron":
         fn, source = hf_to_megatron, args.hf
@@ -118,12 +137,14 @@ def check_output(source: str, out: str, overwrite: bool) -> None:
     or, without `overwrite`, an existing non-empty directory or staging folder."""
     source_path, out_path = Path(source).resolve(), Path(out).resolve()
     if source_path == out_path or out_path in source_path.parents:
-        raise ValueError(f"--out {out} would replace the input {source} (it equals or contains it): "
-                         "choose another output directory")
+        raise ValueError(
+            f"--out {out} would replace the input {source} (it equals or contains it): choose another output directory"
+        )
     for path in (out_path, staging_dir(out_path)):
         if not overwrite and (path.is_file() or (path.is_dir() and any(path.iterdir()))):
-            raise ValueError(f"--out: {path} exists and is not empty; choose a new directory or pass "
-                             "--overwrite to replace it")
+            raise ValueError(
+                f"--out: {path} exists and is not empty; choose a new directory or pass --overwrite to replace it"
+            )
 
 
 def _check_before_launch(direction: str, source: str, layout, drop_mtp: bool) -> None:
@@ -192,19 +213,27 @@ def hf_to_megatron(layout, hf_dir: str, out: str, drop_mtp: bool) -> None:
     _say(f"saving torch_dist checkpoint to {tmp}")
     dist_checkpointing.save(model.sharded_state_dict(), str(tmp))
     if dist.get_rank() == 0:
-        (tmp / META_FILE).write_text(json.dumps({"hf_config": hf_config, "format": "torch_dist",
-                                                 "state_dict": "model.sharded_state_dict()"}, indent=2))
+        (tmp / META_FILE).write_text(
+            json.dumps(
+                {"hf_config": hf_config, "format": "torch_dist", "state_dict": "model.sharded_state_dict()"}, indent=2
+            )
+        )
         side = tmp / HF_FILES_DIR
         side.mkdir()
         for path in Path(hf_dir).iterdir():
-            if path.is_file() and not path.name.endswith(".safetensors") and path.name != "model.safetensors.index.json":
+            if (
+                path.is_file()
+                and not path.name.endswith(".safetensors")
+                and path.name != "model.safetensors.index.json"
+            ):
                 shutil.copy(path, side / path.name)
         publish(tmp, out)
     dist.barrier()
 
 
-def megatron_to_hf(layout, ckpt_dir: str, out: str, max_shard_bytes: int, bucket_bytes: int,
-                   fp8_blocks: int | None) -> None:
+def megatron_to_hf(
+    layout, ckpt_dir: str, out: str, max_shard_bytes: int, bucket_bytes: int, fp8_blocks: int | None
+) -> None:
     """Rank function (every rank): load torch_dist at `layout`, stream HF tensors, write shards."""
     from megatron.core import dist_checkpointing
 
@@ -217,9 +246,17 @@ def megatron_to_hf(layout, ckpt_dir: str, out: str, max_shard_bytes: int, bucket
     model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), ckpt_dir))
     side = {p.name: p.read_bytes() for p in (Path(ckpt_dir) / HF_FILES_DIR).glob("*") if p.name != "config.json"}
     with _progress("writing HF shards") as advance:
-        save_hf_checkpoint(model, bridge, out, hf_config, max_shard_bytes=max_shard_bytes,
-                           bucket_bytes=bucket_bytes, extra_files=side, progress=advance,
-                           fp8=None if fp8_blocks is None else BlockFP8(fp8_blocks, fp8_blocks))
+        save_hf_checkpoint(
+            model,
+            bridge,
+            out,
+            hf_config,
+            max_shard_bytes=max_shard_bytes,
+            bucket_bytes=bucket_bytes,
+            extra_files=side,
+            progress=advance,
+            fp8=None if fp8_blocks is None else BlockFP8(fp8_blocks, fp8_blocks),
+        )
 
 
 def peft_to_megatron(layout, peft_dir: str, out: str, hf_dir: str) -> None:
@@ -228,7 +265,7 @@ def peft_to_megatron(layout, peft_dir: str, out: str, hf_dir: str) -> None:
     from megatron.core import dist_checkpointing
 
     from parallel.hf_checkpoint import load_hf_config
-    from parallel.lora import TARGETS, add_lora, adapter_sharded_state_dict
+    from parallel.lora import TARGETS, adapter_sharded_state_dict, add_lora
     from parallel.peft import load_adapter, lora_config_of
 
     hf_config = load_hf_config(hf_dir)
@@ -249,7 +286,7 @@ def megatron_to_peft(layout, ckpt_dir: str, out: str) -> None:
     """Rank function: load the adapters of a torch_dist checkpoint at `layout`, write PEFT."""
     from megatron.core import dist_checkpointing
 
-    from parallel.lora import LoRAConfig, add_lora, adapter_sharded_state_dict
+    from parallel.lora import LoRAConfig, adapter_sharded_state_dict, add_lora
     from parallel.peft import save_adapter
 
     meta = json.loads((Path(ckpt_dir) / META_FILE).read_text())
@@ -268,8 +305,9 @@ def write_lora_meta(directory: Path, hf_config: dict, lora) -> None:
     """`moe_rl_meta.json` of an adapter checkpoint: what megatron-to-peft needs to rebuild it."""
     import dataclasses
 
-    (directory / META_FILE).write_text(json.dumps({"hf_config": hf_config, "lora": dataclasses.asdict(lora),
-                                                   "format": "torch_dist"}, indent=2))
+    (directory / META_FILE).write_text(
+        json.dumps({"hf_config": hf_config, "lora": dataclasses.asdict(lora), "format": "torch_dist"}, indent=2)
+    )
 
 
 def _megatron_targets(bridge, peft_dir: str, targets) -> list[str]:

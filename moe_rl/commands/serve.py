@@ -15,8 +15,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--weight-version", default="0", help="initial weight version (integer string)")
     parser.add_argument("--max-batch", type=int, default=64, help="most requests decoded together")
-    parser.add_argument("--cpus", type=_core_list, default=None,
-                        help="pin the engine to these cores, e.g. 1 or 2,3 (`cpu_pools.engines`)")
+    parser.add_argument(
+        "--cpus",
+        type=_core_list,
+        default=None,
+        help="pin the engine to these cores, e.g. 1 or 2,3 (`cpu_pools.engines`)",
+    )
 
 
 def _core_list(text: str) -> list[int]:

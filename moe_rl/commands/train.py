@@ -15,10 +15,16 @@ HELP = "train a model from a YAML config (dotted overrides: trainer.tp=2); RL wh
 def add_arguments(parser) -> None:
     parser.add_argument("config", nargs="?", help="YAML run config (see configs/); with --resume: optional")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.tp=2 steps=20")
-    parser.add_argument("--resume", metavar="RUN_DIR",
-                        help="continue an RL run from its newest run checkpoint (config: RUN_DIR/config.json)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="start afresh in an output_dir that holds an earlier run (its files are deleted)")
+    parser.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue an RL run from its newest run checkpoint (config: RUN_DIR/config.json)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in an output_dir that holds an earlier run (its files are deleted)",
+    )
 
 
 def run(args) -> int:
@@ -48,9 +54,11 @@ def run(args) -> int:
         from moe_rl.jobs import rl
 
         summary = rl.run(config, resume=args.resume is not None)
-        print(f"reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f} over {config.steps} steps "
-              f"({config.rl.mode}); {summary['wall_s']:.0f} s wall ({summary['setup_s']:.0f} s start-up); "
-              f"run dir: {config.output_dir}")
+        print(
+            f"reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f} over {config.steps} steps "
+            f"({config.rl.mode}); {summary['wall_s']:.0f} s wall ({summary['setup_s']:.0f} s start-up); "
+            f"run dir: {config.output_dir}"
+        )
         return 0
     from moe_rl.jobs import supervised
     from parallel.world import init_distributed, launched_by_torchrun, spawn
@@ -92,11 +100,14 @@ def fresh_run_dir(run_dir, overwrite: bool) -> None:
     if not run_dir.exists() or (run_dir.is_dir() and not any(run_dir.iterdir())):
         return
     if not run_dir.is_dir() or not any((run_dir / name).is_file() for name in RUN_FILES):
-        raise ValueError(f"output_dir: {str(run_dir)!r} exists and is not a moe-rl run directory; "
-                         "choose another output_dir")
+        raise ValueError(
+            f"output_dir: {str(run_dir)!r} exists and is not a moe-rl run directory; choose another output_dir"
+        )
     if not overwrite:
-        raise ValueError(f"output_dir: {str(run_dir)!r} holds an earlier run; continue it with --resume "
-                         f"{run_dir}, start afresh with --overwrite (deletes it), or choose another output_dir")
+        raise ValueError(
+            f"output_dir: {str(run_dir)!r} holds an earlier run; continue it with --resume "
+            f"{run_dir}, start afresh with --overwrite (deletes it), or choose another output_dir"
+        )
     shutil.rmtree(run_dir)
 
 
@@ -109,8 +120,10 @@ def _load_run_config(path, overrides: list[str]):
         raise ValueError(f"--resume: {str(path)!r} not found; is {str(path.parent)!r} a moe-rl run directory?")
     data = json.loads(path.read_text())
     if "architectures" in data or "model_type" in data:
-        raise ValueError(f"--resume: {str(path.parent)!r} is an HF model directory, not a moe-rl run directory "
-                         "(pass the output_dir of an RL run)")
+        raise ValueError(
+            f"--resume: {str(path.parent)!r} is an HF model directory, not a moe-rl run directory "
+            "(pass the output_dir of an RL run)"
+        )
     for override in overrides:
         apply_override(data, override)
     return from_dict(RunConfig, data)

@@ -108,8 +108,15 @@ class EngineClient:
         if session is not None:
             await session.close()
 
-    async def _request(self, method: str, path: str, body: dict | None = None, *, timeout_s: float | None = None,
-                       idempotent: bool = True) -> Any:
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        body: dict | None = None,
+        *,
+        timeout_s: float | None = None,
+        idempotent: bool = True,
+    ) -> Any:
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         for attempt in range(self.retries + 1):
             try:
@@ -135,8 +142,12 @@ class EngineClient:
             message = data
             if isinstance(data, dict):
                 error = data.get("error")
-                message = ((error.get("message") if isinstance(error, dict) else error) or data.get("message")
-                           or data.get("error_message") or data)  # error_message: SGLang's LoRAUpdateOutput
+                message = (
+                    (error.get("message") if isinstance(error, dict) else error)
+                    or data.get("message")
+                    or data.get("error_message")
+                    or data
+                )  # error_message: SGLang's LoRAUpdateOutput
             raise EngineError(self.name, path, status, str(message).strip())
         return data
 
@@ -160,14 +171,24 @@ class EngineClient:
         lora_path: str | None = None,
     ) -> GenerateResult:
         """POST /generate for one prompt; see `GenerateResult`."""
-        sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-                    "ignore_eos": ignore_eos}
+        sampling = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "ignore_eos": ignore_eos,
+        }
         if stop_token_ids:
             sampling["stop_token_ids"] = list(stop_token_ids)
         if seed is not None:
             sampling["sampling_seed"] = seed
-        body = {"rid": rid or uuid.uuid4().hex, "input_ids": list(input_ids), "sampling_params": sampling,
-                "return_logprob": return_logprob, "return_routed_experts": return_routed_experts}
+        body = {
+            "rid": rid or uuid.uuid4().hex,
+            "input_ids": list(input_ids),
+            "sampling_params": sampling,
+            "return_logprob": return_logprob,
+            "return_routed_experts": return_routed_experts,
+        }
         if routed_experts_start_len:
             body["routed_experts_start_len"] = routed_experts_start_len
         if lora_path is not None:
@@ -178,19 +199,25 @@ class EngineClient:
     async def _result(self, rid: str, data: dict) -> GenerateResult:
         meta = data["meta_info"]
         output_ids = list(data["output_ids"])
-        logprobs = [float(entry[0]) for entry in meta["output_token_logprobs"]] if "output_token_logprobs" in meta else None
+        logprobs = (
+            [float(entry[0]) for entry in meta["output_token_logprobs"]] if "output_token_logprobs" in meta else None
+        )
         versions = [str(meta["weight_version"])] * len(output_ids)
         for span in meta.get("weight_versions") or []:
-            versions[span["start"]:span["end"]] = [str(span["version"])] * (span["end"] - span["start"])
+            versions[span["start"] : span["end"]] = [str(span["version"])] * (span["end"] - span["start"])
         routed = None
         if meta.get("routed_experts") is not None:
             layers, topk = await self._routing_layout()
             routed = decode_routed_experts(meta["routed_experts"], layers, topk)
         reason = meta.get("finish_reason") or {}
         return GenerateResult(
-            rid=rid, output_ids=output_ids, logprobs=logprobs,
+            rid=rid,
+            output_ids=output_ids,
+            logprobs=logprobs,
             finish_reason=reason.get("type", "abort") if isinstance(reason, dict) else str(reason),
-            weight_version=str(meta["weight_version"]), weight_versions=versions, routed_experts=routed,
+            weight_version=str(meta["weight_version"]),
+            weight_versions=versions,
+            routed_experts=routed,
             meta_info=meta,
         )
 
@@ -241,8 +268,10 @@ class EngineClient:
             info = await self.server_info()
             for field in ("dp_size", "pp_size"):  # SGLang's ranks join at rank_offset + tp_rank only
                 if int(info.get(field, 1)) != 1:
-                    raise ValueError(f"{self.name}: {field}={info[field]}; SGLang's weight-update group "
-                                     f"needs {field} 1: run one engine per replica (engines.count) instead")
+                    raise ValueError(
+                        f"{self.name}: {field}={info[field]}; SGLang's weight-update group "
+                        f"needs {field} 1: run one engine per replica (engines.count) instead"
+                    )
             self._group_ranks = int(info["tp_size"])
         return self._group_ranks
 
@@ -259,8 +288,9 @@ class EngineClient:
         """Load the PEFT adapter directory `lora_path` (a path on the engine's machine) as `lora_name`;
         `generate(..., lora_path=lora_name)` then uses it. A loaded name is refused (unload it first)."""
         body = {"lora_name": _lora_name(lora_name), "lora_path": str(lora_path), "pinned": bool(pinned)}
-        data = await self._request("POST", "/load_lora_adapter", body, timeout_s=max(self.timeout_s, 600.0),
-                                   idempotent=False)  # a repeated load is refused: retry only if never sent
+        data = await self._request(
+            "POST", "/load_lora_adapter", body, timeout_s=max(self.timeout_s, 600.0), idempotent=False
+        )  # a repeated load is refused: retry only if never sent
         return dict(data.get("loaded_adapters") or {})
 
     async def load_lora_adapter_from_tensors(
@@ -279,33 +309,69 @@ class EngineClient:
         `tp_size`: the engine's TP ranks (SGLang decodes one payload per rank; the embedded engine
         has one); `verify` sends `expected_checksums` (every rank checks each tensor's sha256).
         The body is SGLang 0.5.23's `LoadLoRAAdapterFromTensorsReqInput` (see `lora_tensors`)."""
-        body = LoraTensorsBody.build(_lora_name(lora_name), config_dict, named_tensors, tp_size,
-                                     load_format=load_format, pinned=pinned, verify=verify)
-        data = await self._request("POST", "/load_lora_adapter_from_tensors", body.to_json(),
-                                   timeout_s=max(self.timeout_s, 600.0), idempotent=False)
+        body = LoraTensorsBody.build(
+            _lora_name(lora_name),
+            config_dict,
+            named_tensors,
+            tp_size,
+            load_format=load_format,
+            pinned=pinned,
+            verify=verify,
+        )
+        data = await self._request(
+            "POST",
+            "/load_lora_adapter_from_tensors",
+            body.to_json(),
+            timeout_s=max(self.timeout_s, 600.0),
+            idempotent=False,
+        )
         return dict(data.get("loaded_adapters") or {})
 
     async def unload_lora_adapter(self, lora_name: str) -> dict[str, str]:
         """Unload `lora_name`: new requests naming it fail at once; the engine answers after the
         requests still using it have finished (SGLang's rule), so this may take a generation's time."""
-        data = await self._request("POST", "/unload_lora_adapter", {"lora_name": _lora_name(lora_name)},
-                                   timeout_s=self.generate_timeout_s, idempotent=False)
+        data = await self._request(
+            "POST",
+            "/unload_lora_adapter",
+            {"lora_name": _lora_name(lora_name)},
+            timeout_s=self.generate_timeout_s,
+            idempotent=False,
+        )
         return dict(data.get("loaded_adapters") or {})
 
     # -- weights (sync.engine_api.EngineEndpoint) --------------------------------------------------
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: str, abort_all_requests: bool = False) -> None:
-        await self._request("POST", "/update_weights_from_disk", {
-            "model_path": str(model_path), "weight_version": str(weight_version),
-            "abort_all_requests": abort_all_requests,
-        }, timeout_s=max(self.timeout_s, 600.0))
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str, abort_all_requests: bool = False
+    ) -> None:
+        await self._request(
+            "POST",
+            "/update_weights_from_disk",
+            {
+                "model_path": str(model_path),
+                "weight_version": str(weight_version),
+                "abort_all_requests": abort_all_requests,
+            },
+            timeout_s=max(self.timeout_s, 600.0),
+        )
 
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str, backend: str) -> None:
-        await self._request("POST", "/init_weights_update_group", {
-            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend,
-        }, timeout_s=max(self.timeout_s, 600.0), idempotent=False)
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+    ) -> None:
+        await self._request(
+            "POST",
+            "/init_weights_update_group",
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            },
+            timeout_s=max(self.timeout_s, 600.0),
+            idempotent=False,
+        )
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self._request("POST", "/destroy_weights_update_group", {"group_name": group_name})
@@ -318,33 +384,56 @@ class EngineClient:
         """Close it (SGLang finalizes the loaded weights); also after a failed update."""
         await self._request("POST", "/end_weight_update", {}, timeout_s=max(self.timeout_s, 600.0))
 
-    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              group_name: str, weight_version: str | None, load_format: str,
-                                              checksum: str | None) -> None:
-        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-                "load_format": load_format, "flush_cache": False}
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: str | None,
+        load_format: str,
+        checksum: str | None,
+    ) -> None:
+        body = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "load_format": load_format,
+            "flush_cache": False,
+        }
         if weight_version is not None:  # SGLang relabels the engine at once: the sender sends None
             body["weight_version"] = str(weight_version)
         if checksum is not None and self.verifies_checksums:  # not an SGLang field (sync.engine_api)
             body["checksum"] = checksum
-        await self._request("POST", "/update_weights_from_distributed", body,
-                            timeout_s=max(self.timeout_s, 600.0), idempotent=False)
+        await self._request(
+            "POST", "/update_weights_from_distributed", body, timeout_s=max(self.timeout_s, 600.0), idempotent=False
+        )
 
-    async def update_weights_from_tensor(self, serialized_named_tensors: list[str], load_format: str,
-                                         weight_version: str | None) -> None:
+    async def update_weights_from_tensor(
+        self, serialized_named_tensors: list[str], load_format: str, weight_version: str | None
+    ) -> None:
         """CUDA-IPC bucket for a colocated SGLang engine (sync's `cuda_ipc` transport; GPU only)."""
-        body = {"serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
-                "flush_cache": False, "abort_all_requests": False}
+        body = {
+            "serialized_named_tensors": serialized_named_tensors,
+            "load_format": load_format,
+            "flush_cache": False,
+            "abort_all_requests": False,
+        }
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
-        await self._request("POST", "/update_weights_from_tensor", body,
-                            timeout_s=max(self.timeout_s, 600.0), idempotent=False)
+        await self._request(
+            "POST", "/update_weights_from_tensor", body, timeout_s=max(self.timeout_s, 600.0), idempotent=False
+        )
 
     async def update_weight_version(self, new_version: str) -> None:
         # abort_all_requests=False: requests paused in place keep going under the new version.
-        await self._request("POST", "/update_weight_version",
-                            {"new_version": str(new_version), "abort_all_requests": False},
-                            timeout_s=max(self.timeout_s, 600.0))
+        await self._request(
+            "POST",
+            "/update_weight_version",
+            {"new_version": str(new_version), "abort_all_requests": False},
+            timeout_s=max(self.timeout_s, 600.0),
+        )
 
     # -- memory occupation (colocated RL: engines share the trainer's GPUs) ------------------------
 

@@ -71,6 +71,7 @@ def read_adapter_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 # -- encoding --------------------------------------------------------------------------------------
 
+
 class _Pickler(pickle._Pickler):  # the Python pickler: the C one cannot name a class it cannot import
     def save_global(self, obj, name=None):
         if obj is FlattenedTensorMetadata:
@@ -101,7 +102,9 @@ def encode_payload(named_tensors: Mapping[str, torch.Tensor], load_format: str |
                 pieces.append(torch.zeros(pad, dtype=torch.uint8))
                 offset += pad
             flat = t.flatten().view(torch.uint8)
-            metadata.append(FlattenedTensorMetadata(name, t.shape, t.dtype, offset, offset + flat.numel(), flat.numel()))
+            metadata.append(
+                FlattenedTensorMetadata(name, t.shape, t.dtype, offset, offset + flat.numel(), flat.numel())
+            )
             pieces.append(flat)
             offset += flat.numel()
         obj = {"flattened_tensor": torch.cat(pieces), "metadata": metadata}
@@ -123,9 +126,17 @@ class LoraTensorsBody:
     pinned: bool = False
 
     @classmethod
-    def build(cls, lora_name: str, config_dict: dict,
-              named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], tp_size: int = 1, *,
-              load_format: str | None = "flattened_bucket", pinned: bool = False, verify: bool = True) -> "LoraTensorsBody":
+    def build(
+        cls,
+        lora_name: str,
+        config_dict: dict,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        tp_size: int = 1,
+        *,
+        load_format: str | None = "flattened_bucket",
+        pinned: bool = False,
+        verify: bool = True,
+    ) -> "LoraTensorsBody":
         tensors = dict(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         bad = [n for n, t in tensors.items() if not isinstance(n, str) or not isinstance(t, torch.Tensor)]
         if bad:
@@ -140,8 +151,14 @@ class LoraTensorsBody:
             raise ValueError(f"tp_size must be the engine's TP size (an integer >= 1), got {tp_size!r}")
         payload = encode_payload(tensors, load_format)
         checksums = {name: tensor_sha256(t) for name, t in tensors.items()} if verify else None
-        return cls(lora_name=lora_name, config_dict=config, serialized_named_tensors=[payload] * tp_size,
-                   load_format=load_format, expected_checksums=checksums, pinned=pinned)
+        return cls(
+            lora_name=lora_name,
+            config_dict=config,
+            serialized_named_tensors=[payload] * tp_size,
+            load_format=load_format,
+            expected_checksums=checksums,
+            pinned=pinned,
+        )
 
     def to_json(self) -> dict:
         body = dataclasses.asdict(self)
@@ -149,6 +166,7 @@ class LoraTensorsBody:
 
 
 # -- decoding (the embedded engine) ----------------------------------------------------------------
+
 
 def _load_storage(data: bytes):
     storage = torch.load(io.BytesIO(data), weights_only=True)
@@ -172,8 +190,10 @@ class _Unpickler(pickle.Unpickler):
             return self._ALLOWED[(module, name)]
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a tensor payload (the embedded engine takes "
-                                     "by-value CPU tensors, as EngineClient.load_lora_adapter_from_tensors sends)")
+        raise pickle.UnpicklingError(
+            f"{module}.{name} is not allowed in a tensor payload (the embedded engine takes "
+            "by-value CPU tensors, as EngineClient.load_lora_adapter_from_tensors sends)"
+        )
 
 
 def decode_payload(payload: str, load_format: str | None) -> dict[str, torch.Tensor]:
@@ -185,17 +205,22 @@ def decode_payload(payload: str, load_format: str | None) -> dict[str, torch.Ten
     except (binascii.Error, pickle.UnpicklingError, EOFError, TypeError, ValueError, RuntimeError) as error:
         raise ValueError(f"serialized_named_tensors: not a tensor payload ({type(error).__name__}: {error})") from None
     if load_format is None:
-        if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in data.items()):
+        if not isinstance(data, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in data.items()
+        ):
             raise ValueError("serialized_named_tensors: with load_format null a payload is {name: tensor}")
         return dict(data)
-    if not isinstance(data, dict) or not isinstance(data.get("flattened_tensor"), torch.Tensor) or not all(
-            isinstance(m, FlattenedTensorMetadata) for m in data.get("metadata") or [None]):
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("flattened_tensor"), torch.Tensor)
+        or not all(isinstance(m, FlattenedTensorMetadata) for m in data.get("metadata") or [None])
+    ):
         raise ValueError("serialized_named_tensors: a flattened_bucket payload is {flattened_tensor, metadata}")
     flat, tensors = data["flattened_tensor"], {}
     for meta in data["metadata"]:
         if not 0 <= meta.start_idx <= meta.end_idx <= flat.numel():
             raise ValueError(f"serialized_named_tensors: {meta.name} lies outside the flattened tensor")
-        tensors[meta.name] = flat[meta.start_idx: meta.end_idx].view(meta.dtype).reshape(meta.shape)
+        tensors[meta.name] = flat[meta.start_idx : meta.end_idx].view(meta.dtype).reshape(meta.shape)
     return tensors
 
 
@@ -207,5 +232,7 @@ def check_checksums(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, 
     mismatch = [n for n in expected if n in tensors and tensor_sha256(tensors[n]) != expected[n]]
     extra = [n for n in tensors if n not in expected]
     if missing or mismatch or extra:
-        raise ValueError(f"expected_checksums: {len(mismatch)} value-diff {mismatch[:5]}, {len(missing)} missing "
-                         f"{missing[:5]}, {len(extra)} extra {extra[:5]}")
+        raise ValueError(
+            f"expected_checksums: {len(mismatch)} value-diff {mismatch[:5]}, {len(missing)} missing "
+            f"{missing[:5]}, {len(extra)} extra {extra[:5]}"
+        )

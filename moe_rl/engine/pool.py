@@ -88,8 +88,10 @@ class EnginePool:
         """Per engine: wall seconds so far with at least one request in flight (the engine's
         busy time as its client sees it; read twice, the difference covers the span between)."""
         now = time.time()
-        return [total + (now - since if since is not None else 0.0)
-                for total, since in zip(self._active_s, self._active_since)]
+        return [
+            total + (now - since if since is not None else 0.0)
+            for total, since in zip(self._active_s, self._active_since)
+        ]
 
     async def _died(self, index: int, client: EngineClient) -> bool:
         """Whether the engine behind `client` is dead (marks it dead the first time)."""

@@ -29,14 +29,23 @@ def free_port(host: str = "127.0.0.1") -> int:
 class EngineProcess:
     """A running engine server; `stop()` (or the context manager) ends it, SIGTERM then SIGKILL."""
 
-    def __init__(self, command: list[str], host: str, port: int, log_path: str | Path | None = None,
-                 env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        command: list[str],
+        host: str,
+        port: int,
+        log_path: str | Path | None = None,
+        env: dict[str, str] | None = None,
+    ):
         self.command, self.host, self.port = command, host, port
         self.url = f"http://{host}:{port}"
         self.log_path = Path(log_path or tempfile.mkstemp(prefix="engine-", suffix=".log")[1])
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
             start_new_session=True,
         )
 
@@ -93,8 +102,19 @@ def launch_embedded(
     `cpus`: pin it to these cores (`serve --cpus`, one thread per core unless `threads` says)."""
     port = port or free_port(host)
     command = [
-        sys.executable, "-m", "moe_rl.cli", "serve", str(model_dir), "--host", host, "--port", str(port),
-        "--weight-version", str(weight_version), "--max-batch", str(max_batch),
+        sys.executable,
+        "-m",
+        "moe_rl.cli",
+        "serve",
+        str(model_dir),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--weight-version",
+        str(weight_version),
+        "--max-batch",
+        str(max_batch),
     ]
     if cpus:
         command += ["--cpus", ",".join(map(str, cpus))]

@@ -43,13 +43,17 @@ class SGLangLoRA:
 
     def __post_init__(self):
         if self.max_lora_rank < 1 or self.max_loras_per_batch < 1:
-            raise ValueError(f"lora: max_lora_rank={self.max_lora_rank} and max_loras_per_batch="
-                             f"{self.max_loras_per_batch} must be >= 1")
+            raise ValueError(
+                f"lora: max_lora_rank={self.max_lora_rank} and max_loras_per_batch="
+                f"{self.max_loras_per_batch} must be >= 1"
+            )
         if not self.target_modules:
             raise ValueError("lora.target_modules is empty: name the modules adapters touch, or ['all']")
         if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
-            raise ValueError(f"lora.max_loaded_loras={self.max_loaded_loras} < max_loras_per_batch="
-                             f"{self.max_loras_per_batch}: SGLang needs it >= max_loras_per_batch; raise it")
+            raise ValueError(
+                f"lora.max_loaded_loras={self.max_loaded_loras} < max_loras_per_batch="
+                f"{self.max_loras_per_batch}: SGLang needs it >= max_loras_per_batch; raise it"
+            )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -90,23 +94,43 @@ class SGLangConfig:
             raise ValueError(
                 f"dp_size={self.dp_size}: SGLang 0.5.23's --dp-size runs {self.dp_size} replicas behind one "
                 "server and its weight-update and LoRA routes assert dp_size == 1; launch more engines "
-                "(engines.count) instead, or for DP attention set attn_dp_size (--attn-dp-size)")
+                "(engines.count) instead, or for DP attention set attn_dp_size (--attn-dp-size)"
+            )
         for name in ("ep_size", "attn_dp_size"):
             if self.tp_size % getattr(self, name):
-                raise ValueError(f"{name}={getattr(self, name)} does not divide tp_size={self.tp_size}: "
-                                 "make it a divisor")
+                raise ValueError(
+                    f"{name}={getattr(self, name)} does not divide tp_size={self.tp_size}: make it a divisor"
+                )
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static={self.mem_fraction_static} must be in (0, 1)")
 
 
 def sglang_command(config: SGLangConfig, port: int) -> list[str]:
     command = [
-        sys.executable, "-m", "sglang.launch_server",
-        "--model-path", config.model_path, "--host", config.host, "--port", str(port),
-        "--tp-size", str(config.tp_size), "--ep-size", str(config.ep_size), "--dp-size", str(config.dp_size),
-        "--attn-dp-size", str(config.attn_dp_size),
-        "--mem-fraction-static", str(config.mem_fraction_static), "--weight-version", config.weight_version,
-        "--base-gpu-id", str(config.base_gpu_id), "--skip-tokenizer-init",
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        config.model_path,
+        "--host",
+        config.host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(config.tp_size),
+        "--ep-size",
+        str(config.ep_size),
+        "--dp-size",
+        str(config.dp_size),
+        "--attn-dp-size",
+        str(config.attn_dp_size),
+        "--mem-fraction-static",
+        str(config.mem_fraction_static),
+        "--weight-version",
+        config.weight_version,
+        "--base-gpu-id",
+        str(config.base_gpu_id),
+        "--skip-tokenizer-init",
     ]
     if config.enable_return_routed_experts:
         command.append("--enable-return-routed-experts")
@@ -114,19 +138,30 @@ def sglang_command(config: SGLangConfig, port: int) -> list[str]:
         command.append("--enable-memory-saver")
     if config.lora is not None:
         lora = config.lora
-        command += ["--enable-lora", "--max-lora-rank", str(lora.max_lora_rank),
-                    "--lora-target-modules", *lora.target_modules,
-                    "--max-loras-per-batch", str(lora.max_loras_per_batch)]
+        command += [
+            "--enable-lora",
+            "--max-lora-rank",
+            str(lora.max_lora_rank),
+            "--lora-target-modules",
+            *lora.target_modules,
+            "--max-loras-per-batch",
+            str(lora.max_loras_per_batch),
+        ]
         if lora.max_loaded_loras is not None:
             command += ["--max-loaded-loras", str(lora.max_loaded_loras)]
     return command + list(config.extra_args)
 
 
-def launch_sglang(config: SGLangConfig, log_path: str | Path | None = None, timeout_s: float = 900.0,
-                  env: dict[str, str] | None = None) -> EngineProcess:
+def launch_sglang(
+    config: SGLangConfig,
+    log_path: str | Path | None = None,
+    timeout_s: float = 900.0,
+    env: dict[str, str] | None = None,
+) -> EngineProcess:
     """Start SGLang and wait for `/health` (model loading and CUDA graphs can take minutes).
     The process gets SERVER_ENV (temperature-1 logprobs, see the module docstring); `env` adds to
     it (e.g. CUDA_VISIBLE_DEVICES of colocated engines)."""
     port = config.port or free_port(config.host)
-    return EngineProcess(sglang_command(config, port), config.host, port, log_path,
-                         env={**SERVER_ENV, **(env or {})}).wait_healthy(timeout_s)
+    return EngineProcess(
+        sglang_command(config, port), config.host, port, log_path, env={**SERVER_ENV, **(env or {})}
+    ).wait_healthy(timeout_s)

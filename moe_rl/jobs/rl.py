@@ -6,7 +6,8 @@ engines serve v+1, so generation and training alternate), `one_step_off` = stale
 drain-before-sync, `fully_async` = staleness >= 1, generation paused only for the weight swap
 (requests cut by it are resumed as partial rollouts). Runs on the driver; returns a summary.
 With `lora:`, each sync publishes only the new adapter and the run ends with `final_adapter/` (PEFT)
-next to the merged `final_hf/`. With `rl.checkpoint_every`, run checkpoints (`moe_rl.rl.resume`) let `--resume` continue a run.
+next to the merged `final_hf/`. With `rl.checkpoint_every`, run checkpoints (`moe_rl.rl.resume`) let
+`--resume` continue a run.
 """
 
 from __future__ import annotations
@@ -74,8 +75,10 @@ def run(config: RunConfig, resume: bool = False) -> dict:
                 if every and ((version + 1) % every == 0 or version + 1 == config.steps):
                     resume_state.save_run_checkpoint(cluster, run_dir, version + 1, config.rl.keep_checkpoints)
                 rewards.append(metrics["rollout/reward_mean"])
-                progress.advance(f"reward {rewards[-1]:.3f}  staleness {metrics['rollout/staleness_mean']:.2f}  "
-                                 f"sync {metrics['time/sync_s']:.2f}s  step {metrics['time/step_s']:.2f}s")
+                progress.advance(
+                    f"reward {rewards[-1]:.3f}  staleness {metrics['rollout/staleness_mean']:.2f}  "
+                    f"sync {metrics['time/sync_s']:.2f}s  step {metrics['time/step_s']:.2f}s"
+                )
         train_s = time.perf_counter() - start - setup_s
         if config.rl.save_hf:  # with LoRA: merged (base + adapter), for engines without LoRA
             cluster.trainer.save_hf(str(run_dir / "final_hf"))
@@ -89,9 +92,17 @@ def run(config: RunConfig, resume: bool = False) -> dict:
 
         write_report(run_dir)
     window = max(1, min(10, len(rewards) // 4))
-    return {"reward_first": sum(rewards[:window]) / window, "reward_last": sum(rewards[-window:]) / window,
-            "rewards": rewards, "setup_s": setup_s, "train_s": train_s, "wall_s": time.perf_counter() - start,
-            "trained_group_ids": trained, "ledger": ledger, "run_dir": str(run_dir)}
+    return {
+        "reward_first": sum(rewards[:window]) / window,
+        "reward_last": sum(rewards[-window:]) / window,
+        "rewards": rewards,
+        "setup_s": setup_s,
+        "train_s": train_s,
+        "wall_s": time.perf_counter() - start,
+        "trained_group_ids": trained,
+        "ledger": ledger,
+        "run_dir": str(run_dir),
+    }
 
 
 def utilization(metrics: dict[str, float], engine_active_s: float, engine_paused_s: float) -> dict[str, float]:
@@ -107,9 +118,13 @@ def utilization(metrics: dict[str, float], engine_active_s: float, engine_paused
     wait = min(step, metrics["time/trainer_wait_s"] + metrics.get("time/drain_s", 0.0))
     paused = min(step, engine_paused_s)
     busy = min(step - paused, max(0.0, engine_active_s - paused))
-    return {"perf/trainer_busy_frac": (step - wait) / step, "perf/trainer_wait_s": wait,
-            "perf/engine_busy_frac": busy / step, "perf/engine_paused_s": paused,
-            "perf/engine_idle_frac": (step - busy - paused) / step}
+    return {
+        "perf/trainer_busy_frac": (step - wait) / step,
+        "perf/trainer_wait_s": wait,
+        "perf/engine_busy_frac": busy / step,
+        "perf/engine_paused_s": paused,
+        "perf/engine_idle_frac": (step - busy - paused) / step,
+    }
 
 
 def _update_weights(cluster: RLCluster, config: RunConfig, version: int) -> dict[str, float]:
@@ -136,8 +151,10 @@ def _check_task(config: RunConfig) -> None:
         task = make_task(config.rollout.task, **config.rollout.task_options)
         _check_context(config, task)
     if config.engines.kind == "sglang" and not __import__("torch").cuda.is_available():
-        raise ValueError("engines.kind='sglang' needs GPUs; use engines.kind: embedded on CPU "
-                         "(`moe-rl plan` checks GPU configs on any machine)")
+        raise ValueError(
+            "engines.kind='sglang' needs GPUs; use engines.kind: embedded on CPU "
+            "(`moe-rl plan` checks GPU configs on any machine)"
+        )
 
 
 CONTEXT_PROBE_PROMPTS = 256  # prompts looked at to bound the prompt length (tasks may be endless)
@@ -155,4 +172,5 @@ def _check_context(config: RunConfig, task) -> None:
         raise ValueError(
             f"rollout.max_new_tokens={config.rollout.max_new_tokens} + the task's prompts (up to {longest} tokens) "
             f"exceed the model's max_position_embeddings {limit}: lower rollout.max_new_tokens to at most "
-            f"{limit - longest}")
+            f"{limit - longest}"
+        )

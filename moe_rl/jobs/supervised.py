@@ -46,8 +46,7 @@ def run(config: RunConfig) -> list[float]:
 
     is_logger = dist.get_rank() == 0
     trainer = MegatronTrainer(config.trainer, config.model.load_hf_config(), lora=config.lora)
-    batch = load_batch(config.data, config.trainer.global_batch_size, trainer.bridge.vocab_size,
-                       config.trainer.seed)
+    batch = load_batch(config.data, config.trainer.global_batch_size, trainer.bridge.vocab_size, config.trainer.seed)
     run_dir = Path(config.output_dir)
     logger = None
     if is_logger:
@@ -60,8 +59,10 @@ def run(config: RunConfig) -> list[float]:
             result = trainer.train_step(batch)
             losses.append(result.loss)
             if logger:
-                logger.log(result.step, {"train/loss": result.loss, "train/grad_norm": result.grad_norm,
-                                         "train/tokens": result.num_tokens})
+                logger.log(
+                    result.step,
+                    {"train/loss": result.loss, "train/grad_norm": result.grad_norm, "train/tokens": result.num_tokens},
+                )
             progress.advance(f"loss {result.loss:.4f}  grad norm {result.grad_norm:.3f}")
     if config.save_checkpoint:
         save_checkpoint(trainer, run_dir / "checkpoint")

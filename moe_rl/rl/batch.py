@@ -55,8 +55,9 @@ class BatchInfo:
         }
 
 
-def build_batch(groups: list[list[Sample]], algorithm: AlgorithmConfig, version: int,
-                max_staleness: int | None = None) -> tuple[dict[str, torch.Tensor], BatchInfo]:
+def build_batch(
+    groups: list[list[Sample]], algorithm: AlgorithmConfig, version: int, max_staleness: int | None = None
+) -> tuple[dict[str, torch.Tensor], BatchInfo]:
     """The trainer batch of `groups` consumed at trainer `version`, and what to log about it.
 
     `max_staleness`: the bound the buffer delivered `groups` under. A sample past it means
@@ -66,9 +67,11 @@ def build_batch(groups: list[list[Sample]], algorithm: AlgorithmConfig, version:
     ages = [staleness(s, version) for s in samples]
     if max_staleness is not None and max(ages, default=0) > max_staleness:
         worst = ages.index(max(ages))
-        raise ValueError(f"sample {worst} (group {samples[worst].group_id!r}) is {ages[worst]} versions behind "
-                         f"trainer version {version}, past max_staleness={max_staleness}: the buffer delivers "
-                         "only groups within the bound; pass the version the batch was delivered at")
+        raise ValueError(
+            f"sample {worst} (group {samples[worst].group_id!r}) is {ages[worst]} versions behind "
+            f"trainer version {version}, past max_staleness={max_staleness}: the buffer delivers "
+            "only groups within the bound; pass the version the batch was delivered at"
+        )
     advantages = sample_advantages(samples, algorithm)
     rows, seq = len(samples), max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     tokens = torch.zeros(rows, seq, dtype=torch.long)
@@ -105,8 +108,10 @@ def _routing_tensor(samples: list[Sample], rows: int, seq: int) -> torch.Tensor 
     if not any(with_routing):
         return None
     if not all(with_routing):
-        raise ValueError("some samples carry routed experts and some do not: an engine ignored "
-                         "return_routed_experts; routing replay needs every sample's routing")
+        raise ValueError(
+            "some samples carry routed experts and some do not: an engine ignored "
+            "return_routed_experts; routing replay needs every sample's routing"
+        )
     _, layers, topk = samples[0].routed_experts.shape
     filler = torch.arange(topk, dtype=torch.int32)
     return filler.expand(rows, seq, layers, topk).clone()

@@ -56,13 +56,16 @@ def ray_demand(config: RunConfig, use_gpus: bool) -> RayDemand:
     """What `RLCluster` will place: one bundle per trainer rank (a GPU each on GPUs), each engine
     server (`engine_placement`; colocated ones hold nothing) and the rollout worker (1 CPU)."""
     world = config.trainer.world_size
-    engines = [options for options, _ in engine_placement(
-        config.engines, config.rl.colocate, [("node", ["0"])] * world)]
+    engines = [
+        options for options, _ in engine_placement(config.engines, config.rl.colocate, [("node", ["0"])] * world)
+    ]
     trainer_gpus = world if use_gpus else 0
     engine_gpus = [options["num_gpus"] if use_gpus else 0 for options in engines]
-    return RayDemand(cpus=world + sum(options["num_cpus"] for options in engines) + 1,
-                     gpus=trainer_gpus + sum(engine_gpus),
-                     largest_gpu_ask=max([1 if trainer_gpus else 0, *engine_gpus]))
+    return RayDemand(
+        cpus=world + sum(options["num_cpus"] for options in engines) + 1,
+        gpus=trainer_gpus + sum(engine_gpus),
+        largest_gpu_ask=max([1 if trainer_gpus else 0, *engine_gpus]),
+    )
 
 
 def require_resources(demand: RayDemand) -> None:
@@ -77,7 +80,8 @@ def require_resources(demand: RayDemand) -> None:
             f"(at most {node_gpus} on one node); this run needs {demand.cpus} CPUs and {demand.gpus} GPUs, "
             f"{demand.largest_gpu_ask} on one node: start Ray with more --num-cpus / --num-gpus "
             "(scripts/slurm/train.sbatch gives the head max(SLURM_CPUS_ON_NODE, the run's CPUs)), or shrink "
-            "trainer.world_size / engines.count / engines.tp")
+            "trainer.world_size / engines.count / engines.tp"
+        )
 
 
 class RLCluster:
@@ -104,8 +108,9 @@ class RLCluster:
 
     def _start(self, use_gpus: bool) -> None:
         cfg = self.config
-        self.trainer = TrainerGroup(cfg.trainer.world_size, cfg.trainer, cfg.model, use_gpus=use_gpus, lora=cfg.lora,
-                                    cpu_pools=cfg.cpu_pools)
+        self.trainer = TrainerGroup(
+            cfg.trainer.world_size, cfg.trainer, cfg.model, use_gpus=use_gpus, lora=cfg.lora, cpu_pools=cfg.cpu_pools
+        )
         version = 0
         if self.restore is not None:  # resume: the engines start on the checkpoint's weights
             self.trainer.load_checkpoint(self.restore.trainer_dir)
@@ -120,9 +125,15 @@ class RLCluster:
         self.version = self.initial_version = version
         hf = cfg.model.load_hf_config()
         worker = ray.remote(RolloutWorker).options(num_cpus=1, max_concurrency=16)
-        self.rollout = worker.remote(cfg.effective_rollout(), urls, cfg.engines.kind,
-                                     hf.num_hidden_layers, hf.num_experts_per_tok, cfg.lora is not None,
-                                     cfg.cpu_pools.rollout_cores if cfg.cpu_pools else None)
+        self.rollout = worker.remote(
+            cfg.effective_rollout(),
+            urls,
+            cfg.engines.kind,
+            hf.num_hidden_layers,
+            hf.num_experts_per_tok,
+            cfg.lora is not None,
+            cfg.cpu_pools.rollout_cores if cfg.cpu_pools else None,
+        )
         ray.get(self.rollout.start.remote(self.restore))
         if cfg.cpu_pools is not None:
             self._record_cores()
@@ -135,8 +146,11 @@ class RLCluster:
         from moe_rl.cpu_pools import process_cores
 
         engines = [process_cores(pid) for pid in ray.get([engine.pid.remote() for engine in self.engines])]
-        cores = {"trainer_ranks": self.trainer.cpus(), "engines": engines,
-                 "rollout_worker": ray.get(self.rollout.cpus.remote())}
+        cores = {
+            "trainer_ranks": self.trainer.cpus(),
+            "engines": engines,
+            "rollout_worker": ray.get(self.rollout.cpus.remote()),
+        }
         (self.run_dir / "cpu_pools.json").write_text(json.dumps(cores, indent=2))
 
     def _adapter_sync(self):
@@ -146,8 +160,12 @@ class RLCluster:
         cfg = self.config
         if cfg.lora is None:
             return None
-        return AdapterSyncConfig(route=cfg.sync.lora_route, directory=cfg.sync.disk_dir or str(self.run_dir / "adapters"),
-                                 keep=cfg.effective_rollout().max_staleness + 1, timeout_s=cfg.sync.timeout_s)
+        return AdapterSyncConfig(
+            route=cfg.sync.lora_route,
+            directory=cfg.sync.disk_dir or str(self.run_dir / "adapters"),
+            keep=cfg.effective_rollout().max_staleness + 1,
+            timeout_s=cfg.sync.timeout_s,
+        )
 
     def get_batch(self, n_groups: int) -> list:
         """The rollout worker's next batch; recovers engines while waiting for it."""
@@ -187,8 +205,9 @@ class RLCluster:
             url, name = ray.get(restarted), engine_name(index)
             if name in self.lost:  # the sender replaces the dead member with the restarted one
                 self.lost.remove(name)
-            result = self.trainer.sync_weights(self.version, self.config.sync.bucket_bytes, joined={name: url},
-                                               served_version=self.initial_version)
+            result = self.trainer.sync_weights(
+                self.version, self.config.sync.bucket_bytes, joined={name: url}, served_version=self.initial_version
+            )
             del self.restarting[index]
             if name in result["dropped"]:  # died again while catching up: restarted next time
                 continue
@@ -202,11 +221,16 @@ class RLCluster:
         engines, lora = [], self._lora_slots()
         for i, (options, gpu_ids) in enumerate(engine_placement(cfg.engines, cfg.rl.colocate, devices)):
             if "bundle" in options:
-                options = dict(options, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.trainer.placement, options.pop("bundle")))
+                options = dict(
+                    options,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.trainer.placement, options.pop("bundle")),
+                )
             cpus = cfg.cpu_pools.engines[i] if cfg.cpu_pools else None
-            engines.append(ray.remote(EngineServer).options(**options).remote(
-                model_dir, cfg.engines, str(self.run_dir / f"engine-{i}.log"), version, gpu_ids, lora, cpus))
+            engines.append(
+                ray.remote(EngineServer)
+                .options(**options)
+                .remote(model_dir, cfg.engines, str(self.run_dir / f"engine-{i}.log"), version, gpu_ids, lora, cpus)
+            )
         return engines
 
     def _lora_slots(self):
@@ -221,8 +245,9 @@ class RLCluster:
             return None
         slots = cfg.effective_rollout().max_staleness + 2
         targets = hf_lora_targets(bridge_for(cfg.model.load_hf_config()), cfg.lora.target_modules)
-        return SGLangLoRA(max_lora_rank=cfg.lora.rank, target_modules=targets, max_loaded_loras=slots,
-                          max_loras_per_batch=slots)
+        return SGLangLoRA(
+            max_lora_rank=cfg.lora.rank, target_modules=targets, max_loaded_loras=slots, max_loras_per_batch=slots
+        )
 
     def close(self) -> dict | None:
         ledger = None
@@ -239,4 +264,3 @@ class RLCluster:
 
 
 _POLL_S = 0.2  # how often the driver looks for dead and restarted engines while it waits
-

@@ -32,6 +32,7 @@ TAGS = ["weights", "kv_cache"]
 
 def _on_engines(urls: list[str], kind: str, call) -> list:
     """`await call(client)` on every engine at once, from the driver; their results in order."""
+
     async def run():
         clients = [EngineClient(url, kind=kind, name=engine_name(i)) for i, url in enumerate(urls)]
         try:

@@ -36,8 +36,9 @@ def init_ray(num_cpus: int, num_gpus: int) -> str:
     else:  # "local" and its own temp dir: never the /tmp/ray of another (or a killed) Ray on this machine
         temp = tempfile.mkdtemp(prefix="moe-rl-ray-", dir="/tmp")
         atexit.register(shutil.rmtree, temp, ignore_errors=True)  # runs after Ray's own shutdown hook
-        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
-                 _temp_dir=temp, **quiet)
+        ray.init(
+            address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, _temp_dir=temp, **quiet
+        )
     return ray.get_runtime_context().gcs_address
 
 
@@ -60,8 +61,10 @@ def wait_for_nodes(address: str, count: int, timeout_s: float) -> int:
             if alive >= count:
                 return alive
             if time.monotonic() > deadline:
-                raise RuntimeError(f"only {alive} of {count} Ray nodes registered within {timeout_s:.0f} s: "
-                                   "check the worker logs (srun ... ray start) and the head address")
+                raise RuntimeError(
+                    f"only {alive} of {count} Ray nodes registered within {timeout_s:.0f} s: "
+                    "check the worker logs (srun ... ray start) and the head address"
+                )
             time.sleep(2)
     finally:
         ray.shutdown()
@@ -76,8 +79,12 @@ def node_address() -> tuple[str, str]:
 
     import psutil
 
-    interfaces = {addr.address: name for name, addrs in psutil.net_if_addrs().items()
-                  for addr in addrs if addr.family == socket.AF_INET}
+    interfaces = {
+        addr.address: name
+        for name, addrs in psutil.net_if_addrs().items()
+        for addr in addrs
+        if addr.family == socket.AF_INET
+    }
     chosen = ray.util.get_node_ip_address()
     if chosen not in interfaces or ipaddress.ip_address(chosen).is_loopback:
         routable = [a for a in interfaces if not ipaddress.ip_address(a).is_loopback]

@@ -54,8 +54,9 @@ def latest_checkpoint(run_dir: str | Path) -> Path:
     """The newest complete run checkpoint under `run_dir`; ValueError when there is none."""
     done = sorted(p for p in (Path(run_dir) / CHECKPOINTS).glob("step_*") if not p.name.endswith(".tmp"))
     if not done:
-        raise ValueError(f"--resume {str(run_dir)!r}: no run checkpoint under {CHECKPOINTS}/ (the run needs "
-                         "rl.checkpoint_every > 0)")
+        raise ValueError(
+            f"--resume {str(run_dir)!r}: no run checkpoint under {CHECKPOINTS}/ (the run needs rl.checkpoint_every > 0)"
+        )
     return done[-1]
 
 
@@ -76,9 +77,13 @@ def save_run_checkpoint(cluster, run_dir: Path, step: int, keep: int) -> Path:
 def load_run_checkpoint(path: Path) -> RunCheckpoint:
     """A run checkpoint's state (the trainer part stays on disk for the ranks to load)."""
     state = json.loads((path / "state.json").read_text())
-    return RunCheckpoint(step=state["step"], weight_version=state["weight_version"],
-                         metrics_offset=state["metrics_offset"], trainer_dir=str(path / "trainer"),
-                         rollout=json.loads((path / "rollout.json").read_text()))
+    return RunCheckpoint(
+        step=state["step"],
+        weight_version=state["weight_version"],
+        metrics_offset=state["metrics_offset"],
+        trainer_dir=str(path / "trainer"),
+        rollout=json.loads((path / "rollout.json").read_text()),
+    )
 
 
 def truncate_rows(path: Path, last_step: int) -> None:
@@ -93,8 +98,10 @@ def truncate_rows(path: Path, last_step: int) -> None:
         except (ValueError, KeyError, TypeError):
             if number == len(rows):  # torn by the crash: a row after the checkpoint, redone anyway
                 break
-            raise ValueError(f"{path}: line {number} is not a metrics row ({line[:80]!r}); "
-                             "fix or remove that line, then --resume again") from None
+            raise ValueError(
+                f"{path}: line {number} is not a metrics row ({line[:80]!r}); "
+                "fix or remove that line, then --resume again"
+            ) from None
         if step <= last_step:
             kept.append(line)
     path.write_text("".join(line + "\n" for line in kept))

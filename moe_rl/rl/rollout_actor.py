@@ -27,8 +27,16 @@ class EngineServer:
     holds none itself; SGLang's memory saver lets the trainer have them while it trains).
     `cpus`: pin the embedded engine's process to these cores (`cpu_pools.engines[i]`), a thread each."""
 
-    def __init__(self, model_dir: str, engines, log_path: str, weight_version: int = 0,
-                 gpu_ids: list[str] | None = None, lora=None, cpus: list[int] | None = None):
+    def __init__(
+        self,
+        model_dir: str,
+        engines,
+        log_path: str,
+        weight_version: int = 0,
+        gpu_ids: list[str] | None = None,
+        lora=None,
+        cpus: list[int] | None = None,
+    ):
         self.model_dir, self.engines, self.log_path, self.gpu_ids = model_dir, engines, log_path, gpu_ids
         self.lora = lora  # SGLangLoRA slots (the embedded engine always serves adapters)
         self.cpus = cpus
@@ -40,17 +48,29 @@ class EngineServer:
         if cfg.kind == "embedded":
             from moe_rl.engine.process import launch_embedded
 
-            return launch_embedded(self.model_dir, weight_version=str(self.weight_version), max_batch=cfg.max_batch,
-                                   log_path=self.log_path, threads=len(self.cpus) if self.cpus else cfg.threads,
-                                   cpus=self.cpus)
+            return launch_embedded(
+                self.model_dir,
+                weight_version=str(self.weight_version),
+                max_batch=cfg.max_batch,
+                log_path=self.log_path,
+                threads=len(self.cpus) if self.cpus else cfg.threads,
+                cpus=self.cpus,
+            )
         import ray
 
         from moe_rl.engine.sglang_launcher import SGLangConfig, launch_sglang
 
-        config = SGLangConfig(model_path=self.model_dir, host=ray.util.get_node_ip_address(), tp_size=cfg.tp,
-                              ep_size=cfg.ep, attn_dp_size=cfg.attn_dp, mem_fraction_static=cfg.mem_fraction_static,
-                              weight_version=str(self.weight_version), enable_memory_saver=self.gpu_ids is not None,
-                              lora=self.lora)
+        config = SGLangConfig(
+            model_path=self.model_dir,
+            host=ray.util.get_node_ip_address(),
+            tp_size=cfg.tp,
+            ep_size=cfg.ep,
+            attn_dp_size=cfg.attn_dp,
+            mem_fraction_static=cfg.mem_fraction_static,
+            weight_version=str(self.weight_version),
+            enable_memory_saver=self.gpu_ids is not None,
+            lora=self.lora,
+        )
         env = None if self.gpu_ids is None else {"CUDA_VISIBLE_DEVICES": ",".join(self.gpu_ids)}
         return launch_sglang(config, log_path=self.log_path, env=env)
 
@@ -71,8 +91,9 @@ class EngineServer:
         self.process.stop()
 
 
-def engine_placement(engines, colocate: bool, trainer_devices: list[tuple[str, list[str]]] | None = None
-                     ) -> list[tuple[dict, list[str] | None]]:
+def engine_placement(
+    engines, colocate: bool, trainer_devices: list[tuple[str, list[str]]] | None = None
+) -> list[tuple[dict, list[str] | None]]:
     """Ray actor options and colocated GPU ids of each engine server.
 
     Embedded: one CPU each. SGLang, disaggregated: `engines.tp` GPUs of its own. SGLang,
@@ -85,14 +106,17 @@ def engine_placement(engines, colocate: bool, trainer_devices: list[tuple[str, l
         return [({"num_cpus": 1, "num_gpus": engines.tp}, None)] * engines.count
     placement = []
     for i in range(engines.count):
-        ranks = trainer_devices[i * engines.tp:(i + 1) * engines.tp]
+        ranks = trainer_devices[i * engines.tp : (i + 1) * engines.tp]
         nodes = {node for node, _ in ranks}
         if len(ranks) < engines.tp or len(nodes) != 1:
-            raise ValueError(f"rl.colocate: engine {i} needs engines.tp={engines.tp} trainer GPUs on one node, but "
-                             f"trainer ranks {i * engines.tp}..{(i + 1) * engines.tp - 1} are on {sorted(nodes)}: "
-                             "make engines.tp divide the GPUs per node")
-        placement.append(({"num_cpus": 0, "num_gpus": 0, "bundle": i * engines.tp},
-                          [gpu for _, gpus in ranks for gpu in gpus]))
+            raise ValueError(
+                f"rl.colocate: engine {i} needs engines.tp={engines.tp} trainer GPUs on one node, but "
+                f"trainer ranks {i * engines.tp}..{(i + 1) * engines.tp - 1} are on {sorted(nodes)}: "
+                "make engines.tp divide the GPUs per node"
+            )
+        placement.append(
+            ({"num_cpus": 0, "num_gpus": 0, "bundle": i * engines.tp}, [gpu for _, gpus in ranks for gpu in gpus])
+        )
     return placement
 
 
@@ -110,8 +134,16 @@ class CountingPool(EnginePool):
 class RolloutWorker:
     """The rollout manager as an async Ray actor."""
 
-    def __init__(self, config: RolloutConfig, urls: list[str], kind: str, layers: int, topk: int,
-                 adapters: bool = False, cpus: list[int] | None = None):
+    def __init__(
+        self,
+        config: RolloutConfig,
+        urls: list[str],
+        kind: str,
+        layers: int,
+        topk: int,
+        adapters: bool = False,
+        cpus: list[int] | None = None,
+    ):
         if cpus:  # `cpu_pools`: the engines' cores (building requests and scoring is generation's work)
             from moe_rl.cpu_pools import pin_process
 
@@ -126,8 +158,9 @@ class RolloutWorker:
 
         clients = [self._client(i, url) for i, url in enumerate(self.urls)]
         self.pool = CountingPool(clients)
-        self.manager = RolloutManager(self.config, self.pool, version=restore.step if restore else 0,
-                                      adapters=self.adapters)
+        self.manager = RolloutManager(
+            self.config, self.pool, version=restore.step if restore else 0, adapters=self.adapters
+        )
         if restore is not None:
             self.manager.restore(restore.rollout)
         self.task = asyncio.get_running_loop().create_task(self.manager.run())
@@ -156,8 +189,10 @@ class RolloutWorker:
     async def engine_states(self) -> list[dict]:
         """Per engine: live (gets work), requests in flight, requests served since (re)started."""
         pool = self.pool
-        return [{"live": live, "in_flight": n, "served": served}
-                for live, n, served in zip(pool.live, pool.in_flight, pool.served)]
+        return [
+            {"live": live, "in_flight": n, "served": served}
+            for live, n, served in zip(pool.live, pool.in_flight, pool.served)
+        ]
 
     async def mark_dead(self, index: int) -> None:
         """Engine `index` died (the weight sender found it): no new work for it."""
@@ -168,8 +203,9 @@ class RolloutWorker:
         await self.pool.revive(index, self._client(index, url))
 
     def _client(self, index: int, url: str) -> EngineClient:
-        return EngineClient(url, kind=self.kind, name=engine_name(index), num_hidden_layers=self.layout[0],
-                            topk=self.layout[1])
+        return EngineClient(
+            url, kind=self.kind, name=engine_name(index), num_hidden_layers=self.layout[0], topk=self.layout[1]
+        )
 
     async def set_version(self, version: int) -> None:
         await self.manager.buffer.set_version(version)
@@ -183,10 +219,14 @@ class RolloutWorker:
 
     async def metrics(self) -> dict[str, float]:
         active = self.pool.active_seconds()
-        return {**self.manager.metrics(), "rollout/generated_tokens": self.pool.generated_tokens,
-                "engines/resubmitted_requests": self.pool.resubmitted, "engines/live": sum(self.pool.live),
-                "engines/active_s": sum(active) / len(active),  # cumulative, mean over engines
-                "rollout/generated_tokens_per_s": self.pool.generated_tokens / (time.perf_counter() - self.started)}
+        return {
+            **self.manager.metrics(),
+            "rollout/generated_tokens": self.pool.generated_tokens,
+            "engines/resubmitted_requests": self.pool.resubmitted,
+            "engines/live": sum(self.pool.live),
+            "engines/active_s": sum(active) / len(active),  # cumulative, mean over engines
+            "rollout/generated_tokens_per_s": self.pool.generated_tokens / (time.perf_counter() - self.started),
+        }
 
     async def stop(self) -> dict:
         """Stop generating; queued groups are dropped ("unused"). Returns the ledger (None when
@@ -201,5 +241,9 @@ class RolloutWorker:
             buffer.drop(gid, "unused")
         self.manager.close()
         await self.pool.close()
-        return {"accounting": self.manager.accounting(), "delivered": dict(buffer.delivered),
-                "dropped": dict(buffer.dropped), "started": sorted(self.manager.started_ids)}
+        return {
+            "accounting": self.manager.accounting(),
+            "delivered": dict(buffer.delivered),
+            "dropped": dict(buffer.dropped),
+            "started": sorted(self.manager.started_ids),
+        }

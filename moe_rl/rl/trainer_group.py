@@ -54,8 +54,13 @@ class TrainerRank:
         from parallel import cpu_compat
         from parallel.world import init_distributed
 
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
-                          MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
+        os.environ.update(
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK="0",
+            MASTER_ADDR=master[0],
+            MASTER_PORT=str(master[1]),
+        )
         init_distributed()
         if not torch.cuda.is_available():
             cpu_compat.apply()
@@ -98,19 +103,20 @@ class TrainerRank:
         load_checkpoint(self.trainer, directory)
         return self.trainer.step
 
-
-
-
-
-
-
     def connect(self, urls: list[str], sync_config, kind: str, version: int = 0, adapters=None) -> None:
         """`WeightSync.connect` on this rank (collective)."""
         self._enter()
         self.weight_sync.connect(urls, sync_config, kind, version, adapters)
 
-    def sync_weights(self, version: int, bucket_bytes: int, *, joined: dict[str, str] | None = None,
-                     served_version: int = 0, lost: list[str] = ()) -> dict:
+    def sync_weights(
+        self,
+        version: int,
+        bucket_bytes: int,
+        *,
+        joined: dict[str, str] | None = None,
+        served_version: int = 0,
+        lost: list[str] = (),
+    ) -> dict:
         """`WeightSync.sync` on this rank (collective)."""
         self._enter()
         return self.weight_sync.sync(version, bucket_bytes, joined=joined, served_version=served_version, lost=lost)
@@ -121,8 +127,6 @@ class TrainerRank:
 
         self._enter()
         return rl_step(self.trainer, batch, algorithm, self.model_path)
-
-
 
     def close(self) -> None:
         if self.weight_sync is not None:
@@ -136,8 +140,7 @@ class TrainerRank:
 class TrainerGroup:
     """Driver side: the trainer world's actors, every call issued to all ranks at once."""
 
-    def __init__(self, world_size: int, trainer_config, model_config, *, use_gpus: bool, lora=None,
-                 cpu_pools=None):
+    def __init__(self, world_size: int, trainer_config, model_config, *, use_gpus: bool, lora=None, cpu_pools=None):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -150,9 +153,11 @@ class TrainerGroup:
             cores = [(None, max(1, (os.cpu_count() or 1) // (2 * world_size)))] * world_size
         actor = ray.remote(TrainerRank)
         self.actors = [
-            actor.options(num_cpus=1, num_gpus=1 if use_gpus else 0,
-                          scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, i)
-                          ).remote(i, world_size, threads, cpus)
+            actor.options(
+                num_cpus=1,
+                num_gpus=1 if use_gpus else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, i),
+            ).remote(i, world_size, threads, cpus)
             for i, (cpus, threads) in enumerate(cores)
         ]
         master = ray.get(self.actors[0].rendezvous.remote())
@@ -162,10 +167,18 @@ class TrainerGroup:
     def step(self, batch: dict[str, torch.Tensor], algorithm: AlgorithmConfig) -> dict[str, float]:
         return self._all(TrainerRank.step, batch, algorithm)
 
-    def sync_weights(self, version: int, bucket_bytes: int, *, joined: dict[str, str] | None = None,
-                     served_version: int = 0, lost: list[str] = ()) -> dict:
-        return self._all(TrainerRank.sync_weights, version, bucket_bytes, joined=joined,
-                         served_version=served_version, lost=lost)
+    def sync_weights(
+        self,
+        version: int,
+        bucket_bytes: int,
+        *,
+        joined: dict[str, str] | None = None,
+        served_version: int = 0,
+        lost: list[str] = (),
+    ) -> dict:
+        return self._all(
+            TrainerRank.sync_weights, version, bucket_bytes, joined=joined, served_version=served_version, lost=lost
+        )
 
     def connect(self, urls: list[str], sync_config, kind: str, version: int = 0, adapters=None) -> None:
         self._all(TrainerRank.connect, urls, sync_config, kind, version, adapters)

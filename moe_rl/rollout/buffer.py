@@ -38,8 +38,15 @@ def staleness(sample: Sample, version: int) -> int:
 
 
 class RolloutBuffer:
-    def __init__(self, *, groups_per_step: int, max_staleness: int, stale_policy: str = "drop",
-                 version: int = 0, on_reject: Callable[[Group], None] | None = None):
+    def __init__(
+        self,
+        *,
+        groups_per_step: int,
+        max_staleness: int,
+        stale_policy: str = "drop",
+        version: int = 0,
+        on_reject: Callable[[Group], None] | None = None,
+    ):
         if stale_policy not in STALE_POLICIES:
             raise ValueError(f"rollout.stale_policy={stale_policy!r}: use one of {STALE_POLICIES}")
         self.groups_per_step, self.max_staleness = groups_per_step, max_staleness
@@ -123,8 +130,12 @@ class RolloutBuffer:
 
     def snapshot(self) -> dict:
         """JSON-safe: the completed groups waiting for the trainer, and the ledger."""
-        return {"queued": [[s.to_dict() for s in group] for group in self._groups],
-                "delivered": dict(self.delivered), "dropped": dict(self.dropped), "requeued": self.requeued}
+        return {
+            "queued": [[s.to_dict() for s in group] for group in self._groups],
+            "delivered": dict(self.delivered),
+            "dropped": dict(self.dropped),
+            "requeued": self.requeued,
+        }
 
     def restore(self, state: dict) -> None:
         """Take `snapshot()`'s state (on a fresh buffer, before generation starts)."""
@@ -147,8 +158,12 @@ class RolloutBuffer:
 
     def accounting(self) -> dict[str, int]:
         reasons = collections.Counter(self.dropped.values())
-        return {"delivered": len(self.delivered), "dropped": len(self.dropped), "requeued": self.requeued,
-                **{f"dropped_{reason}": count for reason, count in sorted(reasons.items())}}
+        return {
+            "delivered": len(self.delivered),
+            "dropped": len(self.dropped),
+            "requeued": self.requeued,
+            **{f"dropped_{reason}": count for reason, count in sorted(reasons.items())},
+        }
 
     def metrics(self) -> dict[str, float]:
         seen = self._staleness or [0]

@@ -1,6 +1,7 @@
 """`RolloutManager`: generates scored groups into the `RolloutBuffer`, on one asyncio loop.
 
-Rounds: round r is the batch the trainer consumes at version r (a run starts at the buffer's version). The manager starts round r once the buffer admits it
+Rounds: round r is the batch the trainer consumes at version r (a run starts at the buffer's
+version). The manager starts round r once the buffer admits it
 (`RolloutBuffer.wait_to_start`, the staleness capacity rule), launches
 ceil(oversample_factor * groups_per_step) groups for it, puts the first groups_per_step that
 complete into the buffer and aborts the rest (counted `dropped_oversampled`). A group dropped
@@ -39,8 +40,16 @@ from sync.lora import adapter_name
 
 
 class RolloutManager:
-    def __init__(self, config: RolloutConfig, pool: EnginePool, *, task: Task | None = None,
-                 tokenizer_dir: str | Path | None = None, version: int = 0, adapters: bool = False):
+    def __init__(
+        self,
+        config: RolloutConfig,
+        pool: EnginePool,
+        *,
+        task: Task | None = None,
+        tokenizer_dir: str | Path | None = None,
+        version: int = 0,
+        adapters: bool = False,
+    ):
         self.config, self.pool = config, pool
         self.adapters = adapters
         if task is None:
@@ -50,8 +59,13 @@ class RolloutManager:
             task = make_task(config.task, **options)
         self.task = task
         self.reward_fn = get_reward(config.reward) if config.reward else task.reward
-        self.buffer = RolloutBuffer(groups_per_step=config.groups_per_step, max_staleness=config.max_staleness,
-                                    stale_policy=config.stale_policy, version=version, on_reject=self._replace)
+        self.buffer = RolloutBuffer(
+            groups_per_step=config.groups_per_step,
+            max_staleness=config.max_staleness,
+            stale_policy=config.stale_policy,
+            version=version,
+            on_reject=self._replace,
+        )
         self._prompts = task.prompts(config.seed)
         self._executor = concurrent.futures.ThreadPoolExecutor(config.reward_workers, thread_name_prefix="reward")
         self._next_group = 0
@@ -92,8 +106,9 @@ class RolloutManager:
                 for task in watched:
                     if task.done() and not task.cancelled() and task.exception() is not None:
                         raise task.exception()
-                await asyncio.wait({waiting, *(t for t in watched if not t.done())},
-                                   return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    {waiting, *(t for t in watched if not t.done())}, return_when=asyncio.FIRST_COMPLETED
+                )
         finally:
             waiting.cancel()
 
@@ -156,14 +171,23 @@ class RolloutManager:
         self._next_group += 1
         return gid, next(self._prompts)
 
-    def _launch(self, group: tuple[str, Prompt], round_index: int,
-                samples: list[Sample] | None = None) -> asyncio.Task:
+    def _launch(self, group: tuple[str, Prompt], round_index: int, samples: list[Sample] | None = None) -> asyncio.Task:
         gid, prompt = group
         self.started_ids.add(gid)
         if samples is None:
-            samples = [Sample(prompt_ids=list(prompt.prompt_ids), group_id=gid, metadata={
-                "answer": prompt.answer, "prompt": prompt.metadata, "round": round_index, "num_segments": 0})
-                for _ in range(self.config.n_samples_per_prompt)]
+            samples = [
+                Sample(
+                    prompt_ids=list(prompt.prompt_ids),
+                    group_id=gid,
+                    metadata={
+                        "answer": prompt.answer,
+                        "prompt": prompt.metadata,
+                        "round": round_index,
+                        "num_segments": 0,
+                    },
+                )
+                for _ in range(self.config.n_samples_per_prompt)
+            ]
         self._inflight[gid] = (prompt, samples)
         task = asyncio.get_running_loop().create_task(self._generate_group(gid), name=gid)
         self._open[task] = gid
@@ -187,9 +211,9 @@ class RolloutManager:
 
     async def _generate_group(self, gid: str) -> Group | None:
         try:
-            samples = await asyncio.gather(*[
-                self._generate_sample(gid, i) for i in range(self.config.n_samples_per_prompt)
-            ])
+            samples = await asyncio.gather(
+                *[self._generate_sample(gid, i) for i in range(self.config.n_samples_per_prompt)]
+            )
         finally:
             self.pool.release_group(gid)
         rewards = await asyncio.get_running_loop().run_in_executor(self._executor, self._score, samples)
@@ -218,13 +242,20 @@ class RolloutManager:
             version = self.buffer.version  # LoRA: the newest adapter, loaded before the buffer heard of it
             lora = {"lora_path": adapter_name(version)} if self.adapters else {}
             result = await self.pool.generate(
-                input_ids, group_id=gid, max_new_tokens=cfg.max_new_tokens - len(sample.response_ids),
-                stop_token_ids=self.task.stop_token_ids or None, return_logprob=True,
-                return_routed_experts=cfg.return_routed_experts, routed_experts_start_len=start, **lora,
-                **cfg.sampling())
+                input_ids,
+                group_id=gid,
+                max_new_tokens=cfg.max_new_tokens - len(sample.response_ids),
+                stop_token_ids=self.task.stop_token_ids or None,
+                return_logprob=True,
+                return_routed_experts=cfg.return_routed_experts,
+                routed_experts_start_len=start,
+                **lora,
+                **cfg.sampling(),
+            )
             if self.adapters:  # the engine's base never changes: the adapter's version is the policy's
-                result = dataclasses.replace(result, weight_version=str(version),
-                                             weight_versions=[str(version)] * len(result.output_ids))
+                result = dataclasses.replace(
+                    result, weight_version=str(version), weight_versions=[str(version)] * len(result.output_ids)
+                )
             sample = progress[index] = continue_sample(sample, result, routed_experts=cfg.return_routed_experts)
             if result.finish_reason != "abort" or len(sample.response_ids) >= cfg.max_new_tokens:
                 if sample.status == "aborted":  # the abort came exactly at the end of the budget
@@ -234,8 +265,11 @@ class RolloutManager:
             if not cfg.partial_rollout:
                 self.discarded_tokens += len(sample.response_ids)
                 restarts = sample.metadata.get("restarts", 0) + 1
-                sample = progress[index] = Sample(prompt_ids=sample.prompt_ids, group_id=gid, metadata={
-                    **sample.metadata, "num_segments": 0, "rids": [], "restarts": restarts})
+                sample = progress[index] = Sample(
+                    prompt_ids=sample.prompt_ids,
+                    group_id=gid,
+                    metadata={**sample.metadata, "num_segments": 0, "rids": [], "restarts": restarts},
+                )
 
     # -- run checkpoints -----------------------------------------------------------------------------
 
@@ -245,11 +279,17 @@ class RolloutManager:
         samples as they stand: finished ones whole, partial ones with the tokens, logprobs,
         routing and versions of their returned segments (a segment still running is redone)."""
         settled = self.buffer.settled_ids()
-        open_groups = [{"group_id": gid, "prompt": dataclasses.asdict(prompt),
-                        "samples": [s.to_dict() for s in samples]}
-                       for gid, (prompt, samples) in sorted(self._inflight.items()) if gid not in settled]
-        return {"buffer": self.buffer.snapshot(), "open": open_groups, "next_group": self._next_group,
-                "started": sorted(self.started_ids)}
+        open_groups = [
+            {"group_id": gid, "prompt": dataclasses.asdict(prompt), "samples": [s.to_dict() for s in samples]}
+            for gid, (prompt, samples) in sorted(self._inflight.items())
+            if gid not in settled
+        ]
+        return {
+            "buffer": self.buffer.snapshot(),
+            "open": open_groups,
+            "next_group": self._next_group,
+            "started": sorted(self.started_ids),
+        }
 
     def restore(self, state: dict) -> None:
         """Continue from `snapshot()`'s state; call on the manager's loop before `run()`. Open
@@ -268,12 +308,20 @@ class RolloutManager:
     def accounting(self) -> dict[str, int]:
         """Group ids: started = delivered + dropped (by reason) + queued (in the buffer) + open."""
         settled = self.buffer.settled_ids()
-        return {"started": len(self.started_ids), "queued": len(self.buffer),
-                "open": len(self.started_ids - settled), **self.buffer.accounting()}
+        return {
+            "started": len(self.started_ids),
+            "queued": len(self.buffer),
+            "open": len(self.started_ids - settled),
+            **self.buffer.accounting(),
+        }
 
     def metrics(self) -> dict[str, float]:
-        return {**self.buffer.metrics(), "rollout/resumed_requests": self.resumed_requests,
-                "rollout/discarded_tokens": self.discarded_tokens, "rollout/groups_started": len(self.started_ids)}
+        return {
+            **self.buffer.metrics(),
+            "rollout/resumed_requests": self.resumed_requests,
+            "rollout/discarded_tokens": self.discarded_tokens,
+            "rollout/groups_started": len(self.started_ids),
+        }
 
 
 def is_finished(sample: Sample) -> bool:

@@ -42,25 +42,34 @@ def continue_sample(partial: Sample, result: GenerateResult, *, routed_experts: 
     n_new = len(result.output_ids)
     logprobs = result.logprobs if result.logprobs is not None else [0.0] * n_new
     if len(logprobs) != n_new or len(result.weight_versions) != n_new:
-        raise ValueError(f"engine result {result.rid}: {n_new} tokens but {len(logprobs)} logprobs and "
-                         f"{len(result.weight_versions)} versions")
+        raise ValueError(
+            f"engine result {result.rid}: {n_new} tokens but {len(logprobs)} logprobs and "
+            f"{len(result.weight_versions)} versions"
+        )
     routed = partial.routed_experts
     if routed_experts and n_new:
-        segment = (f"sample of group {partial.group_id!r}, segment {partial.metadata.get('num_segments', 0) + 1} "
-                   f"(engine request {result.rid})")
+        segment = (
+            f"sample of group {partial.group_id!r}, segment {partial.metadata.get('num_segments', 0) + 1} "
+            f"(engine request {result.rid})"
+        )
         _, start = resume_request(partial)
         expected = len(partial.prompt_ids) + len(partial.response_ids) + n_new - 1 - start
         if routed is None and partial.response_ids:
-            raise ValueError(f"{segment}: the earlier segments' {len(partial.response_ids)} tokens have no routed "
-                             "experts, the sample's routing would miss their rows")
+            raise ValueError(
+                f"{segment}: the earlier segments' {len(partial.response_ids)} tokens have no routed "
+                "experts, the sample's routing would miss their rows"
+            )
         if result.routed_experts is None:
-            raise ValueError(f"{segment}: {n_new} tokens but no routed_experts (expected {expected} rows); "
-                             "was the engine launched with --enable-return-routed-experts?")
+            raise ValueError(
+                f"{segment}: {n_new} tokens but no routed_experts (expected {expected} rows); "
+                "was the engine launched with --enable-return-routed-experts?"
+            )
         if result.routed_experts.shape[0] != expected:
             raise ValueError(
                 f"{segment}: routed_experts has {result.routed_experts.shape[0]} rows, expected {expected} "
                 f"(prompt + partial + new - 1 - routed_experts_start_len={start}); does the engine honour "
-                "routed_experts_start_len?")
+                "routed_experts_start_len?"
+            )
         routed = result.routed_experts if routed is None else np.concatenate([routed, result.routed_experts])
     metadata = dict(partial.metadata)
     metadata["num_segments"] = metadata.get("num_segments", 0) + 1

@@ -50,8 +50,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 @register_task("jsonl")
 class JsonlTask(Task):
-    def __init__(self, path: str | Path | None = None, tokenizer_dir: str | Path | None = None,
-                 reward: str = "math"):
+    def __init__(self, path: str | Path | None = None, tokenizer_dir: str | Path | None = None, reward: str = "math"):
         if path is None:
             raise ValueError("rollout.task='jsonl' needs rollout.dataset (a JSONL file path)")
         self.rows = read_jsonl(path)
@@ -64,8 +63,10 @@ class JsonlTask(Task):
                 self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
             except (OSError, ValueError) as error:
                 if any("prompt" in row for row in self.rows):
-                    raise ValueError(f"rollout.dataset has text prompts but {tokenizer_dir} has no tokenizer "
-                                     f"({error}); save one there or give prompt_ids") from error
+                    raise ValueError(
+                        f"rollout.dataset has text prompts but {tokenizer_dir} has no tokenizer "
+                        f"({error}); save one there or give prompt_ids"
+                    ) from error
         elif any("prompt" in row for row in self.rows):
             raise ValueError("rollout.dataset has text prompts: give the model dir (tokenizer) or use prompt_ids")
         self.prompt_list = [self._prompt(row) for row in self.rows]

@@ -30,7 +30,7 @@ def last_boxed(text: str) -> str | None:
     for i in range(open_at, len(text)):
         depth += {"{": 1, "}": -1}.get(text[i], 0)
         if depth == 0:
-            return text[open_at + 1:i]
+            return text[open_at + 1 : i]
     return None
 
 

@@ -50,7 +50,5 @@ def microbatches(batch: Batch, dp_size: int, dp_rank: int, micro_batch_size: int
     shard = split_rows(batch, dp_size, dp_rank)
     rows = shard["tokens"].shape[0]
     if rows % micro_batch_size:
-        raise ValueError(
-            f"{rows} sequences per DP rank are not a multiple of micro_batch_size={micro_batch_size}"
-        )
+        raise ValueError(f"{rows} sequences per DP rank are not a multiple of micro_batch_size={micro_batch_size}")
     return [split_rows(shard, rows // micro_batch_size, i) for i in range(rows // micro_batch_size)]

@@ -20,13 +20,13 @@ import json
 import random
 import warnings
 from pathlib import Path
-from parallel.staging import fresh_staging, publish, staging_dir
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from parallel.lora import adapter_parameters, adapter_sharded_state_dict
+from parallel.staging import fresh_staging, publish, staging_dir
 
 LAYOUT_FILE = "moe_rl_layout.json"
 _OPTIMIZER_METADATA = {
@@ -37,8 +37,9 @@ _OPTIMIZER_METADATA = {
 
 def _layout_record(trainer) -> dict:
     c = trainer.config
-    return dict(world_size=c.world_size, tp=c.tp, pp=c.pp, ep=c.ep, etp=c.expert_tp,
-                sequence_parallel=c.sequence_parallel)
+    return dict(
+        world_size=c.world_size, tp=c.tp, pp=c.pp, ep=c.ep, etp=c.expert_tp, sequence_parallel=c.sequence_parallel
+    )
 
 
 def _rng_object(rank: int, world_size: int, state=None):
@@ -114,8 +115,10 @@ def load_checkpoint(trainer, directory: str | Path, load_optimizer: bool = True)
         result = trainer.model.module.load_state_dict(state["model"], strict=False)
         missing = set(result.missing_keys) & set(adapter_parameters(trainer.model.module))
         if missing or result.unexpected_keys:
-            raise ValueError(f"{str(directory)!r}: its adapters do not match lora: (missing {sorted(missing)[:3]}, "
-                             f"unexpected {result.unexpected_keys[:3]}); resume with the same lora.target_modules")
+            raise ValueError(
+                f"{str(directory)!r}: its adapters do not match lora: (missing {sorted(missing)[:3]}, "
+                f"unexpected {result.unexpected_keys[:3]}); resume with the same lora.target_modules"
+            )
     if load_optimizer:
         trainer.optimizer.load_state_dict(state["optimizer"])
     trainer.step = int(state["step"])

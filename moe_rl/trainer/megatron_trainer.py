@@ -191,8 +191,10 @@ class MegatronTrainer:
         per block of rows with `mini_batches` (PPO mini-batches), each normalised by its own
         tokens. The result sums the blocks' reports; `grad_norm` is their mean."""
         if batch["tokens"].shape[0] != self.config.global_batch_size:
-            raise ValueError(f"batch has {batch['tokens'].shape[0]} sequences but trainer.global_batch_size="
-                             f"{self.config.global_batch_size}: make them equal")
+            raise ValueError(
+                f"batch has {batch['tokens'].shape[0]} sequences but trainer.global_batch_size="
+                f"{self.config.global_batch_size}: make them equal"
+            )
         sums: dict[str, float] = {}
         norms, skipped = [], False
         for index in range(mini_batches):
@@ -200,9 +202,13 @@ class MegatronTrainer:
             self.model.train()
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            reports = self._run_schedule(block, partial(self._forward_step, loss_fn, self.routing), forward_only=False,
-                                         routing=self._routing_mode(block, None),
-                                         rows=self.config.global_batch_size // mini_batches)
+            reports = self._run_schedule(
+                block,
+                partial(self._forward_step, loss_fn, self.routing),
+                forward_only=False,
+                routing=self._routing_mode(block, None),
+                rows=self.config.global_batch_size // mini_batches,
+            )
             updated, grad_norm, _ = self.optimizer.step()
             self.step += 1
             for key, value in self._reduce_reports(reports).items():
@@ -226,8 +232,12 @@ class MegatronTrainer:
         `replay`: route as `batch["routed_experts"]` says (True), naturally (False), or
         (None) replay when trainer.routing_replay is on and the batch carries routed experts."""
         self.model.eval()
-        reports = self._run_schedule(batch, partial(self._forward_step, _keep_logprobs, self.routing),
-                                     forward_only=True, routing=self._routing_mode(batch, replay))
+        reports = self._run_schedule(
+            batch,
+            partial(self._forward_step, _keep_logprobs, self.routing),
+            forward_only=True,
+            routing=self._routing_mode(batch, replay),
+        )
         self.model.train()
         return self._gather_rows(reports, "logprobs", batch["tokens"].shape[1] - 1)
 
@@ -244,9 +254,14 @@ class MegatronTrainer:
         if self.reference is None:
             raise RuntimeError("reference_logprobs before build_reference: build the reference model first")
         frozen = self.reference
-        reports = self._run_schedule(batch, partial(self._forward_step, _keep_logprobs, frozen.routing),
-                                     forward_only=True, routing=self._routing_mode(batch, replay, frozen.routing),
-                                     model=frozen.model, replay=frozen.routing)
+        reports = self._run_schedule(
+            batch,
+            partial(self._forward_step, _keep_logprobs, frozen.routing),
+            forward_only=True,
+            routing=self._routing_mode(batch, replay, frozen.routing),
+            model=frozen.model,
+            replay=frozen.routing,
+        )
         return self._gather_rows(reports, "logprobs", batch["tokens"].shape[1] - 1)
 
     @torch.no_grad()
@@ -255,8 +270,9 @@ class MegatronTrainer:
         MoE layer, from a forward with natural routing; on every rank (collective)."""
         self._require_routing("routing_agreement")
         self.model.eval()
-        self._run_schedule(batch, partial(self._forward_step, _keep_logprobs, self.routing), forward_only=True,
-                           routing="record")
+        self._run_schedule(
+            batch, partial(self._forward_step, _keep_logprobs, self.routing), forward_only=True, routing="record"
+        )
         self.model.train()
         return self.routing.agreement()
 
@@ -272,8 +288,16 @@ class MegatronTrainer:
             self._require_routing("routing replay")
         return "replay" if replay else None
 
-    def _run_schedule(self, batch: Batch, forward_step, forward_only: bool, routing: str | None = None,
-                      model=None, replay: RoutingReplay | None = None, rows: int | None = None) -> list[dict]:
+    def _run_schedule(
+        self,
+        batch: Batch,
+        forward_step,
+        forward_only: bool,
+        routing: str | None = None,
+        model=None,
+        replay: RoutingReplay | None = None,
+        rows: int | None = None,
+    ) -> list[dict]:
         """`routing`: None (natural), "replay" or "record" (see RoutingReplay). `model`, `replay`:
         the stage to run and its RoutingReplay (default: the policy's). `rows`: the batch's
         expected sequences (default trainer.global_batch_size; a mini-batch has fewer)."""

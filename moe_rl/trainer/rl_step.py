@@ -19,8 +19,9 @@ if TYPE_CHECKING:  # megatron-core loads only where a trainer runs, not in the d
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
 
 
-def rl_step(trainer: MegatronTrainer, batch: dict[str, torch.Tensor], algorithm: AlgorithmConfig,
-            model_path: str | None = None) -> dict[str, float]:
+def rl_step(
+    trainer: MegatronTrainer, batch: dict[str, torch.Tensor], algorithm: AlgorithmConfig, model_path: str | None = None
+) -> dict[str, float]:
     """Old logprobs (behaviour policy, with R3 when configured), reference logprobs (kl_coef > 0),
     consistency metrics, then one optimizer step per PPO mini-batch, all against these old
     logprobs (collective: every rank calls it with the same batch). Returns the step's metrics.
@@ -28,8 +29,10 @@ def rl_step(trainer: MegatronTrainer, batch: dict[str, torch.Tensor], algorithm:
     mask = batch["loss_mask"][:, 1:].bool()
     start = time.perf_counter()
     old = trainer.forward_logprobs(batch)
-    metrics = {"time/old_logprobs_s": time.perf_counter() - start,
-               **_logprob_diff(old, batch, mask, "consistency/logprob_diff")}
+    metrics = {
+        "time/old_logprobs_s": time.perf_counter() - start,
+        **_logprob_diff(old, batch, mask, "consistency/logprob_diff"),
+    }
     if algorithm.needs_reference:
         batch = {**batch, "ref_logprobs": _reference_logprobs(trainer, batch, algorithm, model_path, metrics)}
     if trainer.config.routing_replay:
@@ -44,13 +47,20 @@ def rl_step(trainer: MegatronTrainer, batch: dict[str, torch.Tensor], algorithm:
     metrics.update({f"policy/{k}": v for k, v in policy_metrics(result.sums, result.num_tokens).items()})
     if algorithm.needs_reference:
         metrics["loss/kl"] = metrics["policy/kl"]  # mean over the trained tokens
-    metrics.update({"train/grad_norm": result.grad_norm, "train/loss": result.loss,
-                    "train/tokens": result.num_tokens, "train/skipped": float(result.skipped)})
+    metrics.update(
+        {
+            "train/grad_norm": result.grad_norm,
+            "train/loss": result.loss,
+            "train/tokens": result.num_tokens,
+            "train/skipped": float(result.skipped),
+        }
+    )
     return metrics
 
 
-def _reference_logprobs(trainer: MegatronTrainer, batch, algorithm: AlgorithmConfig, model_path: str | None,
-                        metrics: dict) -> torch.Tensor:
+def _reference_logprobs(
+    trainer: MegatronTrainer, batch, algorithm: AlgorithmConfig, model_path: str | None, metrics: dict
+) -> torch.Tensor:
     """The frozen reference's logprobs at the batch's token positions (built on first use: the
     initial policy, rebuilt from model.path or trainer.seed, so a resumed run gets the same)."""
     start = time.perf_counter()

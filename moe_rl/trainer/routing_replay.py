@@ -65,8 +65,10 @@ class RoutingReplay:
         config = model.config
         routers = [module for module in model.modules() if isinstance(module, TopKRouter)]
         if config.moe_router_fusion or any(router.routing_type == "sinkhorn" for router in routers):
-            raise ValueError("routing replay is skipped by megatron-core with moe_router_fusion=True or "
-                             "sinkhorn routing: turn those off or set trainer.routing_replay=false")
+            raise ValueError(
+                "routing replay is skipped by megatron-core with moe_router_fusion=True or "
+                "sinkhorn routing: turn those off or set trainer.routing_replay=false"
+            )
         assert all(router.router_replay is not None for router in routers), "build with moe_enable_routing_replay"
         self.layers = [router.layer_number - 1 for router in routers]
         self.replays = [router.router_replay for router in routers]
@@ -74,7 +76,8 @@ class RoutingReplay:
         self.num_layers = config.num_layers
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
-        # sequence parallel splits each microbatch's tokens over the TP ranks: this rank routes chunk sp_index of sp_split
+        # sequence parallel splits each microbatch's tokens over the TP ranks: this rank routes
+        # chunk sp_index of sp_split
         self.sp_split = parallel_state.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
         self.sp_index = parallel_state.get_tensor_model_parallel_rank() if config.sequence_parallel else 0
         self._mode: str | None = None  # "replay" | "record" while a schedule runs
@@ -83,26 +86,34 @@ class RoutingReplay:
     # -- checks (every rank, same whole batch, before any forward) ----------------------------
     def check(self, batch: Batch) -> None:
         if "routed_experts" not in batch:
-            raise ValueError("batch lacks 'routed_experts' [B, S, num_hidden_layers, topk]: request "
-                             "return_routed_experts from the engine, or run without routing replay")
+            raise ValueError(
+                "batch lacks 'routed_experts' [B, S, num_hidden_layers, topk]: request "
+                "return_routed_experts from the engine, or run without routing replay"
+            )
         routed = batch["routed_experts"]
         rows, seq = batch["tokens"].shape
         expected = (rows, seq, self.num_layers, self.topk)
         if routed.dtype.is_floating_point or routed.dtype == torch.bool or tuple(routed.shape) != expected:
-            raise ValueError(f"batch['routed_experts'] is {routed.dtype} {tuple(routed.shape)}; expected an "
-                             f"integer tensor {expected} (B, S, num_hidden_layers, topk)")
+            raise ValueError(
+                f"batch['routed_experts'] is {routed.dtype} {tuple(routed.shape)}; expected an "
+                f"integer tensor {expected} (B, S, num_hidden_layers, topk)"
+            )
         real = real_input_rows(batch["loss_mask"])
         ids = routed[:, :-1][:, :, self.moe_layers][real].long()  # [real rows, MoE layers, topk]
         bad = (ids < 0) | (ids >= self.num_experts)
         if bad.any():
             where = bad.nonzero()[0].tolist()
-            raise ValueError(f"batch['routed_experts'] holds expert id {ids[tuple(where)].item()} outside "
-                             f"[0, {self.num_experts}) at a real token (MoE layer {self.moe_layers[where[1]]}): "
-                             f"pass global expert ids of this model")
+            raise ValueError(
+                f"batch['routed_experts'] holds expert id {ids[tuple(where)].item()} outside "
+                f"[0, {self.num_experts}) at a real token (MoE layer {self.moe_layers[where[1]]}): "
+                f"pass global expert ids of this model"
+            )
         ordered = ids.sort(dim=-1).values
         if (ordered[..., 1:] == ordered[..., :-1]).any():
-            raise ValueError("batch['routed_experts'] names an expert twice in one token's top-k at a real "
-                             "token: each row must hold topk distinct expert ids")
+            raise ValueError(
+                "batch['routed_experts'] names an expert twice in one token's top-k at a real "
+                "token: each row must hold topk distinct expert ids"
+            )
 
     # -- what this rank's routers see ---------------------------------------------------------
     def _local_rows(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -69,8 +69,15 @@ class WeightSync:
         stats = self.sender.publish(version, *collected)
         return {"engines": stats.engines, "dropped": stats.dropped, "bytes": stats.bytes}
 
-    def sync(self, version: int, bucket_bytes: int, *, joined: dict[str, str] | None = None,
-                     served_version: int = 0, lost: list[str] = ()) -> dict:
+    def sync(
+        self,
+        version: int,
+        bucket_bytes: int,
+        *,
+        joined: dict[str, str] | None = None,
+        served_version: int = 0,
+        lost: list[str] = (),
+    ) -> dict:
         """Stream the weights to the engines as `version` (collective: every rank calls it).
 
         `lost`: engines known dead, removed from the sender first. `joined`: restarted engines
@@ -91,8 +98,9 @@ class WeightSync:
                 self.sender.remove(name)
             for name, url in (joined or {}).items():
                 self.sender.add(EngineClient(url, kind=self.kind, name=name, retries=1), served_version)
-        while self._agree(self.sender is not None and error is None
-                          and (version > self.sender.version or bool(self.sender.behind))):
+        while self._agree(
+            self.sender is not None and error is None and (version > self.sender.version or bool(self.sender.behind))
+        ):
             stream = stage_stream(self.trainer.export_hf_weights(bucket_bytes), self.sources)
             if self.fp8 is not None:
                 stream = self.fp8.quantize_stream(stream)
@@ -133,6 +141,7 @@ class WeightSync:
     def _agree(self, decision: bool) -> bool:
         """The sync source's `decision`, on every rank (a collective over the trainer world)."""
         import torch.distributed as dist
+
         from sync.pipeline import sync_source
 
         if self.world_size == 1:

@@ -124,11 +124,19 @@ class Bridge:
         from parallel.mappings import Replicated, VocabParallel
 
         te_norms = (
-            Replicated("decoder.layers.*.self_attention.linear_qkv.layer_norm_weight",
-                       "model.layers.*.input_layernorm.weight"),
-            Replicated("decoder.layers.*.mlp.linear_fc1.layer_norm_weight",
-                       "model.layers.*.post_attention_layernorm.weight"),
-        ) if te else ()
+            (
+                Replicated(
+                    "decoder.layers.*.self_attention.linear_qkv.layer_norm_weight",
+                    "model.layers.*.input_layernorm.weight",
+                ),
+                Replicated(
+                    "decoder.layers.*.mlp.linear_fc1.layer_norm_weight",
+                    "model.layers.*.post_attention_layernorm.weight",
+                ),
+            )
+            if te
+            else ()
+        )
         return (
             *te_norms,
             VocabParallel("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
@@ -157,7 +165,9 @@ class Bridge:
             RowParallel("decoder.layers.*.self_attention.linear_proj.weight", f"{attn}.o_proj.weight"),
         ]
         if qkv_bias:
-            table.append(QKV(f"{qkv}.bias", f"{attn}.q_proj.bias", f"{attn}.k_proj.bias", f"{attn}.v_proj.bias", **groups))
+            table.append(
+                QKV(f"{qkv}.bias", f"{attn}.q_proj.bias", f"{attn}.k_proj.bias", f"{attn}.v_proj.bias", **groups)
+            )
         if qk_norm:
             table += [
                 Replicated("decoder.layers.*.self_attention.q_layernorm.weight", f"{attn}.q_norm.weight"),
@@ -187,8 +197,11 @@ class Bridge:
         from parallel.mappings import GatedColumn, RowParallel
 
         return (
-            GatedColumn("decoder.layers.*.mlp.linear_fc1.weight",
-                        f"model.layers.*.{hf_mlp}.gate_proj.weight", f"model.layers.*.{hf_mlp}.up_proj.weight"),
+            GatedColumn(
+                "decoder.layers.*.mlp.linear_fc1.weight",
+                f"model.layers.*.{hf_mlp}.gate_proj.weight",
+                f"model.layers.*.{hf_mlp}.up_proj.weight",
+            ),
             RowParallel("decoder.layers.*.mlp.linear_fc2.weight", f"model.layers.*.{hf_mlp}.down_proj.weight"),
         )
 
@@ -222,6 +235,7 @@ class Bridge:
     def transformer_config(self, layout: ParallelLayout, **overrides: Any):
         """Megatron TransformerConfig for this model under `layout` (fp32 unless overridden)."""
         import torch
+
         layout.check_model(self.model_shape())
         kwargs: dict[str, Any] = dict(
             tensor_model_parallel_size=layout.tp,

@@ -52,20 +52,26 @@ class DeepseekV3Bridge(Bridge):
         if kind == "default":
             return dict(rope_type="rope", rotary_base=self.rope_theta)
         if kind != "yarn":
-            raise ValueError(f"rope_parameters.rope_type={kind!r}: the DeepSeek-V3 bridge supports "
-                             f"'default' and 'yarn'")
+            raise ValueError(
+                f"rope_parameters.rope_type={kind!r}: the DeepSeek-V3 bridge supports 'default' and 'yarn'"
+            )
         return dict(
-            rope_type="yarn", rotary_base=self.rope_theta,
+            rope_type="yarn",
+            rotary_base=self.rope_theta,
             rotary_scaling_factor=float(rope["factor"]),
             original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-            beta_fast=float(rope.get("beta_fast", 32)), beta_slow=float(rope.get("beta_slow", 1)),
-            mscale=float(rope.get("mscale", 1.0)), mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)),
+            beta_fast=float(rope.get("beta_fast", 32)),
+            beta_slow=float(rope.get("beta_slow", 1)),
+            mscale=float(rope.get("mscale", 1.0)),
+            mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)),
         )
 
     def transformer_config_kwargs(self) -> dict[str, Any]:
         if self.get("attention_bias", False):
-            raise ValueError("DeepSeek-V3 with attention_bias=true is not supported by this bridge: "
-                             "Megatron's MLA projections have no bias")
+            raise ValueError(
+                "DeepSeek-V3 with attention_bias=true is not supported by this bridge: "
+                "Megatron's MLA projections have no bias"
+            )
         if self.q_lora_rank is None and megatron_at_least(0, 19):
             raise ValueError(
                 "DeepSeek-V3 with q_lora_rank=null needs megatron-core < 0.19: 0.19+ builds MLA's q "
@@ -97,15 +103,18 @@ class DeepseekV3Bridge(Bridge):
         latent = self.get("kv_lora_rank") + self.get("qk_rope_head_dim")
         for field, rows in (("q_lora_rank", self.q_lora_rank), ("kv_lora_rank + qk_rope_head_dim", latent)):
             if rows is not None and rows % layout.tp:
-                raise ValueError(f"{field}={rows} is not divisible by tp={layout.tp}: the local spec splits "
-                                 f"MLA's down projections over TP; pick a tp that divides it")
+                raise ValueError(
+                    f"{field}={rows} is not divisible by tp={layout.tp}: the local spec splits "
+                    f"MLA's down projections over TP; pick a tp that divides it"
+                )
         return super().transformer_config(layout, **overrides)
 
     def layer_spec(self, config, use_te: bool, vp_stage: int | None = None):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
-                                          vp_stage=vp_stage)
+        spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
+        )
         if not use_te:  # the local spec's DotProductAttention cannot take MLA's head sizes
             from parallel.bridges.mla_attention import MLACoreAttention
 
@@ -114,8 +123,12 @@ class DeepseekV3Bridge(Bridge):
         return spec
 
     def mappings(self, te: bool = False) -> tuple:
-        return (*self.common_mappings(te), *self.mla_mappings(te), *self.dense_mlp_mappings(),
-                *routed_and_shared_expert_mappings(self, te))
+        return (
+            *self.common_mappings(te),
+            *self.mla_mappings(te),
+            *self.dense_mlp_mappings(),
+            *routed_and_shared_expert_mappings(self, te),
+        )
 
     def mla_mappings(self, te: bool) -> tuple:
         """Local spec: the down projections are column-parallel (output rows split over TP, then

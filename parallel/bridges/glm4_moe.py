@@ -36,7 +36,9 @@ class Glm4MoeBridge(Bridge):
     def layer_spec(self, config, use_te: bool, vp_stage: int | None = None):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage)
+        return get_gpt_decoder_block_spec(
+            config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
+        )
 
     def mappings(self, te: bool = False) -> tuple:
         qk_norm, bias = bool(self.get("use_qk_norm", False)), bool(self.get("attention_bias", False))
@@ -53,11 +55,15 @@ def sigmoid_router_kwargs(bridge: Bridge) -> dict[str, Any]:
     experts, top_k = bridge.num_experts, int(bridge.get("num_experts_per_tok"))
     groups, group_topk = int(bridge.get("n_group", 1) or 1), int(bridge.get("topk_group", 1) or 1)
     if not bridge.get("norm_topk_prob", True) and top_k > 1:
-        raise ValueError("norm_topk_prob=false with a sigmoid router: Megatron always renormalises the "
-                         "top-k weights; this bridge needs norm_topk_prob=true")
+        raise ValueError(
+            "norm_topk_prob=false with a sigmoid router: Megatron always renormalises the "
+            "top-k weights; this bridge needs norm_topk_prob=true"
+        )
     if groups > 1 and top_k // group_topk != 2:
-        raise ValueError(f"n_group={groups}: HF scores a group by its top-2 experts, Megatron by its top "
-                         f"num_experts_per_tok/topk_group={top_k}/{group_topk}; make that ratio 2")
+        raise ValueError(
+            f"n_group={groups}: HF scores a group by its top-2 experts, Megatron by its top "
+            f"num_experts_per_tok/topk_group={top_k}/{group_topk}; make that ratio 2"
+        )
     return dict(
         num_moe_experts=experts,
         moe_ffn_hidden_size=bridge.get("moe_intermediate_size"),
@@ -80,7 +86,10 @@ def routed_and_shared_expert_mappings(bridge: Bridge, te: bool = False) -> tuple
         Replicated("decoder.layers.*.mlp.router.weight", "model.layers.*.mlp.gate.weight"),
         Replicated("decoder.layers.*.mlp.router.expert_bias", "model.layers.*.mlp.gate.e_score_correction_bias"),
         *bridge.expert_mappings("model.layers.*.mlp.experts.*", "gate_proj", "up_proj", "down_proj", te),
-        GatedColumn("decoder.layers.*.mlp.shared_experts.linear_fc1.weight",
-                    f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"),
+        GatedColumn(
+            "decoder.layers.*.mlp.shared_experts.linear_fc1.weight",
+            f"{shared}.gate_proj.weight",
+            f"{shared}.up_proj.weight",
+        ),
         RowParallel("decoder.layers.*.mlp.shared_experts.linear_fc2.weight", f"{shared}.down_proj.weight"),
     )

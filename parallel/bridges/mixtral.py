@@ -32,7 +32,9 @@ class MixtralBridge(Bridge):
     def layer_spec(self, config, use_te: bool, vp_stage: int | None = None):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage)
+        return get_gpt_decoder_block_spec(
+            config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
+        )
 
     def mappings(self, te: bool = False) -> tuple:
         return (

@@ -17,12 +17,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch import Tensor
-
 from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor
 
 
 class MLACoreAttention(MegatronModule):
@@ -43,8 +42,9 @@ class MLACoreAttention(MegatronModule):
     ):
         super().__init__(config=config)
         if config.context_parallel_size != 1:
-            raise ValueError("context_parallel_size > 1 with MLA needs Transformer Engine: set it to 1 "
-                             "on the local (CPU) spec")
+            raise ValueError(
+                "context_parallel_size > 1 with MLA needs Transformer Engine: set it to 1 on the local (CPU) spec"
+            )
         self.attn_mask_type = attn_mask_type
         # Attention.__init__ first builds one with the config's head size only; MLASelfAttention
         # then replaces it with the MLA sizes and scale, which are the ones that run.
@@ -64,8 +64,9 @@ class MLACoreAttention(MegatronModule):
         packed_seq_params=None,
     ) -> Tensor:
         if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("packed sequences / attention bias with MLA need Transformer Engine's "
-                             "attention: use the TE spec")
+            raise ValueError(
+                "packed sequences / attention bias with MLA need Transformer Engine's attention: use the TE spec"
+            )
         mask_type = attn_mask_type or self.attn_mask_type
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
         scores = torch.matmul(q, k.transpose(-1, -2)).float() * self.softmax_scale

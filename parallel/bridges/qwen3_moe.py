@@ -21,10 +21,7 @@ class Qwen3MoeBridge(Bridge):
         """1 for an MoE layer, 0 for a dense one (HF `mlp_only_layers`, `decoder_sparse_step`)."""
         dense = set(self.get("mlp_only_layers", None) or [])
         step = int(self.get("decoder_sparse_step", 1) or 1)
-        return [
-            int(layer not in dense and (layer + 1) % step == 0)
-            for layer in range(self.get("num_hidden_layers"))
-        ]
+        return [int(layer not in dense and (layer + 1) % step == 0) for layer in range(self.get("num_hidden_layers"))]
 
     def transformer_config_kwargs(self) -> dict[str, Any]:
         if self.get("attention_bias", False):

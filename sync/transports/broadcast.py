@@ -79,8 +79,17 @@ class BroadcastTransport(Transport):
         )
         self._worker = cf.ThreadPoolExecutor(1, thread_name_prefix="sync-broadcast")
         store = client_store(cfg.address, port, world_size, cfg.timeout_s)
-        joined = self._worker.submit(WeightUpdateGroup.join, cfg.address, port, 0, world_size,
-                                     cfg.group_name, cfg.backend, cfg.timeout_s, store=store)
+        joined = self._worker.submit(
+            WeightUpdateGroup.join,
+            cfg.address,
+            port,
+            0,
+            world_size,
+            cfg.group_name,
+            cfg.backend,
+            cfg.timeout_s,
+            store=store,
+        )
         del store  # the group holds it; the transport holds the only reference to the server
         while not joined.done():
             done, _ = cf.wait(joins.values(), timeout=_POLL_S * 10, return_when=cf.FIRST_EXCEPTION)
@@ -91,8 +100,11 @@ class BroadcastTransport(Transport):
             # Aborted: live engines notice at once, or when their store client gives up
             # connecting (up to timeout_s); leave those joins behind rather than wait for them.
             cf.wait(joins.values(), timeout=_ABORT_GRACE_S)
-            failed = {name: f.exception() for name, f in joins.items()
-                      if f.done() and not f.cancelled() and f.exception() is not None}
+            failed = {
+                name: f.exception()
+                for name, f in joins.items()
+                if f.done() and not f.cancelled() and f.exception() is not None
+            }
             for future in joins.values():
                 future.cancel()
         else:
@@ -103,12 +115,15 @@ class BroadcastTransport(Transport):
                 joined.result().destroy()
             engines.call(lambda e: e.destroy_weights_update_group(cfg.group_name))  # best effort
             self.close(engines)
-            raise SyncError(f"weight-update group did not form: {error or 'an engine failed to join'}; "
-                            f"{describe(failed)}", engine=next(iter(failed), None))
+            raise SyncError(
+                f"weight-update group did not form: {error or 'an engine failed to join'}; {describe(failed)}",
+                engine=next(iter(failed), None),
+            )
         self.group = joined.result()
         # no hash (and no host copy) unless an engine of the group checks it
-        self.packer = BucketPacker(cfg.bucket_bytes, self.group.device,
-                                   checksums=any(e.verifies_checksums for e in engines.engines))
+        self.packer = BucketPacker(
+            cfg.bucket_bytes, self.group.device, checksums=any(e.verifies_checksums for e in engines.engines)
+        )
         self.broken = False
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, engines: EngineSet) -> int:
@@ -153,7 +168,9 @@ class BroadcastTransport(Transport):
         bucket_id = (bucket.index, len(bucket.metas), bucket.nbytes, bucket.metas[0].name)
         acks = engines.submit(
             lambda e: e.update_weights_from_distributed(
-                **fields, group_name=self.config.group_name, weight_version=None,
+                **fields,
+                group_name=self.config.group_name,
+                weight_version=None,
                 load_format="flattened_bucket",
                 checksum=None if bucket.checksum is None else f"{bucket.checksum}#{bucket.index}",
             )
@@ -176,8 +193,9 @@ class BroadcastTransport(Transport):
             self._acknowledged(bucket_id, acks, version, engines, broadcast_error=error)
         return bucket_id, acks
 
-    def _acknowledged(self, bucket_id: tuple, acks: dict, version: int, engines: EngineSet,
-                      broadcast_error: Exception | None = None) -> int:
+    def _acknowledged(
+        self, bucket_id: tuple, acks: dict, version: int, engines: EngineSet, broadcast_error: Exception | None = None
+    ) -> int:
         """Wait for one bucket's acks; raise SyncError naming the engine and bucket if any failed."""
         index, count, nbytes, first = bucket_id
         failed = engines.wait(acks)
@@ -187,7 +205,8 @@ class BroadcastTransport(Transport):
             raise SyncError(
                 f"bucket {index} ({count} tensors, {nbytes} bytes, first {first}) of version "
                 f"{version} failed on {engine or 'the broadcast'}: {detail}",
-                engine=engine, bucket=index,
+                engine=engine,
+                bucket=index,
             )
         return nbytes
 

@@ -71,8 +71,10 @@ class CudaIpcTransport(Transport):
     def open(self, engines: EngineSet) -> None:
         for engine in engines.engines:
             if not isinstance(engine, ColocatedEngineEndpoint):
-                raise ValueError(f"engines: {engine.name} has no update_weights_from_tensor; the cuda_ipc "
-                                 f"transport needs sync.engine_api.ColocatedEngineEndpoint")
+                raise ValueError(
+                    f"engines: {engine.name} has no update_weights_from_tensor; the cuda_ipc "
+                    f"transport needs sync.engine_api.ColocatedEngineEndpoint"
+                )
         self.ranks = engines.results(lambda e: e.num_group_ranks(), "server_info")
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
@@ -105,14 +107,18 @@ class CudaIpcTransport(Transport):
         payloads = {e.name: serialize_bucket(bucket, self.ranks[e.name]) for e in engines.engines}
         failed = engines.call(  # no weight_version: the sender commits it last (sync.engine_api)
             lambda e: e.update_weights_from_tensor(
-                serialized_named_tensors=payloads[e.name], load_format="flattened_bucket", weight_version=None,
+                serialized_named_tensors=payloads[e.name],
+                load_format="flattened_bucket",
+                weight_version=None,
             )
         )
         if failed:
             engine = next(iter(failed))
             raise SyncError(
                 f"bucket {bucket.index} ({len(bucket.metas)} tensors, first {bucket.metas[0].name}) of "
-                f"version {version} failed on {engine}: {describe(failed)}", engine=engine, bucket=bucket.index,
+                f"version {version} failed on {engine}: {describe(failed)}",
+                engine=engine,
+                bucket=bucket.index,
             )
         return bucket.nbytes
 
@@ -128,8 +134,14 @@ def serialize_bucket(bucket: Bucket, num_ranks: int) -> list[str]:
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
     metadata = [
-        FlattenedTensorMetadata(name=m.name, shape=torch.Size(m.shape), dtype=m.dtype, start_idx=m.offset,
-                                end_idx=m.offset + m.nbytes, numel=m.nbytes)
+        FlattenedTensorMetadata(
+            name=m.name,
+            shape=torch.Size(m.shape),
+            dtype=m.dtype,
+            start_idx=m.offset,
+            end_idx=m.offset + m.nbytes,
+            numel=m.nbytes,
+        )
         for m in bucket.metas
     ]
     payload = {"flattened_tensor": bucket.data, "metadata": metadata}

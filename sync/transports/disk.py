@@ -46,8 +46,9 @@ class DiskTransport(Transport):
         else:
             nbytes = self._publish(named_tensors, version, final)
         if failed := engines.call(lambda e: e.update_weights_from_disk(str(final), str(version))):
-            raise SyncError(f"update_weights_from_disk of {final} failed: {describe(failed)}",
-                            engine=next(iter(failed)))
+            raise SyncError(
+                f"update_weights_from_disk of {final} failed: {describe(failed)}", engine=next(iter(failed))
+            )
         return nbytes
 
     def _publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, final: Path) -> int:

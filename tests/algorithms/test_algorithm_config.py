@@ -8,8 +8,16 @@ from moe_rl.config import from_dict
 
 def test_defaults_and_yaml_section():
     assert AlgorithmConfig().advantage_estimator == "grpo"
-    config = from_dict(AlgorithmConfig, {"advantage_estimator": "dr_grpo", "dr_grpo_norm_len": 512,
-                                         "clip_high": 0.28, "off_policy": "icepop", "icepop_high": 5})
+    config = from_dict(
+        AlgorithmConfig,
+        {
+            "advantage_estimator": "dr_grpo",
+            "dr_grpo_norm_len": 512,
+            "clip_high": 0.28,
+            "off_policy": "icepop",
+            "icepop_high": 5,
+        },
+    )
     assert config.icepop_high == 5.0 and isinstance(config.icepop_high, float)
     assert not config.needs_reference and AlgorithmConfig(kl_coef=0.01).needs_reference
 

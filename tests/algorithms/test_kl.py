@@ -15,13 +15,16 @@ REF = torch.log(torch.tensor([0.25, 0.5, 0.1]))
 L2 = math.log(2)
 
 
-@pytest.mark.parametrize("estimator, expected", [
-    ("k1", [L2, -L2, 0.0]),                             # logp - ref
-    ("k2", [L2**2 / 2, L2**2 / 2, 0.0]),                # (logp - ref)^2 / 2
-    ("mse", [L2**2 / 2, L2**2 / 2, 0.0]),
-    ("k3", [0.5 + L2 - 1, 2 - L2 - 1, 0.0]),            # r - log r - 1, r = ref / pi
-    ("low_var_kl", [0.5 + L2 - 1, 2 - L2 - 1, 0.0]),    # k3, clamps not reached
-])
+@pytest.mark.parametrize(
+    "estimator, expected",
+    [
+        ("k1", [L2, -L2, 0.0]),  # logp - ref
+        ("k2", [L2**2 / 2, L2**2 / 2, 0.0]),  # (logp - ref)^2 / 2
+        ("mse", [L2**2 / 2, L2**2 / 2, 0.0]),
+        ("k3", [0.5 + L2 - 1, 2 - L2 - 1, 0.0]),  # r - log r - 1, r = ref / pi
+        ("low_var_kl", [0.5 + L2 - 1, 2 - L2 - 1, 0.0]),  # k3, clamps not reached
+    ],
+)
 def test_estimators_by_hand(estimator, expected):
     torch.testing.assert_close(kl_penalty(LOGP, REF, estimator), torch.tensor(expected))
 
@@ -44,8 +47,12 @@ def test_kl_term_loss_gradient_and_metric(estimator):
     estimator's derivative (k1: 1, k2: logp - ref, k3: 1 - ref/pi) over the token count."""
     logprobs = torch.cat([torch.zeros(1), LOGP]).reshape(1, 4).requires_grad_(True)
     ref = torch.cat([torch.zeros(1), REF]).reshape(1, 4)
-    microbatch = {"loss_mask": torch.tensor([[0, 1, 1, 1]]), "advantages": torch.zeros(1, 4),
-                  "old_logprobs": logprobs.detach().clone(), "ref_logprobs": ref}
+    microbatch = {
+        "loss_mask": torch.tensor([[0, 1, 1, 1]]),
+        "advantages": torch.zeros(1, 4),
+        "old_logprobs": logprobs.detach().clone(),
+        "ref_logprobs": ref,
+    }
     config = AlgorithmConfig(off_policy="none", kl_coef=0.05, kl_estimator=estimator)
     loss, tokens, report = make_policy_loss(config)(logprobs, microbatch)
     per_token = kl_penalty(LOGP, REF, estimator)
@@ -53,7 +60,8 @@ def test_kl_term_loss_gradient_and_metric(estimator):
     assert float(loss.detach()) == pytest.approx(0.05 * float(per_token.sum()), rel=1e-6)
     assert float(report["kl"]) == pytest.approx(float(per_token.sum()), rel=1e-6)
     assert policy_metrics({k: float(v) for k, v in report.items()}, 3)["kl"] == pytest.approx(
-        float(per_token.mean()), rel=1e-6)
+        float(per_token.mean()), rel=1e-6
+    )
     loss.backward()
     derivative = {"k1": torch.ones(3), "k2": LOGP - REF, "k3": 1 - (REF - LOGP).exp()}[estimator]
     torch.testing.assert_close(logprobs.grad[0, 1:], 0.05 * derivative)

@@ -13,8 +13,12 @@ def on_policy_batch(w):
     w = torch.tensor(w)
     old = torch.full(w.shape, math.log(0.4))
     logprobs = old.clone().requires_grad_(True)
-    microbatch = {"loss_mask": torch.ones(w.shape, dtype=torch.int), "advantages": torch.ones(w.shape),
-                  "old_logprobs": old, "rollout_logprobs": old - torch.log(w)}
+    microbatch = {
+        "loss_mask": torch.ones(w.shape, dtype=torch.int),
+        "advantages": torch.ones(w.shape),
+        "old_logprobs": old,
+        "rollout_logprobs": old - torch.log(w),
+    }
     return logprobs, microbatch
 
 

@@ -75,8 +75,12 @@ def test_an_exploded_log_ratio_gives_no_nan(estimator):
     ratios above its band): without the +-20 clamp, 0 x inf is a NaN gradient for the whole batch."""
     logprobs = torch.tensor([[0.0, -0.1, -0.2]], requires_grad=True)
     old = torch.tensor([[0.0, -100.1, -0.2]])
-    microbatch = {"loss_mask": torch.tensor([[0, 1, 1]]), "advantages": torch.tensor([[1.0] * 3]),
-                  "old_logprobs": old, "rollout_logprobs": old}
+    microbatch = {
+        "loss_mask": torch.tensor([[0, 1, 1]]),
+        "advantages": torch.tensor([[1.0] * 3]),
+        "old_logprobs": old,
+        "rollout_logprobs": old,
+    }
     config = AlgorithmConfig(advantage_estimator=estimator, off_policy="icepop")
     loss, _, _ = run(config, logprobs, microbatch)
     assert math.isfinite(loss) and torch.isfinite(logprobs.grad).all()
@@ -92,8 +96,7 @@ def test_dr_grpo_constant_normaliser():
 
 def test_gspo_sequence_ratio_and_clip():
     logprobs, microbatch = clip_case()
-    loss, tokens, report = run(AlgorithmConfig(advantage_estimator="gspo", off_policy="none"),
-                               logprobs, microbatch)
+    loss, tokens, report = run(AlgorithmConfig(advantage_estimator="gspo", off_policy="none"), logprobs, microbatch)
     # s = geometric mean of the row's ratios: sqrt(1.65) = 1.2845 -> 1.2 (clipped) => -1.2
     # sqrt(0.425) = 0.6519 -> 0.8 (clipped) => +0.8;  0.5 => -0.5;  1.5 => +1.5
     assert loss == pytest.approx(-1.2 + 0.8 - 0.5 + 1.5)
@@ -108,8 +111,7 @@ def test_grpo_end_to_end_from_rewards():
     adv = group_advantages([1.0, 0.0, 3.0, 1.0], ["a", "a", "b", "b"], AlgorithmConfig()).advantages
     mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 1, 1]])
     logprobs = torch.full((4, 3), -1.0, requires_grad=True)
-    microbatch = {"loss_mask": mask, "advantages": adv[:, None].expand(4, 3),
-                  "old_logprobs": torch.full((4, 3), -1.0)}
+    microbatch = {"loss_mask": mask, "advantages": adv[:, None].expand(4, 3), "old_logprobs": torch.full((4, 3), -1.0)}
     loss, tokens, _ = run(AlgorithmConfig(off_policy="none"), logprobs, microbatch)
     # sum_i -A_i n_i = -(3 - 1 + 2 - 2) / sqrt(2)
     assert loss == pytest.approx(-2 / math.sqrt(2), rel=1e-5) and tokens == 8
@@ -119,16 +121,19 @@ def test_kl_estimators():
     logp, ref = torch.tensor([math.log(0.5), 0.0]), torch.tensor([math.log(0.25), -30.0])
     # k1 = logp - ref;  k3 = exp(ref - logp) - (ref - logp) - 1
     torch.testing.assert_close(kl_penalty(logp, ref, "k1"), torch.tensor([math.log(2), 30.0]))
-    torch.testing.assert_close(kl_penalty(logp, ref, "k3"),
-                               torch.tensor([0.5 + math.log(2) - 1, math.exp(-30) + 29.0]))
+    torch.testing.assert_close(kl_penalty(logp, ref, "k3"), torch.tensor([0.5 + math.log(2) - 1, math.exp(-30) + 29.0]))
     # low_var_kl: log ratio clamped to [-20, 20] (exp(-20) + 19), then the value to [-10, 10]
     torch.testing.assert_close(kl_penalty(logp, ref, "low_var_kl"), torch.tensor([0.5 + math.log(2) - 1, 10.0]))
 
 
 def test_kl_term_in_loss():
     logprobs = torch.tensor([[0.0, math.log(0.5)]], requires_grad=True)
-    microbatch = {"loss_mask": torch.tensor([[0, 1]]), "advantages": torch.zeros(1, 2),
-                  "old_logprobs": logprobs.detach().clone(), "ref_logprobs": torch.tensor([[0.0, math.log(0.25)]])}
+    microbatch = {
+        "loss_mask": torch.tensor([[0, 1]]),
+        "advantages": torch.zeros(1, 2),
+        "old_logprobs": logprobs.detach().clone(),
+        "ref_logprobs": torch.tensor([[0.0, math.log(0.25)]]),
+    }
     config = AlgorithmConfig(off_policy="none", kl_coef=0.1, kl_estimator="k1")
     loss, tokens, report = run(config, logprobs, microbatch)
     assert loss == pytest.approx(0.1 * math.log(2)) and report["kl"] == pytest.approx(math.log(2))
@@ -153,10 +158,17 @@ def test_gradient_step_moves_probability_with_advantage_sign():
     torch.manual_seed(0)
     logits = torch.randn(2, 4, 8, requires_grad=True)
     targets = torch.randint(0, 8, (2, 4))
-    token_logprobs = lambda: torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+
+    def token_logprobs():
+        return torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+
     before = token_logprobs().detach()
-    microbatch = {"loss_mask": torch.ones(2, 4), "advantages": torch.tensor([[1.0] * 4, [-1.0] * 4]),
-                  "old_logprobs": before.clone(), "rollout_logprobs": before.clone()}
+    microbatch = {
+        "loss_mask": torch.ones(2, 4),
+        "advantages": torch.tensor([[1.0] * 4, [-1.0] * 4]),
+        "old_logprobs": before.clone(),
+        "rollout_logprobs": before.clone(),
+    }
     loss_sum, num_tokens, _ = make_policy_loss(AlgorithmConfig())(token_logprobs(), microbatch)
     (loss_sum / num_tokens).backward()
     with torch.no_grad():
@@ -174,15 +186,18 @@ def test_microbatch_split_matches_whole_batch(estimator):
     logprobs = (torch.rand(rows, cols) * -2).requires_grad_(True)
     mask = (torch.rand(rows, cols) > 0.3).int()
     mask[:, 0] = 0
-    batch = {"loss_mask": mask, "advantages": torch.randn(rows, 1).expand(rows, cols),
-             "old_logprobs": logprobs.detach() + 0.1 * torch.randn(rows, cols),
-             "rollout_logprobs": logprobs.detach() + 0.1 * torch.randn(rows, cols)}
+    batch = {
+        "loss_mask": mask,
+        "advantages": torch.randn(rows, 1).expand(rows, cols),
+        "old_logprobs": logprobs.detach() + 0.1 * torch.randn(rows, cols),
+        "rollout_logprobs": logprobs.detach() + 0.1 * torch.randn(rows, cols),
+    }
     norm = 10 if estimator == "dr_grpo" else None
     loss_fn = make_policy_loss(AlgorithmConfig(advantage_estimator=estimator, dr_grpo_norm_len=norm))
     whole_sum, whole_tokens, _ = loss_fn(logprobs, batch)
     whole = whole_sum / whole_tokens
     (whole_grad,) = torch.autograd.grad(whole, logprobs)
-    parts = [loss_fn(logprobs[i:i + 2], {k: v[i:i + 2] for k, v in batch.items()}) for i in range(0, rows, 2)]
+    parts = [loss_fn(logprobs[i : i + 2], {k: v[i : i + 2] for k, v in batch.items()}) for i in range(0, rows, 2)]
     split = sum(p[0] for p in parts) / sum(p[1] for p in parts)
     (split_grad,) = torch.autograd.grad(split, logprobs)
     torch.testing.assert_close(split, whole)

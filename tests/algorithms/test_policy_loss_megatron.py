@@ -17,26 +17,44 @@ def _rank(estimators):
     from moe_rl.config import TrainerConfig
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
 
-    hf_config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                               num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
-                               architectures=["Qwen3MoeForCausalLM"])
+    hf_config = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        architectures=["Qwen3MoeForCausalLM"],
+    )
     trainer = MegatronTrainer(TrainerConfig(world_size=2, global_batch_size=ROWS, micro_batch_size=1), hf_config)
     generator = torch.Generator().manual_seed(0)
     mask = torch.zeros(ROWS, SEQ, dtype=torch.long)
     for row, length in enumerate([6, 4, 5, 2]):  # response tokens per sequence
         mask[row, PROMPT : PROMPT + length] = 1
     uniform = torch.full((ROWS, SEQ), -math.log(VOCAB))  # a fresh tiny model is near uniform
-    batch = {"tokens": torch.randint(0, VOCAB, (ROWS, SEQ), generator=generator), "loss_mask": mask,
-             "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None].expand(ROWS, SEQ).contiguous(),
-             "old_logprobs": uniform, "rollout_logprobs": uniform - 0.05}
+    batch = {
+        "tokens": torch.randint(0, VOCAB, (ROWS, SEQ), generator=generator),
+        "loss_mask": mask,
+        "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None].expand(ROWS, SEQ).contiguous(),
+        "old_logprobs": uniform,
+        "rollout_logprobs": uniform - 0.05,
+    }
     results = {}
     for estimator in estimators:
         norm = 8 if estimator == "dr_grpo" else None
         config = AlgorithmConfig(advantage_estimator=estimator, dr_grpo_norm_len=norm)
         result = trainer.train_step(batch, make_policy_loss(config))
-        results[estimator] = (result.loss, result.num_tokens, result.grad_norm,
-                              policy_metrics(result.sums, result.num_tokens))
+        results[estimator] = (
+            result.loss,
+            result.num_tokens,
+            result.grad_norm,
+            policy_metrics(result.sums, result.num_tokens),
+        )
     return results
 
 
@@ -66,27 +84,41 @@ def _mini_batch_rank():
     from moe_rl.trainer.batch import split_rows
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
 
-    hf_config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                               num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
-                               architectures=["Qwen3MoeForCausalLM"])
+    hf_config = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        architectures=["Qwen3MoeForCausalLM"],
+    )
     optimizer = OptimizerConfig(lr=0.05)
-    whole = MegatronTrainer(TrainerConfig(world_size=2, global_batch_size=ROWS, micro_batch_size=1,
-                                          optimizer=optimizer), hf_config)
+    whole = MegatronTrainer(
+        TrainerConfig(world_size=2, global_batch_size=ROWS, micro_batch_size=1, optimizer=optimizer), hf_config
+    )
     generator = torch.Generator().manual_seed(0)
     mask = torch.zeros(ROWS, SEQ, dtype=torch.long)
     mask[:, PROMPT:] = 1
-    batch = {"tokens": torch.randint(0, VOCAB, (ROWS, SEQ), generator=generator), "loss_mask": mask,
-             "advantages": torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None].expand(ROWS, SEQ).contiguous()}
+    batch = {
+        "tokens": torch.randint(0, VOCAB, (ROWS, SEQ), generator=generator),
+        "loss_mask": mask,
+        "advantages": torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None].expand(ROWS, SEQ).contiguous(),
+    }
     batch["old_logprobs"] = torch.cat([torch.zeros(ROWS, 1), whole.forward_logprobs(batch)], dim=1)
     loss = make_policy_loss(AlgorithmConfig(off_policy="none", clip_low=0.01, clip_high=0.01))
     result = whole.train_step(batch, loss, mini_batches=2)
-    halves = MegatronTrainer(TrainerConfig(world_size=2, global_batch_size=ROWS // 2, micro_batch_size=1,
-                                           optimizer=optimizer), hf_config)
+    halves = MegatronTrainer(
+        TrainerConfig(world_size=2, global_batch_size=ROWS // 2, micro_batch_size=1, optimizer=optimizer), hf_config
+    )
     second = [halves.train_step(split_rows(batch, 2, i), loss) for i in range(2)][1]
     same = all(torch.equal(a, b) for a, b in zip(whole.model.parameters(), halves.model.parameters()))
-    return (result.step, same, policy_metrics(second.sums, second.num_tokens)["clip_fraction"],
-            result.num_tokens)
+    return (result.step, same, policy_metrics(second.sums, second.num_tokens)["clip_fraction"], result.num_tokens)
 
 
 def test_ppo_mini_batches_are_optimizer_steps_on_row_blocks():

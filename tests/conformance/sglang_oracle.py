@@ -37,10 +37,26 @@ SGLANG_VERSION = "0.5.23"
 # What SGLang's request classes, server args, weight updaters and bucket code import at module
 # level, at the versions SGLang 0.5.23 pins where it pins one.
 DEPENDENCIES = [
-    "msgspec==0.23.0", "orjson==3.13.0", "pybase64==1.5.1", "pyzmq==27.3.0", "starlette==1.10.0",
-    "apache-tvm-ffi==0.1.11", "dill==0.4.1", "sentencepiece==0.2.1", "compressed-tensors==0.18.0",
-    "loguru==0.7.3", "gguf==0.19.0", "openai==2.8.0", "sniffio==1.3.1", "partial-json-parser==0.2.1.1.post7",
-    "httpx==0.28.1", "httpcore==1.0.9", "distro==1.9.0", "jiter==0.12.0", "setproctitle==1.3.8", "einops==0.8.2",
+    "msgspec==0.23.0",
+    "orjson==3.13.0",
+    "pybase64==1.5.1",
+    "pyzmq==27.3.0",
+    "starlette==1.10.0",
+    "apache-tvm-ffi==0.1.11",
+    "dill==0.4.1",
+    "sentencepiece==0.2.1",
+    "compressed-tensors==0.18.0",
+    "loguru==0.7.3",
+    "gguf==0.19.0",
+    "openai==2.8.0",
+    "sniffio==1.3.1",
+    "partial-json-parser==0.2.1.1.post7",
+    "httpx==0.28.1",
+    "httpcore==1.0.9",
+    "distro==1.9.0",
+    "jiter==0.12.0",
+    "setproctitle==1.3.8",
+    "einops==0.8.2",
 ]
 STUBBED = ("triton", "torchvision", "IPython")
 _REPO = Path(__file__).resolve().parents[2]
@@ -162,11 +178,17 @@ def extract(module: str, qualname: str, namespace: dict):
     tree, node = ast.parse(path.read_text()), None
     for part in qualname.split("."):
         body = tree.body if node is None else node.body
-        node = next(n for n in body if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                    and n.name == part)
+        node = next(
+            n for n in body if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == part
+        )
     node.decorator_list = []
-    code = compile(ast.Module(body=[node], type_ignores=[]), f"{path}:{qualname}", "exec",
-                   flags=__import__("__future__").annotations.compiler_flag, dont_inherit=True)
+    code = compile(
+        ast.Module(body=[node], type_ignores=[]),
+        f"{path}:{qualname}",
+        "exec",
+        flags=__import__("__future__").annotations.compiler_flag,
+        dont_inherit=True,
+    )
     exec(code, namespace)
     return namespace[node.name]
 

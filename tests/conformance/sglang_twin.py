@@ -88,25 +88,45 @@ def _lora_rank(tp_rank: int, model_dir: str):
 
     import torch
     from safetensors.torch import load_file
-
     from sglang.srt.lora.lora_config import LoRAConfig
     from sglang.srt.managers.io_struct import LoRAUpdateOutput
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
     from tests.conformance.sglang_oracle import extract
 
     os.environ["HF_HUB_OFFLINE"] = "1"  # a lora_path that is no directory fails at once (no hub download)
-    names = dict(torch=torch, LoRAConfig=LoRAConfig, LoRAUpdateOutput=LoRAUpdateOutput, logger=logging.getLogger("twin"),
-                 MultiprocessingSerializer=MultiprocessingSerializer, FlattenedTensorBucket=FlattenedTensorBucket,
-                 monkey_patch_torch_reductions=monkey_patch_torch_reductions,
-                 get_parallel=lambda: types.SimpleNamespace(tp_rank=tp_rank, dcp_replicate_q_proj=False))
+    names = dict(
+        torch=torch,
+        LoRAConfig=LoRAConfig,
+        LoRAUpdateOutput=LoRAUpdateOutput,
+        logger=logging.getLogger("twin"),
+        MultiprocessingSerializer=MultiprocessingSerializer,
+        FlattenedTensorBucket=FlattenedTensorBucket,
+        monkey_patch_torch_reductions=monkey_patch_torch_reductions,
+        get_parallel=lambda: types.SimpleNamespace(tp_rank=tp_rank, dcp_replicate_q_proj=False),
+    )
     manager = types.SimpleNamespace(
-        loras={}, configs={}, lora_refs={}, tensors={}, num_pinned_loras=0, attn_dp_enabled=False, max_loras_per_batch=8,
-        base_hf_config=types.SimpleNamespace(vocab_size=json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]),
-        memory_pool=types.SimpleNamespace(can_support=lambda config: True, remove_lora=lambda lora_id: None))
-    for method in ("_load_lora_adapter", "_load_lora_adapter_from_tensors", "_unload_lora_adapter",
-                   "validate_new_adapter", "create_lora_update_result"):
+        loras={},
+        configs={},
+        lora_refs={},
+        tensors={},
+        num_pinned_loras=0,
+        attn_dp_enabled=False,
+        max_loras_per_batch=8,
+        base_hf_config=types.SimpleNamespace(
+            vocab_size=json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]
+        ),
+        memory_pool=types.SimpleNamespace(can_support=lambda config: True, remove_lora=lambda lora_id: None),
+    )
+    for method in (
+        "_load_lora_adapter",
+        "_load_lora_adapter_from_tensors",
+        "_unload_lora_adapter",
+        "validate_new_adapter",
+        "create_lora_update_result",
+    ):
         fn = extract("sglang.srt.lora.lora_manager", f"LoRAManager.{method}", dict(names))
         setattr(manager, method, types.MethodType(fn, manager))
 
@@ -114,13 +134,22 @@ def _lora_rank(tp_rank: int, model_dir: str):
         manager.tensors[lora_ref.lora_id] = {name: _digest(t) for name, t in sorted(tensors.items())}
         manager.loras[lora_ref.lora_id] = lora_ref
 
-    manager.load_lora_weights = lambda ref: record(ref, load_file(os.path.join(ref.lora_path, "adapter_model.safetensors")))
+    manager.load_lora_weights = lambda ref: record(
+        ref, load_file(os.path.join(ref.lora_path, "adapter_model.safetensors"))
+    )
     manager.load_lora_weights_from_tensors = record
     runner = types.SimpleNamespace(  # ModelRunner's LoRA methods call the manager (model_runner.py)
-        load_lora_adapter=manager._load_lora_adapter, unload_lora_adapter=manager._unload_lora_adapter,
-        load_lora_adapter_from_tensors=manager._load_lora_adapter_from_tensors)
+        load_lora_adapter=manager._load_lora_adapter,
+        unload_lora_adapter=manager._unload_lora_adapter,
+        load_lora_adapter_from_tensors=manager._load_lora_adapter_from_tensors,
+    )
     worker = types.SimpleNamespace(model_runner=runner)
-    for method in ("deserialize_own_rank", "load_lora_adapter", "unload_lora_adapter", "load_lora_adapter_from_tensors"):
+    for method in (
+        "deserialize_own_rank",
+        "load_lora_adapter",
+        "unload_lora_adapter",
+        "load_lora_adapter_from_tensors",
+    ):
         fn = extract("sglang.srt.managers.tp_worker", f"BaseTpWorker.{method}", dict(names))
         setattr(worker, method, fn if method != "deserialize_own_rank" else types.MethodType(fn, worker))
     return manager, worker
@@ -136,30 +165,48 @@ def _lora_front(fan_out):
     from sglang.srt.lora.lora_registry import LoRARef, LoRARegistry
     from sglang.srt.managers import io_struct
     from sglang.srt.utils.common import normalize_serialized_named_tensor_payloads
+
     from tests.conformance.sglang_oracle import extract
 
     module = "sglang.srt.managers.tokenizer_control_mixin"
-    names = dict(LoRARef=LoRARef, LoRAUpdateOutput=io_struct.LoRAUpdateOutput, logger=logging.getLogger("twin"),
-                 LoadLoRAAdapterReqOutput=io_struct.LoRAUpdateOutput, UnloadLoRAAdapterReqOutput=io_struct.LoRAUpdateOutput,
-                 LoadLoRAAdapterFromTensorsReqOutput=io_struct.LoRAUpdateOutput,
-                 UnloadLoRAAdapterReqInput=io_struct.UnloadLoRAAdapterReqInput,
-                 normalize_serialized_named_tensor_payloads=normalize_serialized_named_tensor_payloads,
-                 get_lora=lambda: types.SimpleNamespace(enable_lora=True, max_loaded_loras=None),
-                 get_parallel=lambda: types.SimpleNamespace(dp_size=1))
+    names = dict(
+        LoRARef=LoRARef,
+        LoRAUpdateOutput=io_struct.LoRAUpdateOutput,
+        logger=logging.getLogger("twin"),
+        LoadLoRAAdapterReqOutput=io_struct.LoRAUpdateOutput,
+        UnloadLoRAAdapterReqOutput=io_struct.LoRAUpdateOutput,
+        LoadLoRAAdapterFromTensorsReqOutput=io_struct.LoRAUpdateOutput,
+        UnloadLoRAAdapterReqInput=io_struct.UnloadLoRAAdapterReqInput,
+        normalize_serialized_named_tensor_payloads=normalize_serialized_named_tensor_payloads,
+        get_lora=lambda: types.SimpleNamespace(enable_lora=True, max_loaded_loras=None),
+        get_parallel=lambda: types.SimpleNamespace(dp_size=1),
+    )
     for helper in ("_merge_lora_update_results", "_lora_load_needs_cleanup"):
         names[helper] = extract(module, helper, names)
 
     async def communicator(obj):
         results = await fan_out(next(p for p, (cls, _) in LORA_ROUTES.items() if cls == type(obj).__name__), obj)
-        return [io_struct.LoRAUpdateOutput(success=ok, error_message=msg[0], loaded_adapters=msg[1])
-                if isinstance(msg, tuple) else io_struct.LoRAUpdateOutput(success=False, error_message=str(msg))
-                for ok, msg, _, _ in results]  # (a str: the rank raised, as a checksum mismatch does)
+        return [
+            io_struct.LoRAUpdateOutput(success=ok, error_message=msg[0], loaded_adapters=msg[1])
+            if isinstance(msg, tuple)
+            else io_struct.LoRAUpdateOutput(success=False, error_message=str(msg))
+            for ok, msg, _, _ in results
+        ]  # (a str: the rank raised, as a checksum mismatch does)
 
-    front = types.SimpleNamespace(auto_create_handle_loop=lambda: None, lora_update_lock=asyncio.Lock(),
-                                  pending_lora_unloads={}, lora_registry=LoRARegistry(), lora_ref_cache={},
-                                  update_lora_adapter_communicator=communicator)
-    for method in ("load_lora_adapter", "load_lora_adapter_from_tensors", "unload_lora_adapter",
-                   "_unload_lora_adapter_locked"):
+    front = types.SimpleNamespace(
+        auto_create_handle_loop=lambda: None,
+        lora_update_lock=asyncio.Lock(),
+        pending_lora_unloads={},
+        lora_registry=LoRARegistry(),
+        lora_ref_cache={},
+        update_lora_adapter_communicator=communicator,
+    )
+    for method in (
+        "load_lora_adapter",
+        "load_lora_adapter_from_tensors",
+        "unload_lora_adapter",
+        "_unload_lora_adapter_locked",
+    ):
         fn = extract(module, f"TokenizerControlMixin.{method}", names)
         setattr(front, method, types.MethodType(fn, front))
     return front
@@ -167,15 +214,16 @@ def _lora_front(fan_out):
 
 # -- one TP rank (SGLang's scheduler process) -------------------------------------------------------
 
-def _rank_main(tp_rank: int, tp_size: int, tp_port: int, model_dir: str, version: str,
-               running_requests: int, conn) -> None:
+
+def _rank_main(
+    tp_rank: int, tp_size: int, tp_port: int, model_dir: str, version: str, running_requests: int, conn
+) -> None:
     from tests.conformance import sglang_oracle
 
     sglang_oracle.install()
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
-
     from sglang.srt import runtime_context
     from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
@@ -184,8 +232,9 @@ def _rank_main(tp_rank: int, tp_size: int, tp_port: int, model_dir: str, version
     torch.set_num_threads(1)
     # SGLang's TP group; its weight updater asserts a default process group exists
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{tp_port}", rank=tp_rank, world_size=tp_size)
-    server_args = ServerArgs(model_path=model_dir, tp_size=tp_size, device="cpu",
-                             skip_tokenizer_init=True, weight_version=version)
+    server_args = ServerArgs(
+        model_path=model_dir, tp_size=tp_size, device="cpu", skip_tokenizer_init=True, weight_version=version
+    )
     runtime_context.publish(server_args, role="scheduler")
 
     class Model(torch.nn.Module):  # stand-in: full tensors on every rank, loaded in place
@@ -198,9 +247,17 @@ def _rank_main(tp_rank: int, tp_size: int, tp_port: int, model_dir: str, version
                 self.tensors[name].copy_(tensor)  # in place, as SGLang's weight loaders do
 
     model = Model(load_file(os.path.join(model_dir, "model.safetensors")))
-    updater = WeightUpdater(tp_rank=tp_rank, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
-                            get_model=lambda: model, update_model_fields=lambda *a, **k: None,
-                            recapture_cuda_graph=lambda: None, get_model_runner=lambda: runner)
+    updater = WeightUpdater(
+        tp_rank=tp_rank,
+        device="cpu",
+        gpu_id=0,
+        model_config=None,
+        custom_weight_loaders={},
+        get_model=lambda: model,
+        update_model_fields=lambda *a, **k: None,
+        recapture_cuda_graph=lambda: None,
+        get_model_runner=lambda: runner,
+    )
 
     @dataclass
     class Runner:  # stand-in for ModelRunner: what the weight managers reach through it
@@ -212,8 +269,9 @@ def _rank_main(tp_rank: int, tp_size: int, tp_port: int, model_dir: str, version
         model_runner = runner
 
         def init_weights_update_group(self, req):  # TpModelWorker.init_weights_update_group
-            return updater.init_weights_update_group(req.master_address, req.master_port, req.rank_offset,
-                                                     req.world_size, req.group_name, req.backend)
+            return updater.init_weights_update_group(
+                req.master_address, req.master_port, req.rank_offset, req.world_size, req.group_name, req.backend
+            )
 
         def destroy_weights_update_group(self, req):
             return updater.destroy_weights_update_group(req.group_name)
@@ -239,8 +297,14 @@ def _rank_main(tp_rank: int, tp_size: int, tp_port: int, model_dir: str, version
         def __post_init__(self):
             self.tp_cpu_group = dist.group.WORLD
 
-    manager = Manager(tp_worker=Worker(), draft_worker=None, memory_saver_adapter=None,
-                      flush_cache=flush_cache, is_fully_idle=lambda **k: True, scheduler=SchedulerStandIn())
+    manager = Manager(
+        tp_worker=Worker(),
+        draft_worker=None,
+        memory_saver_adapter=None,
+        flush_cache=flush_cache,
+        is_fully_idle=lambda **k: True,
+        scheduler=SchedulerStandIn(),
+    )
 
     def served() -> str:
         return runtime_context.get_serving().weight_version
@@ -261,16 +325,24 @@ def _rank_main(tp_rank: int, tp_size: int, tp_port: int, model_dir: str, version
             out = getattr(lora_worker, LORA_ROUTES[route][1])(lora_worker, req)
             return out.success, (out.error_message, out.loaded_adapters)
         if route == "/twin/lora":
-            return True, {ref.lora_name: {"path": ref.lora_path, "tensors": lora_manager.tensors[lora_id]}
-                          for lora_id, ref in lora_manager.lora_refs.items()}
+            return True, {
+                ref.lora_name: {"path": ref.lora_path, "tensors": lora_manager.tensors[lora_id]}
+                for lora_id, ref in lora_manager.lora_refs.items()
+            }
         if route == "/twin/state":
-            return True, {"version": served(), "paused": state["paused"], "session": manager._session is not None,
-                          "weights": {n: _digest(t) for n, t in model.tensors.items()}}
-        method = {"/init_weights_update_group": manager.init_weights_update_group,
-                  "/destroy_weights_update_group": manager.destroy_weights_update_group,
-                  "/begin_weight_update": manager.begin_weight_update,
-                  "/end_weight_update": manager.end_weight_update,
-                  "/update_weights_from_distributed": manager.update_weights_from_distributed}[route]
+            return True, {
+                "version": served(),
+                "paused": state["paused"],
+                "session": manager._session is not None,
+                "weights": {n: _digest(t) for n, t in model.tensors.items()},
+            }
+        method = {
+            "/init_weights_update_group": manager.init_weights_update_group,
+            "/destroy_weights_update_group": manager.destroy_weights_update_group,
+            "/begin_weight_update": manager.begin_weight_update,
+            "/end_weight_update": manager.end_weight_update,
+            "/update_weights_from_distributed": manager.update_weights_from_distributed,
+        }[route]
         out = method(req)
         return out.success, out.message
 
@@ -290,6 +362,7 @@ def _rank_main(tp_rank: int, tp_size: int, tp_port: int, model_dir: str, version
 
 # -- the HTTP front end (SGLang's http_server + tokenizer manager) ----------------------------------
 
+
 def _server_main(port: int, tp_size: int, model_dir: str, version: str, running_requests: int) -> None:
     from tests.conformance import sglang_oracle
 
@@ -297,7 +370,6 @@ def _server_main(port: int, tp_size: int, model_dir: str, version: str, running_
     import msgspec
     import pydantic
     from aiohttp import web
-
     from sglang.srt.managers import io_struct
     from sglang.srt.managers.communicator import FanOutCommunicator
     from sglang.srt.server_args import ServerArgs
@@ -308,16 +380,20 @@ def _server_main(port: int, tp_size: int, model_dir: str, version: str, running_
     tp_port, conns, ranks = _free_port(), [], []
     for tp_rank in range(tp_size):
         parent, child = ctx.Pipe()
-        rank = ctx.Process(target=_rank_main, daemon=True,
-                           args=(tp_rank, tp_size, tp_port, model_dir, version, running_requests, child))
+        rank = ctx.Process(
+            target=_rank_main,
+            daemon=True,
+            args=(tp_rank, tp_size, tp_port, model_dir, version, running_requests, child),
+        )
         rank.start()
         child.close()  # so a rank's death is an EOF here
         conns.append(parent)
         ranks.append(rank)
     for conn in conns:
         assert conn.recv() == "ready"
-    server_args = ServerArgs(model_path=model_dir, tp_size=tp_size, device="cpu",
-                             skip_tokenizer_init=True, weight_version=version)
+    server_args = ServerArgs(
+        model_path=model_dir, tp_size=tp_size, device="cpu", skip_tokenizer_init=True, weight_version=version
+    )
     log: list[dict] = []
     lock = asyncio.Lock()
 
@@ -353,9 +429,19 @@ def _server_main(port: int, tp_size: int, model_dir: str, version: str, running_
         async with lock:  # a scheduler takes one request at a time, in arrival order
             results = await fan_out(route, req)
         success, message = FanOutCommunicator.merge_results(
-            [type("Out", (), {"success": ok, "message": str(msg)}) for ok, msg, _, _ in results])
-        log.append({"route": route, "success": success, "message": message, "weight_version": body.get("weight_version"),
-                    "before": [r[2] for r in results], "after": [r[3] for r in results], "time": time.time()})
+            [type("Out", (), {"success": ok, "message": str(msg)}) for ok, msg, _, _ in results]
+        )
+        log.append(
+            {
+                "route": route,
+                "success": success,
+                "message": message,
+                "weight_version": body.get("weight_version"),
+                "before": [r[2] for r in results],
+                "after": [r[3] for r in results],
+                "time": time.time(),
+            }
+        )
         return web.json_response({"success": success, "message": message}, status=200 if success else 400)
 
     lora_front = None
@@ -375,8 +461,11 @@ def _server_main(port: int, tp_size: int, model_dir: str, version: str, running_
         except (ValueError, pydantic.ValidationError) as error:
             log.append({"route": route, "success": False, "message": str(error)})
             return web.json_response({"detail": str(error)}, status=422)
-        method = {"/load_lora_adapter": "load_lora_adapter", "/unload_lora_adapter": "unload_lora_adapter",
-                  "/load_lora_adapter_from_tensors": "load_lora_adapter_from_tensors"}[route]
+        method = {
+            "/load_lora_adapter": "load_lora_adapter",
+            "/unload_lora_adapter": "unload_lora_adapter",
+            "/load_lora_adapter_from_tensors": "load_lora_adapter_from_tensors",
+        }[route]
         result = await getattr(lora_front, method)(req)
         log.append({"route": route, "success": result.success, "message": result.error_message, "time": time.time()})
         return web.json_response(msgspec_to_builtins(result), status=200 if result.success else 400)
@@ -424,9 +513,15 @@ def _server_main(port: int, tp_size: int, model_dir: str, version: str, running_
     for route in LORA_ROUTES:
         app.router.add_post(route, lora_route)
     app.router.add_route("*", "/flush_cache", flush_cache)
-    for path, handler in {"/server_info": server_info, "/get_server_info": server_info, "/health": health,
-                          "/twin/state": twin_state, "/twin/log": twin_log, "/twin/ranks": twin_ranks,
-                          "/twin/lora": twin_lora}.items():
+    for path, handler in {
+        "/server_info": server_info,
+        "/get_server_info": server_info,
+        "/health": health,
+        "/twin/state": twin_state,
+        "/twin/log": twin_log,
+        "/twin/ranks": twin_ranks,
+        "/twin/lora": twin_lora,
+    }.items():
         app.router.add_get(path, handler)
     web.run_app(app, host="127.0.0.1", port=port, print=None, handle_signals=True)
 
@@ -439,7 +534,8 @@ class SGLangTwin:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = mp.get_context("spawn").Process(
-            target=_server_main, args=(self.port, tp_size, model_dir, version, running_requests))
+            target=_server_main, args=(self.port, tp_size, model_dir, version, running_requests)
+        )
 
     def start(self) -> "SGLangTwin":
         self.process.start()

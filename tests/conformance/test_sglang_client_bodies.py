@@ -19,8 +19,18 @@ def _client_bodies() -> list[tuple[str, dict]]:
     async def go():
         engine = RecordingEngine()
         client = EngineClient(await engine.start(), kind="sglang", backoff_s=0.01)
-        await client.generate([1, 2, 3], max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=5, stop_token_ids=[3],
-                              seed=1, return_routed_experts=True, routed_experts_start_len=2, lora_path="a")
+        await client.generate(
+            [1, 2, 3],
+            max_new_tokens=4,
+            temperature=0.7,
+            top_p=0.9,
+            top_k=5,
+            stop_token_ids=[3],
+            seed=1,
+            return_routed_experts=True,
+            routed_experts_start_len=2,
+            lora_path="a",
+        )
         await client.generate([1], max_new_tokens=1)
         for mode in ("abort", "retract", "in_place"):
             await client.pause_generation(mode)
@@ -30,8 +40,9 @@ def _client_bodies() -> list[tuple[str, dict]]:
         await client.update_weights_from_disk("/ckpt/v2", "2")
         await client.init_weights_update_group("10.0.0.1", 1234, 1, 5, "weight_update_group", "nccl")
         await client.begin_weight_update()
-        await client.update_weights_from_distributed(["w"], ["bfloat16"], [[2, 2]], "weight_update_group", None,
-                                                     "flattened_bucket", checksum="crc32:00000000#0")
+        await client.update_weights_from_distributed(
+            ["w"], ["bfloat16"], [[2, 2]], "weight_update_group", None, "flattened_bucket", checksum="crc32:00000000#0"
+        )
         await client.update_weights_from_tensor(["cGF5bG9hZA==", "cGF5bG9hZA=="], "flattened_bucket", None)
         await client.end_weight_update()
         await client.update_weight_version("2")
@@ -49,7 +60,6 @@ def _client_bodies() -> list[tuple[str, dict]]:
 def _check_with_sglang(bodies: list[tuple[str, dict]], classes: dict[str, str], vocab: int) -> list[str]:
     """Oracle process: the problems SGLang's classes find in each body (empty: none)."""
     import pydantic
-
     from sglang.srt.managers import io_struct
     from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -73,8 +83,15 @@ def _check_with_sglang(bodies: list[tuple[str, dict]], classes: dict[str, str], 
 def test_every_body_the_client_sends_is_valid_for_sglang():
     bodies = _client_bodies()
     sent = {path for path, _ in bodies}
-    assert sent >= {"/generate", "/pause_generation", "/update_weights_from_distributed", "/begin_weight_update",
-                    "/end_weight_update", "/update_weights_from_tensor", "/load_lora_adapter"}, sent
+    assert sent >= {
+        "/generate",
+        "/pause_generation",
+        "/update_weights_from_distributed",
+        "/begin_weight_update",
+        "/end_weight_update",
+        "/update_weights_from_tensor",
+        "/load_lora_adapter",
+    }, sent
     assert sglang_oracle.call(_check_with_sglang, bodies, REQUEST_CLASSES, VOCAB) == []
     distributed = next(body for path, body in bodies if path == "/update_weights_from_distributed")
     assert "checksum" not in distributed and "weight_version" not in distributed  # see sync.engine_api

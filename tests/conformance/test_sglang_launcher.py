@@ -14,20 +14,44 @@ from moe_rl.engine import sglang_launcher
 from moe_rl.engine.sglang_launcher import SERVER_ENV, SGLangConfig, SGLangLoRA, sglang_command
 from tests.conformance import sglang_oracle
 
-CHECKED = ("model_path", "host", "port", "tp_size", "ep_size", "dp_size", "attn_dp_size", "mem_fraction_static",
-           "weight_version", "base_gpu_id", "skip_tokenizer_init", "enable_return_routed_experts",
-           "enable_memory_saver", "enable_lora", "max_lora_rank", "lora_target_modules", "max_loaded_loras",
-           "max_loras_per_batch", "attention_backend")
+CHECKED = (
+    "model_path",
+    "host",
+    "port",
+    "tp_size",
+    "ep_size",
+    "dp_size",
+    "attn_dp_size",
+    "mem_fraction_static",
+    "weight_version",
+    "base_gpu_id",
+    "skip_tokenizer_init",
+    "enable_return_routed_experts",
+    "enable_memory_saver",
+    "enable_lora",
+    "max_lora_rank",
+    "lora_target_modules",
+    "max_loaded_loras",
+    "max_loras_per_batch",
+    "attention_backend",
+)
 
 CONFIGS = {
-    "disaggregated": SGLangConfig(model_path="/models/qwen3", tp_size=4, ep_size=4, mem_fraction_static=0.85,
-                                  weight_version="3", base_gpu_id=4),
-    "colocated": SGLangConfig(model_path="/models/qwen3", tp_size=2, ep_size=2, mem_fraction_static=0.5,
-                              enable_memory_saver=True),
-    "lora": SGLangConfig(model_path="/models/qwen3", lora=SGLangLoRA(
-        max_lora_rank=16, target_modules=["q_proj", "v_proj"], max_loaded_loras=4, max_loras_per_batch=2)),
-    "attention_dp": SGLangConfig(model_path="/models/dsv3", tp_size=8, ep_size=8, attn_dp_size=4,
-                                 extra_args=["--attention-backend", "fa3"]),
+    "disaggregated": SGLangConfig(
+        model_path="/models/qwen3", tp_size=4, ep_size=4, mem_fraction_static=0.85, weight_version="3", base_gpu_id=4
+    ),
+    "colocated": SGLangConfig(
+        model_path="/models/qwen3", tp_size=2, ep_size=2, mem_fraction_static=0.5, enable_memory_saver=True
+    ),
+    "lora": SGLangConfig(
+        model_path="/models/qwen3",
+        lora=SGLangLoRA(
+            max_lora_rank=16, target_modules=["q_proj", "v_proj"], max_loaded_loras=4, max_loras_per_batch=2
+        ),
+    ),
+    "attention_dp": SGLangConfig(
+        model_path="/models/dsv3", tp_size=8, ep_size=8, attn_dp_size=4, extra_args=["--attention-backend", "fa3"]
+    ),
 }
 
 
@@ -41,19 +65,32 @@ def _parse(argv: list[str]) -> dict:
     ServerArgs.add_cli_args(parser)
     namespace, unknown = parser.parse_known_args(argv)
     args = ServerArgs.from_cli_args(namespace)
-    return {"unknown": unknown, "namespace": {k: getattr(namespace, k, None) for k in CHECKED},
-            "server_args": {k: getattr(args, k, None) for k in CHECKED}}
+    return {
+        "unknown": unknown,
+        "namespace": {k: getattr(namespace, k, None) for k in CHECKED},
+        "server_args": {k: getattr(args, k, None) for k in CHECKED},
+    }
 
 
 def expected(config: SGLangConfig, port: int) -> dict:
     lora = config.lora
     return {
-        "model_path": config.model_path, "host": config.host, "port": port, "tp_size": config.tp_size,
-        "ep_size": config.ep_size, "dp_size": 1, "attn_dp_size": config.attn_dp_size,
-        "mem_fraction_static": config.mem_fraction_static, "weight_version": config.weight_version,
-        "base_gpu_id": config.base_gpu_id, "skip_tokenizer_init": True, "enable_return_routed_experts": True,
-        "enable_memory_saver": config.enable_memory_saver, "enable_lora": True if lora else None,
-        "max_lora_rank": lora and lora.max_lora_rank, "lora_target_modules": lora and lora.target_modules,
+        "model_path": config.model_path,
+        "host": config.host,
+        "port": port,
+        "tp_size": config.tp_size,
+        "ep_size": config.ep_size,
+        "dp_size": 1,
+        "attn_dp_size": config.attn_dp_size,
+        "mem_fraction_static": config.mem_fraction_static,
+        "weight_version": config.weight_version,
+        "base_gpu_id": config.base_gpu_id,
+        "skip_tokenizer_init": True,
+        "enable_return_routed_experts": True,
+        "enable_memory_saver": config.enable_memory_saver,
+        "enable_lora": True if lora else None,
+        "max_lora_rank": lora and lora.max_lora_rank,
+        "lora_target_modules": lora and lora.target_modules,
         "max_loaded_loras": lora and lora.max_loaded_loras,
         "max_loras_per_batch": lora.max_loras_per_batch if lora else 8,
         "attention_backend": "fa3" if config.extra_args else None,

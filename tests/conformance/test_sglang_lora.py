@@ -54,7 +54,6 @@ def _decode_with_sglang(body: dict, tp_size: int) -> list:
     import types
 
     import pydantic
-
     from sglang.srt.managers import io_struct
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.utils.common import normalize_serialized_named_tensor_payloads
@@ -69,14 +68,25 @@ def _decode_with_sglang(body: dict, tp_size: int) -> list:
     out = []
     for tp_rank in range(tp_size):
         seen = {}
-        names = dict(torch=torch, MultiprocessingSerializer=MultiprocessingSerializer, logger=__import__("logging").getLogger("oracle"),
-                     FlattenedTensorBucket=FlattenedTensorBucket, monkey_patch_torch_reductions=monkey_patch_torch_reductions,
-                     get_parallel=lambda: types.SimpleNamespace(tp_rank=tp_rank))
-        worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(
-            load_lora_adapter_from_tensors=lambda ref, tensors, config, added: seen.update(tensors) or "loaded"))
+        names = dict(
+            torch=torch,
+            MultiprocessingSerializer=MultiprocessingSerializer,
+            logger=__import__("logging").getLogger("oracle"),
+            FlattenedTensorBucket=FlattenedTensorBucket,
+            monkey_patch_torch_reductions=monkey_patch_torch_reductions,
+            get_parallel=lambda: types.SimpleNamespace(tp_rank=tp_rank),
+        )
+        worker = types.SimpleNamespace(
+            model_runner=types.SimpleNamespace(
+                load_lora_adapter_from_tensors=lambda ref, tensors, config, added: seen.update(tensors) or "loaded"
+            )
+        )
         worker.deserialize_own_rank = types.MethodType(
-            sglang_oracle.extract("sglang.srt.managers.tp_worker", "BaseTpWorker.deserialize_own_rank", names), worker)
-        load = sglang_oracle.extract("sglang.srt.managers.tp_worker", "BaseTpWorker.load_lora_adapter_from_tensors", names)
+            sglang_oracle.extract("sglang.srt.managers.tp_worker", "BaseTpWorker.deserialize_own_rank", names), worker
+        )
+        load = sglang_oracle.extract(
+            "sglang.srt.managers.tp_worker", "BaseTpWorker.load_lora_adapter_from_tensors", names
+        )
         try:
             load(worker, req)
             out.append({n: (str(t.dtype), list(t.shape), tensor_sha256(t)) for n, t in seen.items()})
@@ -87,8 +97,12 @@ def _decode_with_sglang(body: dict, tp_size: int) -> list:
 
 def test_client_lora_bodies_are_sglang_requests():
     bodies = _bodies()
-    assert [p for p, _ in bodies] == ["/load_lora_adapter", "/load_lora_adapter_from_tensors",
-                                      "/load_lora_adapter_from_tensors", "/unload_lora_adapter"]
+    assert [p for p, _ in bodies] == [
+        "/load_lora_adapter",
+        "/load_lora_adapter_from_tensors",
+        "/load_lora_adapter_from_tensors",
+        "/unload_lora_adapter",
+    ]
     assert sglang_oracle.call(_check_with_sglang, bodies, REQUEST_CLASSES, VOCAB) == []
     flattened, plain = bodies[1][1], bodies[2][1]
     assert flattened["load_format"] == "flattened_bucket" and len(flattened["serialized_named_tensors"]) == 2
@@ -112,9 +126,20 @@ def model_dir(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("sglang_lora_twin")
     torch.manual_seed(0)
-    Qwen3MoeForCausalLM(Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                       num_experts=4, num_experts_per_tok=2, vocab_size=64)).save_pretrained(path)
+    Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            vocab_size=64,
+        )
+    ).save_pretrained(path)
     return str(path)
 
 
@@ -125,12 +150,17 @@ def test_twin_takes_the_clients_lora_loads_and_unloads(model_dir, tmp_path):
     (tmp_path / "adapter_config.json").write_text(__import__("json").dumps(CONFIG))
     want = {n: tensor_sha256(t) for n, t in sorted(tensors.items())}
     with SGLangTwin(model_dir, tp_size=2) as twin:
+
         async def go():
             client = EngineClient(twin.url, kind="sglang", retries=0, timeout_s=60)
             try:
-                assert await client.load_lora_adapter_from_tensors("mem", CONFIG, tensors, tp_size=2) == {"mem": "__tensor__"}
+                assert await client.load_lora_adapter_from_tensors("mem", CONFIG, tensors, tp_size=2) == {
+                    "mem": "__tensor__"
+                }
                 assert (await client.load_lora_adapter("disk", str(tmp_path)))["disk"] == str(tmp_path)
-                with pytest.raises(EngineError, match="HTTP 400.*Failed to load LoRA adapter mem because it is already loaded"):
+                with pytest.raises(
+                    EngineError, match="HTTP 400.*Failed to load LoRA adapter mem because it is already loaded"
+                ):
                     await client.load_lora_adapter_from_tensors("mem", CONFIG, tensors, tp_size=2)
                 state = twin.get("/twin/lora")
                 assert await client.unload_lora_adapter("disk") == {"mem": "__tensor__"}
@@ -143,7 +173,10 @@ def test_twin_takes_the_clients_lora_loads_and_unloads(model_dir, tmp_path):
         loaded, after = asyncio.run(go())
     assert loaded["registered"] == ["disk", "mem"]
     for rank in loaded["ranks"]:
-        assert rank == {"mem": {"path": "__tensor__", "tensors": want}, "disk": {"path": str(tmp_path), "tensors": want}}
+        assert rank == {
+            "mem": {"path": "__tensor__", "tensors": want},
+            "disk": {"path": str(tmp_path), "tensors": want},
+        }
     assert after["registered"] == ["mem"] and all(list(rank) == ["mem"] for rank in after["ranks"])
 
 
@@ -161,9 +194,14 @@ def test_adapter_sync_against_the_twin(model_dir, tmp_path):
     from sync.lora import AdapterSync, AdapterSyncConfig, adapter_name
 
     with SGLangTwin(model_dir, tp_size=2) as twin:
-        syncs = {route: AdapterSync([EngineClient(twin.url, kind="sglang", name="twin", timeout_s=60)],
-                                    AdapterSyncConfig(route=route, directory=str(tmp_path), keep=2), write_adapter)
-                 for route in ("tensors", "disk")}
+        syncs = {
+            route: AdapterSync(
+                [EngineClient(twin.url, kind="sglang", name="twin", timeout_s=60)],
+                AdapterSyncConfig(route=route, directory=str(tmp_path), keep=2),
+                write_adapter,
+            )
+            for route in ("tensors", "disk")
+        }
         try:
             for route, first in (("tensors", 0), ("disk", 10)):
                 for version in range(first, first + 3):

@@ -21,15 +21,20 @@ from tests.engine.engine_helpers import save_tiny_model
 from tests.engine.test_engine_requests import post
 
 REQUEST_CLASSES = {
-    "/generate": "GenerateReqInput", "/pause_generation": "PauseGenerationReqInput",
-    "/continue_generation": "ContinueGenerationReqInput", "/abort_request": "AbortReq",
-    "/flush_cache": "FlushCacheReqInput", "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
+    "/generate": "GenerateReqInput",
+    "/pause_generation": "PauseGenerationReqInput",
+    "/continue_generation": "ContinueGenerationReqInput",
+    "/abort_request": "AbortReq",
+    "/flush_cache": "FlushCacheReqInput",
+    "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
     "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
     "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
     "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
-    "/begin_weight_update": "BeginWeightUpdateReqInput", "/end_weight_update": "EndWeightUpdateReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
     "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
-    "/update_weight_version": "UpdateWeightVersionReqInput", "/load_lora_adapter": "LoadLoRAAdapterReqInput",
+    "/update_weight_version": "UpdateWeightVersionReqInput",
+    "/load_lora_adapter": "LoadLoRAAdapterReqInput",
     "/load_lora_adapter_from_tensors": "LoadLoRAAdapterFromTensorsReqInput",
     "/unload_lora_adapter": "UnloadLoRAAdapterReqInput",
     "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
@@ -37,8 +42,13 @@ REQUEST_CLASSES = {
 }
 """The io_struct class each SGLang handler parses its body into (http_server.py)."""
 
-ROUTER_ADDITIONS = {"model": "default", "background": False, "no_logs": False, "return_bytes": False,
-                    "return_entropy": False}
+ROUTER_ADDITIONS = {
+    "model": "default",
+    "background": False,
+    "no_logs": False,
+    "return_bytes": False,
+    "return_entropy": False,
+}
 
 
 # -- run in the oracle process ----------------------------------------------------------------------
@@ -67,11 +77,15 @@ def _sglang_tables() -> dict:
     internal = _sampling_internal(SamplingParams)
     generate = {f.name: f.default for f in dataclasses.fields(io_struct.GenerateReqInput)}
     return {
-        "classes": {path: struct(getattr(io_struct, name)) for path, name in REQUEST_CLASSES.items()
-                    if path != "/generate"},
+        "classes": {
+            path: struct(getattr(io_struct, name)) for path, name in REQUEST_CLASSES.items() if path != "/generate"
+        },
         "generate": {"fields": list(generate), "defaults": {k: repr(v) for k, v in generate.items()}},
-        "sampling": {"fields": list(SamplingParams.__struct_fields__), "internal": sorted(internal),
-                     "defaults": {k: repr(getattr(SamplingParams(), k)) for k in SamplingParams.__struct_fields__}},
+        "sampling": {
+            "fields": list(SamplingParams.__struct_fields__),
+            "internal": sorted(internal),
+            "defaults": {k: repr(getattr(SamplingParams(), k)) for k in SamplingParams.__struct_fields__},
+        },
         "load_keys": list(_CORE_KEYS),
         "server_args": [f.name for f in record_fields(ServerArgs)],
     }
@@ -86,8 +100,9 @@ def _default_generate_body(input_ids: list[int], sampling: dict) -> dict:
     api = [f for f in SamplingParams.__struct_fields__ if f not in _sampling_internal(SamplingParams)]
     defaults = SamplingParams()
     params = {f: getattr(defaults, f) for f in api} | sampling
-    request = GenerateReqInput(input_ids=input_ids, sampling_params=params, return_logprob=True,
-                               return_routed_experts=True)
+    request = GenerateReqInput(
+        input_ids=input_ids, sampling_params=params, return_logprob=True, return_routed_experts=True
+    )
     return json.loads(json.dumps(dataclasses.asdict(request)))
 
 
@@ -156,23 +171,34 @@ def test_a_body_with_every_sglang_default_is_served_like_the_minimal_one(engine)
         assert served["meta_info"][key] == reference["meta_info"][key], key
 
 
-@pytest.mark.parametrize("extra", [
-    {"logprob_start_len": -1}, {"top_logprobs_num": 0}, {"routed_dp_rank": 0}, {"stream": False},
-    {"sampling_params": {"max_new_tokens": 2, "temperature": None, "top_k": 1 << 30, "stop": None}},
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"logprob_start_len": -1},
+        {"top_logprobs_num": 0},
+        {"routed_dp_rank": 0},
+        {"stream": False},
+        {"sampling_params": {"max_new_tokens": 2, "temperature": None, "top_k": 1 << 30, "stop": None}},
+    ],
+)
 def test_sglang_defaults_and_their_equivalents_are_served(engine, extra):
     body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}} | extra
     status, text = post(engine.url + "/generate", body)
     assert status == 200, text
 
 
-@pytest.mark.parametrize("extra,field", [
-    ({"logprob_start_len": 0}, "logprob_start_len"), ({"return_entropy": True}, "return_entropy"),
-    ({"background": True}, "background"), ({"routed_dp_rank": 1}, "routed_dp_rank"),
-    ({"sampling_params": {"beam_width": 2}}, "sampling_params.beam_width"),
-    ({"sampling_params": {"stop_strs": ["x"]}}, "sampling_params.stop_strs"),  # internal: unknown
-    ({"http_worker_ipc": "ipc:///tmp/x"}, "http_worker_ipc"),
-])
+@pytest.mark.parametrize(
+    "extra,field",
+    [
+        ({"logprob_start_len": 0}, "logprob_start_len"),
+        ({"return_entropy": True}, "return_entropy"),
+        ({"background": True}, "background"),
+        ({"routed_dp_rank": 1}, "routed_dp_rank"),
+        ({"sampling_params": {"beam_width": 2}}, "sampling_params.beam_width"),
+        ({"sampling_params": {"stop_strs": ["x"]}}, "sampling_params.stop_strs"),  # internal: unknown
+        ({"http_worker_ipc": "ipc:///tmp/x"}, "http_worker_ipc"),
+    ],
+)
 def test_unsupported_values_are_refused_naming_the_field(engine, extra, field):
     status, text = post(engine.url + "/generate", {"input_ids": [1, 2, 3]} | extra)
     assert status == 400 and field in text, text

@@ -36,9 +36,19 @@ def model_dir(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("sglang_twin")
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
-                            num_experts_per_tok=2, vocab_size=64, max_position_embeddings=64)
+    config = Qwen3MoeConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=64,
+        max_position_embeddings=64,
+    )
     Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(path)  # per-expert HF names on disk
     return str(path)
 
@@ -54,7 +64,9 @@ def twins(model_dir):
 
 
 def _sender(twins) -> WeightSender:
-    clients = [EngineClient(t.url, kind="sglang", name=f"twin-{i}", retries=1, timeout_s=60) for i, t in enumerate(twins)]
+    clients = [
+        EngineClient(t.url, kind="sglang", name=f"twin-{i}", retries=1, timeout_s=60) for i, t in enumerate(twins)
+    ]
     return WeightSender(clients, SyncConfig(transport="broadcast", bucket_bytes=16 << 10, timeout_s=60))
 
 
@@ -182,8 +194,9 @@ def test_fp8_blocks_travel_through_sglangs_bucket_code(model_dir, tmp_path):
 
     start, _ = _fp8_dir(model_dir, tmp_path / "fp8")
     block = BlockFP8(8, 8)
-    weights = dict(block.quantize_stream(sorted(_version(load_file(os.path.join(model_dir, "model.safetensors")),
-                                                         1).items())))
+    weights = dict(
+        block.quantize_stream(sorted(_version(load_file(os.path.join(model_dir, "model.safetensors")), 1).items()))
+    )
     assert any(t.dtype == torch.float8_e4m3fn for t in weights.values())
     twin = SGLangTwin(start, tp_size=2).start().wait_ready()
     try:
@@ -205,8 +218,9 @@ def test_fp8_blocks_dequantize_as_sglangs_loader_does():
     from parallel.fp8 import BlockFP8
     from tests.conformance import sglang_oracle
 
-    sglang_dequant = sglang_oracle.extract("sglang.srt.layers.quantization.fp8_utils", "block_quant_dequant",
-                                           {"torch": torch, "List": typing.List})
+    sglang_dequant = sglang_oracle.extract(
+        "sglang.srt.layers.quantization.fp8_utils", "block_quant_dequant", {"torch": torch, "List": typing.List}
+    )
     block = BlockFP8(16, 16)
     for shape in ((64, 48), (37, 50), (4, 40, 24)):
         weight = torch.randn(*shape, generator=torch.Generator().manual_seed(len(shape)))

@@ -11,14 +11,33 @@ import torch
 def tiny_config(arch: str):
     from transformers import MixtralConfig, Qwen3MoeConfig
 
-    common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, num_experts_per_tok=2, max_position_embeddings=512)
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts_per_tok=2,
+        max_position_embeddings=512,
+    )
     if arch == "qwen3_moe":
-        return Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=32, num_experts=4, norm_topk_prob=True,
-                              architectures=["Qwen3MoeForCausalLM"], **common)
+        return Qwen3MoeConfig(
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_experts=4,
+            norm_topk_prob=True,
+            architectures=["Qwen3MoeForCausalLM"],
+            **common,
+        )
     if arch == "mixtral":
-        return MixtralConfig(intermediate_size=32, num_local_experts=4, sliding_window=None,
-                             architectures=["MixtralForCausalLM"], **common)
+        return MixtralConfig(
+            intermediate_size=32,
+            num_local_experts=4,
+            sliding_window=None,
+            architectures=["MixtralForCausalLM"],
+            **common,
+        )
     raise ValueError(arch)
 
 
@@ -100,9 +119,13 @@ async def wait_until_decoding(url: str, requests: int, steps: int = 2, timeout_s
     """Until at least `requests` requests are in the engine's decode batch and it has decoded
     `steps` more tokens for each of them (num_used_tokens grew by requests * steps) since they all
     were: the batch is decoding, observed rather than assumed after a sleep."""
-    first = await wait_for_load(url, lambda load: load["num_running_reqs"] >= requests,
-                                f"ran {requests} requests at once", timeout_s)
+    first = await wait_for_load(
+        url, lambda load: load["num_running_reqs"] >= requests, f"ran {requests} requests at once", timeout_s
+    )
     target = first["num_used_tokens"] + requests * steps
     return await wait_for_load(
-        url, lambda load: load["num_running_reqs"] >= requests and load["num_used_tokens"] >= target,
-        f"decoded {steps} tokens for each of {requests} running requests (from {first})", timeout_s)
+        url,
+        lambda load: load["num_running_reqs"] >= requests and load["num_used_tokens"] >= target,
+        f"decoded {steps} tokens for each of {requests} running requests (from {first})",
+        timeout_s,
+    )

@@ -7,9 +7,8 @@ import asyncio
 import threading
 
 import pytest
-import torch
 
-from moe_rl.engine.client import EngineClient, EngineError
+from moe_rl.engine.client import EngineClient
 from moe_rl.engine.embedded.request import Request, SamplingParams
 from moe_rl.engine.embedded.runner import ModelRunner
 from moe_rl.engine.embedded.scheduler import Scheduler
@@ -21,7 +20,7 @@ PROMPT = [5, 6, 7, 8]
 
 @pytest.mark.parametrize("temperature", ["NaN", "Infinity", "-1", "true", '"hot"'])
 def test_non_finite_or_bad_temperature_is_a_400(qwen3_engine, temperature):
-    body = ('{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "temperature": %s}}' % temperature)
+    body = '{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "temperature": %s}}' % temperature
     status, text = post(qwen3_engine.url + "/generate", body.encode())
     assert status == 400 and "temperature" in text
 
@@ -29,12 +28,14 @@ def test_non_finite_or_bad_temperature_is_a_400(qwen3_engine, temperature):
 def test_a_tiny_temperature_is_greedy_and_harms_no_other_request(qwen3_engine):
     """1e-38 overflowed the scores and failed every request of the batch; SGLang samples greedily
     below 1e-6, and so does the embedded engine."""
+
     async def go():
         client = EngineClient(qwen3_engine.url)
         greedy = await client.generate(PROMPT, max_new_tokens=6, temperature=0.0, ignore_eos=True)
         results = await asyncio.gather(
             client.generate(PROMPT, max_new_tokens=6, temperature=1e-38, ignore_eos=True),
-            *[client.generate(PROMPT, max_new_tokens=6, temperature=1.0, seed=i, ignore_eos=True) for i in range(4)])
+            *[client.generate(PROMPT, max_new_tokens=6, temperature=1.0, seed=i, ignore_eos=True) for i in range(4)],
+        )
         await client.close()
         return greedy, results
 
@@ -54,8 +55,14 @@ def test_a_failing_forward_fails_its_requests_and_loses_none_queued_meanwhile(qw
         def on_done(result, rid=rid):
             results[rid] = result
             finished[rid].set()
-        return Request(rid=rid, input_ids=ids, params=SamplingParams(max_new_tokens=3, ignore_eos=True),
-                       eos_token_ids=frozenset(), on_done=on_done)
+
+        return Request(
+            rid=rid,
+            input_ids=ids,
+            params=SamplingParams(max_new_tokens=3, ignore_eos=True),
+            eos_token_ids=frozenset(),
+            on_done=on_done,
+        )
 
     forward = runner.forward
 
@@ -87,8 +94,9 @@ def test_a_huge_body_is_refused_without_stalling_the_server(qwen3_engine):
     host, port = qwen3_engine.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
         size = 95 << 20
-        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % size)
+        sock.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % size
+        )
         sock.sendall(b"[" + b"1," * (1 << 20))  # the server is reading (or refusing) a huge body...
         start = time.monotonic()
         with urllib.request.urlopen(qwen3_engine.url + "/health", timeout=10) as response:  # ...and still answers
@@ -110,15 +118,19 @@ def test_a_client_that_disconnects_has_its_generation_aborted(qwen3_engine):
     kept = {}
 
     def running() -> int:
-        return sum(load["num_running_reqs"] + load["num_waiting_reqs"] for load in json_get(qwen3_engine.url + "/get_load"))
+        return sum(
+            load["num_running_reqs"] + load["num_waiting_reqs"] for load in json_get(qwen3_engine.url + "/get_load")
+        )
 
     def keep() -> None:
         kept["status"] = post(qwen3_engine.url + "/generate", body)[0]
 
     other = threading.Thread(target=keep)
     with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        sock.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         other.start()
         deadline = time.monotonic() + 30
         while running() < 2:

@@ -40,8 +40,8 @@ def per_expert_adapter(model, path, rank=4, alpha=8, seed=1):
     cfg, tensors = model.config, {}
 
     def pair(prefix, out_features, in_features):
-        tensors[f"base_model.model.{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * .3
-        tensors[f"base_model.model.{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * .3
+        tensors[f"base_model.model.{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * 0.3
+        tensors[f"base_model.model.{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * 0.3
 
     for i, layer in enumerate(model.model.layers):
         for proj in ATTENTION:
@@ -49,10 +49,17 @@ def per_expert_adapter(model, path, rank=4, alpha=8, seed=1):
             pair(f"model.layers.{i}.self_attn.{proj}", linear.out_features, linear.in_features)
         hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
         for e in range(cfg.num_experts):
-            for proj, shape in {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}.items():
+            for proj, shape in {
+                "gate_proj": (inter, hidden),
+                "up_proj": (inter, hidden),
+                "down_proj": (hidden, inter),
+            }.items():
                 pair(f"model.layers.{i}.mlp.experts.{e}.{proj}", *shape)
-    return save_adapter(path, tensors, {"r": rank, "lora_alpha": alpha, "target_modules": [*ATTENTION, "gate_proj",
-                                                                                           "up_proj", "down_proj"]})
+    return save_adapter(
+        path,
+        tensors,
+        {"r": rank, "lora_alpha": alpha, "target_modules": [*ATTENTION, "gate_proj", "up_proj", "down_proj"]},
+    )
 
 
 def peft_adapter(model_dir, path, target_modules, seed=2, rank=4, alpha=16, use_rslora=False):
@@ -61,8 +68,14 @@ def peft_adapter(model_dir, path, target_modules, seed=2, rank=4, alpha=16, use_
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, use_rslora=use_rslora,
-                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], init_lora_weights=False)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=target_modules,
+        use_rslora=use_rslora,
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        init_lora_weights=False,
+    )
     model = get_peft_model(load_reference(model_dir), config)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -79,9 +92,14 @@ def peft_reference(model_dir, adapter_dir):
 
 
 async def generate_with(client, pairs):
-    return await asyncio.gather(*(client.generate(prompt, max_new_tokens=8, seed=0, ignore_eos=True,
-                                                  return_routed_experts=True, lora_path=lora)
-                                  for prompt, lora in pairs))
+    return await asyncio.gather(
+        *(
+            client.generate(
+                prompt, max_new_tokens=8, seed=0, ignore_eos=True, return_routed_experts=True, lora_path=lora
+            )
+            for prompt, lora in pairs
+        )
+    )
 
 
 def check(model, prompt, result, routing=True):
@@ -95,8 +113,10 @@ def check(model, prompt, result, routing=True):
 def adapters(qwen3_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
     base = load_reference(qwen3_dir)
-    return {"per_expert": per_expert_adapter(base, root / "per_expert"),
-            "fused": peft_adapter(qwen3_dir, root / "fused", list(ATTENTION))}
+    return {
+        "per_expert": per_expert_adapter(base, root / "per_expert"),
+        "fused": peft_adapter(qwen3_dir, root / "fused", list(ATTENTION)),
+    }
 
 
 def test_every_target_and_both_expert_formats_match_peft(qwen3_engine, qwen3_dir, adapters, tmp_path):
@@ -115,7 +135,7 @@ def test_every_target_and_both_expert_formats_match_peft(qwen3_engine, qwen3_dir
         for e in range(num):  # PEFT: A expert-major [E*r, in], B expert-minor [out, r*E]
             a_e, b_e = a.reshape(num, rank, -1)[e], b.reshape(b.shape[0], rank, num)[:, :, e]
             if a.shape[1] == cfg.hidden_size:  # gate_up_proj: [gate; up] rows
-                projs = {"gate_proj": b_e[: b_e.shape[0] // 2], "up_proj": b_e[b_e.shape[0] // 2:]}
+                projs = {"gate_proj": b_e[: b_e.shape[0] // 2], "up_proj": b_e[b_e.shape[0] // 2 :]}
             else:
                 projs = {"down_proj": b_e}
             for proj, b_p in projs.items():
@@ -127,8 +147,9 @@ def test_every_target_and_both_expert_formats_match_peft(qwen3_engine, qwen3_dir
         for name in ("per_expert", "fused"):
             assert name in await client.load_lora_adapter(name, str(adapters[name]))
         await client.load_lora_adapter("rewritten", str(tmp_path / "rewritten"))
-        return await generate_with(client, [(PROMPTS[0], "per_expert"), (PROMPTS[1], "fused"),
-                                            (PROMPTS[1], "rewritten"), (PROMPTS[2], None)])
+        return await generate_with(
+            client, [(PROMPTS[0], "per_expert"), (PROMPTS[1], "fused"), (PROMPTS[1], "rewritten"), (PROMPTS[2], None)]
+        )
 
     per_expert, fused, rewritten_result, base = run(with_client(qwen3_engine.url, go))
     check(peft_reference(qwen3_dir, adapters["per_expert"]), PROMPTS[0], per_expert)
@@ -147,11 +168,14 @@ def test_mixed_batch_gives_each_row_its_adapter(qwen3_dir, adapters):
     runner.add_lora(LoraAdapter.from_dir("b", adapters["fused"]))
     ids = torch.tensor([PROMPTS[0][:4], PROMPTS[2][:4], PROMPTS[1][:4]])
     logprobs, routed = runner.forward(ids, torch.ones_like(ids), DynamicCache(), ["a", "b", None])
-    models = [peft_reference(qwen3_dir, adapters["per_expert"]), peft_reference(qwen3_dir, adapters["fused"]),
-              load_reference(qwen3_dir)]
+    models = [
+        peft_reference(qwen3_dir, adapters["per_expert"]),
+        peft_reference(qwen3_dir, adapters["fused"]),
+        load_reference(qwen3_dir),
+    ]
     for row, model in enumerate(models):
         with torch.no_grad():
-            out = model(input_ids=ids[row: row + 1], output_router_logits=True)
+            out = model(input_ids=ids[row : row + 1], output_router_logits=True)
         assert torch.allclose(logprobs[row], torch.log_softmax(out.logits[0, -1], -1), atol=1e-4)
         topk = torch.stack([torch.topk(r, 2, dim=-1).indices for r in out.router_logits], dim=1)
         assert np.array_equal(routed[row], topk.numpy())
@@ -165,12 +189,29 @@ def test_dense_mlp_shared_experts_and_mla_match_peft(tmp_path):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(0)
-    config = DeepseekV3Config(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
-                              kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-                              n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-                              n_group=2, topk_group=1, routed_scaling_factor=2.5, max_position_embeddings=256,
-                              architectures=["DeepseekV3ForCausalLM"])
+    config = DeepseekV3Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=24,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=256,
+        architectures=["DeepseekV3ForCausalLM"],
+    )
     DeepseekV3ForCausalLM(config).save_pretrained(tmp_path / "model")
     mla = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
     adapter = peft_adapter(tmp_path / "model", tmp_path / "adapter", mla, use_rslora=True)
@@ -178,15 +219,23 @@ def test_dense_mlp_shared_experts_and_mla_match_peft(tmp_path):
     adapter_config, tensors = read_adapter_dir(adapter)
     scale, generator = adapter_config["lora_alpha"] / adapter_config["r"] ** 0.5, torch.Generator().manual_seed(3)
     with torch.no_grad():
-        for target in ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.down_proj",
-                       "model.layers.1.mlp.shared_experts.up_proj", "model.layers.1.mlp.shared_experts.down_proj"]:
+        for target in [
+            "model.layers.0.mlp.gate_proj",
+            "model.layers.0.mlp.down_proj",
+            "model.layers.1.mlp.shared_experts.up_proj",
+            "model.layers.1.mlp.shared_experts.down_proj",
+        ]:
             linear = model.get_submodule(target)
-            a = torch.randn(4, linear.in_features, generator=generator) * .3
-            b = torch.randn(linear.out_features, 4, generator=generator) * .3
-            tensors[f"base_model.model.{target}.lora_A.weight"], tensors[f"base_model.model.{target}.lora_B.weight"] = a, b
+            a = torch.randn(4, linear.in_features, generator=generator) * 0.3
+            b = torch.randn(linear.out_features, 4, generator=generator) * 0.3
+            tensors[f"base_model.model.{target}.lora_A.weight"], tensors[f"base_model.model.{target}.lora_B.weight"] = (
+                a,
+                b,
+            )
             linear.weight += scale * b @ a
     save_adapter(tmp_path / "extended", tensors, adapter_config)
     with launch_embedded(tmp_path / "model") as engine:
+
         async def go(client):
             await client.load_lora_adapter("ds", str(tmp_path / "extended"))
             return await generate_with(client, [(PROMPTS[0], "ds"), (PROMPTS[2], "ds")])
@@ -206,22 +255,27 @@ def test_from_tensors_equals_from_disk_and_checksums_are_verified(qwen3_engine, 
         assert loaded["mem"] == "__tensor__"
         await client.load_lora_adapter_from_tensors("mem_dict", config, tensors.items(), load_format=None)
         bad = {k: (v + 1 if i == 0 else v) for i, (k, v) in enumerate(tensors.items())}
-        body = {**LoraTensorsBody.build("bad", config, tensors).to_json(),  # checksums of the true tensors
-                "serialized_named_tensors": LoraTensorsBody.build("bad", config, bad).serialized_named_tensors}
+        body = {
+            **LoraTensorsBody.build("bad", config, tensors).to_json(),  # checksums of the true tensors
+            "serialized_named_tensors": LoraTensorsBody.build("bad", config, bad).serialized_named_tensors,
+        }
         with pytest.raises(EngineError, match="HTTP 400.*expected_checksums: 1 value-diff"):
             await client._request("POST", "/load_lora_adapter_from_tensors", body)
         return await generate_with(client, [(PROMPTS[0], "disk"), (PROMPTS[0], "mem"), (PROMPTS[0], "mem_dict")])
 
     disk, mem, mem_dict = run(with_client(qwen3_engine.url, go))
     assert disk.output_ids == mem.output_ids == mem_dict.output_ids  # (logprobs: up to batch-shape rounding)
-    assert np.allclose(disk.logprobs, mem.logprobs, atol=1e-5) and np.allclose(disk.logprobs, mem_dict.logprobs, atol=1e-5)
+    assert np.allclose(disk.logprobs, mem.logprobs, atol=1e-5) and np.allclose(
+        disk.logprobs, mem_dict.logprobs, atol=1e-5
+    )
 
 
 def test_unload_waits_for_the_requests_using_the_adapter(qwen3_engine, adapters):
     async def go(client):
         await client.load_lora_adapter("long", str(adapters["per_expert"]))
-        running = asyncio.create_task(client.generate(PROMPTS[0], max_new_tokens=150, ignore_eos=True,
-                                                      lora_path="long"))
+        running = asyncio.create_task(
+            client.generate(PROMPTS[0], max_new_tokens=150, ignore_eos=True, lora_path="long")
+        )
         await wait_for_load(client.url, lambda load: load["num_running_reqs"] == 1, "ran the request using 'long'")
         unloading = asyncio.create_task(client.unload_lora_adapter("long"))
         deadline = time.monotonic() + 60
@@ -254,7 +308,9 @@ def test_load_twice_is_refused_and_an_unknown_adapter_fails_only_its_request(qwe
         outcomes = await asyncio.gather(
             client.generate(PROMPTS[0], max_new_tokens=4, seed=0, lora_path="unknown"),
             client.generate(PROMPTS[0], max_new_tokens=4, seed=0, lora_path="twice"),
-            client.generate(PROMPTS[0], max_new_tokens=4, seed=0), return_exceptions=True)
+            client.generate(PROMPTS[0], max_new_tokens=4, seed=0),
+            return_exceptions=True,
+        )
         again = await client.generate(PROMPTS[0], max_new_tokens=4, seed=0, lora_path="twice")
         return outcomes, again
 

@@ -55,10 +55,12 @@ def test_release_resume_and_reload(qwen3_dir, tmp_path):
 
 def test_release_needs_an_idle_engine(qwen3_dir):
     """A request queued or running (generation not paused) keeps the engine busy: refused."""
+
     async def go(client):
         long = asyncio.create_task(client.generate([5, 6, 7], max_new_tokens=400, ignore_eos=True))
-        await wait_for_load(client.url, lambda load: load["num_running_reqs"] + load["num_waiting_reqs"] == 1,
-                            "took the request")  # in the engine; 400 decode steps take far longer
+        await wait_for_load(
+            client.url, lambda load: load["num_running_reqs"] + load["num_waiting_reqs"] == 1, "took the request"
+        )  # in the engine; 400 decode steps take far longer
         with pytest.raises(EngineError, match="idle"):
             await client.release_memory_occupation()
         return await long

@@ -31,8 +31,9 @@ def consistent(prompt, result):
 
 async def start_all(client, max_new_tokens):
     tasks = [
-        asyncio.create_task(client.generate(p, max_new_tokens=max_new_tokens, seed=i, ignore_eos=True,
-                                            return_routed_experts=True))
+        asyncio.create_task(
+            client.generate(p, max_new_tokens=max_new_tokens, seed=i, ignore_eos=True, return_routed_experts=True)
+        )
         for i, p in enumerate(PROMPTS)
     ]
     await wait_until_decoding(client.url, len(PROMPTS))  # all 8 in the batch, past their prefill
@@ -86,10 +87,12 @@ def test_retract_and_in_place_continue_to_full_length(qwen3_engine, qwen3_dir):
         return await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
 
     async def uninterrupted(client):
-        return await asyncio.gather(*(
-            client.generate(p, max_new_tokens=max_new, seed=i, ignore_eos=True, return_routed_experts=True)
-            for i, p in enumerate(PROMPTS)
-        ))
+        return await asyncio.gather(
+            *(
+                client.generate(p, max_new_tokens=max_new, seed=i, ignore_eos=True, return_routed_experts=True)
+                for i, p in enumerate(PROMPTS)
+            )
+        )
 
     baseline = run(with_client(qwen3_engine.url, uninterrupted))
     model = load_reference(qwen3_dir)
@@ -106,12 +109,16 @@ def test_retract_and_in_place_continue_to_full_length(qwen3_engine, qwen3_dir):
 
 def test_abort_one_request_by_rid(qwen3_engine):
     async def go(client):
-        long = asyncio.create_task(client.generate(PROMPTS[3], max_new_tokens=400, ignore_eos=True, rid="victim",
-                                                   return_routed_experts=True))
+        long = asyncio.create_task(
+            client.generate(PROMPTS[3], max_new_tokens=400, ignore_eos=True, rid="victim", return_routed_experts=True)
+        )
         short = asyncio.create_task(client.generate(PROMPTS[4], max_new_tokens=5, ignore_eos=True))
         await short  # 5 tokens; then the victim, 400 tokens long, is the batch: let it decode 5 of its own
-        await wait_for_load(client.url, lambda load: load["num_running_reqs"] == 1
-                            and load["num_used_tokens"] >= len(PROMPTS[3]) + 5, "decoded 5 tokens of the victim")
+        await wait_for_load(
+            client.url,
+            lambda load: load["num_running_reqs"] == 1 and load["num_used_tokens"] >= len(PROMPTS[3]) + 5,
+            "decoded 5 tokens of the victim",
+        )
         await client.abort_request("victim")
         return await asyncio.wait_for(long, 10), await short
 
@@ -119,4 +126,3 @@ def test_abort_one_request_by_rid(qwen3_engine):
     assert long.finish_reason == "abort" and 5 <= len(long.output_ids) < 400
     consistent(PROMPTS[3], long)
     assert short.finish_reason == "length" and len(short.output_ids) == 5
-

@@ -23,10 +23,12 @@ PROMPTS = [[(7 * i + 3 * j) % 256 for j in range(3 + 2 * i)] for i in range(8)]
 
 
 async def generate_all(client: EngineClient, prompts, **kwargs):
-    return await asyncio.gather(*(
-        client.generate(p, max_new_tokens=12, seed=100 + i, ignore_eos=True, return_routed_experts=True, **kwargs)
-        for i, p in enumerate(prompts)
-    ))
+    return await asyncio.gather(
+        *(
+            client.generate(p, max_new_tokens=12, seed=100 + i, ignore_eos=True, return_routed_experts=True, **kwargs)
+            for i, p in enumerate(prompts)
+        )
+    )
 
 
 def check_against_reference(model, prompts, results):
@@ -68,7 +70,9 @@ def test_greedy_and_stop_tokens(qwen3_engine, qwen3_dir):
 
     async def go(client):
         greedy = await client.generate(PROMPTS[2], max_new_tokens=6, temperature=0.0, ignore_eos=True)
-        stop = await client.generate(PROMPTS[2], max_new_tokens=6, temperature=0.0, stop_token_ids=[greedy.output_ids[2]])
+        stop = await client.generate(
+            PROMPTS[2], max_new_tokens=6, temperature=0.0, stop_token_ids=[greedy.output_ids[2]]
+        )
         return greedy, stop
 
     greedy, stop = run(with_client(qwen3_engine.url, go))
@@ -91,17 +95,25 @@ def test_lora_adapter_matches_merged_weights(qwen3_engine, qwen3_dir, tmp_path):
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, linear.in_features) * 0.3
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(linear.out_features, rank) * 0.3
     save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
-    (tmp_path / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": ["q_proj", "o_proj"]}
-    ))
+    (tmp_path / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": ["q_proj", "o_proj"]})
+    )
 
     async def go(client):
         await client.load_lora_adapter("policy", str(tmp_path))
-        return await asyncio.gather(*(
-            client.generate(p, max_new_tokens=12, seed=i, ignore_eos=True, return_routed_experts=True,
-                            lora_path="policy" if i % 2 else None)
-            for i, p in enumerate(PROMPTS[:4])
-        ))
+        return await asyncio.gather(
+            *(
+                client.generate(
+                    p,
+                    max_new_tokens=12,
+                    seed=i,
+                    ignore_eos=True,
+                    return_routed_experts=True,
+                    lora_path="policy" if i % 2 else None,
+                )
+                for i, p in enumerate(PROMPTS[:4])
+            )
+        )
 
     results = run(with_client(qwen3_engine.url, go))
     base = [results[0], results[2]]
@@ -109,7 +121,6 @@ def test_lora_adapter_matches_merged_weights(qwen3_engine, qwen3_dir, tmp_path):
     with torch.no_grad():
         for key, a in tensors.items():
             if key.endswith("lora_A.weight"):
-                module = model.get_submodule(key[len("base_model.model."):-len(".lora_A.weight")])
+                module = model.get_submodule(key[len("base_model.model.") : -len(".lora_A.weight")])
                 module.weight += (alpha / rank) * tensors[key.replace("lora_A", "lora_B")] @ a
     check_against_reference(model, [PROMPTS[1], PROMPTS[3]], [results[1], results[3]])
-

@@ -53,8 +53,13 @@ def test_bad_control_requests_and_the_engine_keeps_serving(qwen3_engine):
     assert post(url + "/generate", b"{not json")[0] == 400
     assert post(url + "/pause_generation", {"mode": "sleep"})[0] == 400
     assert post(url + "/update_weights_from_disk", {})[0] == 400
-    assert post(url + "/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]],
-                                                           "weight_version": "1"})[0] == 400  # no group joined
+    assert (
+        post(
+            url + "/update_weights_from_distributed",
+            {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "weight_version": "1"},
+        )[0]
+        == 400
+    )  # no group joined
     assert post(url + "/load_lora_adapter", {"lora_name": "a", "lora_path": "/nonexistent"})[0] == 400
     status, text = post(url + "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
     assert status == 200 and len(json.loads(text)["output_ids"]) <= 2
@@ -76,8 +81,12 @@ class RecordingEngine:
             return web.Response(status=503)
         if request.path == "/generate":
             n = body["sampling_params"]["max_new_tokens"]
-            meta = {"id": body["rid"], "finish_reason": {"type": "length", "length": n}, "weight_version": "3",
-                    "output_token_logprobs": [[-1.0, 5, None]] * n}
+            meta = {
+                "id": body["rid"],
+                "finish_reason": {"type": "length", "length": n},
+                "weight_version": "3",
+                "output_token_logprobs": [[-1.0, 5, None]] * n,
+            }
             return web.json_response({"output_ids": [5] * n, "meta_info": meta})
         if request.path == "/model_info":
             return web.json_response({"weight_version": "3"})
@@ -97,8 +106,18 @@ def test_client_sends_only_sglang_field_names():
     async def go():
         engine = RecordingEngine()
         client = EngineClient(await engine.start(), kind="sglang", backoff_s=0.01)
-        await client.generate([1, 2], max_new_tokens=2, temperature=0.7, top_p=0.9, top_k=5, stop_token_ids=[3],
-                              seed=1, return_routed_experts=False, routed_experts_start_len=1, lora_path="a")
+        await client.generate(
+            [1, 2],
+            max_new_tokens=2,
+            temperature=0.7,
+            top_p=0.9,
+            top_k=5,
+            stop_token_ids=[3],
+            seed=1,
+            return_routed_experts=False,
+            routed_experts_start_len=1,
+            lora_path="a",
+        )
         await client.pause_generation("retract")
         await client.continue_generation()
         await client.abort_request("r1")
@@ -106,8 +125,9 @@ def test_client_sends_only_sglang_field_names():
         await client.flush_cache()
         await client.update_weights_from_disk("/tmp/x", "2")
         await client.init_weights_update_group("127.0.0.1", 1234, 1, 2, "g", "nccl")
-        await client.update_weights_from_distributed(["w"], ["bfloat16"], [[2, 2]], "g", "2", "flattened_bucket",
-                                                     checksum="crc32:00000000")
+        await client.update_weights_from_distributed(
+            ["w"], ["bfloat16"], [[2, 2]], "g", "2", "flattened_bucket", checksum="crc32:00000000"
+        )
         await client.update_weights_from_tensor(["cGF5bG9hZA=="], "flattened_bucket", "2")
         await client.update_weight_version("2")
         await client.destroy_weights_update_group("g")
@@ -117,8 +137,12 @@ def test_client_sends_only_sglang_field_names():
         return engine.bodies
 
     bodies = run(go())
-    assert {path for path, _ in bodies} >= {"/generate", "/pause_generation", "/update_weights_from_distributed",
-                                             "/update_weights_from_tensor"}
+    assert {path for path, _ in bodies} >= {
+        "/generate",
+        "/pause_generation",
+        "/update_weights_from_distributed",
+        "/update_weights_from_tensor",
+    }
     for path, body in bodies:
         assert set(body) <= protocol.REQUEST_FIELDS[path], (path, set(body) - protocol.REQUEST_FIELDS[path])
         assert all(field in body for field in protocol.REQUIRED_FIELDS.get(path, ())), (path, body)

@@ -14,10 +14,16 @@ from moe_rl.sample import Sample, decode_routed_experts, encode_routed_experts
 def make_sample(**overrides) -> Sample:
     rng = np.random.default_rng(0)
     fields = dict(
-        prompt_ids=[1, 2, 3], response_ids=[4, 5], rollout_logprobs=[-0.1234567890123, -2.5e-9],
-        loss_mask=[1, 0], weight_versions=["3", "4"],
+        prompt_ids=[1, 2, 3],
+        response_ids=[4, 5],
+        rollout_logprobs=[-0.1234567890123, -2.5e-9],
+        loss_mask=[1, 0],
+        weight_versions=["3", "4"],
         routed_experts=rng.integers(0, 64, size=(4, 3, 2)).astype(np.int32),
-        reward=0.75, status="truncated", group_id="g7", metadata={"task": "gsm8k", "n": [1, 2]},
+        reward=0.75,
+        status="truncated",
+        group_id="g7",
+        metadata={"task": "gsm8k", "n": [1, 2]},
     )
     return Sample(**{**fields, **overrides})
 
@@ -41,14 +47,17 @@ def test_routed_experts_use_sglang_encoding():
         decode_routed_experts(encoded, 5, 2)
 
 
-@pytest.mark.parametrize("overrides,field", [
-    ({"rollout_logprobs": [-1.0]}, "rollout_logprobs"),
-    ({"loss_mask": [1, 1, 1]}, "loss_mask"),
-    ({"weight_versions": []}, "weight_versions"),
-    ({"routed_experts": np.zeros((5, 3, 2), np.int32)}, "routed_experts"),
-    ({"routed_experts": np.zeros((4, 3, 2), np.int64)}, "routed_experts"),
-    ({"status": "done"}, "status"),
-])
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        ({"rollout_logprobs": [-1.0]}, "rollout_logprobs"),
+        ({"loss_mask": [1, 1, 1]}, "loss_mask"),
+        ({"weight_versions": []}, "weight_versions"),
+        ({"routed_experts": np.zeros((5, 3, 2), np.int32)}, "routed_experts"),
+        ({"routed_experts": np.zeros((4, 3, 2), np.int64)}, "routed_experts"),
+        ({"status": "done"}, "status"),
+    ],
+)
 def test_inconsistent_samples_are_rejected(overrides, field):
     with pytest.raises(ValueError, match=field):
         make_sample(**overrides)

@@ -7,7 +7,6 @@ import asyncio
 
 import numpy as np
 import pytest
-import torch
 
 from moe_rl.engine.client import EngineClient, EngineError
 from moe_rl.engine.embedded.runner import load_checkpoint_state
@@ -26,10 +25,12 @@ PROMPTS = [[(3 * i + 7 * j) % 256 for j in range(4 + i)] for i in range(4)]
 
 
 async def generate(client):
-    return await asyncio.gather(*(
-        client.generate(p, max_new_tokens=8, seed=i, ignore_eos=True, return_routed_experts=True)
-        for i, p in enumerate(PROMPTS)
-    ))
+    return await asyncio.gather(
+        *(
+            client.generate(p, max_new_tokens=8, seed=i, ignore_eos=True, return_routed_experts=True)
+            for i, p in enumerate(PROMPTS)
+        )
+    )
 
 
 def matches(model_dir, results):
@@ -72,9 +73,11 @@ def test_update_from_distributed_with_weight_sender(engine, qwen3_dir, new_dir):
     """Buckets of 8 KiB: many buckets, each announced, broadcast, verified and staged; the version
     is committed only at the end; requests in flight across the update keep going (in_place)."""
     client = EngineClient(engine.url)
-    sender = WeightSender([client], SyncConfig(transport="broadcast", bucket_bytes=8 << 10, pause_mode="in_place",
-                                               timeout_s=60))
+    sender = WeightSender(
+        [client], SyncConfig(transport="broadcast", bucket_bytes=8 << 10, pause_mode="in_place", timeout_s=60)
+    )
     try:
+
         async def in_flight():
             return await client.generate(PROMPTS[0], max_new_tokens=300, seed=0, ignore_eos=True)
 
@@ -86,14 +89,15 @@ def test_update_from_distributed_with_weight_sender(engine, qwen3_dir, new_dir):
             return stats, await task, await generate(client)
 
         stats, crossing, after = run(go())
-        assert stats.version == 1 and stats.bytes == sum(t.numel() * t.element_size() for t in load_checkpoint_state(new_dir).values())
+        assert stats.version == 1 and stats.bytes == sum(
+            t.numel() * t.element_size() for t in load_checkpoint_state(new_dir).values()
+        )
         assert crossing.finish_reason == "length" and len(crossing.output_ids) == 300
         assert crossing.weight_versions[0] == "0" and crossing.weight_versions[-1] == "1"
         assert all(r.weight_version == "1" for r in after) and matches(new_dir, after)
     finally:
         sender.close()
         run(client.close())
-
 
 
 def _fp8_copy(model_dir, out_dir):
@@ -106,8 +110,10 @@ def _fp8_copy(model_dir, out_dir):
 
     block = BlockFP8(8, 8)
     out_dir.mkdir()
-    save_file(dict(block.quantize_stream(sorted(load_checkpoint_state(model_dir).items()))),
-              str(out_dir / "model.safetensors"))
+    save_file(
+        dict(block.quantize_stream(sorted(load_checkpoint_state(model_dir).items()))),
+        str(out_dir / "model.safetensors"),
+    )
     config = json.loads((model_dir / "config.json").read_text())
     (out_dir / "config.json").write_text(json.dumps({**config, "quantization_config": block.hf_config()}))
     return out_dir, block
@@ -137,9 +143,17 @@ def test_fp8_weights_start_and_update_an_engine(qwen3_dir, new_dir, tmp_path):
 def test_weight_update_session_rules_are_sglangs(engine):
     """SGLang 0.5.23's rules (managers/scheduler_components/weight_updater.py): bucket routes only
     inside /begin_weight_update ... /end_weight_update, one session at a time; disk needs none."""
+
     async def go(client):
-        bucket = dict(names=["w"], dtypes=["float32"], shapes=[[1]], group_name="weight_update_group",
-                      weight_version=None, load_format="flattened_bucket", checksum=None)
+        bucket = dict(
+            names=["w"],
+            dtypes=["float32"],
+            shapes=[[1]],
+            group_name="weight_update_group",
+            weight_version=None,
+            load_format="flattened_bucket",
+            checksum=None,
+        )
         with pytest.raises(EngineError, match="between begin_weight_update"):
             await client.update_weights_from_distributed(**bucket)
         with pytest.raises(EngineError, match="no weight-update session is open"):

@@ -33,8 +33,9 @@ def test_dead_engine_requests_resubmitted_then_revived(qwen3_dir):
         generate = dict(max_new_tokens=TOKENS, ignore_eos=True, temperature=1.0)
         try:
             # 1. eight requests, four groups of two: both engines busy; kill engine-0 mid-generation
-            requests = [asyncio.ensure_future(pool.generate([1, 2, 3 + i], group_id=f"g{i // 2}", **generate))
-                        for i in range(8)]
+            requests = [
+                asyncio.ensure_future(pool.generate([1, 2, 3 + i], group_id=f"g{i // 2}", **generate)) for i in range(8)
+            ]
             await _wait_in_flight(pool, 0, 4)
             start = time.perf_counter()
             os.kill(engines[0].process.pid, signal.SIGKILL)

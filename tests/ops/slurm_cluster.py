@@ -68,8 +68,13 @@ class SlurmCluster:
             self._write_config()
             self._start_munge()
             for daemon in ("slurmctld", "slurmd"):
-                subprocess.run([f"/usr/sbin/{daemon}", "-f", str(self.dir / "slurm.conf")], env=self.env,
-                               check=True, capture_output=True, timeout=60)
+                subprocess.run(
+                    [f"/usr/sbin/{daemon}", "-f", str(self.dir / "slurm.conf")],
+                    env=self.env,
+                    check=True,
+                    capture_output=True,
+                    timeout=60,
+                )
             _wait("the SLURM node", self._node_idle, 90, self.dir / "slurmd.log")
         except BaseException:
             self.stop()
@@ -85,38 +90,42 @@ class SlurmCluster:
             path.touch()
         memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20 * 3 // 4
         (d / "gres.conf").write_text(f"AutoDetect=off\nNodeName={self.node} Name=gpu File={d}/gpu[0-{FAKE_GPUS - 1}]\n")
-        (d / "slurm.conf").write_text("\n".join([
-            "ClusterName=moerltest",
-            f"SlurmctldHost={self.node}(127.0.0.1)",
-            f"SlurmctldPort={_free_port()}",
-            f"SlurmdPort={_free_port()}",
-            "SlurmUser=root",
-            "SlurmdUser=root",
-            "AuthType=auth/munge",
-            "CredType=cred/munge",
-            f"AuthInfo=socket={d}/munge/munge.socket",
-            f"StateSaveLocation={d}/state",
-            f"SlurmdSpoolDir={d}/spool",
-            f"SlurmctldPidFile={d}/slurmctld.pid",
-            f"SlurmdPidFile={d}/slurmd.pid",
-            f"SlurmctldLogFile={d}/slurmctld.log",
-            f"SlurmdLogFile={d}/slurmd.log",
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_Core",
-            "JobAcctGatherType=jobacct_gather/none",
-            "AccountingStorageType=accounting_storage/none",
-            "MpiDefault=none",
-            "ReturnToService=2",
-            "KillWait=10",
-            "MinJobAge=600",  # finished jobs stay visible to `scontrol show job`
-            "GresTypes=gpu",
-            f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={memory_mb} "
-            f"Gres=gpu:{FAKE_GPUS} State=UNKNOWN",
-            f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",
-            "",
-        ]))
+        (d / "slurm.conf").write_text(
+            "\n".join(
+                [
+                    "ClusterName=moerltest",
+                    f"SlurmctldHost={self.node}(127.0.0.1)",
+                    f"SlurmctldPort={_free_port()}",
+                    f"SlurmdPort={_free_port()}",
+                    "SlurmUser=root",
+                    "SlurmdUser=root",
+                    "AuthType=auth/munge",
+                    "CredType=cred/munge",
+                    f"AuthInfo=socket={d}/munge/munge.socket",
+                    f"StateSaveLocation={d}/state",
+                    f"SlurmdSpoolDir={d}/spool",
+                    f"SlurmctldPidFile={d}/slurmctld.pid",
+                    f"SlurmdPidFile={d}/slurmd.pid",
+                    f"SlurmctldLogFile={d}/slurmctld.log",
+                    f"SlurmdLogFile={d}/slurmd.log",
+                    "ProctrackType=proctrack/linuxproc",
+                    "TaskPlugin=task/none",
+                    "SelectType=select/cons_tres",
+                    "SelectTypeParameters=CR_Core",
+                    "JobAcctGatherType=jobacct_gather/none",
+                    "AccountingStorageType=accounting_storage/none",
+                    "MpiDefault=none",
+                    "ReturnToService=2",
+                    "KillWait=10",
+                    "MinJobAge=600",  # finished jobs stay visible to `scontrol show job`
+                    "GresTypes=gpu",
+                    f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={memory_mb} "
+                    f"Gres=gpu:{FAKE_GPUS} State=UNKNOWN",
+                    f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",
+                    "",
+                ]
+            )
+        )
 
     def _start_munge(self) -> None:
         key = self.dir / "munge" / "munge.key"
@@ -124,9 +133,20 @@ class SlurmCluster:
         key.chmod(0o400)
         m = self.dir / "munge"
         m.chmod(0o700)
-        subprocess.run(["/usr/sbin/munged", "--force", f"--key-file={key}", f"--socket={m}/munge.socket",
-                        f"--pid-file={m}/munged.pid", f"--log-file={m}/munged.log", f"--seed-file={m}/munged.seed"],
-                       check=True, capture_output=True, timeout=60)
+        subprocess.run(
+            [
+                "/usr/sbin/munged",
+                "--force",
+                f"--key-file={key}",
+                f"--socket={m}/munge.socket",
+                f"--pid-file={m}/munged.pid",
+                f"--log-file={m}/munged.log",
+                f"--seed-file={m}/munged.seed",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         _wait("munged", (m / "munge.socket").exists, 30, m / "munged.log")
 
     def _node_idle(self) -> bool:

@@ -39,10 +39,24 @@ def ray_head():
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's unix socket paths must fit 107 bytes
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     ray_bin = str(Path(sys.executable).parent / "ray")
-    head = subprocess.Popen([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=1", "--num-gpus=0",
-                             '--resources={"ops_test_head": 1}', "--include-dashboard=false", "--block",
-                             f"--temp-dir={temp}"], env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    head = subprocess.Popen(
+        [
+            ray_bin,
+            "start",
+            "--head",
+            f"--port={port}",
+            "--num-cpus=1",
+            "--num-gpus=0",
+            '--resources={"ops_test_head": 1}',
+            "--include-dashboard=false",
+            "--block",
+            f"--temp-dir={temp}",
+        ],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     address = f"{ray.util.get_node_ip_address()}:{port}"  # the GCS listens on the node's IP
     try:
         yield address
@@ -57,12 +71,22 @@ def ray_head():
 
 def test_driver_joins_the_cluster_at_ray_address(ray_head, monkeypatch):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    waited = subprocess.run([sys.executable, "-m", "moe_rl.rl.ray_init", "wait", "--nodes", "1", "--address", ray_head,
-                             "--timeout", "60"], env=env, capture_output=True, text=True, timeout=120)
+    waited = subprocess.run(
+        [sys.executable, "-m", "moe_rl.rl.ray_init", "wait", "--nodes", "1", "--address", ray_head, "--timeout", "60"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert waited.returncode == 0, waited.stderr
     assert "1 nodes alive" in waited.stdout
-    short = subprocess.run([sys.executable, "-m", "moe_rl.rl.ray_init", "wait", "--nodes", "2", "--address", ray_head,
-                            "--timeout", "3"], env=env, capture_output=True, text=True, timeout=120)
+    short = subprocess.run(
+        [sys.executable, "-m", "moe_rl.rl.ray_init", "wait", "--nodes", "2", "--address", ray_head, "--timeout", "3"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert short.returncode != 0 and "only 1 of 2 Ray nodes registered" in short.stderr
 
     monkeypatch.setenv("RAY_ADDRESS", ray_head)
@@ -94,8 +118,9 @@ def test_node_address_is_routable_when_the_node_has_such_an_address():
     from moe_rl.rl.ray_init import node_address
 
     address, interface = node_address()
-    mine = {a.address: name for name, addrs in psutil.net_if_addrs().items() for a in addrs
-            if a.family == socket.AF_INET}
+    mine = {
+        a.address: name for name, addrs in psutil.net_if_addrs().items() for a in addrs if a.family == socket.AF_INET
+    }
     assert mine[address] == interface
     if any(not a.startswith("127.") for a in mine):
         assert not address.startswith("127."), address  # `hostname --ip-address` may answer 127.0.1.1

@@ -12,10 +12,21 @@ from moe_rl.config import load_config
 from moe_rl.plan import make_plan, parallel_groups
 
 MODELS = sorted(Path("configs/models").glob("*.yaml"))
-TINY = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 256, "hidden_size": 64,
-        "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
-        "tie_word_embeddings": False}
+TINY = {
+    "model_type": "qwen3_moe",
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "tie_word_embeddings": False,
+}
 
 
 def test_five_model_configs_ship():
@@ -40,8 +51,10 @@ def test_shipped_config_plans_cleanly(path, capsys):
 
 
 def test_colocated_engines_share_the_trainer_gpus():
-    config = load_config("configs/models/qwen3_30b_a3b.yaml", ["rl.mode=sync", "rl.colocate=true", "engines.count=2", "engines.tp=4",
-                                     "engines.ep=4", "engines.attn_dp=1"])
+    config = load_config(
+        "configs/models/qwen3_30b_a3b.yaml",
+        ["rl.mode=sync", "rl.colocate=true", "engines.count=2", "engines.tp=4", "engines.ep=4", "engines.attn_dp=1"],
+    )
     rows = [row for rows in make_plan(config).placement.values() for row in rows]
     engines = [row for row in rows if "engine" in row]
     assert len(engines) == 2 and all("colocated with trainer ranks" in row for row in engines)
@@ -57,8 +70,14 @@ def test_parallel_groups_match_megatron_rank_generator():
         dense = RankGenerator(tp=tp, ep=1, dp=t.dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
         expert = RankGenerator(tp=etp, ep=ep, dp=t.expert_dp, pp=pp, cp=1, order="tp-ep-dp-pp")
         groups = parallel_groups(t)
-        for axis, gen, token in [("tp", dense, "tp"), ("dp", dense, "dp"), ("pp", dense, "pp"),
-                                 ("etp", expert, "tp"), ("ep", expert, "ep"), ("edp", expert, "dp")]:
+        for axis, gen, token in [
+            ("tp", dense, "tp"),
+            ("dp", dense, "dp"),
+            ("pp", dense, "pp"),
+            ("etp", expert, "tp"),
+            ("ep", expert, "ep"),
+            ("edp", expert, "dp"),
+        ]:
             assert groups[axis] == sorted(gen.get_ranks(token)), (axis, tp, pp, ep, etp)
 
 
@@ -99,33 +118,67 @@ def test_fp8_sync_bytes_are_about_the_fp8_stream(tmp_path):
 
 
 def test_distributed_optimizer_and_recompute_lower_the_estimate():
-    base = make_plan(load_config("configs/models/qwen3_30b_a3b.yaml", ["trainer.recompute=false",
-                                                                        "cluster.gpu_memory_gb=200"]))
+    base = make_plan(
+        load_config("configs/models/qwen3_30b_a3b.yaml", ["trainer.recompute=false", "cluster.gpu_memory_gb=200"])
+    )
     recompute = make_plan(load_config("configs/models/qwen3_30b_a3b.yaml"))
-    plain = make_plan(load_config("configs/models/qwen3_30b_a3b.yaml", ["trainer.optimizer.distributed=false",
-                                                                         "cluster.gpu_memory_gb=200"]))
+    plain = make_plan(
+        load_config(
+            "configs/models/qwen3_30b_a3b.yaml", ["trainer.optimizer.distributed=false", "cluster.gpu_memory_gb=200"]
+        )
+    )
     assert recompute.trainer_memory["activations"] < base.trainer_memory["activations"]
     assert plain.trainer_memory["optimizer"] > recompute.trainer_memory["optimizer"]
 
 
-@pytest.mark.parametrize("config, overrides, message", [
-    ("qwen3_30b_a3b", ["cluster.nodes=2"], r"cluster: 2 nodes x 8 GPUs = 16 GPUs, .* need 24"),
-    ("qwen3_30b_a3b", ["engines.tp=3"], r"engines.ep=2 does not divide engines.tp=3"),
-    ("qwen3_30b_a3b", ["cluster.gpu_memory_gb=40"], r"trainer: ~\d+ GB per GPU .* exceeds cluster.gpu_memory_gb=40"),
-    ("qwen3_30b_a3b", ["engines.count=1", "engines.tp=8", "engines.ep=8", "trainer.world_size=4", "trainer.ep=4",
-                       "cluster.nodes=2"], r"engine 0 .* would straddle nodes 0 and 1"),
-    ("qwen3_30b_a3b", ["engines.tp=6", "engines.ep=6", "engines.count=1"],
-     r"engines.tp/engines.attn_dp=6 does not divide the model's 32 attention heads"),
-    ("qwen3_30b_a3b", ["engines.kind=embedded"], r"engines.tp=2: the embedded engine is one CPU process"),
-    ("qwen3_30b_a3b", ["engines.dp=2"], r"engines.dp=2: .*raise engines.count.*engines.attn_dp \(SGLang --attn-dp-size\)"),
-    ("qwen3_30b_a3b", ["cluster.param_dtype=fp8"], r"cluster.param_dtype='fp8': use one of"),
-    ("qwen3_235b_a22b", ["engines.tp=2", "engines.ep=2", "engines.attn_dp=1", "engines.count=16"],
-     r"engines: ~\d+ GB of weights per GPU exceed engines.mem_fraction_static"),
-    ("mixtral_8x7b", ["engines.count=1", "engines.tp=16", "engines.ep=16", "engines.attn_dp=16", "cluster.nodes=4"],
-     r"engines.ep=16 does not divide the model's 8 experts"),
-    ("deepseek_v3", ["trainer.pp=2"], r"trainer.pp=2 does not divide the model's 61 layers"),
-    ("qwen3_235b_a22b", ["trainer.tp=8"], r"trainer.tp=8 does not divide the model's 4 KV groups"),
-])
+@pytest.mark.parametrize(
+    "config, overrides, message",
+    [
+        ("qwen3_30b_a3b", ["cluster.nodes=2"], r"cluster: 2 nodes x 8 GPUs = 16 GPUs, .* need 24"),
+        ("qwen3_30b_a3b", ["engines.tp=3"], r"engines.ep=2 does not divide engines.tp=3"),
+        (
+            "qwen3_30b_a3b",
+            ["cluster.gpu_memory_gb=40"],
+            r"trainer: ~\d+ GB per GPU .* exceeds cluster.gpu_memory_gb=40",
+        ),
+        (
+            "qwen3_30b_a3b",
+            [
+                "engines.count=1",
+                "engines.tp=8",
+                "engines.ep=8",
+                "trainer.world_size=4",
+                "trainer.ep=4",
+                "cluster.nodes=2",
+            ],
+            r"engine 0 .* would straddle nodes 0 and 1",
+        ),
+        (
+            "qwen3_30b_a3b",
+            ["engines.tp=6", "engines.ep=6", "engines.count=1"],
+            r"engines.tp/engines.attn_dp=6 does not divide the model's 32 attention heads",
+        ),
+        ("qwen3_30b_a3b", ["engines.kind=embedded"], r"engines.tp=2: the embedded engine is one CPU process"),
+        (
+            "qwen3_30b_a3b",
+            ["engines.dp=2"],
+            r"engines.dp=2: .*raise engines.count.*engines.attn_dp \(SGLang --attn-dp-size\)",
+        ),
+        ("qwen3_30b_a3b", ["cluster.param_dtype=fp8"], r"cluster.param_dtype='fp8': use one of"),
+        (
+            "qwen3_235b_a22b",
+            ["engines.tp=2", "engines.ep=2", "engines.attn_dp=1", "engines.count=16"],
+            r"engines: ~\d+ GB of weights per GPU exceed engines.mem_fraction_static",
+        ),
+        (
+            "mixtral_8x7b",
+            ["engines.count=1", "engines.tp=16", "engines.ep=16", "engines.attn_dp=16", "cluster.nodes=4"],
+            r"engines.ep=16 does not divide the model's 8 experts",
+        ),
+        ("deepseek_v3", ["trainer.pp=2"], r"trainer.pp=2 does not divide the model's 61 layers"),
+        ("qwen3_235b_a22b", ["trainer.tp=8"], r"trainer.tp=8 does not divide the model's 4 KV groups"),
+    ],
+)
 def test_broken_configs_fail_with_the_reason(config, overrides, message, capsys):
     path = f"configs/models/{config}.yaml"
     assert cli.main(["plan", path, *overrides]) == 2
@@ -139,10 +192,17 @@ def test_plan_needs_a_cluster_section(capsys):
 
 def _tiny_run(tmp_path):
     path = tmp_path / "tiny.yaml"
-    path.write_text(yaml.safe_dump({
-        "model": {"hf_config": TINY}, "cluster": {"nodes": 1, "gpus_per_node": 2, "gpu_memory_gb": 8},
-        "trainer": {"world_size": 1, "global_batch_size": 4}, "rollout": {"groups_per_step": 1, "n_samples_per_prompt": 4},
-        "engines": {"kind": "sglang", "count": 1}}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"hf_config": TINY},
+                "cluster": {"nodes": 1, "gpus_per_node": 2, "gpu_memory_gb": 8},
+                "trainer": {"world_size": 1, "global_batch_size": 4},
+                "rollout": {"groups_per_step": 1, "n_samples_per_prompt": 4},
+                "engines": {"kind": "sglang", "count": 1},
+            }
+        )
+    )
     return load_config(path)
 
 
@@ -166,7 +226,9 @@ def test_shipped_configs_print_sync_seconds_and_their_anchor(path, capsys):
     anchors = {"qwen3_30b_a3b": "verl Qwen3-30B-A3B ~7 s", "qwen3_235b_a22b": "Miles Qwen3-235B-A22B 10.75 s"}
     assert cli.main(["plan", str(path)]) == 0
     line = next(row for row in capsys.readouterr().out.splitlines() if row.startswith("sync: "))
-    assert __import__("re").fullmatch(r"sync: [\d.]+ GB to each engine per step, ~[\d.]+ s at 400 Gb/s x [\d.]+.*", line)
+    assert __import__("re").fullmatch(
+        r"sync: [\d.]+ GB to each engine per step, ~[\d.]+ s at 400 Gb/s x [\d.]+.*", line
+    )
     anchor = anchors.get(path.stem)  # GLM-4.5-Air (106 B) is not GLM-4.5 (355 B): no anchor
     assert line.endswith(f" (public: {anchor})") if anchor else "public:" not in line
 

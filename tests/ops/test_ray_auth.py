@@ -7,8 +7,7 @@ import os
 import subprocess
 import sys
 
-PROBE = ("import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False, logging_level='ERROR'); "
-         "print('joined')")
+PROBE = "import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False, logging_level='ERROR'); print('joined')"
 
 
 def _driver() -> None:
@@ -20,10 +19,13 @@ def _driver() -> None:
 
     gcs = init_ray(num_cpus=1, num_gpus=0)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-    for label, extra in (("without", {"RAY_AUTH_MODE": "disabled"}), ("with", {k: os.environ[k] for k in
-                                                                               ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")})):
-        probe = subprocess.run([sys.executable, "-c", PROBE, gcs], env={**env, **extra}, capture_output=True,
-                               text=True, timeout=120)
+    for label, extra in (
+        ("without", {"RAY_AUTH_MODE": "disabled"}),
+        ("with", {k: os.environ[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}),
+    ):
+        probe = subprocess.run(
+            [sys.executable, "-c", PROBE, gcs], env={**env, **extra}, capture_output=True, text=True, timeout=120
+        )
         print(label, probe.returncode, "joined" in probe.stdout, "InvalidAuthToken" in probe.stderr)
 
 
@@ -31,7 +33,9 @@ def test_the_local_ray_of_a_run_refuses_clients_without_its_token():
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
     code = "from tests.ops.test_ray_auth import _driver; _driver()"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    lines = {line.split()[0]: line.split()[1:] for line in out.stdout.splitlines() if line.startswith(("with", "without"))}
+    lines = {
+        line.split()[0]: line.split()[1:] for line in out.stdout.splitlines() if line.startswith(("with", "without"))
+    }
     assert lines.get("without", [None])[0] != "0" and lines["without"][2] == "True", out.stdout + out.stderr[-2000:]
     assert lines["with"] == ["0", "True", "False"], out.stdout + out.stderr[-2000:]
 

@@ -19,19 +19,56 @@ ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
 
 
 def write_config(path: Path, run_dir: Path) -> None:
-    path.write_text(yaml.safe_dump({
-        "model": {"hf_config": dict(
-            model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=256, hidden_size=32,
-            intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
-            max_position_embeddings=64)},
-        "trainer": {"world_size": 2, "ep": 2, "micro_batch_size": 2, "global_batch_size": 8, "routing_replay": True},
-        "algorithm": {"num_mini_batches": 2},  # two optimizer steps per weight version, across the resume too
-        "rollout": {"task": "copy_digits_long_tail", "task_options": {"num_stop_tokens": 40},
-                    "groups_per_step": GROUPS, "n_samples_per_prompt": 2, "max_new_tokens": 12, "max_staleness": 2},
-        "sync": {"pause_mode": "abort", "bucket_bytes": 1 << 20},
-        "rl": {"mode": "fully_async", "report": False, "save_hf": False, "checkpoint_every": 1, "keep_checkpoints": 2},
-        "steps": STEPS, "output_dir": str(run_dir)}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "model": {
+                    "hf_config": dict(
+                        model_type="qwen3_moe",
+                        architectures=["Qwen3MoeForCausalLM"],
+                        vocab_size=256,
+                        hidden_size=32,
+                        intermediate_size=64,
+                        moe_intermediate_size=16,
+                        num_hidden_layers=2,
+                        num_attention_heads=4,
+                        num_key_value_heads=2,
+                        head_dim=8,
+                        num_experts=4,
+                        num_experts_per_tok=2,
+                        norm_topk_prob=True,
+                        max_position_embeddings=64,
+                    )
+                },
+                "trainer": {
+                    "world_size": 2,
+                    "ep": 2,
+                    "micro_batch_size": 2,
+                    "global_batch_size": 8,
+                    "routing_replay": True,
+                },
+                "algorithm": {"num_mini_batches": 2},  # two optimizer steps per weight version, across the resume too
+                "rollout": {
+                    "task": "copy_digits_long_tail",
+                    "task_options": {"num_stop_tokens": 40},
+                    "groups_per_step": GROUPS,
+                    "n_samples_per_prompt": 2,
+                    "max_new_tokens": 12,
+                    "max_staleness": 2,
+                },
+                "sync": {"pause_mode": "abort", "bucket_bytes": 1 << 20},
+                "rl": {
+                    "mode": "fully_async",
+                    "report": False,
+                    "save_hf": False,
+                    "checkpoint_every": 1,
+                    "keep_checkpoints": 2,
+                },
+                "steps": STEPS,
+                "output_dir": str(run_dir),
+            }
+        )
+    )
 
 
 def rows(path: Path) -> list[dict]:
@@ -41,8 +78,13 @@ def rows(path: Path) -> list[dict]:
 def test_sigkill_then_resume_loses_nothing_and_trains_nothing_twice(tmp_path):
     config, run_dir = tmp_path / "run.yaml", tmp_path / "run"
     write_config(config, run_dir)
-    driver = subprocess.Popen([sys.executable, "-m", "moe_rl.cli", "train", str(config)], env=ENV,
-                              start_new_session=True, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "first.err", "w"))
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "moe_rl.cli", "train", str(config)],
+        env=ENV,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "first.err", "w"),
+    )
     try:
         deadline = time.monotonic() + 240
         while not list((run_dir / "checkpoints").glob("step_00000[3-9]")):  # past max_staleness
@@ -60,8 +102,14 @@ def test_sigkill_then_resume_loses_nothing_and_trains_nothing_twice(tmp_path):
     at_kill = json.loads((checkpoints[-1] / "rollout.json").read_text())
     k = resumed_from["step"]
 
-    done = subprocess.run([sys.executable, "-m", "moe_rl.cli", "train", "--resume", str(run_dir)], env=ENV,
-                          capture_output=True, text=True, timeout=300, start_new_session=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "moe_rl.cli", "train", "--resume", str(run_dir)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
     # metrics: every step once, the resumed run continuing at k + 1

@@ -17,7 +17,6 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-
 from slurm_cluster import SlurmCluster, install_reason
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,9 +66,19 @@ def _address_file_state():
 
 def _submit_demo(slurm: SlurmCluster, tmp_path: Path, extra_sbatch: list[str], steps: int) -> tuple[int, Path, Path]:
     run = tmp_path / "run"
-    job = slurm.sbatch([*extra_sbatch, "--nodes=1", f"--output={tmp_path}/moe-rl-%j.log",
-                        "scripts/slurm/train.sbatch", "configs/demo_cpu.yaml", f"steps={steps}", f"output_dir={run}"],
-                       cwd=REPO, env=_job_env())
+    job = slurm.sbatch(
+        [
+            *extra_sbatch,
+            "--nodes=1",
+            f"--output={tmp_path}/moe-rl-%j.log",
+            "scripts/slurm/train.sbatch",
+            "configs/demo_cpu.yaml",
+            f"steps={steps}",
+            f"output_dir={run}",
+        ],
+        cwd=REPO,
+        env=_job_env(),
+    )
     return job, run, tmp_path / f"moe-rl-{job}.log"
 
 
@@ -102,8 +111,12 @@ def test_sbatch_cpu_demo(slurm, tmp_path):
     gloo = text.split("gloo on ", 1)[1].split(")", 1)[0]  # a real interface name, never NCCL's "^lo,docker"
     assert gloo in psutil.net_if_addrs(), gloo
     head = text.split("Ray head ", 1)[1].split("(", 1)[1].split(":", 1)[0]
-    routable = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
-                if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    routable = [
+        a.address
+        for addrs in psutil.net_if_addrs().values()
+        for a in addrs
+        if a.family == socket.AF_INET and not a.address.startswith("127.")
+    ]
     assert head in routable if routable else head.startswith("127."), head  # what other nodes can reach
 
 
@@ -136,9 +149,24 @@ def test_scancel_of_a_running_job_ends_it_clean(slurm, tmp_path):
 
 def test_srun_torchrun_train(slurm, tmp_path):
     run = tmp_path / "smoke"
-    done = slurm.run(["srun", "--nodes=1", "--gpus-per-node=0", "scripts/torchrun_train.sh", "configs/smoke_cpu.yaml",
-                      "trainer.world_size=2", "trainer.tp=1", "trainer.sequence_parallel=false", "steps=2",
-                      f"output_dir={run}"], cwd=REPO, env={"NPROC": "2", "VENV": sys.prefix}, timeout=600, check=False)
+    done = slurm.run(
+        [
+            "srun",
+            "--nodes=1",
+            "--gpus-per-node=0",
+            "scripts/torchrun_train.sh",
+            "configs/smoke_cpu.yaml",
+            "trainer.world_size=2",
+            "trainer.tp=1",
+            "trainer.sequence_parallel=false",
+            "steps=2",
+            f"output_dir={run}",
+        ],
+        cwd=REPO,
+        env={"NPROC": "2", "VENV": sys.prefix},
+        timeout=600,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("over 2 steps") == 1, done.stdout  # one summary, not one per rank
     assert len(_metrics(run)) == 2
@@ -155,10 +183,17 @@ def test_srun_torchrun_convert_round_trip(slurm, tmp_path):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(load_config("configs/smoke_cpu.yaml").model.load_hf_config()).save_pretrained(hf)
     env = {"NPROC": "2", "VENV": sys.prefix}
-    for args in (["hf-to-megatron", "--hf", str(hf), "--out", str(tmp_path / "mcore"), "--ep", "2"],
-                 ["megatron-to-hf", "--megatron", str(tmp_path / "mcore"), "--out", str(tmp_path / "back"), "--ep", "2"]):
-        done = slurm.run(["srun", "--nodes=1", "--gpus-per-node=0", "scripts/torchrun_convert.sh", *args], cwd=REPO,
-                         env=env, timeout=600, check=False)
+    for args in (
+        ["hf-to-megatron", "--hf", str(hf), "--out", str(tmp_path / "mcore"), "--ep", "2"],
+        ["megatron-to-hf", "--megatron", str(tmp_path / "mcore"), "--out", str(tmp_path / "back"), "--ep", "2"],
+    ):
+        done = slurm.run(
+            ["srun", "--nodes=1", "--gpus-per-node=0", "scripts/torchrun_convert.sh", *args],
+            cwd=REPO,
+            env=env,
+            timeout=600,
+            check=False,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         assert done.stdout.count("wrote ") == 1, done.stdout
     original, back = HFCheckpointReader(hf), HFCheckpointReader(tmp_path / "back")
@@ -172,7 +207,13 @@ def test_a_local_run_starts_after_the_jobs(slurm, tmp_path):
     """What used to break after a job (`/tmp/ray/ray_current_cluster` left behind): a local run."""
     run = tmp_path / "local"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    done = subprocess.run([str(Path(sys.prefix) / "bin" / "moe-rl"), "train", "configs/demo_cpu.yaml", "steps=2",
-                           f"output_dir={run}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [str(Path(sys.prefix) / "bin" / "moe-rl"), "train", "configs/demo_cpu.yaml", "steps=2", f"output_dir={run}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert len(_metrics(run)) == 2

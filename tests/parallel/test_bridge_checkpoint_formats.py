@@ -16,18 +16,20 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_bridge_deepseek_v3 import deepseek_v3_config
+from test_bridge_harness import BATCH, SEQ, assert_layout_results, check_layouts, hf_reference, save_tiny_hf_model
+from test_bridge_mixtral_glm import glm4_moe_config
 
 from moe_rl.cli import main
 from parallel.fp8 import BlockFP8
 from parallel.hf_checkpoint import HFCheckpointReader
 from parallel.layout import ParallelLayout
 from parallel.world import spawn
-from test_bridge_deepseek_v3 import deepseek_v3_config
-from test_bridge_harness import BATCH, SEQ, assert_layout_results, check_layouts, hf_reference, save_tiny_hf_model
-from test_bridge_mixtral_glm import glm4_moe_config
 
-LAYOUTS = [ParallelLayout(world_size=4, tp=2, ep=2, sequence_parallel=True),
-           ParallelLayout(world_size=4, pp=2, ep=2, etp=1)]
+LAYOUTS = [
+    ParallelLayout(world_size=4, tp=2, ep=2, sequence_parallel=True),
+    ParallelLayout(world_size=4, pp=2, ep=2, etp=1),
+]
 BLOCK = BlockFP8(8, 8)  # DeepSeek's is 128 x 128; 8 divides every tiny shape, as transformers' FP8 loader needs
 
 
@@ -54,22 +56,38 @@ def save_deepseek_fp8_with_mtp(tmp_path: Path) -> tuple[Path, set[str]]:
     last, mtp = config["num_hidden_layers"] - 1, config["num_hidden_layers"]
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     g = torch.Generator().manual_seed(3)
-    layer = {n.replace(f"layers.{last}.", f"layers.{mtp}."): t.clone() for n, t in tensors.items()
-             if n.startswith(f"model.layers.{last}.")}
-    layer.update({f"model.layers.{mtp}.{n}": t for n, t in {
-        "enorm.weight": torch.rand(hidden, generator=g) + 0.5, "hnorm.weight": torch.rand(hidden, generator=g) + 0.5,
-        "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=g) * 0.02,
-        "shared_head.norm.weight": torch.rand(hidden, generator=g) + 0.5,
-        "shared_head.head.weight": torch.randn(vocab, hidden, generator=g) * 0.02}.items()})
+    layer = {
+        n.replace(f"layers.{last}.", f"layers.{mtp}."): t.clone()
+        for n, t in tensors.items()
+        if n.startswith(f"model.layers.{last}.")
+    }
+    layer.update(
+        {
+            f"model.layers.{mtp}.{n}": t
+            for n, t in {
+                "enorm.weight": torch.rand(hidden, generator=g) + 0.5,
+                "hnorm.weight": torch.rand(hidden, generator=g) + 0.5,
+                "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=g) * 0.02,
+                "shared_head.norm.weight": torch.rand(hidden, generator=g) + 0.5,
+                "shared_head.head.weight": torch.randn(vocab, hidden, generator=g) * 0.02,
+            }.items()
+        }
+    )
     stored = {}
     for name, tensor in {**tensors, **layer}.items():
         if name.startswith("model.layers.") and tensor.ndim == 2 and not name.endswith(".gate.weight"):  # linears
             stored[name], stored[name + "_scale_inv"] = BLOCK.quantize(tensor)
         else:
             stored[name] = tensor
-    config.update(num_nextn_predict_layers=1, quantization_config={
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-        "weight_block_size": [BLOCK.rows, BLOCK.cols]})
+    config.update(
+        num_nextn_predict_layers=1,
+        quantization_config={
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [BLOCK.rows, BLOCK.cols],
+        },
+    )
     mtp_names = {n for n in stored if n.startswith(f"model.layers.{mtp}.") and not n.endswith("_scale_inv")}
     return _write(tmp_path / "fp8", stored, config), mtp_names
 
@@ -82,8 +100,9 @@ def test_deepseek_v3_fp8_with_mtp_dropped_imports_under_tp_ep_pp(tmp_path):
     tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     reference = hf_reference(hf_dir, tokens)  # transformers dequantizes FP8 checkpoints on CPU
     warned = spawn(_import_warnings, 1, str(hf_dir))[0]
-    assert any(re.search(rf"model.mtp=drop: {len(mtp_names)} tensors .* model.layers.4.\* are not imported", w)
-               for w in warned), warned
+    assert any(
+        re.search(rf"model.mtp=drop: {len(mtp_names)} tensors .* model.layers.4.\* are not imported", w) for w in warned
+    ), warned
     per_rank = spawn(check_layouts, 4, str(hf_dir), LAYOUTS, tokens, 4096, True)
     assert_layout_results(per_rank, hf_dir, reference, tokens, left_out=mtp_names)
 
@@ -113,8 +132,11 @@ def test_mtp_layers_need_a_choice_before_any_work(tmp_path):
     assert not (tmp_path / "out.tmp").exists()
     run = tmp_path / "run.yaml"
     run.write_text(f"model:\n  path: {hf_dir}\ntrainer:\n  micro_batch_size: 1\n  global_batch_size: 1\n")
-    with pytest.raises(ValueError, match=r"holds \d+ tensors of multi-token-prediction layers \(model.layers.4.\*\).*"
-                                         "set model.mtp: drop"):
+    with pytest.raises(
+        ValueError,
+        match=r"holds \d+ tensors of multi-token-prediction layers \(model.layers.4.\*\).*"
+        "set model.mtp: drop",
+    ):
         load_config(str(run))
     assert load_config(str(run), ["model.mtp=drop"]).model.load_hf_config().num_nextn_predict_layers == 0
 
@@ -128,10 +150,27 @@ def test_convert_with_mtp_dropped_exports_full_precision_and_fp8(tmp_path):
 
     hf_dir, mtp_names = save_deepseek_fp8_with_mtp(tmp_path)
     mcore, full, fp8 = tmp_path / "mcore", tmp_path / "full", tmp_path / "fp8_again"
-    assert main(["convert", "hf-to-megatron", "--hf", str(hf_dir), "--out", str(mcore), "--ep", "2", "--mtp", "drop"]) == 0
+    assert (
+        main(["convert", "hf-to-megatron", "--hf", str(hf_dir), "--out", str(mcore), "--ep", "2", "--mtp", "drop"]) == 0
+    )
     assert main(["convert", "megatron-to-hf", "--megatron", str(mcore), "--out", str(full), "--ep", "2"]) == 0
-    assert main(["convert", "megatron-to-hf", "--megatron", str(mcore), "--out", str(fp8), "--pp", "2",
-                 "--fp8-blocks", str(BLOCK.rows)]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "megatron-to-hf",
+                "--megatron",
+                str(mcore),
+                "--out",
+                str(fp8),
+                "--pp",
+                "2",
+                "--fp8-blocks",
+                str(BLOCK.rows),
+            ]
+        )
+        == 0
+    )
     original = HFCheckpointReader(hf_dir)
     config = json.loads((full / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == 0 and "quantization_config" not in config
@@ -144,7 +183,9 @@ def test_convert_with_mtp_dropped_exports_full_precision_and_fp8(tmp_path):
     stored, again = _tensors(hf_dir), _tensors(fp8)
     assert set(again) == {n for n in stored if n.removesuffix("_scale_inv") not in mtp_names}
     for name, tensor in again.items():
-        assert tensor.dtype == stored[name].dtype and torch.equal(tensor.view(torch.uint8), stored[name].view(torch.uint8)), name
+        assert tensor.dtype == stored[name].dtype and torch.equal(
+            tensor.view(torch.uint8), stored[name].view(torch.uint8)
+        ), name
     tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     reference = hf_reference(hf_dir, tokens)
     for out in (full, fp8):
@@ -174,8 +215,9 @@ def test_fp8_blocks_that_do_not_divide_the_shape_read_in_slices(tmp_path):
             expected[rows, cols] = quantized[rows, cols].float() * scale_inv[i, j]
     assert (expected - weight).abs().max() <= weight.abs().max() / 16  # e4m3: 3 mantissa bits
     config = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]}}
-    reader = HFCheckpointReader(_write(tmp_path / "ckpt", {"w.weight": quantized, "w.weight_scale_inv": scale_inv},
-                                       config))
+    reader = HFCheckpointReader(
+        _write(tmp_path / "ckpt", {"w.weight": quantized, "w.weight_scale_inv": scale_inv}, config)
+    )
     assert reader.names() == {"w.weight"} and reader.shape("w.weight") == (37, 50)
     assert torch.equal(reader.read("w.weight"), expected)
     assert torch.equal(reader.read("w.weight", 0, 5, 30), expected[5:30])
@@ -193,15 +235,18 @@ def test_glm4_moe_with_fused_experts_and_inv_freq(tmp_path):
     for layer in range(config["first_k_dense_replace"], config["num_hidden_layers"]):
         p = f"model.layers.{layer}.mlp.experts"
         experts = range(config["n_routed_experts"])
-        fused[f"{p}.gate_up_proj"] = torch.stack([torch.cat([tensors[f"{p}.{e}.gate_proj.weight"],
-                                                             tensors[f"{p}.{e}.up_proj.weight"]]) for e in experts])
+        fused[f"{p}.gate_up_proj"] = torch.stack(
+            [torch.cat([tensors[f"{p}.{e}.gate_proj.weight"], tensors[f"{p}.{e}.up_proj.weight"]]) for e in experts]
+        )
         fused[f"{p}.down_proj"] = torch.stack([tensors[f"{p}.{e}.down_proj.weight"] for e in experts])
         fused[f"model.layers.{layer}.self_attn.rotary_emb.inv_freq"] = torch.rand(8)
     fused_dir = _write(tmp_path / "fused", fused, config)
     reader = HFCheckpointReader(fused_dir)
     assert reader.names() == HFCheckpointReader(hf_dir).names()  # per-expert names, inv_freq left out
-    assert torch.equal(reader.read("model.layers.1.mlp.experts.5.up_proj.weight", 0, 8, 24),
-                       tensors["model.layers.1.mlp.experts.5.up_proj.weight"][8:24])
+    assert torch.equal(
+        reader.read("model.layers.1.mlp.experts.5.up_proj.weight", 0, 8, 24),
+        tensors["model.layers.1.mlp.experts.5.up_proj.weight"][8:24],
+    )
     tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     per_rank = spawn(check_layouts, 4, str(fused_dir), LAYOUTS, tokens, 4096)
     assert_layout_results(per_rank, fused_dir, hf_reference(hf_dir, tokens), tokens)

@@ -7,29 +7,56 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_bridge_harness import BATCH, SEQ, assert_layout_results, check_layouts, hf_reference, save_tiny_hf_model
+from test_bridge_qwen3_moe import EIGHT_RANK_LAYOUTS, FOUR_RANK_LAYOUTS
 
 from parallel.bridges.deepseek_v3 import megatron_at_least
 from parallel.layout import ParallelLayout
 from parallel.world import spawn
-from test_bridge_harness import BATCH, SEQ, assert_layout_results, check_layouts, hf_reference, save_tiny_hf_model
-from test_bridge_qwen3_moe import EIGHT_RANK_LAYOUTS, FOUR_RANK_LAYOUTS
 
 
 def deepseek_v3_config(**overrides):
     from transformers import DeepseekV3Config
 
-    fields = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
-                  kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-                  n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-                  n_group=2, topk_group=1, routed_scaling_factor=2.5, max_position_embeddings=256,
-                  architectures=["DeepseekV3ForCausalLM"])
+    fields = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=24,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=256,
+        architectures=["DeepseekV3ForCausalLM"],
+    )
     fields.update(overrides)
     return DeepseekV3Config(**fields)
 
 
-YARN = dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
-                                 beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.5))
+YARN = dict(
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=4.0,
+        original_max_position_embeddings=64,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=0.5,
+    )
+)
 VARIANTS = {
     "mla": (dict(), 4, FOUR_RANK_LAYOUTS),
     "mla_8ranks": (dict(), 8, EIGHT_RANK_LAYOUTS),
@@ -61,4 +88,5 @@ def test_unsupported_configs_are_clear_errors():
         bridge_for(deepseek_v3_config(attention_bias=True)).transformer_config(ParallelLayout(world_size=1))
     with pytest.raises(ValueError, match="kv_lora_rank \\+ qk_rope_head_dim=30 is not divisible by tp=4"):
         bridge_for(deepseek_v3_config(kv_lora_rank=22)).transformer_config(
-            ParallelLayout(world_size=4, tp=4, sequence_parallel=True))
+            ParallelLayout(world_size=4, tp=4, sequence_parallel=True)
+        )

@@ -45,8 +45,9 @@ def hf_reference(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> float:
-    return float(torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)))
+    return float(
+        torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    )
 
 
 def megatron_logits(model, tokens: torch.Tensor) -> torch.Tensor | None:
@@ -65,25 +66,32 @@ def megatron_logits(model, tokens: torch.Tensor) -> torch.Tensor | None:
 
     with torch.no_grad():
         outputs = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter([None]), model=[model], num_microbatches=1,
-            seq_length=s, micro_batch_size=b, forward_only=True, collect_non_loss_data=True)
+            forward_step_func=step,
+            data_iterator=iter([None]),
+            model=[model],
+            num_microbatches=1,
+            seq_length=s,
+            micro_batch_size=b,
+            forward_only=True,
+            collect_non_loss_data=True,
+        )
     return outputs[0] if ps.is_pipeline_last_stage() else None
 
 
-def check_layouts(hf_dir: str, layouts: list[ParallelLayout], tokens: torch.Tensor, bucket_bytes: int,
-                  drop_mtp: bool = False) -> list[dict]:
+def check_layouts(
+    hf_dir: str, layouts: list[ParallelLayout], tokens: torch.Tensor, bucket_bytes: int, drop_mtp: bool = False
+) -> list[dict]:
     """Rank function: for each layout, import -> export (compared bit for bit with the HF file,
     as the reader shows it, on the source ranks) -> forward. Returns per layout: exported names,
     mismatches, logits. `drop_mtp`: the model leaves the checkpoint's MTP layers out."""
     import torch.distributed as dist
-    from safetensors import safe_open
+    from megatron.core import parallel_state as ps
 
     from parallel.bridges import bridge_for, without_mtp
     from parallel.export import export_hf_weights, is_export_source
     from parallel.hf_checkpoint import HFCheckpointReader
     from parallel.hf_import import load_hf_weights
     from parallel.model import build_gpt_model, init_model_parallel
-    from megatron.core import parallel_state as ps
 
     config = json.loads((Path(hf_dir) / "config.json").read_text())
     bridge = bridge_for(without_mtp(config) if drop_mtp else config)
@@ -102,18 +110,28 @@ def check_layouts(hf_dir: str, layouts: list[ParallelLayout], tokens: torch.Tens
         model.eval()
         logits = megatron_logits(model, tokens)
         keep = logits is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-        results.append(dict(
-            layout=repr(layout), source=is_export_source(), names=names, mismatched=mismatched,
-            # numpy: torch tensors cross the result queue by fd sharing, which dies with the rank
-            logits=logits[..., : bridge.vocab_size].numpy().copy() if keep else None,
-            padded_vocab=bridge.padded_vocab_size(layout.tp),
-        ))
+        results.append(
+            dict(
+                layout=repr(layout),
+                source=is_export_source(),
+                names=names,
+                mismatched=mismatched,
+                # numpy: torch tensors cross the result queue by fd sharing, which dies with the rank
+                logits=logits[..., : bridge.vocab_size].numpy().copy() if keep else None,
+                padded_vocab=bridge.padded_vocab_size(layout.tp),
+            )
+        )
         dist.barrier()
     return results
 
 
-def assert_layout_results(per_rank: list[list[dict]], hf_dir: Path, reference: torch.Tensor, tokens: torch.Tensor,
-                          left_out: set[str] = frozenset()) -> list[float]:
+def assert_layout_results(
+    per_rank: list[list[dict]],
+    hf_dir: Path,
+    reference: torch.Tensor,
+    tokens: torch.Tensor,
+    left_out: set[str] = frozenset(),
+) -> list[float]:
     """Every HF tensor (but `left_out`) exported exactly once per layout, bit-equal; logits
     within 1e-4 of transformers; the same loss under every layout. Returns the losses."""
     from parallel.hf_checkpoint import HFCheckpointReader

@@ -5,19 +5,30 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_bridge_harness import BATCH, SEQ, assert_layout_results, check_layouts, hf_reference, save_tiny_hf_model
 
 from parallel.layout import ParallelLayout
 from parallel.world import spawn
-from test_bridge_harness import BATCH, SEQ, assert_layout_results, check_layouts, hf_reference, save_tiny_hf_model
 
 
 def qwen3_moe_config(**overrides):
     from transformers import Qwen3MoeConfig
 
-    fields = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
-                  architectures=["Qwen3MoeForCausalLM"])
+    fields = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[0],
+        architectures=["Qwen3MoeForCausalLM"],
+    )
     fields.update(overrides)
     return Qwen3MoeConfig(**fields)
 
@@ -39,7 +50,9 @@ def hf_dir(tmp_path_factory):
     return save_tiny_hf_model(qwen3_moe_config(), tmp_path_factory.mktemp("qwen3_moe"))
 
 
-@pytest.mark.parametrize("world_size,layouts", [(4, FOUR_RANK_LAYOUTS), (8, EIGHT_RANK_LAYOUTS)], ids=["4ranks", "8ranks"])
+@pytest.mark.parametrize(
+    "world_size,layouts", [(4, FOUR_RANK_LAYOUTS), (8, EIGHT_RANK_LAYOUTS)], ids=["4ranks", "8ranks"]
+)
 def test_qwen3_moe_roundtrip_and_logits(hf_dir, world_size, layouts):
     tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     per_rank = spawn(check_layouts, world_size, str(hf_dir), layouts, tokens, 4096)

@@ -51,11 +51,12 @@ import torch
 
 from parallel.world import spawn
 
-LAYOUTS = [dict(world_size=4, tp=2, ep=2, sequence_parallel=True),  # experts ETP2
-           dict(world_size=4, pp=2, ep=2, etp=1),
-           dict(world_size=4, ep=2, etp=2)]  # dense TP1, experts ETP2
-ARCHS = ["qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3", "deepseek_v3_not_interleaved",
-         "deepseek_v3_no_q_lora"]
+LAYOUTS = [
+    dict(world_size=4, tp=2, ep=2, sequence_parallel=True),  # experts ETP2
+    dict(world_size=4, pp=2, ep=2, etp=1),
+    dict(world_size=4, ep=2, etp=2),
+]  # dense TP1, experts ETP2
+ARCHS = ["qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3", "deepseek_v3_not_interleaved", "deepseek_v3_no_q_lora"]
 VOCAB_DIVISOR = 128  # the bridges pad the vocab to a multiple of lcm(128, TP), the same for TP in 1, 2, 4, 8
 
 
@@ -64,10 +65,14 @@ def hf_configs() -> dict:
     from test_bridge_mixtral_glm import glm4_moe_config, mixtral_config
     from test_bridge_qwen3_moe import qwen3_moe_config
 
-    return {"qwen3_moe": qwen3_moe_config(), "glm4_moe": glm4_moe_config(), "mixtral": mixtral_config(),
-            "deepseek_v3": deepseek_v3_config(),
-            "deepseek_v3_not_interleaved": deepseek_v3_config(rope_interleave=False),
-            "deepseek_v3_no_q_lora": deepseek_v3_config(q_lora_rank=None, rope_interleave=False)}
+    return {
+        "qwen3_moe": qwen3_moe_config(),
+        "glm4_moe": glm4_moe_config(),
+        "mixtral": mixtral_config(),
+        "deepseek_v3": deepseek_v3_config(),
+        "deepseek_v3_not_interleaved": deepseek_v3_config(rope_interleave=False),
+        "deepseek_v3_no_q_lora": deepseek_v3_config(q_lora_rank=None, rope_interleave=False),
+    }
 
 
 # -- the oracle ----------------------------------------------------------------------------------
@@ -108,8 +113,9 @@ class Oracle:
         q, k, v = (self.read(f"{prefix}.{p}_proj.{suffix}") for p in "qkv")
         groups = self.config["num_key_value_heads"]
         rest = q.shape[1:]
-        per_group = torch.cat([q.reshape(groups, -1, *rest), k.reshape(groups, -1, *rest),
-                               v.reshape(groups, -1, *rest)], dim=1)
+        per_group = torch.cat(
+            [q.reshape(groups, -1, *rest), k.reshape(groups, -1, *rest), v.reshape(groups, -1, *rest)], dim=1
+        )
         return self.part(per_group, self.tp, self.tp_size).reshape(-1, *rest)
 
     def rope_rows(self, t: torch.Tensor, block: int) -> torch.Tensor:
@@ -118,9 +124,9 @@ class Oracle:
             return t
         rope = self.config["qk_rope_head_dim"]
         blocks = t.reshape(-1, block, t.shape[-1])
-        first, second = blocks[:, block - rope:block - rope // 2], blocks[:, block - rope // 2:]
+        first, second = blocks[:, block - rope : block - rope // 2], blocks[:, block - rope // 2 :]
         interleaved = torch.stack([first, second], dim=2).reshape(blocks.shape[0], rope, -1)
-        return torch.cat([blocks[:, :block - rope], interleaved], dim=1).reshape(t.shape)
+        return torch.cat([blocks[:, : block - rope], interleaved], dim=1).reshape(t.shape)
 
     def expected(self, name: str, local_shape: torch.Size) -> torch.Tensor:
         if name == "embedding.word_embeddings.weight":
@@ -177,8 +183,9 @@ class Oracle:
             return self.gated(f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight", self.tp, self.tp_size)
         if rest == "mlp.shared_experts.linear_fc2.weight":
             return self.part(self.read(f"{mlp}.shared_experts.down_proj.weight"), self.tp, self.tp_size, dim=1)
-        found = (re.fullmatch(r"mlp\.experts\.linear_fc([12])\.weight(\d+)", rest)
-                 or re.fullmatch(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight", rest))
+        found = re.fullmatch(r"mlp\.experts\.linear_fc([12])\.weight(\d+)", rest) or re.fullmatch(
+            r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight", rest
+        )
         if found:
             fc, j = (found[1], found[2]) if "local_experts" not in rest else (found[2], found[1])
             expert = f"{mlp}.experts.{self.ep * self.local_experts + int(j)}"
@@ -209,10 +216,16 @@ def import_and_compare(hf_dirs: dict[str, str], layouts: list[dict]) -> list[dic
     for layout_kwargs in layouts:
         layout = ParallelLayout(**layout_kwargs)
         init_model_parallel(layout, seed=0)
-        ranks = dict(tp=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
-                     etp=ps.get_expert_tensor_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size(),
-                     ep=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
-                     pp=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size())
+        ranks = dict(
+            tp=ps.get_tensor_model_parallel_rank(),
+            tp_size=ps.get_tensor_model_parallel_world_size(),
+            etp=ps.get_expert_tensor_parallel_rank(),
+            etp_size=ps.get_expert_tensor_parallel_world_size(),
+            ep=ps.get_expert_model_parallel_rank(),
+            ep_size=ps.get_expert_model_parallel_world_size(),
+            pp=ps.get_pipeline_model_parallel_rank(),
+            pp_size=ps.get_pipeline_model_parallel_world_size(),
+        )
         for arch, hf_dir in hf_dirs.items():
             config = json.loads((Path(hf_dir) / "config.json").read_text())
             hf = load_file(str(Path(hf_dir) / "model.safetensors"))
@@ -238,16 +251,30 @@ def import_and_compare(hf_dirs: dict[str, str], layouts: list[dict]) -> list[dic
                     checked.add(name)
                     got = t.detach().cpu()
                     if not torch.equal(got, want):
-                        worst = ((got - want).abs().max().item() if got.shape == want.shape
-                                 else f"shape {tuple(t.shape)} != {tuple(want.shape)}")
+                        worst = (
+                            (got - want).abs().max().item()
+                            if got.shape == want.shape
+                            else f"shape {tuple(t.shape)} != {tuple(want.shape)}"
+                        )
                         mismatches.append((name, worst))
                 modules = {type(m).__name__ for m in model.modules()}
-                out.append(dict(arch=arch, layout=layout_kwargs, grouped=grouped, rank=torch.distributed.get_rank(),
-                                checked=checked, parameters={n for n, _ in model.named_parameters()},
-                                tensors=set(tensors), mismatches=mismatches, used=oracle.used, hf=set(hf),
-                                extra_state_sizes={t.numel() if isinstance(t, torch.Tensor) else None
-                                                   for t in extra.values()},
-                                modules=modules, seconds=time.perf_counter() - started))
+                out.append(
+                    dict(
+                        arch=arch,
+                        layout=layout_kwargs,
+                        grouped=grouped,
+                        rank=torch.distributed.get_rank(),
+                        checked=checked,
+                        parameters={n for n, _ in model.named_parameters()},
+                        tensors=set(tensors),
+                        mismatches=mismatches,
+                        used=oracle.used,
+                        hf=set(hf),
+                        extra_state_sizes={t.numel() if isinstance(t, torch.Tensor) else None for t in extra.values()},
+                        modules=modules,
+                        seconds=time.perf_counter() - started,
+                    )
+                )
     return out
 
 

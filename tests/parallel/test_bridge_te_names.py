@@ -19,33 +19,47 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from parallel.bridges import bridge_for
-from parallel.hf_checkpoint import HFCheckpointReader
-from parallel.mappings import Axis, ParallelContext, Replicated, resolve
-from parallel.world import spawn
 from test_bridge_deepseek_v3 import deepseek_v3_config
 from test_bridge_harness import save_tiny_hf_model
 from test_bridge_mixtral_glm import glm4_moe_config
 from test_bridge_qwen3_moe import qwen3_moe_config
 
+from parallel.bridges import bridge_for
+from parallel.hf_checkpoint import HFCheckpointReader
+from parallel.mappings import Axis, ParallelContext, Replicated, resolve
+from parallel.world import spawn
+
 TP, EP = 2, 2
 
 
-def te_layer_names(layer: int, *, moe: bool, experts_per_rank: int, mla: bool, qk_norm: bool,
-                   qkv_bias: bool, shared: bool, expert_bias: bool) -> dict[str, str | None]:
+def te_layer_names(
+    layer: int,
+    *,
+    moe: bool,
+    experts_per_rank: int,
+    mla: bool,
+    qk_norm: bool,
+    qkv_bias: bool,
+    shared: bool,
+    expert_bias: bool,
+) -> dict[str, str | None]:
     """{TE name: the local-spec name holding the same shard, or None if TE holds the full tensor}."""
     p = f"decoder.layers.{layer}"
     a = f"{p}.self_attention"
     if mla:
-        names = {f"{p}.input_layernorm.weight": f"{p}.input_layernorm.weight",
-                 f"{a}.linear_q_down_proj.weight": None, f"{a}.linear_kv_down_proj.weight": None,
-                 f"{a}.linear_q_up_proj.layer_norm_weight": f"{a}.q_layernorm.weight",
-                 f"{a}.linear_kv_up_proj.layer_norm_weight": f"{a}.kv_layernorm.weight"}
+        names = {
+            f"{p}.input_layernorm.weight": f"{p}.input_layernorm.weight",
+            f"{a}.linear_q_down_proj.weight": None,
+            f"{a}.linear_kv_down_proj.weight": None,
+            f"{a}.linear_q_up_proj.layer_norm_weight": f"{a}.q_layernorm.weight",
+            f"{a}.linear_kv_up_proj.layer_norm_weight": f"{a}.kv_layernorm.weight",
+        }
         names.update({f"{a}.{n}.weight": f"{a}.{n}.weight" for n in ("linear_q_up_proj", "linear_kv_up_proj")})
     else:
-        names = {f"{a}.linear_qkv.weight": f"{a}.linear_qkv.weight",
-                 f"{a}.linear_qkv.layer_norm_weight": f"{p}.input_layernorm.weight"}
+        names = {
+            f"{a}.linear_qkv.weight": f"{a}.linear_qkv.weight",
+            f"{a}.linear_qkv.layer_norm_weight": f"{p}.input_layernorm.weight",
+        }
         if qkv_bias:
             names[f"{a}.linear_qkv.bias"] = f"{a}.linear_qkv.bias"
         if qk_norm:
@@ -61,11 +75,16 @@ def te_layer_names(layer: int, *, moe: bool, experts_per_rank: int, mla: bool, q
     if expert_bias:
         names[f"{m}.router.expert_bias"] = f"{m}.router.expert_bias"
     for j in range(experts_per_rank):
-        names.update({f"{m}.experts.linear_fc{i}.weight{j}": f"{m}.experts.local_experts.{j}.linear_fc{i}.weight"
-                      for i in (1, 2)})
+        names.update(
+            {
+                f"{m}.experts.linear_fc{i}.weight{j}": f"{m}.experts.local_experts.{j}.linear_fc{i}.weight"
+                for i in (1, 2)
+            }
+        )
     if shared:
-        names.update({f"{m}.shared_experts.linear_fc{i}.weight": f"{m}.shared_experts.linear_fc{i}.weight"
-                      for i in (1, 2)})
+        names.update(
+            {f"{m}.shared_experts.linear_fc{i}.weight": f"{m}.shared_experts.linear_fc{i}.weight" for i in (1, 2)}
+        )
     return names
 
 
@@ -73,24 +92,42 @@ def te_model_names(hf_config, experts_per_rank: int) -> dict[str, str | None]:
     bridge = bridge_for(hf_config)
     config = bridge.transformer_config_kwargs()
     pattern = config.get("moe_layer_freq") or [1] * config["num_layers"]
-    names = {n: n for n in ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight")}
+    names = {
+        n: n for n in ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight")
+    }
     for layer, moe in enumerate(pattern):
-        names.update(te_layer_names(
-            layer, moe=bool(moe), experts_per_rank=experts_per_rank, mla=config.get("multi_latent_attention", False),
-            qk_norm=config.get("qk_layernorm", False), qkv_bias=config.get("add_qkv_bias", False),
-            shared=bool(config.get("moe_shared_expert_intermediate_size")),
-            expert_bias=bool(config.get("moe_router_enable_expert_bias"))))
+        names.update(
+            te_layer_names(
+                layer,
+                moe=bool(moe),
+                experts_per_rank=experts_per_rank,
+                mla=config.get("multi_latent_attention", False),
+                qk_norm=config.get("qk_layernorm", False),
+                qkv_bias=config.get("add_qkv_bias", False),
+                shared=bool(config.get("moe_shared_expert_intermediate_size")),
+                expert_bias=bool(config.get("moe_router_enable_expert_bias")),
+            )
+        )
     return names
 
 
 def context(tp_rank: int, ep_rank: int, bridge) -> ParallelContext:
     tp = Axis(None, tp_rank, TP)
-    return ParallelContext(tp=tp, etp=tp, ep=Axis(None, ep_rank, EP), pp_rank=0, pp_size=1, layer_offset=0,
-                           num_local_experts=bridge.num_experts // EP, vocab_size=bridge.vocab_size)
+    return ParallelContext(
+        tp=tp,
+        etp=tp,
+        ep=Axis(None, ep_rank, EP),
+        pp_rank=0,
+        pp_size=1,
+        layer_offset=0,
+        num_local_experts=bridge.num_experts // EP,
+        vocab_size=bridge.vocab_size,
+    )
 
 
-@pytest.mark.parametrize("make_config", [qwen3_moe_config, glm4_moe_config, deepseek_v3_config],
-                         ids=["qwen3_moe", "glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize(
+    "make_config", [qwen3_moe_config, glm4_moe_config, deepseek_v3_config], ids=["qwen3_moe", "glm4_moe", "deepseek_v3"]
+)
 def test_te_names_map_to_the_same_shards_as_the_local_spec(tmp_path, make_config):
     hf_config = make_config()
     hf_dir = save_tiny_hf_model(hf_config, tmp_path / "hf")
@@ -109,8 +146,12 @@ def test_te_names_map_to_the_same_shards_as_the_local_spec(tmp_path, make_config
                     assert isinstance(mapping, Replicated) or not mapping.split, te_name
                     shard = mapping.read_shard(reader, mapping.hf_names(ctx, indices), mapping.axis(ctx), full_shape)
                     local, local_indices = resolve(local_table, te_name)
-                    gathered = torch.cat([local.read_shard(reader, local.hf_names(ctx, local_indices),
-                                                           Axis(None, r, TP), None) for r in range(TP)])
+                    gathered = torch.cat(
+                        [
+                            local.read_shard(reader, local.hf_names(ctx, local_indices), Axis(None, r, TP), None)
+                            for r in range(TP)
+                        ]
+                    )
                     assert torch.equal(shard, gathered), te_name
                 else:
                     local, local_indices = resolve(local_table, local_name)
@@ -146,8 +187,9 @@ def te_roundtrip(hf_dir: str) -> list[str]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("make_config", [qwen3_moe_config, glm4_moe_config, deepseek_v3_config],
-                         ids=["qwen3_moe", "glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize(
+    "make_config", [qwen3_moe_config, glm4_moe_config, deepseek_v3_config], ids=["qwen3_moe", "glm4_moe", "deepseek_v3"]
+)
 def test_te_spec_model_roundtrip(tmp_path, make_config):
     pytest.importorskip("transformer_engine")
     hf_dir = save_tiny_hf_model(make_config(), tmp_path / "hf")

@@ -8,12 +8,12 @@ import json
 
 import pytest
 import torch
+from test_bridge_deepseek_v3 import deepseek_v3_config
+from test_bridge_harness import save_tiny_hf_model
+from test_bridge_qwen3_moe import qwen3_moe_config
 
 from moe_rl.cli import main
 from parallel.hf_checkpoint import HFCheckpointReader
-from test_bridge_harness import save_tiny_hf_model
-from test_bridge_deepseek_v3 import deepseek_v3_config
-from test_bridge_qwen3_moe import qwen3_moe_config
 
 
 @pytest.mark.parametrize("make_config", [qwen3_moe_config, deepseek_v3_config], ids=["qwen3_moe", "deepseek_v3"])
@@ -24,13 +24,48 @@ def test_hf_megatron_hf_roundtrip_across_layouts(tmp_path, make_config):
     megatron, back = tmp_path / "megatron", tmp_path / "hf_back"
     megatron.mkdir()
     (megatron / "old").write_text("an earlier conversion")  # replaced: --overwrite
-    assert main(["convert", "hf-to-megatron", "--hf", str(hf), "--out", str(megatron),
-                 "--tp", "2", "--ep", "2", "--overwrite"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "hf-to-megatron",
+                "--hf",
+                str(hf),
+                "--out",
+                str(megatron),
+                "--tp",
+                "2",
+                "--ep",
+                "2",
+                "--overwrite",
+            ]
+        )
+        == 0
+    )
     assert not (megatron / "old").exists()
     assert json.loads((megatron / "moe_rl_meta.json").read_text())["format"] == "torch_dist"
     assert not (tmp_path / "megatron.tmp").exists()
-    assert main(["convert", "megatron-to-hf", "--megatron", str(megatron), "--out", str(back),
-                 "--pp", "2", "--ep", "2", "--etp", "1", "--max-shard-gb", str(40e3 / 2**30)]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "megatron-to-hf",
+                "--megatron",
+                str(megatron),
+                "--out",
+                str(back),
+                "--pp",
+                "2",
+                "--ep",
+                "2",
+                "--etp",
+                "1",
+                "--max-shard-gb",
+                str(40e3 / 2**30),
+            ]
+        )
+        == 0
+    )
 
     original, converted = HFCheckpointReader(hf), HFCheckpointReader(back)
     assert converted.names() == original.names()
@@ -64,8 +99,12 @@ def test_output_that_would_destroy_anything_is_refused(tmp_path, capsys):
     (used / "keep.txt").write_text("a user's file")
     (tmp_path / "staged.tmp").mkdir()
     (tmp_path / "staged.tmp" / "x").write_text("")
-    cases = [(hf, "would replace the input"), (tmp_path / "models", "would replace the input"),
-             (used, "exists and is not empty"), (tmp_path / "staged", "exists and is not empty")]
+    cases = [
+        (hf, "would replace the input"),
+        (tmp_path / "models", "would replace the input"),
+        (used, "exists and is not empty"),
+        (tmp_path / "staged", "exists and is not empty"),
+    ]
     for out, message in cases:
         for direction, flag in (("hf-to-megatron", "--hf"), ("megatron-to-hf", "--megatron")):
             overwrite = ["--overwrite"] if "input" in message else []  # not even with --overwrite

@@ -71,8 +71,14 @@ def test_torch_norm_accepts_sequence_parallel_and_marks_its_params():
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization="RMSNorm",
-                               tensor_model_parallel_size=2, sequence_parallel=True)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=2,
+        normalization="RMSNorm",
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+    )
     norm = WrappedTorchNorm(config, 8)
     assert isinstance(norm, torch.nn.RMSNorm)
     assert all(p.sequence_parallel for p in norm.parameters())  # grads summed over TP
@@ -123,18 +129,28 @@ def test_router_gating_runs_without_transformer_engine():
 def _build_mla_layer() -> list[int]:
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     from parallel.bridges.mla_attention import MLACoreAttention
 
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
     parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(0)  # the layer trains: attention dropout forks Megatron's RNG
-    config = MLATransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16,
-                                  qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6, rope_type="rope",
-                                  use_cpu_initialization=True, add_bias_linear=False, qk_layernorm=True,
-                                  normalization="RMSNorm")
+    config = MLATransformerConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=2,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_head_dim=8,
+        qk_pos_emb_head_dim=4,
+        v_head_dim=6,
+        rope_type="rope",
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        qk_layernorm=True,
+        normalization="RMSNorm",
+    )
     spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = MLACoreAttention
     from megatron.core.transformer.spec_utils import build_module

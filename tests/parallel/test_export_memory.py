@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import gc
 
+from test_bridge_qwen3_moe import qwen3_moe_config
+
 from parallel.layout import ParallelLayout
 from parallel.world import spawn
-from test_bridge_qwen3_moe import qwen3_moe_config
 
 MiB = 2**20
 
@@ -48,8 +49,9 @@ def test_export_stays_within_one_bucket(monkeypatch):
     # the OS when freed, so RSS counts the tensors alive. The first pass warms up one-time
     # costs (lazy imports, gloo buffers) and is not judged.
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(16 * 1024))
-    config = qwen3_moe_config(hidden_size=128, moe_intermediate_size=128, num_experts=128,
-                              num_hidden_layers=2, mlp_only_layers=[]).to_dict()
+    config = qwen3_moe_config(
+        hidden_size=128, moe_intermediate_size=128, num_experts=128, num_hidden_layers=2, mlp_only_layers=[]
+    ).to_dict()
     layout = ParallelLayout(world_size=2, ep=2)
     bucket = 2 * MiB
     (_warmup, small, huge), _ = spawn(export_peak, 2, config, layout, [bucket, bucket, 1024 * MiB])
@@ -57,5 +59,7 @@ def test_export_stays_within_one_bucket(monkeypatch):
     assert items == 2 * (128 * 3 + 9) + 3 and total > 45 * MiB  # every HF tensor, ~50 MiB
     assert growth <= bucket + 2 * MiB, f"export grew RSS by {growth / MiB:.1f} MiB with a {bucket / MiB} MiB bucket"
     assert huge[0] >= total / 2, "the measurement must see a model-sized bucket"
-    print(f"peak RSS growth: {growth / MiB:.2f} MiB (bucket 2 MiB) vs {huge[0] / MiB:.1f} MiB "
-          f"(bucket 1 GiB), {total / MiB:.1f} MiB exported")
+    print(
+        f"peak RSS growth: {growth / MiB:.2f} MiB (bucket 2 MiB) vs {huge[0] / MiB:.1f} MiB "
+        f"(bucket 1 GiB), {total / MiB:.1f} MiB exported"
+    )

@@ -13,10 +13,10 @@ import re
 from pathlib import Path
 
 import torch
-
-from parallel.world import spawn
 from test_bridge_harness import BATCH, SEQ, hf_reference, save_tiny_hf_model
 from test_bridge_qwen3_moe import qwen3_moe_config
+
+from parallel.world import spawn
 
 VPP = 2
 
@@ -46,10 +46,14 @@ def vpp_roundtrip(hf_dir: str, tokens: torch.Tensor) -> dict:
     bridge = bridge_for(json.loads((Path(hf_dir) / "config.json").read_text()))
     config = bridge.transformer_config(layout, virtual_pipeline_model_parallel_size=VPP)
     chunks = [
-        GPTModel(config=config, transformer_layer_spec=bridge.layer_spec(config, use_te=False, vp_stage=i),
-                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=i),
-                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=i),
-                 vp_stage=i, **bridge.gpt_model_kwargs(layout))
+        GPTModel(
+            config=config,
+            transformer_layer_spec=bridge.layer_spec(config, use_te=False, vp_stage=i),
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=i),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=i),
+            vp_stage=i,
+            **bridge.gpt_model_kwargs(layout),
+        )
         for i in range(VPP)
     ]
     load_hf_weights(chunks, bridge, hf_dir)
@@ -61,7 +65,7 @@ def vpp_roundtrip(hf_dir: str, tokens: torch.Tensor) -> dict:
             mismatched.append(name)
 
     b, s = tokens.shape
-    batches = [(tokens[i: i + 1], torch.arange(s).expand(1, s)) for i in range(b)]
+    batches = [(tokens[i : i + 1], torch.arange(s).expand(1, s)) for i in range(b)]
 
     def step(iterator, chunk):
         ids, positions = next(iterator)
@@ -71,8 +75,15 @@ def vpp_roundtrip(hf_dir: str, tokens: torch.Tensor) -> dict:
         chunk.eval()
     with torch.no_grad():
         outputs = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
-            num_microbatches=b, seq_length=s, micro_batch_size=1, forward_only=True, collect_non_loss_data=True)
+            forward_step_func=step,
+            data_iterator=[iter(batches) for _ in chunks],
+            model=chunks,
+            num_microbatches=b,
+            seq_length=s,
+            micro_batch_size=1,
+            forward_only=True,
+            collect_non_loss_data=True,
+        )
     last = ps.is_pipeline_last_stage(ignore_virtual=True)
     logits = torch.cat(outputs)[..., : bridge.vocab_size].numpy().copy() if last else None
     ps.destroy_model_parallel()

@@ -16,19 +16,33 @@ LAYERS, TOPK = 2, 2
 def sample(prompt, response, reward, gid, versions, routed=True):
     n = len(prompt) + len(response) - 1
     routing = np.arange(n * LAYERS * TOPK, dtype=np.int32).reshape(n, LAYERS, TOPK) % 4 if routed else None
-    return Sample(prompt_ids=prompt, response_ids=response, rollout_logprobs=[-0.5 - i for i in range(len(response))],
-                  loss_mask=[1] * len(response), weight_versions=versions, routed_experts=routing,
-                  reward=reward, group_id=gid, metadata={"num_segments": 2 if len(set(versions)) > 1 else 1})
+    return Sample(
+        prompt_ids=prompt,
+        response_ids=response,
+        rollout_logprobs=[-0.5 - i for i in range(len(response))],
+        loss_mask=[1] * len(response),
+        weight_versions=versions,
+        routed_experts=routing,
+        reward=reward,
+        group_id=gid,
+        metadata={"num_segments": 2 if len(set(versions)) > 1 else 1},
+    )
 
 
 def test_positions_advantages_staleness_and_routing():
-    groups = [[sample([1, 5, 2], [7, 8], 1.0, "a", ["3", "3"]), sample([1, 5, 2], [9], 0.0, "a", ["2"])],
-              [sample([1, 6, 2], [4, 4, 4], 0.5, "b", ["1", "2", "3"]), sample([1, 6, 2], [3], 0.5, "b", ["3"])]]
+    groups = [
+        [sample([1, 5, 2], [7, 8], 1.0, "a", ["3", "3"]), sample([1, 5, 2], [9], 0.0, "a", ["2"])],
+        [sample([1, 6, 2], [4, 4, 4], 0.5, "b", ["1", "2", "3"]), sample([1, 6, 2], [3], 0.5, "b", ["3"])],
+    ]
     batch, info = build_batch(groups, AlgorithmConfig(), version=3, max_staleness=2)
     assert set(batch) == {"tokens", "loss_mask", "advantages", "rollout_logprobs", "routed_experts"}
     assert batch["tokens"].tolist() == [[1, 5, 2, 7, 8, 0], [1, 5, 2, 9, 0, 0], [1, 6, 2, 4, 4, 4], [1, 6, 2, 3, 0, 0]]
-    assert batch["loss_mask"].tolist() == [[0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 0, 0], [0, 0, 0, 1, 1, 1],
-                                           [0, 0, 0, 1, 0, 0]]
+    assert batch["loss_mask"].tolist() == [
+        [0, 0, 0, 1, 1, 0],
+        [0, 0, 0, 1, 0, 0],
+        [0, 0, 0, 1, 1, 1],
+        [0, 0, 0, 1, 0, 0],
+    ]
     # group a: rewards 1, 0 -> (r - mean) / (unbiased std + eps) = +-0.5 / sqrt(0.5)
     a = 0.5 / (np.sqrt(0.5) + 1e-6)
     torch.testing.assert_close(batch["advantages"][0, 3:5], torch.full((2,), a))

@@ -55,7 +55,9 @@ def test_pools_against_the_run(tmp_path):
     assert config.cpu_pools is None  # the default: no pinning
     with pytest.raises(ValueError, match=r"cpu_pools.trainer has 1 lists but trainer.world_size=2"):
         dataclasses.replace(config, cpu_pools=CpuPoolsConfig(trainer=[[first]], engines=[[first]], allow_overlap=True))
-    shared = dataclasses.replace(config, cpu_pools=CpuPoolsConfig(trainer=[first], engines=[[first]], allow_overlap=True))
+    shared = dataclasses.replace(
+        config, cpu_pools=CpuPoolsConfig(trainer=[first], engines=[[first]], allow_overlap=True)
+    )
     assert shared.cpu_pools.trainer_cores(2) == [([first], 1)] * 2
 
 
@@ -67,7 +69,7 @@ def test_embedded_engine_runs_on_the_cores_it_was_given(tmp_path):
     model = save_tiny_model("qwen3_moe", tmp_path / "model")
     with launch_embedded(model, cpus=[CORES[-1]]) as engine:
         assert process_cores(engine.process.pid) == [CORES[-1]]
-        status = (open(f"/proc/{engine.process.pid}/status").read())
+        status = open(f"/proc/{engine.process.pid}/status").read()
         assert f"Cpus_allowed_list:\t{CORES[-1]}\n" in status
         # every thread of the engine (torch's pool included) is pinned, not just the main one
         tids = os.listdir(f"/proc/{engine.process.pid}/task")
@@ -87,8 +89,11 @@ def test_rl_cluster_pins_trainer_engine_and_rollout_worker(tmp_path):
     base = tiny_config(tmp_path, "fully_async")
     pools = CpuPoolsConfig(trainer=[CORES[0]], engines=[CORES[1:]])
     config = dataclasses.replace(
-        base, trainer=TrainerConfig(micro_batch_size=4, global_batch_size=8), engines=EngineConfig(count=1),
-        cpu_pools=pools)
+        base,
+        trainer=TrainerConfig(micro_batch_size=4, global_batch_size=8),
+        engines=EngineConfig(count=1),
+        cpu_pools=pools,
+    )
     cluster = RLCluster(config, tmp_path)
     try:
         assert cluster.trainer.cpus() == [{"cores": [CORES[0]], "threads": 1}]
@@ -97,8 +102,11 @@ def test_rl_cluster_pins_trainer_engine_and_rollout_worker(tmp_path):
         assert ray.get(cluster.rollout.cpus.remote()) == CORES[1:]
         assert len(cluster.get_batch(1)) == 1  # and generation works on them
         recorded = json.loads((tmp_path / "cpu_pools.json").read_text())
-        assert recorded == {"trainer_ranks": [{"cores": [CORES[0]], "threads": 1}], "engines": [CORES[1:]],
-                            "rollout_worker": CORES[1:]}
+        assert recorded == {
+            "trainer_ranks": [{"cores": [CORES[0]], "threads": 1}],
+            "engines": [CORES[1:]],
+            "rollout_worker": CORES[1:],
+        }
     finally:
         cluster.close()
     assert os.sched_getaffinity(0) == set(CORES)  # the driver stays unpinned
@@ -107,18 +115,32 @@ def test_rl_cluster_pins_trainer_engine_and_rollout_worker(tmp_path):
 def test_bench_async_pools_and_ideal():
     from moe_rl.commands.bench_async import _ratios, _show, _spread, overlap_ideal, pool_overrides
 
-    assert pool_overrides([0, 1]) == ["trainer.world_size=1", "trainer.ep=1", "engines.count=1",
-                                      "cpu_pools={trainer: [0], engines: [[1]]}"]
+    assert pool_overrides([0, 1]) == [
+        "trainer.world_size=1",
+        "trainer.ep=1",
+        "engines.count=1",
+        "cpu_pools={trainer: [0], engines: [[1]]}",
+    ]
     assert pool_overrides([0, 1, 2, 3])[-1] == "cpu_pools={trainer: [0, 1], engines: [[2, 3]]}"
     assert overlap_ideal({"mean_trainer_wait_s": 0.5, "mean_step_s": 1.0})["ideal"] == 2.0  # balanced
     assert overlap_ideal({"mean_trainer_wait_s": 0.1, "mean_step_s": 0.5})["ideal"] == pytest.approx(1.25)
     run = lambda train_s, wait_s, step_s, drain_s=0.0: {  # noqa: E731
-        "train_s": train_s, "mean_trainer_wait_s": wait_s, "mean_step_s": step_s, "mean_drain_s": drain_s,
-        "generated_tokens_per_s": 100 / train_s, "steps_per_s": 10 / train_s}
-    runs = {"balanced_sync": run(10, .5, 1), "balanced_fully_async": run(6, .1, .6), "unbalanced_sync": run(5, .1, .5),
-            "unbalanced_fully_async": run(5, 0, .5), "long_tail_drain": run(8, 0, .8, .2),
-            "long_tail_partial": run(6, .1, .6)}
-    faster = _ratios({**runs, "balanced_fully_async": run(5, .1, .5)})
+        "train_s": train_s,
+        "mean_trainer_wait_s": wait_s,
+        "mean_step_s": step_s,
+        "mean_drain_s": drain_s,
+        "generated_tokens_per_s": 100 / train_s,
+        "steps_per_s": 10 / train_s,
+    }
+    runs = {
+        "balanced_sync": run(10, 0.5, 1),
+        "balanced_fully_async": run(6, 0.1, 0.6),
+        "unbalanced_sync": run(5, 0.1, 0.5),
+        "unbalanced_fully_async": run(5, 0, 0.5),
+        "long_tail_drain": run(8, 0, 0.8, 0.2),
+        "long_tail_partial": run(6, 0.1, 0.6),
+    }
+    faster = _ratios({**runs, "balanced_fully_async": run(5, 0.1, 0.5)})
     balanced = _spread([r["balanced"] for r in (_ratios(runs), faster, _ratios(runs))])
     assert _show(balanced, "speedup") == "1.67x (1.67-2.00)" and balanced["ideal"] == 2.0  # median, range
     assert _ratios(runs)["long_tail"]["ideal_steps_per_s"] == pytest.approx(0.8 / 0.6)

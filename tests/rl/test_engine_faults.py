@@ -94,8 +94,11 @@ class FaultyCluster(RLCluster):
         self.wait_for_restarts()  # then look at every engine before tearing down
         self.stopped.set()
         self.watcher.join()
-        self.final = {"states": ray.get(self.rollout.engine_states.remote()), "version": self.version,
-                      "versions": [asyncio.run(_served_version(self.url(i))) for i in range(len(self.engines))]}
+        self.final = {
+            "states": ray.get(self.rollout.engine_states.remote()),
+            "version": self.version,
+            "versions": [asyncio.run(_served_version(self.url(i))) for i in range(len(self.engines))],
+        }
         return super().close()
 
 
@@ -128,8 +131,7 @@ def test_engine_killed_in_rollout_and_in_sync(tmp_path, monkeypatch):
 
     clusters = []
     monkeypatch.setattr(rl, "RLCluster", lambda *a: clusters.append(FaultyCluster(*a)) or clusters[-1])
-    config = dataclasses.replace(tiny_config(tmp_path, "fully_async"), steps=STEPS,
-                                 engines=EngineConfig(count=2))
+    config = dataclasses.replace(tiny_config(tmp_path, "fully_async"), steps=STEPS, engines=EngineConfig(count=2))
     summary = rl.run(config)
     cluster = clusters[0]
     rows = [json.loads(line) for line in open(f"{config.output_dir}/metrics.jsonl")]

@@ -30,8 +30,9 @@ def test_colocated_sglang_engines_use_their_trainer_ranks_gpus():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or shutil.which("nvidia-smi") is None,
-                    reason="needs a CUDA GPU and sglang installed")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or shutil.which("nvidia-smi") is None, reason="needs a CUDA GPU and sglang installed"
+)
 def test_rl_run_with_an_sglang_engine(tmp_path):
     pytest.importorskip("sglang")
     import dataclasses
@@ -39,8 +40,11 @@ def test_rl_run_with_an_sglang_engine(tmp_path):
     from moe_rl.jobs import rl
     from tests.rl.test_rl_modes import tiny_config
 
-    config = dataclasses.replace(tiny_config(tmp_path, "fully_async"), steps=3,
-                                 engines=EngineConfig(kind="sglang", count=1, mem_fraction_static=0.3))
+    config = dataclasses.replace(
+        tiny_config(tmp_path, "fully_async"),
+        steps=3,
+        engines=EngineConfig(kind="sglang", count=1, mem_fraction_static=0.3),
+    )
     summary = rl.run(config)
     assert len(summary["rewards"]) == 3
     ledger = summary["ledger"]

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from tests.rl.test_rl_modes import STEPS, check_ledger, run, tiny_config
+from tests.rl.test_rl_modes import check_ledger, run, tiny_config
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 

@@ -22,18 +22,21 @@ def test_demo_config_is_rl_and_modes_set_staleness():
     assert not load_config("configs/smoke_cpu.yaml").is_rl
 
 
-@pytest.mark.parametrize("override, field", [
-    ("trainer.global_batch_size=32", "trainer.global_batch_size"),
-    ("rollout.max_staleness=0", "max_staleness"),
-    ("rl.mode=async", "rl.mode"),
-    ("algorithm.kl_coef=-0.1", "algorithm.kl_coef"),
-    ("engines.count=0", "engines.count"),
-    ("rollout.return_routed_experts=false", "routing_replay"),
-    ("sync.pause_mode=stop", "pause_mode"),
-    ("algorithm.num_mini_batches=3", "algorithm.num_mini_batches"),  # 64 rows, micro 32 x dp 1
-    ("algorithm.clip_ratio_c=0.5", "algorithm.clip_ratio_c"),
-    ("sync.fp8_blocks=0", "fp8_blocks"),
-])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("trainer.global_batch_size=32", "trainer.global_batch_size"),
+        ("rollout.max_staleness=0", "max_staleness"),
+        ("rl.mode=async", "rl.mode"),
+        ("algorithm.kl_coef=-0.1", "algorithm.kl_coef"),
+        ("engines.count=0", "engines.count"),
+        ("rollout.return_routed_experts=false", "routing_replay"),
+        ("sync.pause_mode=stop", "pause_mode"),
+        ("algorithm.num_mini_batches=3", "algorithm.num_mini_batches"),  # 64 rows, micro 32 x dp 1
+        ("algorithm.clip_ratio_c=0.5", "algorithm.clip_ratio_c"),
+        ("sync.fp8_blocks=0", "fp8_blocks"),
+    ],
+)
 def test_bad_rl_settings_name_the_field(override, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         load_config(DEMO, [override])
@@ -54,10 +57,23 @@ def test_off_policy_none_needs_staleness_zero():
 
 
 def test_report_writes_every_plot(tmp_path):
-    rows = [{"step": s, "rollout/reward_mean": s / 10, "rollout/staleness_count/0": 3, "rollout/staleness_count/1": s,
-             "routing/agreement/layer0": 0.9, "routing/agreement/layer1": 0.8, "time/trainer_wait_s": 0.1,
-             "time/train_step_s": 0.2, "time/sync_s": 0.05, "perf/trainer_busy_frac": 0.7,
-             "perf/engine_busy_frac": 0.5, "perf/engine_idle_frac": 0.3} for s in range(1, 6)]
+    rows = [
+        {
+            "step": s,
+            "rollout/reward_mean": s / 10,
+            "rollout/staleness_count/0": 3,
+            "rollout/staleness_count/1": s,
+            "routing/agreement/layer0": 0.9,
+            "routing/agreement/layer1": 0.8,
+            "time/trainer_wait_s": 0.1,
+            "time/train_step_s": 0.2,
+            "time/sync_s": 0.05,
+            "perf/trainer_busy_frac": 0.7,
+            "perf/engine_busy_frac": 0.5,
+            "perf/engine_idle_frac": 0.3,
+        }
+        for s in range(1, 6)
+    ]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     names = {p.name for p in write_report(tmp_path)}
     assert names == {"reward.png", "staleness.png", "routing_agreement.png", "time.png", "utilization.png"}
@@ -73,7 +89,17 @@ def test_prompt_plus_max_new_tokens_beyond_the_context_fails_before_start(tmp_pa
         raise AssertionError("the RL cluster started for a config whose requests cannot fit")
 
     monkeypatch.setattr(moe_rl.jobs.rl, "RLCluster", no_cluster)
-    assert cli.main(["train", "configs/demo_cpu.yaml", "rollout.max_new_tokens=100", "steps=2",
-                     f"output_dir={tmp_path / 'run'}"]) == 2
+    assert (
+        cli.main(
+            [
+                "train",
+                "configs/demo_cpu.yaml",
+                "rollout.max_new_tokens=100",
+                "steps=2",
+                f"output_dir={tmp_path / 'run'}",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "rollout.max_new_tokens=100" in err and "max_position_embeddings 64" in err

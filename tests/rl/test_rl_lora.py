@@ -24,21 +24,50 @@ def test_rl_with_lora(tmp_path):
 
     from moe_rl.jobs import rl
 
-    config = from_dict(RunConfig, {
-        "model": {"hf_config": dict(
-            model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=256, hidden_size=32,
-            intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
-            max_position_embeddings=64)},
-        "lora": {"rank": 2, "alpha": 4},
-        "trainer": {"world_size": 2, "ep": 2, "micro_batch_size": 4, "global_batch_size": 8, "routing_replay": True,
-                    "optimizer": {"lr": 0.05}},
-        "rollout": {"task": "copy_digits_long_tail", "task_options": {"num_stop_tokens": 40},
-                    "groups_per_step": 4, "n_samples_per_prompt": 2, "max_new_tokens": 12, "max_staleness": 1},
-        "sync": {"lora_route": "disk"},
-        "rl": {"mode": "fully_async", "report": False, "checkpoint_every": 2},
-        "steps": STEPS, "output_dir": str(tmp_path / "run"),
-    })
+    config = from_dict(
+        RunConfig,
+        {
+            "model": {
+                "hf_config": dict(
+                    model_type="qwen3_moe",
+                    architectures=["Qwen3MoeForCausalLM"],
+                    vocab_size=256,
+                    hidden_size=32,
+                    intermediate_size=64,
+                    moe_intermediate_size=16,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    head_dim=8,
+                    num_experts=4,
+                    num_experts_per_tok=2,
+                    norm_topk_prob=True,
+                    max_position_embeddings=64,
+                )
+            },
+            "lora": {"rank": 2, "alpha": 4},
+            "trainer": {
+                "world_size": 2,
+                "ep": 2,
+                "micro_batch_size": 4,
+                "global_batch_size": 8,
+                "routing_replay": True,
+                "optimizer": {"lr": 0.05},
+            },
+            "rollout": {
+                "task": "copy_digits_long_tail",
+                "task_options": {"num_stop_tokens": 40},
+                "groups_per_step": 4,
+                "n_samples_per_prompt": 2,
+                "max_new_tokens": 12,
+                "max_staleness": 1,
+            },
+            "sync": {"lora_route": "disk"},
+            "rl": {"mode": "fully_async", "report": False, "checkpoint_every": 2},
+            "steps": STEPS,
+            "output_dir": str(tmp_path / "run"),
+        },
+    )
     summary = rl.run(config)
     ledger, trained = summary["ledger"], summary["trained_group_ids"]
     assert len(trained) == len(set(trained)) == STEPS * 4 and set(trained) == set(ledger["delivered"])

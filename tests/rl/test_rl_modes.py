@@ -21,20 +21,48 @@ STEPS = 4
 
 
 def tiny_config(tmp_path, mode: str, **rl) -> RunConfig:
-    return from_dict(RunConfig, {
-        "model": {"hf_config": dict(
-            model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=256, hidden_size=32,
-            intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
-            max_position_embeddings=64)},
-        "trainer": {"world_size": 2, "ep": 2, "micro_batch_size": 4, "global_batch_size": 8,
-                    "routing_replay": True},
-        "rollout": {"task": "copy_digits_long_tail", "task_options": {"num_stop_tokens": 40},
-                    "groups_per_step": 4, "n_samples_per_prompt": 2, "max_new_tokens": 12, "max_staleness": 2},
-        "sync": {"pause_mode": "abort", "bucket_bytes": 1 << 20},
-        "rl": {"mode": mode, "report": False, "save_hf": False, **rl},
-        "steps": STEPS, "output_dir": str(tmp_path / mode),
-    })
+    return from_dict(
+        RunConfig,
+        {
+            "model": {
+                "hf_config": dict(
+                    model_type="qwen3_moe",
+                    architectures=["Qwen3MoeForCausalLM"],
+                    vocab_size=256,
+                    hidden_size=32,
+                    intermediate_size=64,
+                    moe_intermediate_size=16,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    head_dim=8,
+                    num_experts=4,
+                    num_experts_per_tok=2,
+                    norm_topk_prob=True,
+                    max_position_embeddings=64,
+                )
+            },
+            "trainer": {
+                "world_size": 2,
+                "ep": 2,
+                "micro_batch_size": 4,
+                "global_batch_size": 8,
+                "routing_replay": True,
+            },
+            "rollout": {
+                "task": "copy_digits_long_tail",
+                "task_options": {"num_stop_tokens": 40},
+                "groups_per_step": 4,
+                "n_samples_per_prompt": 2,
+                "max_new_tokens": 12,
+                "max_staleness": 2,
+            },
+            "sync": {"pause_mode": "abort", "bucket_bytes": 1 << 20},
+            "rl": {"mode": mode, "report": False, "save_hf": False, **rl},
+            "steps": STEPS,
+            "output_dir": str(tmp_path / mode),
+        },
+    )
 
 
 def run(config: RunConfig) -> tuple[dict, list[dict]]:
@@ -54,8 +82,9 @@ def check_utilization(rows: list[dict]) -> None:
         for key in ("perf/trainer_busy_frac", "perf/engine_busy_frac", "perf/engine_idle_frac"):
             assert 0.0 <= r[key] <= 1.0, (key, r[key])
         assert r["perf/trainer_busy_frac"] * step + r["perf/trainer_wait_s"] == pytest.approx(step)
-        assert (r["perf/engine_busy_frac"] + r["perf/engine_idle_frac"]) * step + r["perf/engine_paused_s"] \
-            == pytest.approx(step)
+        assert (r["perf/engine_busy_frac"] + r["perf/engine_idle_frac"]) * step + r[
+            "perf/engine_paused_s"
+        ] == pytest.approx(step)
         assert r["perf/engine_paused_s"] == pytest.approx(min(step, r["time/sync_s"]))
     assert sum(r["perf/engine_busy_frac"] for r in rows) > 0
 
@@ -67,8 +96,10 @@ def check_ledger(summary: dict) -> None:
     assert set(trained) == set(ledger["delivered"])
     assert not set(ledger["delivered"]) & set(ledger["dropped"])
     assert set(ledger["started"]) == set(ledger["delivered"]) | set(ledger["dropped"])
-    assert all(reason in {"stale", "stopped", "unused", "oversampled", "zero_variance"}
-               for reason in ledger["dropped"].values())
+    assert all(
+        reason in {"stale", "stopped", "unused", "oversampled", "zero_variance"}
+        for reason in ledger["dropped"].values()
+    )
 
 
 @pytest.mark.parametrize("mode, bound", [("sync", 0), ("one_step_off", 1)])
@@ -102,19 +133,31 @@ def test_fully_async_partial_rollouts_r3_and_final_checkpoint(tmp_path):
     check_utilization(rows)
     assert max(r["rollout/staleness_max"] for r in rows) <= 2
     last = rows[-1]
-    for key in ("routing/agreement/layer0", "routing/agreement/layer1", "consistency/logprob_diff_mean",
-                "consistency/logprob_diff_no_replay_mean", "policy/clip_fraction", "train/grad_norm",
-                "time/sync_s", "rollout/generated_tokens_per_s", "buffer/backpressure_s"):
+    for key in (
+        "routing/agreement/layer0",
+        "routing/agreement/layer1",
+        "consistency/logprob_diff_mean",
+        "consistency/logprob_diff_no_replay_mean",
+        "policy/clip_fraction",
+        "train/grad_norm",
+        "time/sync_s",
+        "rollout/generated_tokens_per_s",
+        "buffer/backpressure_s",
+    ):
         assert key in last, key
     assert 0.0 <= last["routing/agreement/layer0"] <= 1.0
     # the RL job's own plots
-    assert {p.name for p in (tmp_path / "fully_async" / "plots").iterdir()} >= {"reward.png", "time.png",
-                                                                               "utilization.png"}
+    assert {p.name for p in (tmp_path / "fully_async" / "plots").iterdir()} >= {
+        "reward.png",
+        "time.png",
+        "utilization.png",
+    }
     # the final checkpoint is servable by the embedded engine
     from moe_rl.engine.client import EngineClient
     from moe_rl.engine.process import launch_embedded
 
     with launch_embedded(tmp_path / "fully_async" / "final_hf", weight_version="7", threads=1) as engine:
+
         async def generate():
             client = EngineClient(engine.url)
             try:

@@ -16,10 +16,21 @@ def save_tiny_qwen3(path: Path, seed: int) -> Path:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3MoeConfig(vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                            num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                            num_experts=4, num_experts_per_tok=TOPK, norm_topk_prob=True,
-                            max_position_embeddings=1024, architectures=["Qwen3MoeForCausalLM"])
+    config = Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=TOPK,
+        norm_topk_prob=True,
+        max_position_embeddings=1024,
+        architectures=["Qwen3MoeForCausalLM"],
+    )
     Qwen3MoeForCausalLM(config).save_pretrained(path)
     return path
 

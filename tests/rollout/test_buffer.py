@@ -11,8 +11,17 @@ from moe_rl.sample import Sample
 
 
 def group(gid: str, versions: list[str], n: int = 2) -> list[Sample]:
-    return [Sample(prompt_ids=[1], response_ids=[5] * len(versions), rollout_logprobs=[0.0] * len(versions),
-                   loss_mask=[1] * len(versions), weight_versions=list(versions), group_id=gid) for _ in range(n)]
+    return [
+        Sample(
+            prompt_ids=[1],
+            response_ids=[5] * len(versions),
+            rollout_logprobs=[0.0] * len(versions),
+            loss_mask=[1] * len(versions),
+            weight_versions=list(versions),
+            group_id=gid,
+        )
+        for _ in range(n)
+    ]
 
 
 def test_staleness_uses_the_oldest_token():
@@ -74,10 +83,18 @@ def test_a_group_settles_once():
         buffer.drop("g", "stale")
 
 
-@pytest.mark.parametrize("field, value", [
-    ("n_samples_per_prompt", 0), ("max_staleness", -1), ("stale_policy", "keep"), ("top_p", 0.0),
-    ("top_k", 0), ("oversample_factor", 0.5), ("dataset", "x.jsonl"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("n_samples_per_prompt", 0),
+        ("max_staleness", -1),
+        ("stale_policy", "keep"),
+        ("top_p", 0.0),
+        ("top_k", 0),
+        ("oversample_factor", 0.5),
+        ("dataset", "x.jsonl"),
+    ],
+)
 def test_config_errors_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"rollout.{field}"):
         RolloutConfig(**{field: value})

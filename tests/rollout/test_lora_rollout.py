@@ -15,14 +15,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
+import moe_rl.rl.long_tail  # noqa: F401  registers copy_digits_long_tail
 from moe_rl.engine.client import EngineClient
 from moe_rl.engine.pool import EnginePool
 from moe_rl.engine.process import launch_embedded
 from moe_rl.rollout import RolloutConfig, RolloutManager
 from parallel.peft import write_adapter
 from sync.lora import AdapterSync, AdapterSyncConfig, adapter_name
-
-import moe_rl.rl.long_tail  # noqa: F401  registers copy_digits_long_tail
 
 STALENESS, VERSIONS = 1, 5
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -39,8 +38,15 @@ def random_adapter(model_dir, seed: int, rank: int = 2) -> tuple[dict, dict[str,
                 module = f"base_model.model.{name[: -len('.weight')]}"
                 tensors[f"{module}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator)
                 tensors[f"{module}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator)
-    config = dict(peft_type="LORA", task_type="CAUSAL_LM", r=rank, lora_alpha=2 * rank,
-                  target_modules=list(TARGETS), lora_dropout=0.0, bias="none")
+    config = dict(
+        peft_type="LORA",
+        task_type="CAUSAL_LM",
+        r=rank,
+        lora_alpha=2 * rank,
+        target_modules=list(TARGETS),
+        lora_dropout=0.0,
+        bias="none",
+    )
     return config, tensors
 
 
@@ -59,13 +65,20 @@ class RecordingPool(EnginePool):
 @pytest.mark.parametrize("route", ["tensors", "disk"])
 def test_adapter_versions_while_generating(model_dirs, tmp_path, route):
     directory = tmp_path / "adapters"
-    config = RolloutConfig(task="copy_digits_long_tail", task_options={"num_stop_tokens": 12}, groups_per_step=2,
-                           n_samples_per_prompt=2, max_new_tokens=24, max_staleness=STALENESS,
-                           return_routed_experts=True)
+    config = RolloutConfig(
+        task="copy_digits_long_tail",
+        task_options={"num_stop_tokens": 12},
+        groups_per_step=2,
+        n_samples_per_prompt=2,
+        max_new_tokens=24,
+        max_staleness=STALENESS,
+        return_routed_experts=True,
+    )
     with launch_embedded(model_dirs[0], weight_version="0", threads=1) as engine:
         client = EngineClient(engine.url, name="engine-0")
-        sync = AdapterSync([client], AdapterSyncConfig(route=route, directory=str(directory), keep=STALENESS + 1),
-                           write_adapter)
+        sync = AdapterSync(
+            [client], AdapterSyncConfig(route=route, directory=str(directory), keep=STALENESS + 1), write_adapter
+        )
         try:
             batches, on_disk = asyncio.run(_run(config, client, sync, model_dirs[0], directory))
             served = asyncio.run(EngineClient(engine.url).model_info())
@@ -104,8 +117,9 @@ async def _run(config, client, sync, model_dir, directory):
             batches.append(await manager.buffer.get_batch(config.groups_per_step))
             # the job's step: publish the next version without pausing, then tell the buffer
             await loop.run_in_executor(None, sync.publish, version + 1, *random_adapter(model_dir, version + 1))
-            on_disk.append({v: (directory / adapter_name(v)).is_dir() for v in sync.loaded}
-                           if sync.config.route == "disk" else {})
+            on_disk.append(
+                {v: (directory / adapter_name(v)).is_dir() for v in sync.loaded} if sync.config.route == "disk" else {}
+            )
             await manager.buffer.set_version(version + 1)
     finally:
         task.cancel()
@@ -113,6 +127,9 @@ async def _run(config, client, sync, model_dir, directory):
     for named, loaded in pool.named:
         assert named in loaded, (named, loaded)
     accounting = manager.accounting()
-    assert accounting["started"] == (accounting["delivered"] + accounting["dropped"] + accounting["queued"]
-                                     + accounting["open"]) > 0
+    assert (
+        accounting["started"]
+        == (accounting["delivered"] + accounting["dropped"] + accounting["queued"] + accounting["open"])
+        > 0
+    )
     return batches, on_disk

@@ -62,7 +62,9 @@ def test_manager_collects_scored_groups(engine, model_dirs):
     manager, batch = asyncio.run(go())
     assert len(batch) == 3 and len({g[0].group_id for g in batch}) == 3
     for group in batch:
-        assert len(group) == 4 and len({s.group_id for s in group}) == 1 and len({tuple(s.prompt_ids) for s in group}) == 1
+        assert (
+            len(group) == 4 and len({s.group_id for s in group}) == 1 and len({tuple(s.prompt_ids) for s in group}) == 1
+        )
         for sample in group:
             answer = sample.metadata["answer"]
             assert sample.reward == sum(a == str(t % 10) for a, t in zip(answer, sample.response_ids)) / len(answer)
@@ -83,8 +85,9 @@ def test_slow_trainer_holds_generation_back_within_the_bound(engine, model_dirs)
 
 
 def test_slow_engine_makes_the_trainer_wait_within_the_bound(engine, model_dirs):
-    config = RolloutConfig(groups_per_step=2, n_samples_per_prompt=4, max_new_tokens=150, max_staleness=1,
-                           stale_policy="requeue")
+    config = RolloutConfig(
+        groups_per_step=2, n_samples_per_prompt=4, max_new_tokens=150, max_staleness=1, stale_policy="requeue"
+    )
     manager, seen = asyncio.run(run_loop(engine.url, model_dirs[0], config, steps=3, step_s=0.0))
     metrics = manager.metrics()
     assert max(seen) <= 1 and metrics["buffer/trainer_wait_s"] > 0.3
@@ -94,9 +97,15 @@ def test_slow_engine_makes_the_trainer_wait_within_the_bound(engine, model_dirs)
 def test_oversampling_and_zero_variance_groups_are_accounted(engine, model_dirs):
     # Round 0 starts g0-0..g0-3: g0-0 scores flat (dropped, no refill: 3 still run for 2 places),
     # two of the other three are kept and the third is oversampled.
-    config = RolloutConfig(groups_per_step=2, n_samples_per_prompt=4, max_new_tokens=3, max_staleness=0,
-                           reward="tests.rollout.rollout_helpers:every_third_group_flat",
-                           drop_zero_variance_groups=True, oversample_factor=2.0)
+    config = RolloutConfig(
+        groups_per_step=2,
+        n_samples_per_prompt=4,
+        max_new_tokens=3,
+        max_staleness=0,
+        reward="tests.rollout.rollout_helpers:every_third_group_flat",
+        drop_zero_variance_groups=True,
+        oversample_factor=2.0,
+    )
     manager, seen = asyncio.run(run_loop(engine.url, model_dirs[1], config, steps=4, step_s=0.0))
     counts = manager.accounting()
     assert counts["delivered"] == 8 and max(seen) == 0, counts

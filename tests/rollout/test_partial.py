@@ -19,15 +19,23 @@ def result(tokens, version, routed_rows, finish="length", layers=2, topk=2, firs
     routed = None
     if routed_rows is not None:
         routed = np.arange(first, first + routed_rows * layers * topk, dtype=np.int32).reshape(-1, layers, topk)
-    return GenerateResult(rid="r", output_ids=list(tokens), logprobs=[-0.5 - t for t in tokens],
-                          finish_reason=finish, weight_version=version, weight_versions=[version] * len(tokens),
-                          routed_experts=routed, meta_info={})
+    return GenerateResult(
+        rid="r",
+        output_ids=list(tokens),
+        logprobs=[-0.5 - t for t in tokens],
+        finish_reason=finish,
+        weight_version=version,
+        weight_versions=[version] * len(tokens),
+        routed_experts=routed,
+        meta_info={},
+    )
 
 
 def test_continue_sample_concatenates_every_field_in_order():
     prompt = [1, 2, 3]
-    sample = continue_sample(Sample(prompt_ids=prompt), result([7, 8], "0", routed_rows=3 + 2 - 1, finish="abort"),
-                             routed_experts=True)
+    sample = continue_sample(
+        Sample(prompt_ids=prompt), result([7, 8], "0", routed_rows=3 + 2 - 1, finish="abort"), routed_experts=True
+    )
     assert sample.status == "aborted" and sample.routed_experts.shape == (4, 2, 2)
     ids, start = resume_request(sample)
     assert ids == [1, 2, 3, 7, 8] and start == 4  # the engine returns rows from position P + n - 1
@@ -43,13 +51,15 @@ def test_continue_sample_concatenates_every_field_in_order():
 
 
 def test_continue_sample_edge_cases():
-    empty = continue_sample(Sample(prompt_ids=[1, 2]), result([], "0", routed_rows=None, finish="abort"),
-                            routed_experts=True)
+    empty = continue_sample(
+        Sample(prompt_ids=[1, 2]), result([], "0", routed_rows=None, finish="abort"), routed_experts=True
+    )
     assert empty.response_ids == [] and empty.routed_experts is None and resume_request(empty) == ([1, 2], 0)
     first = continue_sample(empty, result([5], "1", routed_rows=2, finish="stop"), routed_experts=True)
     assert first.response_ids == [5] and first.routed_experts.shape == (2, 2, 2) and first.status == "completed"
-    partial = continue_sample(Sample(prompt_ids=[1, 2]), result([5], "0", routed_rows=2, finish="abort"),
-                              routed_experts=True)
+    partial = continue_sample(
+        Sample(prompt_ids=[1, 2]), result([5], "0", routed_rows=2, finish="abort"), routed_experts=True
+    )
     with pytest.raises(ValueError, match="routed_experts_start_len"):  # engine sent all rows again
         continue_sample(partial, result([6], "1", routed_rows=3), routed_experts=True)
     unrouted = continue_sample(Sample(prompt_ids=[1, 2]), result([5, 6], "0", routed_rows=None), routed_experts=False)
@@ -58,8 +68,11 @@ def test_continue_sample_edge_cases():
 
 def test_every_resumed_segment_brings_its_routed_expert_rows():
     prompt = [1, 2, 3]
-    partial = continue_sample(Sample(prompt_ids=prompt, group_id="g1"),
-                              result([7, 8], "0", routed_rows=4, finish="abort"), routed_experts=True)
+    partial = continue_sample(
+        Sample(prompt_ids=prompt, group_id="g1"),
+        result([7, 8], "0", routed_rows=4, finish="abort"),
+        routed_experts=True,
+    )
     # aborted while still queued: no tokens and, as SGLang answers, no routed_experts; nothing is missing
     queued = continue_sample(partial, result([], "1", routed_rows=None, finish="abort"), routed_experts=True)
     assert queued.response_ids == [7, 8] and np.array_equal(queued.routed_experts, partial.routed_experts)
@@ -72,8 +85,11 @@ def test_every_resumed_segment_brings_its_routed_expert_rows():
     with pytest.raises(ValueError, match=r"group 'g1', segment 3 .*2 rows, expected 1"):
         continue_sample(queued, result([9], "1", routed_rows=2), routed_experts=True)
     # a first segment whose tokens came without rows cannot be completed by later segments
-    lost = continue_sample(Sample(prompt_ids=prompt, group_id="g2"), result([7], "0", routed_rows=None, finish="abort"),
-                           routed_experts=False)
+    lost = continue_sample(
+        Sample(prompt_ids=prompt, group_id="g2"),
+        result([7], "0", routed_rows=None, finish="abort"),
+        routed_experts=False,
+    )
     with pytest.raises(ValueError, match=r"group 'g2', segment 2 .*earlier segments' 1 tokens have no routed experts"):
         continue_sample(lost, result([8], "1", routed_rows=1), routed_experts=True)
 
@@ -81,8 +97,14 @@ def test_every_resumed_segment_brings_its_routed_expert_rows():
 def test_abort_pause_swap_resume_keeps_tokens_logprobs_routing_versions(engine, model_dirs):
     """Cut 16 requests mid-generation, load other weights as version 1, resume: each sample is its
     segments' engine outputs concatenated, each segment matches transformers under its weights."""
-    config = RolloutConfig(groups_per_step=2, n_samples_per_prompt=4, max_new_tokens=300, max_staleness=1,
-                           mask_stale_tokens=True, task_options={"length": 3})
+    config = RolloutConfig(
+        groups_per_step=2,
+        n_samples_per_prompt=4,
+        max_new_tokens=300,
+        max_staleness=1,
+        mask_stale_tokens=True,
+        task_options={"length": 3},
+    )
 
     async def go():
         pool = make_pool(engine.url, recording=True)
@@ -109,8 +131,12 @@ def test_abort_pause_swap_resume_keeps_tokens_logprobs_routing_versions(engine, 
         segments = [by_rid[rid] for rid in sample.metadata["rids"]]  # the engine requests behind it
         done = list(sample.prompt_ids)
         for ids, kwargs, res in segments:  # each resumes exactly where the previous one stopped
-            assert ids == done and kwargs["max_new_tokens"] == config.max_new_tokens - (len(ids) - len(sample.prompt_ids))
-            assert kwargs["routed_experts_start_len"] == (len(ids) - 1 if len(segments) > 1 and ids is not segments[0][0] else 0)
+            assert ids == done and kwargs["max_new_tokens"] == config.max_new_tokens - (
+                len(ids) - len(sample.prompt_ids)
+            )
+            assert kwargs["routed_experts_start_len"] == (
+                len(ids) - 1 if len(segments) > 1 and ids is not segments[0][0] else 0
+            )
             done += res.output_ids
         assert done == sample.prompt_ids + sample.response_ids  # no token lost or duplicated
         assert sample.rollout_logprobs == [lp for _, _, r in segments for lp in r.logprobs]
@@ -122,8 +148,10 @@ def test_abort_pause_swap_resume_keeps_tokens_logprobs_routing_versions(engine, 
         assert set(first.weight_versions) == {"0"} and set(second.weight_versions) == {"1"}
         assert sample.loss_mask == [0] * len(first.output_ids) + [1] * len(second.output_ids)
         full = sample.prompt_ids + sample.response_ids
-        for model_dir, ids, res, rows in ((model_dirs[0], ids0, first, slice(0, start)),
-                                          (model_dirs[1], ids1, second, slice(start, len(full) - 1))):
+        for model_dir, ids, res, rows in (
+            (model_dirs[0], ids0, first, slice(0, start)),
+            (model_dirs[1], ids1, second, slice(start, len(full) - 1)),
+        ):
             logprobs, routing = reference(model_dir, ids + res.output_ids)
             expected = [float(logprobs[len(ids) - 1 + i, t]) for i, t in enumerate(res.output_ids)]
             assert np.allclose(res.logprobs, expected, atol=1e-4)
@@ -132,8 +160,9 @@ def test_abort_pause_swap_resume_keeps_tokens_logprobs_routing_versions(engine, 
 
 def test_restart_mode_discards_partial_tokens(engine, model_dirs):
     """partial_rollout=False: a cut request starts over from its prompt under the new weights."""
-    config = RolloutConfig(groups_per_step=1, n_samples_per_prompt=4, max_new_tokens=500, max_staleness=0,
-                           partial_rollout=False)
+    config = RolloutConfig(
+        groups_per_step=1, n_samples_per_prompt=4, max_new_tokens=500, max_staleness=0, partial_rollout=False
+    )
 
     async def go():
         pool = make_pool(engine.url)

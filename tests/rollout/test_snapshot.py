@@ -15,8 +15,9 @@ from moe_rl.sample import Sample
 from tests.engine.engine_helpers import wait_until_decoding
 from tests.rollout.rollout_helpers import cancel, make_pool, swap_weights
 
-CONFIG = RolloutConfig(groups_per_step=2, n_samples_per_prompt=4, max_new_tokens=600, max_staleness=0,
-                       task_options={"length": 3})
+CONFIG = RolloutConfig(
+    groups_per_step=2, n_samples_per_prompt=4, max_new_tokens=600, max_staleness=0, task_options={"length": 3}
+)
 
 
 def has_partial_tokens(state: dict) -> bool:
@@ -77,7 +78,7 @@ def test_snapshot_restore_continues_partial_samples_from_their_tokens(engine, mo
             assert len(after.response_ids) == CONFIG.max_new_tokens or after.status == "completed"
             assert after.metadata["num_segments"] == before.metadata["num_segments"] + 1
             if n:
-                assert np.array_equal(after.routed_experts[:before.routed_experts.shape[0]], before.routed_experts)
+                assert np.array_equal(after.routed_experts[: before.routed_experts.shape[0]], before.routed_experts)
             assert after.routed_experts.shape[0] == len(after.prompt_ids) + len(after.response_ids) - 1
     # the ledger and the data position carry over: no group id is reused, none is forgotten
     assert set(state["started"]) <= resumed.started_ids

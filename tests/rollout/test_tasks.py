@@ -19,10 +19,15 @@ def user_reward(response, answer, sample):  # loaded as "test_tasks:user_reward"
     return float(len(response))
 
 
-@pytest.mark.parametrize("text, answer", [
-    ("so the result is \\boxed{\\frac{1}{2}}.", "0.5"), ("x = 3, then 1,234.", "1234"),
-    ("\\boxed{x^{2}} or 7", "x^{2}"), ("answer: -4", "-4"),
-])
+@pytest.mark.parametrize(
+    "text, answer",
+    [
+        ("so the result is \\boxed{\\frac{1}{2}}.", "0.5"),
+        ("x = 3, then 1,234.", "1234"),
+        ("\\boxed{x^{2}} or 7", "x^{2}"),
+        ("answer: -4", "-4"),
+    ],
+)
 def test_math_reward_matches_final_answers(text, answer):
     assert get_reward("math")(text, answer, SAMPLE) == 1.0
     assert get_reward("math")(text, "999", SAMPLE) == 0.0
@@ -49,7 +54,9 @@ def test_digit_tasks_are_seeded_and_score_positions():
     assert first == list(itertools.islice(task.prompts(7), 5)) != list(itertools.islice(task.prompts(8), 5))
     prompt = first[0]
     digits = prompt.metadata["digits"]
-    assert prompt.prompt_ids == [1] + [DIGIT0 + d for d in digits] + [SEP] and prompt.answer == "".join(map(str, digits[::-1]))
+    assert prompt.prompt_ids == [1] + [DIGIT0 + d for d in digits] + [SEP] and prompt.answer == "".join(
+        map(str, digits[::-1])
+    )
     right = [DIGIT0 + d + 30 for d in digits[::-1]]  # any id reads as id % 10
     assert task.reward(task.decode(right), prompt.answer, SAMPLE) == 1.0
     wrong_last = right[:2] + [right[2] + 1]
@@ -67,8 +74,10 @@ def test_jsonl_dataset_with_text_and_ids(tmp_path):
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(tmp_path / "model")
-    rows = [{"prompt": "what is 2+2 ?", "answer": "4", "metadata": {"source": "t"}},
-            {"prompt_ids": [1, 2, 3], "answer": 4}]
+    rows = [
+        {"prompt": "what is 2+2 ?", "answer": "4", "metadata": {"source": "t"}},
+        {"prompt_ids": [1, 2, 3], "answer": 4},
+    ]
     path = tmp_path / "data.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     task = make_task("jsonl", path=path, tokenizer_dir=tmp_path / "model")

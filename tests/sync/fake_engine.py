@@ -43,11 +43,20 @@ def _serve(ports, die_at: tuple[int, int] | None, timeout_s: float) -> None:
             except Exception as error:  # SGLang's shape: success false + message, HTTP 400
                 return web.json_response({"success": False, "message": f"{type(error).__name__}: {error}"}, status=400)
             return web.json_response({"success": True, "message": "", **(result or {})})
+
         return handler
 
     async def init_group(b):
-        await blocking(receiver.join, b["master_address"], b["master_port"], b["rank_offset"],
-                       b["world_size"], b["group_name"], b["backend"], timeout_s)
+        await blocking(
+            receiver.join,
+            b["master_address"],
+            b["master_port"],
+            b["rank_offset"],
+            b["world_size"],
+            b["group_name"],
+            b["backend"],
+            timeout_s,
+        )
 
     async def destroy_group(b):
         await blocking(receiver.leave)
@@ -70,8 +79,15 @@ def _serve(ports, die_at: tuple[int, int] | None, timeout_s: float) -> None:
         if die_at == (version, buckets.get(version, 0)):
             os.kill(os.getpid(), signal.SIGKILL)
         buckets[version] = buckets.get(version, 0) + 1
-        await blocking(receiver.receive_bucket, b["names"], b["dtypes"], b["shapes"],
-                       b.get("weight_version"), b.get("checksum"), b["group_name"])
+        await blocking(
+            receiver.receive_bucket,
+            b["names"],
+            b["dtypes"],
+            b["shapes"],
+            b.get("weight_version"),
+            b.get("checksum"),
+            b["group_name"],
+        )
 
     async def update_disk(b):
         await blocking(receiver.stage_from_disk, b["model_path"], b["weight_version"])
@@ -100,12 +116,20 @@ def _serve(ports, die_at: tuple[int, int] | None, timeout_s: float) -> None:
 
     app = web.Application(client_max_size=1 << 30)
     for path, fn in {
-        "/init_weights_update_group": init_group, "/destroy_weights_update_group": destroy_group,
-        "/update_weights_from_distributed": update_distributed, "/update_weights_from_disk": update_disk,
-        "/update_weight_version": update_version, "/pause_generation": pause,
-        "/continue_generation": resume, "/flush_cache": flush, "/model_info": model_info,
-        "/server_info": server_info, "/health": flush, "/begin_weight_update": begin,
-        "/end_weight_update": end, "/debug_dump_weights": dump,
+        "/init_weights_update_group": init_group,
+        "/destroy_weights_update_group": destroy_group,
+        "/update_weights_from_distributed": update_distributed,
+        "/update_weights_from_disk": update_disk,
+        "/update_weight_version": update_version,
+        "/pause_generation": pause,
+        "/continue_generation": resume,
+        "/flush_cache": flush,
+        "/model_info": model_info,
+        "/server_info": server_info,
+        "/health": flush,
+        "/begin_weight_update": begin,
+        "/end_weight_update": end,
+        "/debug_dump_weights": dump,
     }.items():
         app.router.add_post(path, route(fn))
 
@@ -171,17 +195,35 @@ class FakeEngineClient:
     async def end_weight_update(self):
         await self._call("/end_weight_update")
 
-    async def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name, backend):
-        await self._call("/init_weights_update_group", master_address=master_address, master_port=master_port,
-                         rank_offset=rank_offset, world_size=world_size, group_name=group_name, backend=backend)
+    async def init_weights_update_group(
+        self, master_address, master_port, rank_offset, world_size, group_name, backend
+    ):
+        await self._call(
+            "/init_weights_update_group",
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        )
 
     async def destroy_weights_update_group(self, group_name):
         await self._call("/destroy_weights_update_group", group_name=group_name)
 
-    async def update_weights_from_distributed(self, names, dtypes, shapes, group_name, weight_version, load_format, checksum):
-        await self._call("/update_weights_from_distributed", names=names, dtypes=dtypes, shapes=shapes,
-                         group_name=group_name, weight_version=weight_version, load_format=load_format,
-                         checksum=checksum)
+    async def update_weights_from_distributed(
+        self, names, dtypes, shapes, group_name, weight_version, load_format, checksum
+    ):
+        await self._call(
+            "/update_weights_from_distributed",
+            names=names,
+            dtypes=dtypes,
+            shapes=shapes,
+            group_name=group_name,
+            weight_version=weight_version,
+            load_format=load_format,
+            checksum=checksum,
+        )
 
     async def update_weights_from_disk(self, model_path, weight_version):
         await self._call("/update_weights_from_disk", model_path=model_path, weight_version=weight_version)

@@ -10,18 +10,39 @@ import yaml
 
 from moe_rl.cli import main
 
-MODEL = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
-             norm_topk_prob=True, architectures=["Qwen3MoeForCausalLM"])
+MODEL = dict(
+    vocab_size=1024,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    architectures=["Qwen3MoeForCausalLM"],
+)
 
 
 def test_bench_sync_reports_full_and_raw_of_the_same_bytes(tmp_path):
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     config = tmp_path / "bench.yaml"
-    config.write_text(yaml.safe_dump(dict(model=MODEL, layout=dict(world_size=2, ep=2), bucket_mb=1,
-                                          export_bucket_mb=1, num_engines=1, repeats=1,
-                                          output=str(tmp_path / "out.json"))))
+    config.write_text(
+        yaml.safe_dump(
+            dict(
+                model=MODEL,
+                layout=dict(world_size=2, ep=2),
+                bucket_mb=1,
+                export_bucket_mb=1,
+                num_engines=1,
+                repeats=1,
+                output=str(tmp_path / "out.json"),
+            )
+        )
+    )
     assert main(["bench", "sync", str(config)]) == 0
     result = json.loads((tmp_path / "out.json").read_text())
     model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**MODEL))

@@ -7,8 +7,17 @@ import torch
 
 from sync.bucket import BucketPacker, checksum, dtype_from_name, layout, unpack
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int32,
-          torch.int64, torch.uint8, torch.bool]
+DTYPES = [
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+]
 DTYPES += [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)]
 
 
@@ -24,8 +33,10 @@ def random_tensor(dtype, shape, gen):
 def named(n=30, seed=0):
     gen = torch.Generator().manual_seed(seed)
     shapes = [(3,), (5, 7), (2, 3, 4), (), (0, 4), (33,)]
-    return [(f"t{i}.{DTYPES[i % len(DTYPES)]}", random_tensor(DTYPES[i % len(DTYPES)], shapes[i % len(shapes)], gen))
-            for i in range(n)]
+    return [
+        (f"t{i}.{DTYPES[i % len(DTYPES)]}", random_tensor(DTYPES[i % len(DTYPES)], shapes[i % len(shapes)], gen))
+        for i in range(n)
+    ]
 
 
 def round_trip(tensors, bucket_bytes):

@@ -31,8 +31,14 @@ def send(source, receiver, state, version, pool, corrupt=None):
     """Announce each bucket on a worker thread (as an HTTP server would), then broadcast it."""
     acks = []
     for bucket in BucketPacker(64, checksums=True).pack(state.items()):  # 16-byte tensors: 4 per bucket
-        acks.append(pool.submit(receiver.receive_bucket, **bucket.announcement(),
-                                weight_version=version, checksum=f"{bucket.checksum}#{bucket.index}"))
+        acks.append(
+            pool.submit(
+                receiver.receive_bucket,
+                **bucket.announcement(),
+                weight_version=version,
+                checksum=f"{bucket.checksum}#{bucket.index}",
+            )
+        )
         if bucket.index == corrupt:
             bucket.data[0] ^= 0xFF
         source.broadcast(bucket.data)

@@ -32,8 +32,9 @@ def test_disk_catch_up_loads_the_published_version(engines, qwen3_moe_state, tmp
     published for it; nothing is written again."""
     clients, _ = engines
     shared = tmp_path / "shared"
-    sender = WeightSender(clients[:1], SyncConfig(transport="disk", disk_dir=str(shared), bucket_bytes=16384,
-                                                  timeout_s=20))
+    sender = WeightSender(
+        clients[:1], SyncConfig(transport="disk", disk_dir=str(shared), bucket_bytes=16384, timeout_s=20)
+    )
     try:
         sender.update(iter(qwen3_moe_state.items()), version=1)
         published = {p.name: p.stat().st_mtime_ns for p in (shared / "v1").iterdir()}

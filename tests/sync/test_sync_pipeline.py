@@ -56,10 +56,14 @@ def pp_export_and_sync(hf_dir: str, ports: list[int], out_dir: str, layout: Para
     return None
 
 
-@pytest.mark.parametrize("layout", [
-    ParallelLayout(world_size=2, pp=2),
-    ParallelLayout(world_size=4, pp=2, ep=2),
-], ids=["pp2", "pp2-ep2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ParallelLayout(world_size=2, pp=2),
+        ParallelLayout(world_size=4, pp=2, ep=2),
+    ],
+    ids=["pp2", "pp2-ep2"],
+)
 def test_pipeline_stages_reach_engines_exact(engines, tmp_path, layout):
     from transformers import Qwen3MoeForCausalLM
 
@@ -70,8 +74,12 @@ def test_pipeline_stages_reach_engines_exact(engines, tmp_path, layout):
     results = spawn(pp_export_and_sync, layout.world_size, str(tmp_path / "hf"), ports, str(tmp_path), layout)
     assert results[0] == 2 and results[1:] == [None] * (layout.world_size - 1)
     checkpoint = load_file(tmp_path / "hf" / "model.safetensors")
-    assert {"model.layers.0.mlp.experts.3.down_proj.weight", "model.layers.1.mlp.gate.weight",
-            "model.embed_tokens.weight", "lm_head.weight"} <= set(checkpoint)  # both stages' layers
+    assert {
+        "model.layers.0.mlp.experts.3.down_proj.weight",
+        "model.layers.1.mlp.gate.weight",
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+    } <= set(checkpoint)  # both stages' layers
     for version in (1, 2):
         want = {name: tensor * version for name, tensor in checkpoint.items()}
         for i in range(len(clients)):

@@ -58,17 +58,31 @@ def install() -> None:
     te = _module("transformer_engine", __version__=VERSION, IS_CPU_STANDIN=True)
     common = _module("transformer_engine.common")
     recipe = _module("transformer_engine.common.recipe", DelayedScaling=DelayedScaling, Format=Format)
-    pytorch = _module("transformer_engine.pytorch", Linear=Linear, LayerNormLinear=LayerNormLinear,
-                      GroupedLinear=GroupedLinear, RMSNorm=RMSNorm, LayerNorm=LayerNorm,
-                      DotProductAttention=DotProductAttention)
-    fp8 = _module("transformer_engine.pytorch.fp8", FP8GlobalStateManager=FP8GlobalStateManager,
-                  fp8_autocast=fp8_autocast)
-    distributed = _module("transformer_engine.pytorch.distributed", CudaRNGStatesTracker=CudaRNGStatesTracker,
-                          activation_recompute_forward=_unsupported("activation_recompute_forward"))
+    pytorch = _module(
+        "transformer_engine.pytorch",
+        Linear=Linear,
+        LayerNormLinear=LayerNormLinear,
+        GroupedLinear=GroupedLinear,
+        RMSNorm=RMSNorm,
+        LayerNorm=LayerNorm,
+        DotProductAttention=DotProductAttention,
+    )
+    fp8 = _module(
+        "transformer_engine.pytorch.fp8", FP8GlobalStateManager=FP8GlobalStateManager, fp8_autocast=fp8_autocast
+    )
+    distributed = _module(
+        "transformer_engine.pytorch.distributed",
+        CudaRNGStatesTracker=CudaRNGStatesTracker,
+        activation_recompute_forward=_unsupported("activation_recompute_forward"),
+    )
     tensor = _module("transformer_engine.pytorch.tensor", QuantizedTensor=QuantizedTensor)
-    router = _module("transformer_engine.pytorch.router", **{  # fused routing: megatron's moe_router_fusion
-        name: _unsupported(name)
-        for name in ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_topk_with_score_function")})
+    router = _module(
+        "transformer_engine.pytorch.router",
+        **{  # fused routing: megatron's moe_router_fusion
+            name: _unsupported(name)
+            for name in ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_topk_with_score_function")
+        },
+    )
     ops = _module("transformer_engine.pytorch.ops", Sequential=_Unsupported, FusibleOperation=_Unsupported)
     te.common, common.recipe = common, recipe
     te.pytorch = pytorch
@@ -187,8 +201,21 @@ def _constant(value: float) -> Callable:
 class _ParallelLinear(_BaseModule):
     """Shared by Linear and LayerNormLinear: sizes, parameters and TE's TP communication."""
 
-    def __init__(self, in_features, out_features, *, sequence_parallel, tp_group, tp_size, init_method, bias,
-                 return_bias, params_dtype, parallel_mode, device):
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        *,
+        sequence_parallel,
+        tp_group,
+        tp_size,
+        init_method,
+        bias,
+        return_bias,
+        params_dtype,
+        parallel_mode,
+        device,
+    ):
         super().__init__(tp_group, tp_size)
         if parallel_mode not in (None, "column", "row"):
             raise ValueError(f"parallel_mode={parallel_mode!r}")
@@ -239,16 +266,39 @@ class _ParallelLinear(_BaseModule):
 
 
 class Linear(_ParallelLinear):
-    def __init__(self, in_features: int, out_features: int, sequence_parallel: bool = False,
-                 fuse_wgrad_accumulation: bool = False, tp_group=None, tp_size: int = 1,
-                 get_rng_state_tracker=None, rng_tracker_name=None, init_method=None, bias: bool = True,
-                 return_bias: bool = False, params_dtype=None, parallel_mode=None, device="cuda", ub_name=None,
-                 **options):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        sequence_parallel: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        tp_group=None,
+        tp_size: int = 1,
+        get_rng_state_tracker=None,
+        rng_tracker_name=None,
+        init_method=None,
+        bias: bool = True,
+        return_bias: bool = False,
+        params_dtype=None,
+        parallel_mode=None,
+        device="cuda",
+        ub_name=None,
+        **options,
+    ):
         _refuse("Linear", dict(fuse_wgrad_accumulation=fuse_wgrad_accumulation, **options))
-        super().__init__(in_features, out_features, sequence_parallel=sequence_parallel, tp_group=tp_group,
-                         tp_size=tp_size, init_method=init_method, bias=bias,
-                         return_bias=return_bias, params_dtype=params_dtype, parallel_mode=parallel_mode,
-                         device=_device(device))
+        super().__init__(
+            in_features,
+            out_features,
+            sequence_parallel=sequence_parallel,
+            tp_group=tp_group,
+            tp_size=tp_size,
+            init_method=init_method,
+            bias=bias,
+            return_bias=return_bias,
+            params_dtype=params_dtype,
+            parallel_mode=parallel_mode,
+            device=_device(device),
+        )
         self.ub_name = ub_name
 
     def forward(self, inp: torch.Tensor, is_first_microbatch=None):
@@ -264,28 +314,54 @@ def _normalize(x, weight, bias, eps: float, normalization: str, zero_centered_ga
 
 
 class LayerNormLinear(_ParallelLinear):
-    def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, sequence_parallel: bool = False,
-                 fuse_wgrad_accumulation: bool = False, tp_group=None, tp_size: int = 1,
-                 get_rng_state_tracker=None, init_method=None, bias: bool = True, normalization: str = "LayerNorm",
-                 return_bias: bool = False, params_dtype=None, parallel_mode=None,
-                 return_layernorm_output: bool = False, return_layernorm_output_gathered: bool = False,
-                 zero_centered_gamma: bool = False, device="cuda", ub_name=None, rng_tracker_name=None, **options):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        eps: float = 1e-5,
+        sequence_parallel: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        tp_group=None,
+        tp_size: int = 1,
+        get_rng_state_tracker=None,
+        init_method=None,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        return_bias: bool = False,
+        params_dtype=None,
+        parallel_mode=None,
+        return_layernorm_output: bool = False,
+        return_layernorm_output_gathered: bool = False,
+        zero_centered_gamma: bool = False,
+        device="cuda",
+        ub_name=None,
+        rng_tracker_name=None,
+        **options,
+    ):
         _refuse("LayerNormLinear", dict(fuse_wgrad_accumulation=fuse_wgrad_accumulation, **options))
         if normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"normalization={normalization!r}")
         device = _device(device)
-        super().__init__(in_features, out_features, sequence_parallel=sequence_parallel, tp_group=tp_group,
-                         tp_size=tp_size, init_method=init_method, bias=bias,
-                         return_bias=return_bias, params_dtype=params_dtype, parallel_mode=parallel_mode,
-                         device=device)
+        super().__init__(
+            in_features,
+            out_features,
+            sequence_parallel=sequence_parallel,
+            tp_group=tp_group,
+            tp_size=tp_size,
+            init_method=init_method,
+            bias=bias,
+            return_bias=return_bias,
+            params_dtype=params_dtype,
+            parallel_mode=parallel_mode,
+            device=device,
+        )
         self.eps, self.normalization, self.zero_centered_gamma = eps, normalization, zero_centered_gamma
         self.return_layernorm_output = return_layernorm_output
         self.return_layernorm_output_gathered = return_layernorm_output_gathered and return_layernorm_output
         self.ub_name = ub_name
         dtype = self.weight.dtype
         # TE registers the norm's parameters over the (unsplit) input features.
-        self._new_param("layer_norm_weight", (in_features,), _constant(float(not zero_centered_gamma)), device,
-                        dtype)
+        self._new_param("layer_norm_weight", (in_features,), _constant(float(not zero_centered_gamma)), device, dtype)
         self.layer_norm_weight.sequence_parallel = self.sequence_parallel
         if normalization == "LayerNorm":
             self._new_param("layer_norm_bias", (in_features,), _constant(0.0), device, dtype)
@@ -294,8 +370,9 @@ class LayerNormLinear(_ParallelLinear):
             self.layer_norm_bias = None
 
     def forward(self, inp: torch.Tensor, is_first_microbatch=None):
-        normed = _normalize(inp, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.normalization,
-                            self.zero_centered_gamma)
+        normed = _normalize(
+            inp, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.normalization, self.zero_centered_gamma
+        )
         gathered = self._column_input(normed)
         out = self._gemm(gathered)
         if not self.return_layernorm_output:
@@ -305,11 +382,26 @@ class LayerNormLinear(_ParallelLinear):
 
 
 class GroupedLinear(_BaseModule):
-    def __init__(self, num_gemms: int, in_features: int, out_features: int, sequence_parallel: bool = False,
-                 fuse_wgrad_accumulation: bool = False, tp_group=None, tp_size: int = 1,
-                 get_rng_state_tracker=None, rng_tracker_name=None, init_method=None, bias: bool = True,
-                 return_bias: bool = False, params_dtype=None, parallel_mode=None, device="cuda", ub_name=None,
-                 **options):
+    def __init__(
+        self,
+        num_gemms: int,
+        in_features: int,
+        out_features: int,
+        sequence_parallel: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        tp_group=None,
+        tp_size: int = 1,
+        get_rng_state_tracker=None,
+        rng_tracker_name=None,
+        init_method=None,
+        bias: bool = True,
+        return_bias: bool = False,
+        params_dtype=None,
+        parallel_mode=None,
+        device="cuda",
+        ub_name=None,
+        **options,
+    ):
         _refuse("GroupedLinear", dict(fuse_wgrad_accumulation=fuse_wgrad_accumulation, **options))
         super().__init__(tp_group, tp_size)
         if self.tp_size > 1:  # megatron always hands expert TP to its dispatcher (parallel_mode=None)
@@ -332,15 +424,28 @@ class GroupedLinear(_BaseModule):
         if len(m_splits) != self.num_gemms:
             raise ValueError(f"{len(m_splits)} splits for {self.num_gemms} GEMMs")
         biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
-        outs = [F.linear(x, getattr(self, f"weight{i}"), biases[i] if self.apply_bias else None)
-                for i, x in enumerate(torch.split(inp, list(m_splits)))]
+        outs = [
+            F.linear(x, getattr(self, f"weight{i}"), biases[i] if self.apply_bias else None)
+            for i, x in enumerate(torch.split(inp, list(m_splits)))
+        ]
         out = torch.cat(outs) if outs else inp.new_empty(0, self.out_features)
         return (out, biases) if self.return_bias else out
 
 
 class _Norm(_BaseModule):
-    def __init__(self, normalization: str, normalized_shape, eps, sequence_parallel, params_dtype,
-                 zero_centered_gamma, hidden_size, device="cuda", dtype=None, **options):
+    def __init__(
+        self,
+        normalization: str,
+        normalized_shape,
+        eps,
+        sequence_parallel,
+        params_dtype,
+        zero_centered_gamma,
+        hidden_size,
+        device="cuda",
+        dtype=None,
+        **options,
+    ):
         _refuse(normalization, options)
         super().__init__(None, 1)
         shape = normalized_shape if normalized_shape is not None else hidden_size
@@ -360,36 +465,90 @@ class _Norm(_BaseModule):
 
 
 class RMSNorm(_Norm):
-    def __init__(self, normalized_shape=None, eps: float = 1e-5, sequence_parallel=None, params_dtype=None,
-                 zero_centered_gamma: bool = False, hidden_size=None, **kwargs):
-        super().__init__("RMSNorm", normalized_shape, eps, sequence_parallel, params_dtype, zero_centered_gamma,
-                         hidden_size, **kwargs)
+    def __init__(
+        self,
+        normalized_shape=None,
+        eps: float = 1e-5,
+        sequence_parallel=None,
+        params_dtype=None,
+        zero_centered_gamma: bool = False,
+        hidden_size=None,
+        **kwargs,
+    ):
+        super().__init__(
+            "RMSNorm",
+            normalized_shape,
+            eps,
+            sequence_parallel,
+            params_dtype,
+            zero_centered_gamma,
+            hidden_size,
+            **kwargs,
+        )
 
 
 class LayerNorm(_Norm):
-    def __init__(self, normalized_shape=None, eps: float = 1e-5, sequence_parallel=None, params_dtype=None,
-                 zero_centered_gamma: bool = False, hidden_size=None, **kwargs):
-        super().__init__("LayerNorm", normalized_shape, eps, sequence_parallel, params_dtype, zero_centered_gamma,
-                         hidden_size, **kwargs)
+    def __init__(
+        self,
+        normalized_shape=None,
+        eps: float = 1e-5,
+        sequence_parallel=None,
+        params_dtype=None,
+        zero_centered_gamma: bool = False,
+        hidden_size=None,
+        **kwargs,
+    ):
+        super().__init__(
+            "LayerNorm",
+            normalized_shape,
+            eps,
+            sequence_parallel,
+            params_dtype,
+            zero_centered_gamma,
+            hidden_size,
+            **kwargs,
+        )
 
 
 class DotProductAttention(torch.nn.Module):
     """Core attention on [s, b, heads, d] (sbhd): this rank's heads, GQA, causal or no mask."""
 
-    def __init__(self, num_attention_heads: int, kv_channels, num_gqa_groups=None, attention_dropout: float = 0.0,
-                 qkv_format: str = "sbhd", attn_mask_type: str = "causal", sequence_parallel: bool = False,
-                 tp_size: int = 1, get_rng_state_tracker=None, tp_group=None, layer_number=None,
-                 attention_type: str = "self", softmax_scale=None, **options):
+    def __init__(
+        self,
+        num_attention_heads: int,
+        kv_channels,
+        num_gqa_groups=None,
+        attention_dropout: float = 0.0,
+        qkv_format: str = "sbhd",
+        attn_mask_type: str = "causal",
+        sequence_parallel: bool = False,
+        tp_size: int = 1,
+        get_rng_state_tracker=None,
+        tp_group=None,
+        layer_number=None,
+        attention_type: str = "self",
+        softmax_scale=None,
+        **options,
+    ):
         _refuse("DotProductAttention", dict(attention_dropout=attention_dropout, **options))
         super().__init__()
         if qkv_format != "sbhd" or attention_type != "self":
             raise NotImplementedError(f"qkv_format={qkv_format!r}, attention_type={attention_type!r}")
         key_channels = kv_channels[0] if isinstance(kv_channels, tuple) else kv_channels
-        self.softmax_scale = softmax_scale if softmax_scale is not None else key_channels ** -0.5
+        self.softmax_scale = softmax_scale if softmax_scale is not None else key_channels**-0.5
         self.attn_mask_type = attn_mask_type
 
-    def forward(self, query_layer, key_layer, value_layer, attention_mask=None, attn_mask_type=None,
-                core_attention_bias_type: str = "no_bias", core_attention_bias=None, **packed):
+    def forward(
+        self,
+        query_layer,
+        key_layer,
+        value_layer,
+        attention_mask=None,
+        attn_mask_type=None,
+        core_attention_bias_type: str = "no_bias",
+        core_attention_bias=None,
+        **packed,
+    ):
         _refuse("DotProductAttention.forward", dict(core_attention_bias=core_attention_bias, **packed))
         mask_type = attn_mask_type or self.attn_mask_type
         if mask_type not in ("causal", "no_mask"):

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from tiny_qwen3 import hf_config
 
 from parallel.world import spawn
-from tiny_qwen3 import hf_config
 
 TP2_EP2 = dict(world_size=4, tp=2, ep=2, sequence_parallel=True)
 PP2 = dict(world_size=2, pp=2)
@@ -19,8 +19,9 @@ def _trainer(layout: dict, distributed: bool):
     from moe_rl.config import OptimizerConfig, TrainerConfig
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
 
-    config = TrainerConfig(**layout, micro_batch_size=1, global_batch_size=4,
-                           optimizer=OptimizerConfig(lr=3e-3, distributed=distributed))
+    config = TrainerConfig(
+        **layout, micro_batch_size=1, global_batch_size=4, optimizer=OptimizerConfig(lr=3e-3, distributed=distributed)
+    )
     return MegatronTrainer(config, hf_config())
 
 
@@ -44,17 +45,18 @@ def load_then_continue(layout, directory, distributed):
     return [trainer.train_step(batch).loss for _ in range(2)], step
 
 
-@pytest.mark.parametrize("saved, loaded, distributed", [
-    (TP2_EP2, PP2, False),
-    (PP2, TP2_EP2, True),
-])
+@pytest.mark.parametrize(
+    "saved, loaded, distributed",
+    [
+        (TP2_EP2, PP2, False),
+        (PP2, TP2_EP2, True),
+    ],
+)
 def test_checkpoint_loads_under_another_layout(tmp_path, saved, loaded, distributed):
     directory = tmp_path / "ckpt"
-    (reference, step_saved_after), *_ = spawn(save_then_continue, saved["world_size"], saved,
-                                             directory, distributed)
+    (reference, step_saved_after), *_ = spawn(save_then_continue, saved["world_size"], saved, directory, distributed)
     assert (directory / "moe_rl_layout.json").is_file() and not (tmp_path / "ckpt.tmp").exists()
-    (resumed, step_loaded), *_ = spawn(load_then_continue, loaded["world_size"], loaded, directory,
-                                      distributed)
+    (resumed, step_loaded), *_ = spawn(load_then_continue, loaded["world_size"], loaded, directory, distributed)
     assert step_loaded == 2
     # the first loss checks the weights; the second checks the restored Adam moments
     assert resumed == pytest.approx(reference, abs=1e-5), (reference, resumed)
@@ -93,8 +95,13 @@ def load_step(directory):
     loaded = _adam_steps(trainer)
     trainer.train_step(batch)
     steps = _adam_steps(trainer)
-    return (_params(trainer), [float(s) for s in steps], len({id(s) for s in loaded}),
-            len({s.data_ptr() for s in steps}), len(steps))
+    return (
+        _params(trainer),
+        [float(s) for s in steps],
+        len({id(s) for s in loaded}),
+        len({s.data_ptr() for s in steps}),
+        len(steps),
+    )
 
 
 def test_distributed_optimizer_resume_gives_each_parameter_its_own_adam_step(tmp_path):
@@ -110,7 +117,8 @@ def test_distributed_optimizer_resume_gives_each_parameter_its_own_adam_step(tmp
         assert count > 1, f"rank {rank}: no Adam state to check"
         assert loaded_objects == count and step_storages == count, (
             f"rank {rank}: {count} parameters share {loaded_objects} step tensors after the load, "
-            f"{step_storages} storages after the step")
+            f"{step_storages} storages after the step"
+        )
         assert want_steps == [2.0] * len(want_steps) and steps == [2.0] * count, (rank, steps)
         assert got.keys() == want.keys()
         differ = [name for name in want if not torch.equal(got[name], want[name])]

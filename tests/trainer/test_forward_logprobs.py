@@ -3,12 +3,14 @@ every row of the global batch (DP shards and microbatches put back in order), an
 train step reports equals transformers' entropy over the trained tokens."""
 
 import torch
-
-from parallel.world import spawn
 from tiny_qwen3 import hf_config
 
-LAYOUTS = [dict(world_size=4, tp=2, ep=2, sequence_parallel=True),  # DP2 over rows
-           dict(world_size=4, pp=2, ep=2)]
+from parallel.world import spawn
+
+LAYOUTS = [
+    dict(world_size=4, tp=2, ep=2, sequence_parallel=True),  # DP2 over rows
+    dict(world_size=4, pp=2, ep=2),
+]
 
 
 def trainer_logprobs(hf_dir, tokens):

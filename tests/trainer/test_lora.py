@@ -19,9 +19,11 @@ import torch
 from parallel.lora import TARGETS, LoRAConfig
 from parallel.world import spawn
 
-LAYOUTS = [dict(world_size=4, tp=2, ep=2, etp=1, sequence_parallel=True),
-           dict(world_size=4, pp=2, ep=2),
-           dict(world_size=4, tp=2, ep=2, etp=2, sequence_parallel=True)]
+LAYOUTS = [
+    dict(world_size=4, tp=2, ep=2, etp=1, sequence_parallel=True),
+    dict(world_size=4, pp=2, ep=2),
+    dict(world_size=4, tp=2, ep=2, etp=2, sequence_parallel=True),
+]
 RANK, ALPHA = 2, 3.0
 SHARED_A = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}  # fused in Megatron: one A
 
@@ -29,11 +31,26 @@ SHARED_A = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}  # f
 def glm4_moe_config():
     from transformers import Glm4MoeConfig
 
-    return Glm4MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-                         n_group=1, topk_group=1, routed_scaling_factor=2.5, attention_bias=True,
-                         use_qk_norm=True, architectures=["Glm4MoeForCausalLM"])
+    return Glm4MoeConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        attention_bias=True,
+        use_qk_norm=True,
+        architectures=["Glm4MoeForCausalLM"],
+    )
 
 
 def save_tiny_model(out_dir: Path) -> Path:
@@ -58,9 +75,12 @@ def random_peft_adapter(hf_dir: Path, out_dir: Path, seed: int = 0) -> Path:
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     with safe_open(hf_dir / "model.safetensors", "pt") as f:
-        names = sorted(n for n in f.keys() if n.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj",
-                                                                   "gate_proj", "up_proj", "down_proj")
-                       and n.endswith(".weight"))
+        names = sorted(
+            n
+            for n in f.keys()
+            if n.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+            and n.endswith(".weight")
+        )
         shapes = {n: f.get_slice(n).get_shape() for n in names}
     for name in sorted(names, key=lambda n: n.split(".")[-2] in SHARED_A):  # owners of a shared A first
         out_features, in_features = shapes[name]
@@ -69,14 +89,24 @@ def random_peft_adapter(hf_dir: Path, out_dir: Path, seed: int = 0) -> Path:
         if leaf in SHARED_A:
             a = tensors[f"base_model.model.{module.rsplit('.', 1)[0]}.{SHARED_A[leaf]}.lora_A.weight"].clone()
         else:
-            a = torch.randn(RANK, in_features, generator=generator) / in_features ** 0.5
+            a = torch.randn(RANK, in_features, generator=generator) / in_features**0.5
         tensors[f"base_model.model.{module}.lora_A.weight"] = a
         tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(out_features, RANK, generator=generator) * 0.3
     out_dir.mkdir(parents=True)
     save_file(tensors, str(out_dir / "adapter_model.safetensors"))
-    (out_dir / "adapter_config.json").write_text(json.dumps(dict(
-        peft_type="LORA", task_type="CAUSAL_LM", r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, bias="none",
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])))
+    (out_dir / "adapter_config.json").write_text(
+        json.dumps(
+            dict(
+                peft_type="LORA",
+                task_type="CAUSAL_LM",
+                r=RANK,
+                lora_alpha=ALPHA,
+                lora_dropout=0.0,
+                bias="none",
+                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            )
+        )
+    )
     return out_dir
 
 
@@ -93,7 +123,7 @@ def peft_model(hf_dir: Path, adapter_dir: Path):
     modules = dict(base.named_modules())
     with torch.no_grad():
         for key, a in adapter.items():
-            module = key[len("base_model.model."): -len(".lora_A.weight")]
+            module = key[len("base_model.model.") : -len(".lora_A.weight")]
             if key.endswith(".lora_A.weight") and ".mlp." in module and ".experts." not in module:
                 modules[module].weight += ALPHA / RANK * adapter[key.replace("lora_A", "lora_B")] @ a
     return PeftModel.from_pretrained(base, adapter_dir).eval()
@@ -115,8 +145,11 @@ def run_layouts(hf_dir: str, adapter_dir: str, out_dir: str, tokens: torch.Tenso
     hf_config = load_hf_config(hf_dir)
     out = []
     for i, layout in enumerate(LAYOUTS):
-        trainer = MegatronTrainer(TrainerConfig(**layout, micro_batch_size=2, global_batch_size=4),
-                                  glm4_moe_config(), lora=LoRAConfig(rank=RANK, alpha=ALPHA))
+        trainer = MegatronTrainer(
+            TrainerConfig(**layout, micro_batch_size=2, global_batch_size=4),
+            glm4_moe_config(),
+            lora=LoRAConfig(rank=RANK, alpha=ALPHA),
+        )
         trainer.load_hf_weights(hf_dir)
         trainer.load_adapter(adapter_dir)
         logprobs = trainer.forward_logprobs({"tokens": tokens, "loss_mask": torch.ones_like(tokens)})
@@ -164,8 +197,9 @@ def train_and_resume(hf_dir: str, adapter_dir: str, out_dir: str, tokens: torch.
     from parallel.peft import export_adapter
 
     def build():
-        config = TrainerConfig(**layout, micro_batch_size=2, global_batch_size=4,
-                               optimizer=OptimizerConfig(lr=1e-2, clip_grad=0.0))
+        config = TrainerConfig(
+            **layout, micro_batch_size=2, global_batch_size=4, optimizer=OptimizerConfig(lr=1e-2, clip_grad=0.0)
+        )
         trainer = MegatronTrainer(config, glm4_moe_config(), lora=LoRAConfig(rank=RANK, alpha=ALPHA))
         trainer.load_hf_weights(hf_dir)
         return trainer
@@ -185,8 +219,9 @@ def train_and_resume(hf_dir: str, adapter_dir: str, out_dir: str, tokens: torch.
     with torch.no_grad():
         for name, p in adapter.items():
             p.copy_(weights[name])
-    optimized = {id(p) for opt in trainer.optimizer.chained_optimizers for g in opt.optimizer.param_groups
-                 for p in g["params"]}
+    optimized = {
+        id(p) for opt in trainer.optimizer.chained_optimizers for g in opt.optimizer.param_groups for p in g["params"]
+    }
     save_checkpoint(trainer, f"{out_dir}/step1")
     trainer.train_step(batch)
     after = trainer.forward_logprobs(batch)
@@ -196,9 +231,13 @@ def train_and_resume(hf_dir: str, adapter_dir: str, out_dir: str, tokens: torch.
     load_checkpoint(resumed, f"{out_dir}/step1")
     resumed.train_step(batch)
     resumed_after = resumed.forward_logprobs(batch)
-    return dict(grads=grads, grad_norm=step.grad_norm, base_unchanged=unchanged,
-                only_adapters=optimized == {id(p) for p in adapter.values()},
-                resumed_equal=bool(torch.equal(resumed_after, after)))
+    return dict(
+        grads=grads,
+        grad_norm=step.grad_norm,
+        base_unchanged=unchanged,
+        only_adapters=optimized == {id(p) for p in adapter.values()},
+        resumed_equal=bool(torch.equal(resumed_after, after)),
+    )
 
 
 @pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[2]], ids=["tp2-ep2-sp", "tp2-ep2-etp2-sp"])
@@ -208,10 +247,10 @@ def test_lora_gradients_checkpoint_and_frozen_base(tmp_path, layout):
     hf_dir = save_tiny_model(tmp_path / "hf")
     adapter_dir = random_peft_adapter(hf_dir, tmp_path / "adapter")
     tokens = torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(2))
-    single = spawn(train_and_resume, 1, str(hf_dir), str(adapter_dir), str(tmp_path / "one"), tokens,
-                   dict(world_size=1))[0]
-    per_rank = spawn(train_and_resume, 4, str(hf_dir), str(adapter_dir), str(tmp_path / "four"), tokens,
-                     layout)
+    single = spawn(
+        train_and_resume, 1, str(hf_dir), str(adapter_dir), str(tmp_path / "one"), tokens, dict(world_size=1)
+    )[0]
+    per_rank = spawn(train_and_resume, 4, str(hf_dir), str(adapter_dir), str(tmp_path / "four"), tokens, layout)
     for result in [single, *per_rank]:
         assert result["base_unchanged"] and result["only_adapters"] and result["resumed_equal"]
     parallel = per_rank[0]["grads"]
@@ -230,10 +269,40 @@ def test_convert_peft_megatron_peft_is_bit_exact(tmp_path):
 
     hf_dir = save_tiny_model(tmp_path / "hf")
     adapter_dir = random_peft_adapter(hf_dir, tmp_path / "adapter")
-    assert main(["convert", "peft-to-megatron", "--peft", str(adapter_dir), "--hf", str(hf_dir),
-                 "--out", str(tmp_path / "mcore"), "--tp", "2", "--ep", "2"]) == 0
-    assert main(["convert", "megatron-to-peft", "--megatron", str(tmp_path / "mcore"), "--out", str(tmp_path / "back"),
-                 "--pp", "2"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "peft-to-megatron",
+                "--peft",
+                str(adapter_dir),
+                "--hf",
+                str(hf_dir),
+                "--out",
+                str(tmp_path / "mcore"),
+                "--tp",
+                "2",
+                "--ep",
+                "2",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "convert",
+                "megatron-to-peft",
+                "--megatron",
+                str(tmp_path / "mcore"),
+                "--out",
+                str(tmp_path / "back"),
+                "--pp",
+                "2",
+            ]
+        )
+        == 0
+    )
     original = load_file(str(adapter_dir / "adapter_model.safetensors"))
     back = load_file(str(tmp_path / "back" / "adapter_model.safetensors"))
     assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in original)
@@ -257,4 +326,6 @@ def test_plan_counts_the_adapters_exactly():
     from moe_rl.plan import count_parameters, lora_parameters
 
     config = glm4_moe_config()
-    assert lora_parameters(config, count_parameters(config), RANK, list(TARGETS)) == spawn(count_adapter_parameters, 1)[0]
+    assert (
+        lora_parameters(config, count_parameters(config), RANK, list(TARGETS)) == spawn(count_adapter_parameters, 1)[0]
+    )

@@ -18,23 +18,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_lora import ALPHA, RANK, peft_model, random_peft_adapter, save_tiny_model, token_logprobs, train_and_resume
 
 from parallel.world import spawn
-from test_lora import ALPHA, RANK, peft_model, random_peft_adapter, save_tiny_model
-from test_lora import token_logprobs, train_and_resume
 
-LAYOUTS = [dict(world_size=2, ep=2),
-           dict(world_size=2, tp=2, sequence_parallel=True),  # experts ETP2: the dispatcher does their TP
-           dict(world_size=2, tp=2, etp=1, sequence_parallel=True)]
+LAYOUTS = [
+    dict(world_size=2, ep=2),
+    dict(world_size=2, tp=2, sequence_parallel=True),  # experts ETP2: the dispatcher does their TP
+    dict(world_size=2, tp=2, etp=1, sequence_parallel=True),
+]
 SEED = 7
 GROUPED_NAME = r"\.experts\.linear_fc[12]\.weight[0-3]$"  # TEGroupedMLP: weight{j} of local expert j
 SEQUENTIAL_NAME = r"\.experts\.local_experts\.[0-3]\.linear_fc[12]\.weight$"
 
 
 def qwen3_moe_config():
-    from transformers import AutoConfig
-
     from tiny_qwen3 import TINY_QWEN3_MOE
+    from transformers import AutoConfig
 
     fields = {k: v for k, v in TINY_QWEN3_MOE.items() if k != "model_type"}
     return AutoConfig.for_model("qwen3_moe", **{**fields, "num_hidden_layers": 2, "mlp_only_layers": [0]})
@@ -128,17 +128,28 @@ def te_layouts(hf_dir: str, adapter_dir: str, tokens: torch.Tensor, layouts: lis
             load_adapter(model, bridge, adapter_dir)
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
             logits = mappings.gather_from_tensor_model_parallel_region(model(tokens, positions, attention_mask=None))
-            logprobs = token_logprobs(logits[..., :bridge.vocab_size], tokens)
+            logprobs = token_logprobs(logits[..., : bridge.vocab_size], tokens)
             logprobs.sum().backward()
             trained = adapter_parameters(model)
-            gradients = dict(base=[n for n, p in model.named_parameters() if n not in trained and p.grad is not None],
-                             missing=[n for n, p in trained.items() if p.grad is None],
-                             zero=[n for n, p in trained.items() if p.grad is not None and not p.grad.abs().max() > 0],
-                             count=len(trained), experts=sum(".experts." in n for n in trained))
-            out.append(dict(layout=layout, grouped=grouped, fresh=fresh, exported=collect(model, bridge),
-                            expert_adapters=[n for n in adapters(model) if ".experts." in n], gradients=gradients,
-                            checkpoint=(_checkpoint_layout(model), _checkpoint_layout(local)),
-                            logprobs=logprobs.detach().cpu()))
+            gradients = dict(
+                base=[n for n, p in model.named_parameters() if n not in trained and p.grad is not None],
+                missing=[n for n, p in trained.items() if p.grad is None],
+                zero=[n for n, p in trained.items() if p.grad is not None and not p.grad.abs().max() > 0],
+                count=len(trained),
+                experts=sum(".experts." in n for n in trained),
+            )
+            out.append(
+                dict(
+                    layout=layout,
+                    grouped=grouped,
+                    fresh=fresh,
+                    exported=collect(model, bridge),
+                    expert_adapters=[n for n in adapters(model) if ".experts." in n],
+                    gradients=gradients,
+                    checkpoint=(_checkpoint_layout(model), _checkpoint_layout(local)),
+                    logprobs=logprobs.detach().cpu(),
+                )
+            )
     return out
 
 

@@ -10,10 +10,10 @@
 """
 
 import torch
+from tiny_qwen3 import TINY_QWEN3_MOE, hf_config
 
 from moe_rl.engine.embedded.runner import load_checkpoint_state
 from parallel.world import spawn
-from tiny_qwen3 import TINY_QWEN3_MOE, hf_config
 
 ROWS, SEQ, LAYERS = 8, 16, TINY_QWEN3_MOE["num_hidden_layers"]
 EXPERTS, TOPK = TINY_QWEN3_MOE["num_experts"], TINY_QWEN3_MOE["num_experts_per_tok"]
@@ -29,9 +29,13 @@ def make_batch() -> dict[str, torch.Tensor]:
     first = (3 * b + 5 * t + layer) % EXPERTS
     second = (first + 1 + (b + t) % (EXPERTS - 1)) % EXPERTS
     advantages = torch.randn(ROWS, 1, generator=generator).expand(ROWS, SEQ) * loss_mask
-    return {"tokens": tokens, "loss_mask": loss_mask, "advantages": advantages.contiguous(),
-            "rollout_logprobs": torch.zeros(ROWS, SEQ),
-            "routed_experts": torch.stack([first, second], dim=-1).to(torch.int32)}
+    return {
+        "tokens": tokens,
+        "loss_mask": loss_mask,
+        "advantages": advantages.contiguous(),
+        "rollout_logprobs": torch.zeros(ROWS, SEQ),
+        "routed_experts": torch.stack([first, second], dim=-1).to(torch.int32),
+    }
 
 
 def shifted(logprobs: torch.Tensor) -> torch.Tensor:
@@ -49,16 +53,23 @@ def run_layouts(tmp_dir: str):
     loss_fn = make_policy_loss(AlgorithmConfig(kl_coef=0.5, kl_estimator="k3"))
     out = []
     for index, layout in enumerate(LAYOUTS):
-        config = TrainerConfig(world_size=2, **layout, routing_replay=True, micro_batch_size=2,
-                               global_batch_size=ROWS, optimizer=OptimizerConfig(lr=1e-2))
+        config = TrainerConfig(
+            world_size=2,
+            **layout,
+            routing_replay=True,
+            micro_batch_size=2,
+            global_batch_size=ROWS,
+            optimizer=OptimizerConfig(lr=1e-2),
+        )
         trainer = MegatronTrainer(config, hf_config())
         trainer.build_reference()
         result = {}
         policy_replay = trainer.forward_logprobs(batch)
         ref_replay = trainer.reference_logprobs(batch)
         result["replay_equal"] = torch.equal(policy_replay, ref_replay)
-        result["natural_equal"] = torch.equal(trainer.forward_logprobs(batch, replay=False),
-                                              trainer.reference_logprobs(batch, replay=False))
+        result["natural_equal"] = torch.equal(
+            trainer.forward_logprobs(batch, replay=False), trainer.reference_logprobs(batch, replay=False)
+        )
         result["replay_shows"] = not torch.equal(policy_replay, trainer.forward_logprobs(batch, replay=False))
         result["policy_replay_undisturbed"] = torch.equal(trainer.forward_logprobs(batch), policy_replay)
         initial = f"{tmp_dir}/initial_{index}"
@@ -67,10 +78,17 @@ def run_layouts(tmp_dir: str):
         kls = []
         for _ in range(4):
             old, ref = trainer.forward_logprobs(batch), trainer.reference_logprobs(batch)
-            step = {**batch, "old_logprobs": shifted(old), "ref_logprobs": shifted(ref), "rollout_logprobs": shifted(old)}
+            step = {
+                **batch,
+                "old_logprobs": shifted(old),
+                "ref_logprobs": shifted(ref),
+                "rollout_logprobs": shifted(old),
+            }
             kls.append(trainer.train_step(step, loss_fn).sums["kl"])
         result["kls"] = kls
-        save_hf_checkpoint(trainer.reference.model, trainer.bridge, f"{tmp_dir}/reference_{index}", hf_config().to_dict())
+        save_hf_checkpoint(
+            trainer.reference.model, trainer.bridge, f"{tmp_dir}/reference_{index}", hf_config().to_dict()
+        )
         trainer.save_hf_checkpoint(f"{tmp_dir}/policy_{index}", hf_config().to_dict())
         seeded = trainer.reference_logprobs(batch)
         trainer.build_reference(initial)  # the ref_model_path route

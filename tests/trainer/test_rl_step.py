@@ -12,9 +12,20 @@ import torch
 from parallel.world import spawn
 
 ROWS, SEQ, PROMPT = 4, 10, 3
-MODEL = dict(vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-             norm_topk_prob=True, architectures=["Qwen3MoeForCausalLM"])
+MODEL = dict(
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    architectures=["Qwen3MoeForCausalLM"],
+)
 
 
 def _trainer(**trainer):
@@ -31,9 +42,12 @@ def _batch() -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     mask = torch.zeros(ROWS, SEQ, dtype=torch.long)
     mask[:, PROMPT:] = 1
-    return {"tokens": torch.randint(0, 256, (ROWS, SEQ), generator=generator), "loss_mask": mask,
-            "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None].expand(ROWS, SEQ).contiguous(),
-            "rollout_logprobs": torch.full((ROWS, SEQ), -math.log(256))}
+    return {
+        "tokens": torch.randint(0, 256, (ROWS, SEQ), generator=generator),
+        "loss_mask": mask,
+        "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None].expand(ROWS, SEQ).contiguous(),
+        "rollout_logprobs": torch.full((ROWS, SEQ), -math.log(256)),
+    }
 
 
 def _step_rank():
@@ -51,8 +65,14 @@ def test_rl_step_on_two_ranks():
     untimed = {k: v for k, v in metrics.items() if not k.startswith("time/")}
     assert untimed == {k: v for k, v in other.items() if not k.startswith("time/")}
     assert steps == other_steps == 2
-    for key in ("consistency/logprob_diff_mean", "policy/clip_fraction", "policy/ratio", "train/grad_norm",
-                "time/old_logprobs_s", "time/train_step_s"):
+    for key in (
+        "consistency/logprob_diff_mean",
+        "policy/clip_fraction",
+        "policy/ratio",
+        "train/grad_norm",
+        "time/old_logprobs_s",
+        "time/train_step_s",
+    ):
         assert key in metrics, key
     assert metrics["train/tokens"] == ROWS * (SEQ - PROMPT) and math.isfinite(metrics["train/loss"])
     assert metrics["consistency/logprob_diff_mean"] < 0.5  # a fresh tiny model is near uniform

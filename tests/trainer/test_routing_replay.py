@@ -12,9 +12,9 @@ import copy
 
 import pytest
 import torch
+from tiny_qwen3 import TINY_QWEN3_MOE, hf_config
 
 from parallel.world import spawn
-from tiny_qwen3 import TINY_QWEN3_MOE, hf_config
 
 NUM_EXPERTS, TOPK, LAYERS = TINY_QWEN3_MOE["num_experts"], TINY_QWEN3_MOE["num_experts_per_tok"], 4
 ROWS, SEQ = 8, 16  # S - 1 = 15 inputs: padded to 16 under TP2 sequence parallel
@@ -114,8 +114,15 @@ def run_world(hf_dir, batch, real, rollout_routing):
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
 
     out = {}
-    config = TrainerConfig(world_size=4, tp=2, ep=2, sequence_parallel=True, routing_replay=True,
-                           micro_batch_size=2, global_batch_size=ROWS)
+    config = TrainerConfig(
+        world_size=4,
+        tp=2,
+        ep=2,
+        sequence_parallel=True,
+        routing_replay=True,
+        micro_batch_size=2,
+        global_batch_size=ROWS,
+    )
     trainer = MegatronTrainer(config, hf_config())
     trainer.load_hf_weights(hf_dir)
     out["errors"] = bad_input_errors(trainer, batch)
@@ -129,8 +136,15 @@ def run_world(hf_dir, batch, real, rollout_routing):
 
     steps = []
     for recompute in (False, True):
-        config = TrainerConfig(world_size=4, pp=2, ep=2, routing_replay=True, recompute=recompute,
-                               micro_batch_size=1, global_batch_size=ROWS)
+        config = TrainerConfig(
+            world_size=4,
+            pp=2,
+            ep=2,
+            routing_replay=True,
+            recompute=recompute,
+            micro_batch_size=1,
+            global_batch_size=ROWS,
+        )
         trainer = MegatronTrainer(config, hf_config())
         trainer.load_hf_weights(hf_dir)
         if not recompute:
@@ -153,8 +167,9 @@ def rollout_model_outputs(reference, tokens):
         for layer in rollout.model.layers:
             layer.mlp.gate.weight.add_(0.01 * torch.randn(layer.mlp.gate.weight.shape, generator=generator))
         output = rollout(tokens, output_router_logits=True)
-    routing = torch.stack([logits.view(*tokens.shape, -1).topk(TOPK, dim=-1).indices
-                           for logits in output.router_logits], dim=2).to(torch.int32)
+    routing = torch.stack(
+        [logits.view(*tokens.shape, -1).topk(TOPK, dim=-1).indices for logits in output.router_logits], dim=2
+    ).to(torch.int32)
     logprobs = torch.log_softmax(output.logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
     return routing, logprobs
 

@@ -8,17 +8,19 @@ import math
 
 import pytest
 import torch
+from tiny_qwen3 import hf_config
 
 from parallel.world import spawn
-from tiny_qwen3 import hf_config
 
 STEPS = 10
 LAYOUTS = {
     1: [dict(world_size=1)],
-    2: [dict(world_size=2, tp=2, sequence_parallel=True), dict(world_size=2, pp=2),
-        dict(world_size=2, ep=2)],
-    4: [dict(world_size=4, tp=2, ep=2, sequence_parallel=True), dict(world_size=4, pp=2, ep=2),
-        dict(world_size=4, ep=2, etp=2)],
+    2: [dict(world_size=2, tp=2, sequence_parallel=True), dict(world_size=2, pp=2), dict(world_size=2, ep=2)],
+    4: [
+        dict(world_size=4, tp=2, ep=2, sequence_parallel=True),
+        dict(world_size=4, pp=2, ep=2),
+        dict(world_size=4, ep=2, etp=2),
+    ],
     8: [dict(world_size=8, tp=2, pp=2, ep=2, sequence_parallel=True)],
 }
 
@@ -32,8 +34,7 @@ def train_layouts(layouts: list[dict]) -> list[list[tuple[float, float]]]:
     batch = {"tokens": tokens, "loss_mask": torch.ones_like(tokens)}
     curves = []
     for layout in layouts:
-        config = TrainerConfig(**layout, micro_batch_size=1, global_batch_size=4,
-                               optimizer=OptimizerConfig(lr=3e-3))
+        config = TrainerConfig(**layout, micro_batch_size=1, global_batch_size=4, optimizer=OptimizerConfig(lr=3e-3))
         trainer = MegatronTrainer(config, hf_config())
         curves.append([(r.loss, r.grad_norm) for r in (trainer.train_step(batch) for _ in range(STEPS))])
     return curves

@@ -34,8 +34,11 @@ TENSOR_PATH = "__tensor__"
 _EXPERT_PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 _PER_EXPERT = re.compile(r"^(?P<experts>.+)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$")
 _REFUSED = {  # PEFT config key -> what it would need; refused unless at PEFT's default
-    "use_dora": "DoRA", "rank_pattern": "per-module ranks", "alpha_pattern": "per-module alphas",
-    "modules_to_save": "fully trained modules", "fan_in_fan_out": "transposed (Conv1D) weights",
+    "use_dora": "DoRA",
+    "rank_pattern": "per-module ranks",
+    "alpha_pattern": "per-module alphas",
+    "modules_to_save": "fully trained modules",
+    "fan_in_fan_out": "transposed (Conv1D) weights",
     "trainable_token_indices": "trained token embeddings",
 }
 
@@ -58,12 +61,19 @@ def is_fused_experts(module: torch.nn.Module) -> bool:
 
 def check_experts_layout(module: torch.nn.Module, name: str) -> None:
     """The layout `lora_hooks` computes with: [gate; up] concatenated, [out, in], no bias."""
-    expected = {"is_transposed": False, "has_bias": False, "is_concatenated": True, "has_gate": True,
-                "has_post_expert_norm": False}
+    expected = {
+        "is_transposed": False,
+        "has_bias": False,
+        "is_concatenated": True,
+        "has_gate": True,
+        "has_post_expert_norm": False,
+    }
     wrong = {k: getattr(module, k) for k, v in expected.items() if getattr(module, k, v) != v}
     if wrong:
-        raise ValueError(f"lora: experts {name} ({type(module).__name__}) has {wrong}; the embedded engine's "
-                         f"expert LoRA takes {expected} (Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4.5 experts)")
+        raise ValueError(
+            f"lora: experts {name} ({type(module).__name__}) has {wrong}; the embedded engine's "
+            f"expert LoRA takes {expected} (Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4.5 experts)"
+        )
 
 
 class LoraAdapter:
@@ -97,7 +107,9 @@ class LoraAdapter:
                 if b is None:
                     raise ValueError(f"lora: {key} has no matching lora_B")
                 if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
-                    raise ValueError(f"lora: {key} {tuple(a.shape)} and its lora_B {tuple(b.shape)} are not [r, in] / [out, r]")
+                    raise ValueError(
+                        f"lora: {key} {tuple(a.shape)} and its lora_B {tuple(b.shape)} are not [r, in] / [out, r]"
+                    )
                 self.pairs[key[: -len(".lora_A.weight")]] = (a.float(), b.float())
         if len(self.pairs) * 2 != len(tensors):
             raise ValueError("lora: some lora_B weights have no matching lora_A")
@@ -113,8 +125,9 @@ class LoraAdapter:
         path = Path(path)
         config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
         if not config_file.is_file() or not weights_file.is_file():
-            raise ValueError(f"lora_path: {path} needs adapter_config.json and adapter_model.safetensors "
-                             "(PEFT save_pretrained)")
+            raise ValueError(
+                f"lora_path: {path} needs adapter_config.json and adapter_model.safetensors (PEFT save_pretrained)"
+            )
         try:
             config = json.loads(config_file.read_text())
             tensors = load_file(str(weights_file))
@@ -138,8 +151,10 @@ class LoraAdapter:
             match = _PER_EXPERT.match(target)
             if isinstance(module, torch.nn.Linear):
                 if a.shape[1] != module.in_features or b.shape[0] != module.out_features:
-                    raise ValueError(f"lora: {peft_name} A {tuple(a.shape)} / B {tuple(b.shape)} do not fit {target} "
-                                     f"(in {module.in_features}, out {module.out_features})")
+                    raise ValueError(
+                        f"lora: {peft_name} A {tuple(a.shape)} / B {tuple(b.shape)} do not fit {target} "
+                        f"(in {module.in_features}, out {module.out_features})"
+                    )
                 self.linear[target] = (a, b * self.scale)
             elif module is not None and is_fused_experts(module):
                 fused.setdefault(target, []).append((a, b))
@@ -147,8 +162,10 @@ class LoraAdapter:
                 key = (int(match["expert"]), _EXPERT_PROJ[match["proj"]])
                 per_expert.setdefault(match["experts"], {})[key] = (a, b)
             else:
-                raise ValueError(f"lora: target {peft_name!r} ({target}) is neither an nn.Linear nor the fused "
-                                 f"experts of this {type(model).__name__}")
+                raise ValueError(
+                    f"lora: target {peft_name!r} ({target}) is neither an nn.Linear nor the fused "
+                    f"experts of this {type(model).__name__}"
+                )
         for target in fused.keys() & per_expert.keys():
             raise ValueError(f"lora: {target} has adapters in both the per-expert and the fused (3-D) format")
         for target, pairs in fused.items():
@@ -163,13 +180,17 @@ class LoraAdapter:
         for a, b in pairs:
             which = [k for k, (out, inp) in shapes.items() if a.shape[1] == inp and b.shape[0] == out]
             if len(which) != 1 or a.shape[0] % num or b.shape[1] != a.shape[0]:
-                raise ValueError(f"lora: fused adapter on {target} A {tuple(a.shape)} / B {tuple(b.shape)} fits neither "
-                                 f"gate_up_proj {shapes['gate_up']} nor down_proj {shapes['down']} of {num} experts")
+                raise ValueError(
+                    f"lora: fused adapter on {target} A {tuple(a.shape)} / B {tuple(b.shape)} fits neither "
+                    f"gate_up_proj {shapes['gate_up']} nor down_proj {shapes['down']} of {num} experts"
+                )
             if which[0] in out_in:
                 raise ValueError(f"lora: two fused adapters on {target}.{which[0]}_proj")
             rank = a.shape[0] // num
-            out_in[which[0]] = (a.reshape(num, rank, -1),  # PEFT: A expert-major, B expert-minor
-                                b.reshape(b.shape[0], rank, num).permute(2, 0, 1).contiguous() * self.scale)
+            out_in[which[0]] = (
+                a.reshape(num, rank, -1),  # PEFT: A expert-major, B expert-minor
+                b.reshape(b.shape[0], rank, num).permute(2, 0, 1).contiguous() * self.scale,
+            )
         return ExpertsLora(gate_up=out_in.get("gate_up"), down=out_in.get("down"))
 
     def _per_expert(self, target: str, experts: torch.nn.Module, pieces) -> ExpertsLora:
@@ -179,8 +200,10 @@ class LoraAdapter:
         want = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
         for (expert, proj), (a, b) in pieces.items():
             if expert >= num or (b.shape[0], a.shape[1]) != want[proj]:
-                raise ValueError(f"lora: {target}.{expert}.{proj} A {tuple(a.shape)} / B {tuple(b.shape)} does not fit "
-                                 f"{num} experts with {proj} [out, in] = {want[proj]}")
+                raise ValueError(
+                    f"lora: {target}.{expert}.{proj} A {tuple(a.shape)} / B {tuple(b.shape)} does not fit "
+                    f"{num} experts with {proj} [out, in] = {want[proj]}"
+                )
         ranks = {proj: max((a.shape[0] for (_, p), (a, _) in pieces.items() if p == proj), default=0) for proj in want}
         gate_up = down = None
         if ranks["gate"] or ranks["up"]:  # [gate; up] rows: A stacks both ranks, B is block diagonal
@@ -190,7 +213,7 @@ class LoraAdapter:
                 if proj == "gate":
                     a_all[e, : a.shape[0]], b_all[e, :inter, : a.shape[0]] = a, b
                 elif proj == "up":
-                    a_all[e, r_g: r_g + a.shape[0]], b_all[e, inter:, r_g: r_g + a.shape[0]] = a, b
+                    a_all[e, r_g : r_g + a.shape[0]], b_all[e, inter:, r_g : r_g + a.shape[0]] = a, b
             gate_up = (a_all, b_all * self.scale)
         if ranks["down"]:
             a_all, b_all = torch.zeros(num, ranks["down"], inter), torch.zeros(num, hidden, ranks["down"])
@@ -202,7 +225,7 @@ class LoraAdapter:
 
 
 def _strip(peft_name: str) -> str:
-    name = peft_name[len(_PREFIX):] if peft_name.startswith(_PREFIX) else peft_name
+    name = peft_name[len(_PREFIX) :] if peft_name.startswith(_PREFIX) else peft_name
     return re.sub(r"(\.base_layer)+$", "", name.replace(".base_layer.", "."))
 
 

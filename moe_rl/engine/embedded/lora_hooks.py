@@ -86,8 +86,9 @@ class LoraSet:
         return hook
 
 
-def experts_forward(experts: torch.nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
-                    lora: ExpertsLora) -> torch.Tensor:
+def experts_forward(
+    experts: torch.nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, lora: ExpertsLora
+) -> torch.Tensor:
     """transformers' eager experts forward over `hidden` [N, H] routed by `index`/`weights` [N, k],
     with `lora`'s low-rank terms on gate_up_proj and down_proj."""
     out = torch.zeros_like(hidden)

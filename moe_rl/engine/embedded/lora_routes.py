@@ -41,13 +41,18 @@ class LoraRoutes:
         self._lock: asyncio.Lock | None = None  # made on the loop that serves
 
     def routes(self) -> dict:
-        return {"/load_lora_adapter": self.load, "/load_lora_adapter_from_tensors": self.load_from_tensors,
-                "/unload_lora_adapter": self.unload}
+        return {
+            "/load_lora_adapter": self.load,
+            "/load_lora_adapter_from_tensors": self.load_from_tensors,
+            "/unload_lora_adapter": self.unload,
+        }
 
     @property
     def max_tensor_body_bytes(self) -> int:
         """A tensor load's body: an adapter is smaller than the model; base64 adds a third."""
-        return (1 << 20) + 2 * sum(shape.numel() * dtype.itemsize for shape, dtype in self.server.runner._layout.values())
+        return (1 << 20) + 2 * sum(
+            shape.numel() * dtype.itemsize for shape, dtype in self.server.runner._layout.values()
+        )
 
     # -- uses by /generate -------------------------------------------------------------------------
 
@@ -55,8 +60,10 @@ class LoraRoutes:
         if name is None:
             return
         if name not in self.paths:
-            raise ValueError(f"lora_path: the following requested LoRA adapters are not loaded: {name}; "
-                             f"loaded adapters: {sorted(self.paths)} (call /load_lora_adapter first)")
+            raise ValueError(
+                f"lora_path: the following requested LoRA adapters are not loaded: {name}; "
+                f"loaded adapters: {sorted(self.paths)} (call /load_lora_adapter first)"
+            )
         self._users[name] += 1
         self._idle.setdefault(name, asyncio.Event()).clear()
 
@@ -87,8 +94,9 @@ class LoraRoutes:
             self._lock = asyncio.Lock()
         async with self._lock:
             if name in self._pending:
-                return self._answer(f"LoRA adapter '{name}' has an incomplete unload. Retry the unload before "
-                                    "loading it again.")
+                return self._answer(
+                    f"LoRA adapter '{name}' has an incomplete unload. Retry the unload before loading it again."
+                )
             if name in self.paths:  # SGLang's LoRAManager.validate_new_adapter
                 return self._answer(f"Failed to load LoRA adapter {name} because it is already loaded")
             try:
@@ -114,7 +122,9 @@ class LoraRoutes:
             raise ValueError("serialized_named_tensors must be a non-empty list of base64 strings (one per TP rank)")
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={load_format!r}: use one of {LOAD_FORMATS}")
-        if checksums is not None and not (isinstance(checksums, dict) and all(isinstance(v, str) for v in checksums.values())):
+        if checksums is not None and not (
+            isinstance(checksums, dict) and all(isinstance(v, str) for v in checksums.values())
+        ):
             raise ValueError("expected_checksums must be an object {tensor name: sha256 hex}")
         if body.get("added_tokens_config"):
             raise ValueError("added_tokens_config: adapters that add tokens are not supported (as in SGLang)")

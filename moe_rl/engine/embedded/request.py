@@ -18,7 +18,6 @@ import torch
 
 from moe_rl.sample import encode_routed_experts
 
-
 SAMPLING_EPS = 1e-6
 """A temperature below this samples greedily (SGLang's `_SAMPLING_EPS`: dividing by it would overflow)."""
 
@@ -115,5 +114,5 @@ class Request:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(self.logprobs, self.output_ids)]
         if self.return_routed_experts and self.routed:
             rows = np.concatenate(self.routed)[: len(self.input_ids) + len(self.output_ids) - 1]
-            meta["routed_experts"] = encode_routed_experts(rows[self.routed_experts_start_len:])
+            meta["routed_experts"] = encode_routed_experts(rows[self.routed_experts_start_len :])
         return {"output_ids": list(self.output_ids), "meta_info": meta}

@@ -76,8 +76,10 @@ class ModelRunner:
         self.model_class = getattr(transformers, architectures[0])
         text_config = self.config.get_text_config()
         if getattr(text_config, "num_experts_per_tok", None) is None:
-            raise ValueError(f"{model_dir}: {architectures[0]} is not a Mixture-of-Experts model (no "
-                             "num_experts_per_tok): the embedded engine serves MoE checkpoints such as Qwen3-MoE")
+            raise ValueError(
+                f"{model_dir}: {architectures[0]} is not a Mixture-of-Experts model (no "
+                "num_experts_per_tok): the embedded engine serves MoE checkpoints such as Qwen3-MoE"
+            )
         # an FP8 checkpoint (sync.fp8_blocks) is served dequantized, and so are its FP8 updates
         self.fp8 = BlockFP8.from_hf_config(self.config.to_dict())
         if self.fp8 is not None:
@@ -89,8 +91,9 @@ class ModelRunner:
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks: list = []
         self.lora = LoraSet()
-        self.model = self._install(self.model_class.from_pretrained(None, config=self.config, state_dict=self.checkpoint,
-                                                                    dtype=torch.float32))
+        self.model = self._install(
+            self.model_class.from_pretrained(None, config=self.config, state_dict=self.checkpoint, dtype=torch.float32)
+        )
         self._layout = {name: (tensor.shape, tensor.dtype) for name, tensor in self.checkpoint.items()}
         self.weights_state = "loaded"
         """"loaded" | "released" (no tensors) | "resumed" (allocated, waiting for a full update)."""
@@ -104,19 +107,23 @@ class ModelRunner:
         model: the caller swaps it in between forwards.
         """
         if self.weights_state == "released":
-            raise RuntimeError("weights are released (/release_memory_occupation): call "
-                               "/resume_memory_occupation before updating them")
+            raise RuntimeError(
+                "weights are released (/release_memory_occupation): call /resume_memory_occupation before updating them"
+            )
         if self.fp8 is not None:
             tensors = self.fp8.dequantize_named(tensors)
         if self.weights_state == "resumed" and tensors.keys() != self.checkpoint.keys():
-            raise ValueError(f"after /resume_memory_occupation the engine holds no valid weights: the update must "
-                             f"carry all {len(self.checkpoint)} checkpoint tensors, got {len(tensors)}")
+            raise ValueError(
+                f"after /resume_memory_occupation the engine holds no valid weights: the update must "
+                f"carry all {len(self.checkpoint)} checkpoint tensors, got {len(tensors)}"
+            )
         for name, tensor in tensors.items():
             if name not in self.checkpoint:
                 raise ValueError(f"weight {name!r} is not a parameter of this checkpoint: send HF checkpoint names")
             if tuple(tensor.shape) != tuple(self.checkpoint[name].shape):
                 raise ValueError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, checkpoint has {tuple(self.checkpoint[name].shape)}"
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                    f"checkpoint has {tuple(self.checkpoint[name].shape)}"
                 )
         # copy: the receiver reuses its storage two versions later, the checkpoint must not alias it
         merged = {**self.checkpoint, **{k: v.to(self.checkpoint[k].dtype, copy=True) for k, v in tensors.items()}}
@@ -149,8 +156,10 @@ class ModelRunner:
 
     def require_weights(self) -> None:
         if self.weights_state != "loaded":
-            raise RuntimeError(f"the engine's weights are {self.weights_state} (/release_memory_occupation): "
-                               "/resume_memory_occupation and a full weight update must come first")
+            raise RuntimeError(
+                f"the engine's weights are {self.weights_state} (/release_memory_occupation): "
+                "/resume_memory_occupation and a full weight update must come first"
+            )
 
     def weight_bytes(self) -> int:
         """Bytes held by the live model's parameters and buffers and the checkpoint tensors."""

@@ -20,7 +20,6 @@ import concurrent.futures
 import threading
 from typing import Callable
 
-import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -159,13 +158,13 @@ class Scheduler:
         ids = torch.zeros(len(new), width, dtype=torch.long)
         mask = torch.zeros(len(new), width, dtype=torch.long)
         for row, seq in enumerate(sequences):
-            ids[row, width - len(seq):] = torch.tensor(seq)
-            mask[row, width - len(seq):] = 1
+            ids[row, width - len(seq) :] = torch.tensor(seq)
+            mask[row, width - len(seq) :] = 1
         cache = DynamicCache()
         logprobs, routed = self.runner.forward(ids, mask, cache, [r.lora_name for r in new])
         for row, (request, seq) in enumerate(zip(new, sequences)):
-            fed = routed[row, width - len(seq):]
-            request.add_routing(fed[request.num_routed_rows:])
+            fed = routed[row, width - len(seq) :]
+            request.add_routing(fed[request.num_routed_rows :])
         self._merge(new, cache, mask)
         self._admitting = []
         self._sample_and_finish(len(self._running) - len(new), logprobs)

@@ -55,7 +55,9 @@ def _check(body: object, path: str) -> dict:
         raise BadRequest(f"{path}: the body must be a JSON object")
     unknown = protocol.unknown_fields(path, body)
     if unknown:
-        raise BadRequest(f"{path}: unknown field(s) {unknown}; SGLang's fields are {sorted(protocol.REQUEST_FIELDS[path])}")
+        raise BadRequest(
+            f"{path}: unknown field(s) {unknown}; SGLang's fields are {sorted(protocol.REQUEST_FIELDS[path])}"
+        )
     missing = [f for f in protocol.REQUIRED_FIELDS.get(path, ()) if f not in body]
     if missing:
         raise BadRequest(f"{path}: missing required field(s) {missing}")
@@ -88,13 +90,19 @@ class EmbeddedServer:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors])
         routes = {
-            "/generate": self.generate, "/pause_generation": self.pause, "/continue_generation": self.resume,
-            "/abort_request": self.abort, "/update_weights_from_disk": self.update_from_disk,
-            "/init_weights_update_group": self.init_group, "/destroy_weights_update_group": self.destroy_group,
+            "/generate": self.generate,
+            "/pause_generation": self.pause,
+            "/continue_generation": self.resume,
+            "/abort_request": self.abort,
+            "/update_weights_from_disk": self.update_from_disk,
+            "/init_weights_update_group": self.init_group,
+            "/destroy_weights_update_group": self.destroy_group,
             "/update_weights_from_distributed": self.update_from_distributed,
             "/update_weight_version": self.update_version,
-            "/begin_weight_update": self.begin_update, "/end_weight_update": self.end_update,
-            "/release_memory_occupation": self.release_memory, "/resume_memory_occupation": self.resume_memory,
+            "/begin_weight_update": self.begin_update,
+            "/end_weight_update": self.end_update,
+            "/release_memory_occupation": self.release_memory,
+            "/resume_memory_occupation": self.resume_memory,
             **self.lora.routes(),
         }
         for path, handler in routes.items():
@@ -117,9 +125,13 @@ class EmbeddedServer:
         try:
             return await handler(request)
         except ValueError as error:  # BadRequest and the receiver's / runner's input errors
-            return web.json_response({"error": {"message": str(error)}, "success": False, "message": str(error)}, status=400)
+            return web.json_response(
+                {"error": {"message": str(error)}, "success": False, "message": str(error)}, status=400
+            )
         except RuntimeError as error:  # calls in the wrong order (e.g. a bucket before joining)
-            return web.json_response({"error": {"message": str(error)}, "success": False, "message": str(error)}, status=400)
+            return web.json_response(
+                {"error": {"message": str(error)}, "success": False, "message": str(error)}, status=400
+            )
         except web.HTTPException:
             raise
         except Exception as error:  # an engine fault: reported, the server keeps serving
@@ -154,8 +166,10 @@ class EmbeddedServer:
     async def generate(self, http: web.Request) -> web.Response:
         request = await asyncio.to_thread(self._parse_generate, await self._body(http))  # per-id checks off the loop
         if self.released or self.runner.weights_state != "loaded":
-            raise RuntimeError(f"/generate refused: memory released {sorted(self.released)}, weights "
-                               f"{self.runner.weights_state}; call /resume_memory_occupation and update the weights")
+            raise RuntimeError(
+                f"/generate refused: memory released {sorted(self.released)}, weights "
+                f"{self.runner.weights_state}; call /resume_memory_occupation and update the weights"
+            )
         self.lora.acquire(request.lora_name)  # an unknown adapter fails this request only
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
@@ -175,13 +189,17 @@ class EmbeddedServer:
         raw = body.get("sampling_params") or {}
         if not isinstance(raw, dict):
             raise BadRequest("sampling_params must be a JSON object")
-        for prefix, values, fields in (("", body, protocol.GENERATE_FIELDS),
-                                       ("sampling_params.", raw, protocol.SAMPLING_FIELDS)):
+        for prefix, values, fields in (
+            ("", body, protocol.GENERATE_FIELDS),
+            ("sampling_params.", raw, protocol.SAMPLING_FIELDS),
+        ):
             for field in sorted(fields & values.keys() & protocol.EMBEDDED_UNSUPPORTED.keys()):
                 default = protocol.EMBEDDED_UNSUPPORTED[field]
                 if values[field] not in (default, protocol.DEFAULT_EQUIVALENTS.get(field, default)):
-                    raise BadRequest(f"{prefix}{field}={values[field]!r} is not supported by the embedded "
-                                     f"engine (leave it at SGLang's default {default!r})")
+                    raise BadRequest(
+                        f"{prefix}{field}={values[field]!r} is not supported by the embedded "
+                        f"engine (leave it at SGLang's default {default!r})"
+                    )
         ids = body["input_ids"]
         if not isinstance(ids, list) or not ids:
             raise BadRequest("input_ids must be a non-empty list of token ids")
@@ -221,10 +239,14 @@ class EmbeddedServer:
         if lora is not None and not isinstance(lora, str):
             raise BadRequest(f"lora_path must be the name of a loaded adapter (a string), got {lora!r}")
         return Request(
-            rid=rid, input_ids=list(ids), params=params, eos_token_ids=self.eos_token_ids,
+            rid=rid,
+            input_ids=list(ids),
+            params=params,
+            eos_token_ids=self.eos_token_ids,
             return_logprob=bool(body.get("return_logprob")),
             return_routed_experts=bool(body.get("return_routed_experts")),
-            routed_experts_start_len=start, lora_name=lora,
+            routed_experts_start_len=start,
+            lora_name=lora,
         )
 
     # -- control -----------------------------------------------------------------------------------
@@ -260,32 +282,54 @@ class EmbeddedServer:
 
     async def model_info(self, http: web.Request) -> web.Response:
         describe = await self._on_scheduler(self.runner.describe)  # the scheduler thread owns the weights
-        return web.json_response({
-            "model_path": self.runner.model_dir, "is_generation": True,
-            "weight_version": self.scheduler.weight_version, "memory_released": sorted(self.released), **describe,
-        })
+        return web.json_response(
+            {
+                "model_path": self.runner.model_dir,
+                "is_generation": True,
+                "weight_version": self.scheduler.weight_version,
+                "memory_released": sorted(self.released),
+                **describe,
+            }
+        )
 
     async def server_info(self, http: web.Request) -> web.Response:
         # SGLang's /server_info is its resolved server args plus live state: the ones that describe
         # this engine, under SGLang's names (what clients read: tp/dp/pp sizes, model, version).
-        return web.json_response({
-            "model_path": self.runner.model_dir, "tokenizer_path": self.runner.model_dir,
-            "served_model_name": self.runner.model_dir, "skip_tokenizer_init": True,
-            "tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1, "attn_dp_size": 1,
-            "context_length": self.max_positions, "max_running_requests": self.scheduler.max_batch,
-            "weight_version": self.scheduler.weight_version, "enable_lora": True,
-            "enable_memory_saver": True, "enable_return_routed_experts": True,
-            "version": "embedded",
-        })
+        return web.json_response(
+            {
+                "model_path": self.runner.model_dir,
+                "tokenizer_path": self.runner.model_dir,
+                "served_model_name": self.runner.model_dir,
+                "skip_tokenizer_init": True,
+                "tp_size": 1,
+                "dp_size": 1,
+                "pp_size": 1,
+                "ep_size": 1,
+                "attn_dp_size": 1,
+                "context_length": self.max_positions,
+                "max_running_requests": self.scheduler.max_batch,
+                "weight_version": self.scheduler.weight_version,
+                "enable_lora": True,
+                "enable_memory_saver": True,
+                "enable_return_routed_experts": True,
+                "version": "embedded",
+            }
+        )
 
     async def _load(self) -> dict:
         """One LoadSnapshot (SGLang's per-DP-rank load record, `managers/load_snapshot.py`), dp_rank 0."""
         running, waiting, used, queued = await self._on_scheduler(self.scheduler.load)
         load = dict.fromkeys(protocol.LOAD_FIELDS, 0)  # throughput, cache and prefill counters: not measured
         load.update(
-            timestamp=time.time(), num_running_reqs=running, num_waiting_reqs=waiting, num_used_tokens=used,
-            num_waiting_uncached_tokens=queued, num_total_tokens=used + queued, num_active_tokens=used + queued,
-            max_running_requests=self.scheduler.max_batch, decode_moments=None,
+            timestamp=time.time(),
+            num_running_reqs=running,
+            num_waiting_reqs=waiting,
+            num_used_tokens=used,
+            num_waiting_uncached_tokens=queued,
+            num_total_tokens=used + queued,
+            num_active_tokens=used + queued,
+            max_running_requests=self.scheduler.max_batch,
+            decode_moments=None,
         )
         return load
 
@@ -295,10 +339,15 @@ class EmbeddedServer:
 
     async def loads(self, http: web.Request) -> web.Response:
         # SGLang's /v1/loads envelope (entrypoints/v1_loads.py)
-        return web.json_response({
-            "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(), "version": "embedded",
-            "accelerator": None, "num_accelerators": 0, "loads": [await self._load()],
-        })
+        return web.json_response(
+            {
+                "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                "version": "embedded",
+                "accelerator": None,
+                "num_accelerators": 0,
+                "loads": [await self._load()],
+            }
+        )
 
     # -- memory occupation (colocated RL) ----------------------------------------------------------
 
@@ -313,8 +362,10 @@ class EmbeddedServer:
 
         def release() -> None:
             if not self.scheduler.idle:
-                raise RuntimeError("/release_memory_occupation needs an idle engine: pause generation "
-                                   "(abort or retract) or let the running requests finish first")
+                raise RuntimeError(
+                    "/release_memory_occupation needs an idle engine: pause generation "
+                    "(abort or retract) or let the running requests finish first"
+                )
             if "kv_cache" in tags:
                 self.scheduler.release_kv_cache()
             if "weights" in tags:
@@ -351,11 +402,15 @@ class EmbeddedServer:
         """A weight version as the engine takes it: a non-negative integer (SGLang's string form, e.g.
         "3"), never older than the served one (equal only where `same_ok`: a reload)."""
         if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.isdigit())):
-            raise BadRequest(f"{field}: {value!r} is not a weight version; versions are non-negative integers, "
-                             f"sent as strings (e.g. \"3\")")
+            raise BadRequest(
+                f"{field}: {value!r} is not a weight version; versions are non-negative integers, "
+                f'sent as strings (e.g. "3")'
+            )
         version, served = int(value), self.scheduler.weight_version
         if served.isdigit() and (version < int(served) or (version == int(served) and not same_ok)):
-            raise BadRequest(f"{field}: {version} is not newer than the served version {served}; versions only increase")
+            raise BadRequest(
+                f"{field}: {version} is not newer than the served version {served}; versions only increase"
+            )
         return str(version)
 
     async def update_from_disk(self, http: web.Request) -> web.Response:
@@ -372,9 +427,13 @@ class EmbeddedServer:
     async def init_group(self, http: web.Request) -> web.Response:
         body = await self._body(http)
         await asyncio.to_thread(
-            self.receiver.join, body["master_address"], _int(body["master_port"], "master_port", 1),
-            _int(body["rank_offset"], "rank_offset", 1), _int(body["world_size"], "world_size", 2),
-            body.get("group_name", "weight_update_group"), body.get("backend", "gloo"),
+            self.receiver.join,
+            body["master_address"],
+            _int(body["master_port"], "master_port", 1),
+            _int(body["rank_offset"], "rank_offset", 1),
+            _int(body["world_size"], "world_size", 2),
+            body.get("group_name", "weight_update_group"),
+            body.get("backend", "gloo"),
         )
         return web.json_response({"success": True, "message": "Joined the weight update group."})
 
@@ -404,13 +463,19 @@ class EmbeddedServer:
     async def update_from_distributed(self, http: web.Request) -> web.Response:
         body = await self._body(http)
         if not self._session:
-            raise RuntimeError("update_weights_from_distributed must run between "
-                               "begin_weight_update() and end_weight_update()")
+            raise RuntimeError(
+                "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+            )
         if body.get("load_format") not in (None, "flattened_bucket"):
             raise BadRequest(f"load_format={body['load_format']!r}: the embedded engine takes 'flattened_bucket'")
         await asyncio.to_thread(
-            self.receiver.receive_bucket, body["names"], body["dtypes"], body["shapes"],
-            body.get("weight_version"), body.get("checksum"), body.get("group_name"),
+            self.receiver.receive_bucket,
+            body["names"],
+            body["dtypes"],
+            body["shapes"],
+            body.get("weight_version"),
+            body.get("checksum"),
+            body.get("group_name"),
         )
         return web.json_response({"success": True, "message": f"Staged {len(body['names'])} tensors."})
 

@@ -47,9 +47,9 @@ class ModelConfig:
         if self.path is not None and not (Path(self.path) / "config.json").is_file():
             raise ValueError(f"model.path={self.path!r}: no config.json there; point it at an HF model dir")
         if self.path is not None and any(Path(self.path).glob("*.safetensors")):
-            from parallel.hf_checkpoint import mtp_tensor_names
+            from parallel.hf_checkpoint import HFCheckpointReader
 
-            mtp_tensor_names(self.path, drop=self.mtp == "drop")  # MTP tensors but no choice: say so now
+            HFCheckpointReader(self.path).mtp_names(drop=self.mtp == "drop")  # MTP tensors, no choice: say so now
         if self.hf_config is not None:
             for key in ("model_type", "architectures"):
                 if key not in self.hf_config:

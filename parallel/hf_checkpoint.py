@@ -80,7 +80,8 @@ class HFCheckpointReader:
             check_safetensors(self.dir / file)
         self._files: dict[str, Any] = {}
         config = self.dir / "config.json"
-        self.fp8 = BlockFP8.from_hf_config(json.loads(config.read_text())) if config.exists() else None
+        self.config: dict[str, Any] = json.loads(config.read_text()) if config.exists() else {}
+        self.fp8 = BlockFP8.from_hf_config(self.config)
         self.ignored = sorted(n for n in weight_map if n.endswith(".rotary_emb.inv_freq"))
         self._views = self._fused_expert_views()
         hidden = (
@@ -117,6 +118,24 @@ class HFCheckpointReader:
 
     def names(self) -> set[str]:
         return set(self._names)
+
+    def mtp_names(self, drop: bool) -> set[str]:
+        """The tensors of multi-token-prediction layers (DeepSeek-V3, GLM-4.5:
+        `model.layers.{num_hidden_layers + i}.*`, i < num_nextn_predict_layers). They are not mapped
+        to Megatron's MTP block: without `drop` (model.mtp: drop) a checkpoint holding any is a
+        ValueError naming the fix, raised before a model is built. Headers only: cheap."""
+        first = self.config.get("num_hidden_layers", 0)
+        count = self.config.get("num_nextn_predict_layers") or 0
+        prefixes = tuple(f"model.layers.{first + i}." for i in range(count))
+        names = {name for name in self._names if prefixes and name.startswith(prefixes)}
+        if names and not drop:
+            layers = ", ".join(p + "*" for p in prefixes)
+            raise ValueError(
+                f"{self.dir} holds {len(names)} tensors of multi-token-prediction layers ({layers}); they are "
+                "not mapped to Megatron's MTP block: set model.mtp: drop (moe-rl convert hf-to-megatron: "
+                "--mtp drop) to train and serve without them"
+            )
+        return names
 
     def _slice(self, name: str):
         if name not in self.weight_map:
@@ -168,25 +187,6 @@ class _ExpertView:
     expert: int
     row0: int
     rows: int
-
-
-def mtp_tensor_names(hf_dir: str | os.PathLike, drop: bool) -> set[str]:
-    """The checkpoint's tensors of multi-token-prediction layers (DeepSeek-V3, GLM-4.5:
-    `model.layers.{num_hidden_layers + i}.*`, i < num_nextn_predict_layers). They are not mapped
-    to Megatron's MTP block: without `drop` (model.mtp: drop) a checkpoint holding any is a
-    ValueError naming the fix, raised before a model is built. Headers only: cheap."""
-    config = load_hf_config(hf_dir)
-    first, count = config.get("num_hidden_layers", 0), config.get("num_nextn_predict_layers") or 0
-    prefixes = tuple(f"model.layers.{first + i}." for i in range(count))
-    names = {name for name in HFCheckpointReader(hf_dir).names() if prefixes and name.startswith(prefixes)}
-    if names and not drop:
-        layers = ", ".join(p + "*" for p in prefixes)
-        raise ValueError(
-            f"{hf_dir} holds {len(names)} tensors of multi-token-prediction layers ({layers}); they are "
-            "not mapped to Megatron's MTP block: set model.mtp: drop (moe-rl convert hf-to-megatron: "
-            "--mtp drop) to train and serve without them"
-        )
-    return names
 
 
 def load_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:

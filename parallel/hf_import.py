@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from parallel.bridges import Bridge
 from parallel.export import model_chunks, model_tensors, parallel_context, uses_transformer_engine
-from parallel.hf_checkpoint import HFCheckpointReader, mtp_tensor_names
+from parallel.hf_checkpoint import HFCheckpointReader
 from parallel.mappings import resolve
 
 
@@ -27,7 +27,7 @@ def load_hf_weights(model, bridge: Bridge, hf_dir: str | os.PathLike) -> None:
     rank used, to check that no HF tensor was left unmapped). Memory: one parameter's slices.
     """
     reader = HFCheckpointReader(hf_dir)
-    used = _left_out(reader, bridge, hf_dir)
+    used = _left_out(reader, bridge)
     with torch.no_grad():
         for chunk in model_chunks(model):
             ctx = parallel_context(chunk, bridge)
@@ -51,11 +51,11 @@ def load_hf_weights(model, bridge: Bridge, hf_dir: str | os.PathLike) -> None:
         )
 
 
-def _left_out(reader: HFCheckpointReader, bridge: Bridge, hf_dir) -> set[str]:
+def _left_out(reader: HFCheckpointReader, bridge: Bridge) -> set[str]:
     """Checkpoint tensors the model leaves out on purpose, each kind said once (rank 0): the
     multi-token-prediction layers of a model built `without_mtp` (a ValueError if the model
     still counts them) and `rotary_emb.inv_freq` buffers (already not listed by the reader)."""
-    dropped = mtp_tensor_names(hf_dir, drop=not bridge.get("num_nextn_predict_layers", 0))
+    dropped = reader.mtp_names(drop=not bridge.get("num_nextn_predict_layers", 0))
     if not dist.is_initialized() or dist.get_rank() == 0:
         if dropped:
             layers = sorted({".".join(name.split(".")[:3]) + ".*" for name in dropped})

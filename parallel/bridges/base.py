@@ -46,7 +46,7 @@ def bridge_for(hf_config: Any) -> "Bridge":
 def without_mtp(hf_config: Any) -> Any:
     """`hf_config` (a dict or a transformers config, not changed) with its multi-token-prediction
     layers dropped: num_nextn_predict_layers 0. Import then skips their tensors (with a warning,
-    `parallel.hf_checkpoint.mtp_tensor_names`), and every export and weight sync describes, and
+    `HFCheckpointReader.mtp_names`), and every export and weight sync describes, and
     carries, a model without them."""
     if isinstance(hf_config, dict):
         return {**hf_config, "num_nextn_predict_layers": 0}

@@ -35,9 +35,11 @@ class ModelConfig:
     hf_config: dict[str, Any] | None = None
     """Inline HF config fields (with `model_type` and `architectures`) for a tiny random model."""
     mtp: str | None = None
-    """"drop": leave out the checkpoint's multi-token-prediction layers (DeepSeek-V3, GLM-4.5:
-    num_nextn_predict_layers): skipped on import with a warning; exports and weight syncs then
-    carry a model without them (num_nextn_predict_layers: 0), so engines cannot speculate with them."""
+    """Multi-token-prediction layers (DeepSeek-V3, GLM-4.5: num_nextn_predict_layers). Unset: they
+    are megatron-core's MTP block on the last pipeline stage, exported and synced with the rest
+    under their HF names (trained with trainer.mtp_loss_weight > 0). "drop": skipped on import with
+    a warning; exports and weight syncs then carry a model without them (num_nextn_predict_layers:
+    0), so engines cannot speculate with them."""
 
     def __post_init__(self):
         if self.mtp not in (None, "drop"):
@@ -46,10 +48,6 @@ class ModelConfig:
             raise ValueError("model: set exactly one of model.path (HF dir) or model.hf_config")
         if self.path is not None and not (Path(self.path) / "config.json").is_file():
             raise ValueError(f"model.path={self.path!r}: no config.json there; point it at an HF model dir")
-        if self.path is not None and any(Path(self.path).glob("*.safetensors")):
-            from parallel.hf_checkpoint import HFCheckpointReader
-
-            HFCheckpointReader(self.path).mtp_names(drop=self.mtp == "drop")  # MTP tensors, no choice: say so now
         if self.hf_config is not None:
             for key in ("model_type", "architectures"):
                 if key not in self.hf_config:

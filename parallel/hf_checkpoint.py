@@ -119,23 +119,13 @@ class HFCheckpointReader:
     def names(self) -> set[str]:
         return set(self._names)
 
-    def mtp_names(self, drop: bool) -> set[str]:
+    def mtp_names(self) -> set[str]:
         """The tensors of multi-token-prediction layers (DeepSeek-V3, GLM-4.5:
-        `model.layers.{num_hidden_layers + i}.*`, i < num_nextn_predict_layers). They are not mapped
-        to Megatron's MTP block: without `drop` (model.mtp: drop) a checkpoint holding any is a
-        ValueError naming the fix, raised before a model is built. Headers only: cheap."""
+        `model.layers.{num_hidden_layers + i}.*`, i < num_nextn_predict_layers), from the headers."""
         first = self.config.get("num_hidden_layers", 0)
         count = self.config.get("num_nextn_predict_layers") or 0
         prefixes = tuple(f"model.layers.{first + i}." for i in range(count))
-        names = {name for name in self._names if prefixes and name.startswith(prefixes)}
-        if names and not drop:
-            layers = ", ".join(p + "*" for p in prefixes)
-            raise ValueError(
-                f"{self.dir} holds {len(names)} tensors of multi-token-prediction layers ({layers}); they are "
-                "not mapped to Megatron's MTP block: set model.mtp: drop (moe-rl convert hf-to-megatron: "
-                "--mtp drop) to train and serve without them"
-            )
-        return names
+        return {name for name in self._names if prefixes and name.startswith(prefixes)}
 
     def _slice(self, name: str):
         if name not in self.weight_map:

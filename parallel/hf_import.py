@@ -55,7 +55,7 @@ def _left_out(reader: HFCheckpointReader, bridge: Bridge) -> set[str]:
     """Checkpoint tensors the model leaves out on purpose, each kind said once (rank 0): the
     multi-token-prediction layers of a model built `without_mtp` (a ValueError if the model
     still counts them) and `rotary_emb.inv_freq` buffers (already not listed by the reader)."""
-    dropped = reader.mtp_names(drop=not bridge.get("num_nextn_predict_layers", 0))
+    dropped = set() if bridge.mtp_layers else reader.mtp_names()
     if not dist.is_initialized() or dist.get_rank() == 0:
         if dropped:
             layers = sorted({".".join(name.split(".")[:3]) + ".*" for name in dropped})

@@ -8,12 +8,16 @@ parameter class:
   all-gathers over the expert-parallel group, renaming local expert j of EP rank r to the
   global expert j + r * experts_per_rank;
 - PP: Megatron numbers layers locally per stage; HF names use `layer_offset + local`.
+- MTP: the multi-token-prediction block's layers (`mtp.layers.{k}`, on the last stage) are HF
+  layers `num_hidden_layers + k` (`layer_base`), whatever the stage offset (`Mapping.for_mtp`).
 Patterns use `*` for the layer index, then (expert mappings) the expert index.
 """
 
 from __future__ import annotations
 
+import copy
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -47,6 +51,8 @@ class ParallelContext:
 
 
 class ShardReader(Protocol):
+    def names(self) -> set[str]: ...
+
     def shape(self, name: str) -> tuple[int, ...]: ...
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
@@ -113,9 +119,22 @@ class Mapping:
     tensor -> HF tensors, in `hf` order) and `read_shard` (HF file -> this rank's shard).
     """
 
-    def __init__(self, megatron: str, *hf: str, expert: bool = False, export: bool = True):
+    def __init__(
+        self, megatron: str, *hf: str, expert: bool = False, export: bool = True, layer_base: int | None = None
+    ):
         self.megatron, self.hf, self.expert, self.exported = megatron, hf, expert, export
+        self.layer_base = layer_base  # HF index of Megatron layer 0 (MTP layers); None: the stage's offset
         self.regex = _pattern(megatron)
+
+    def for_mtp(self, first_layer: int) -> "Mapping":
+        """This decoder-layer mapping for the MTP block's transformer layers: Megatron
+        `mtp.layers.{k}.transformer_layer.*`, HF layer `first_layer + k`."""
+        if not self.megatron.startswith("decoder.layers.*."):
+            raise ValueError(f"{self}: only decoder-layer mappings have an MTP counterpart")
+        clone = copy.copy(self)
+        clone.megatron = self.megatron.replace("decoder.layers.*.", "mtp.layers.*.transformer_layer.", 1)
+        clone.regex, clone.layer_base = _pattern(clone.megatron), first_layer
+        return clone
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.megatron!r} <-> {', '.join(self.hf)})"
@@ -128,7 +147,7 @@ class Mapping:
         """HF names for the Megatron parameter at local `indices` (layer[, expert])."""
         indices = list(indices)
         if indices:
-            indices[0] += ctx.layer_offset
+            indices[0] += ctx.layer_offset if self.layer_base is None else self.layer_base
         if self.expert:
             rank = ctx.ep.rank if ep_rank is None else ep_rank
             indices[1] += rank * ctx.num_local_experts
@@ -226,6 +245,36 @@ class VocabParallel(ColumnParallel):
         part = reader.read(names[0], 0, start, max(start, stop))
         shard = part.new_zeros(local_shape)
         shard[: part.shape[0]] = part
+        return shard
+
+
+class SharedWithMTP(VocabParallel):
+    """The embedding or the output layer when the model has MTP layers, which share both (Megatron
+    keeps a tied copy of the embedding on the MTP stage). DeepSeek's checkpoints store a copy per
+    MTP layer (`model.layers.{N}.embed_tokens.weight`, `model.layers.{N}.shared_head.head.weight`):
+    import reads the main tensor on every stage (a copy that differs is warned about, since one
+    tensor cannot hold both) and export writes the main tensor from its own stage (`main_stage`:
+    0 for the embedding, -1 for the output layer) and the copies from the last stage, where the
+    MTP block lives. HF names: (main, *copies)."""
+
+    def __init__(self, megatron: str, main: str, *copies: str, main_stage: int):
+        super().__init__(megatron, main, *copies)
+        self.main_stage = main_stage
+
+    def hf_names(self, ctx, indices, ep_rank=None):
+        main_here = ctx.pp_rank == (self.main_stage % ctx.pp_size)
+        return [self.hf[0]] * main_here + list(self.hf[1:]) * (ctx.pp_rank == ctx.pp_size - 1)
+
+    def to_hf(self, full, ctx):
+        names = self.hf_names(ctx, ())
+        trimmed = super().to_hf(full, ctx)[0]
+        return [trimmed] + [trimmed.clone() for _ in names[1:]]  # safetensors refuses shared storage
+
+    def load(self, reader, ctx, indices, local_shape):
+        shard = self.read_shard(reader, [self.hf[0]], self.axis(ctx), local_shape)
+        for name in set(self.hf_names(ctx, indices)) & reader.names() - {self.hf[0]}:
+            if not torch.equal(self.read_shard(reader, [name], self.axis(ctx), local_shape), shard):
+                warnings.warn(f"{name} differs from {self.hf[0]}: Megatron's MTP block shares one tensor, the latter")
         return shard
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -56,14 +57,14 @@ def build_gpt_model(bridge: Bridge, layout: ParallelLayout, use_te: bool | None 
     available, see `use_transformer_engine`). Returns the bare GPTModel (no DDP wrapper).
     """
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
 
     if use_te is None:
         use_te = use_transformer_engine()
     config = bridge.transformer_config(layout, **config_overrides)
-    model = GPTModel(
+    model = _gpt_model_class()(
         config=config,
         transformer_layer_spec=bridge.layer_spec(config, use_te=use_te),
+        mtp_block_spec=bridge.mtp_block_spec(config, use_te=use_te),
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         **bridge.gpt_model_kwargs(layout),
@@ -71,3 +72,40 @@ def build_gpt_model(bridge: Bridge, layout: ParallelLayout, use_te: bool | None 
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+
+@functools.cache
+def _gpt_model_class():
+    from megatron.core.models.gpt import GPTModel
+
+    class LogitsGPTModel(GPTModel):
+        """GPTModel that returns logits with an MTP block too. megatron-core 0.16 runs MTP only when
+        given labels, adding each MTP layer's loss (layer k predicts the token k + 2 ahead, over
+        `loss_mask`, times `mtp_loss_scaling_factor`) to the backward through the hidden states, and
+        then returns the main tokens' cross entropy, computed in place over the logits. Here the MTP
+        layers' losses are computed as Megatron does and the main logits come back untouched
+        ([s, b, vocab / tp]), for the RL loss to read."""
+
+        def forward(self, *args, **kwargs):
+            self._losses_left = self.config.mtp_num_layers or 0
+            return super().forward(*args, **kwargs)
+
+        def compute_language_model_loss(self, labels, logits):
+            if self._losses_left == 0:  # after the MTP layers' losses: the main output
+                return logits
+            self._losses_left -= 1
+            return super().compute_language_model_loss(labels, logits)
+
+    return LogitsGPTModel
+
+
+def forward(model, inputs: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor):
+    """One stage's forward: logits [b, s, vocab / tp] on the last stage, hidden states elsewhere.
+    `labels` (the next tokens, [b, s]) and `loss_mask` are what an MTP block trains on; a model
+    without MTP ignores them."""
+    core = getattr(model, "module", model)  # DDP wraps the GPTModel
+    if core.config.mtp_num_layers is None:
+        return model(inputs, positions, attention_mask=None)
+    output = model(inputs, positions, attention_mask=None, labels=labels, loss_mask=loss_mask)
+    return output.transpose(0, 1).contiguous() if core.post_process else output

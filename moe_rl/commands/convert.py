@@ -153,9 +153,6 @@ def _check_before_launch(direction: str, source: str, layout, drop_mtp: bool) ->
     from parallel.checkpoint_trust import check_dist_checkpoint
 
     if direction == "hf-to-megatron":
-        from parallel.hf_checkpoint import HFCheckpointReader
-
-        HFCheckpointReader(source).mtp_names(drop_mtp)
         hf_config = _hf_config(source, drop_mtp)
     elif direction == "peft-to-megatron":
         from parallel.peft import lora_config_of

@@ -26,7 +26,7 @@ from moe_rl.trainer.reference import FrozenModel, build_reference
 from moe_rl.trainer.routing_replay import RoutingReplay
 from parallel.bridges import bridge_for
 from parallel.lora import LoRAConfig, add_lora
-from parallel.model import build_gpt_model, init_model_parallel
+from parallel.model import build_gpt_model, forward, init_model_parallel
 
 LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
 """(logprobs [mb, L], microbatch) -> (loss summed over tokens, number of tokens, sums to report).
@@ -334,7 +334,7 @@ class MegatronTrainer:
         positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
         if routing is not None:
             routing.before_forward(microbatch)
-        output = model(inputs, positions, attention_mask=None)
+        output = forward(model, inputs, positions, labels=targets, loss_mask=aligned["loss_mask"])
         if routing is not None:
             routing.after_forward(microbatch)
 

@@ -63,7 +63,8 @@ class RoutingReplay:
         from megatron.core.transformer.moe.router import TopKRouter
 
         config = model.config
-        routers = [module for module in model.modules() if isinstance(module, TopKRouter)]
+        # MTP layers route on their own: rollouts carry the decoder layers' experts only
+        routers = [m for m in model.modules() if isinstance(m, TopKRouter) and m.layer_number <= config.num_layers]
         if config.moe_router_fusion or any(router.routing_type == "sinkhorn" for router in routers):
             raise ValueError(
                 "routing replay is skipped by megatron-core with moe_router_fusion=True or "

@@ -116,12 +116,49 @@ class Bridge:
 
         return TransformerConfig
 
+    # -- multi-token prediction (DeepSeek-V3, GLM-4.5) -----------------------------------------
+    @property
+    def mtp_layers(self) -> int:
+        """MTP layers of the model (`num_nextn_predict_layers`; 0 once `without_mtp`)."""
+        return int(self.get("num_nextn_predict_layers", 0) or 0)
+
+    def mtp_block_spec(self, config, use_te: bool):
+        """megatron-core's MTP block spec for this stage (None where it holds no MTP layer: all of
+        them live on the last pipeline stage). Its transformer layer is the decoder's last layer."""
+        if not self.mtp_layers:
+            return None
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        return get_gpt_mtp_block_spec(config, self.layer_spec(config, use_te=use_te), use_transformer_engine=use_te)
+
+    def with_mtp(self, decoder_table: tuple) -> tuple:
+        """`decoder_table` plus the MTP block's mappings when the model has MTP layers: HF layer
+        `num_hidden_layers + k` holds `enorm`, `hnorm`, `eh_proj` (column-parallel, like Megatron's),
+        `shared_head.norm` (Megatron's `final_layernorm`) and a decoder layer (mapped as the
+        decoder's, `Mapping.for_mtp`); its `embed_tokens` / `shared_head.head` are the model's own
+        (`SharedWithMTP` in `common_mappings`)."""
+        from parallel.mappings import ColumnParallel, Replicated
+
+        if not self.mtp_layers:
+            return decoder_table
+        first = int(self.get("num_hidden_layers"))
+        layer = [m.for_mtp(first) for m in decoder_table if m.megatron.startswith("decoder.layers.*.")]
+        hf = "model.layers.*"
+        return (
+            *decoder_table,
+            *layer,
+            Replicated("mtp.layers.*.enorm.weight", f"{hf}.enorm.weight", layer_base=first),
+            Replicated("mtp.layers.*.hnorm.weight", f"{hf}.hnorm.weight", layer_base=first),
+            ColumnParallel("mtp.layers.*.eh_proj.weight", f"{hf}.eh_proj.weight", layer_base=first),
+            Replicated("mtp.layers.*.final_layernorm.weight", f"{hf}.shared_head.norm.weight", layer_base=first),
+        )
+
     # -- tables shared by the decoder families --------------------------------------------
     def common_mappings(self, te: bool = False) -> tuple:
         """Embedding, final norm, output layer and the attention-block norms (HF Llama naming).
         TE: GQA layers fuse the input norm into `linear_qkv` and dense layers the pre-MLP norm
         into `linear_fc1` (MoE layers and MLA keep separate norm modules)."""
-        from parallel.mappings import Replicated, VocabParallel
+        from parallel.mappings import Replicated, SharedWithMTP, VocabParallel
 
         te_norms = (
             (
@@ -137,14 +174,28 @@ class Bridge:
             if te
             else ()
         )
+        embedding, output = "embedding.word_embeddings.weight", "output_layer.weight"
+        mtp = [f"model.layers.{int(self.get('num_hidden_layers')) + k}" for k in range(self.mtp_layers)]
+        if mtp and self.tie_word_embeddings:
+            raise ValueError("MTP layers with tie_word_embeddings=true: no bridge maps them; set model.mtp: drop")
+        if mtp:
+            io = (
+                SharedWithMTP(
+                    embedding, "model.embed_tokens.weight", *(f"{m}.embed_tokens.weight" for m in mtp), main_stage=0
+                ),
+                SharedWithMTP(output, "lm_head.weight", *(f"{m}.shared_head.head.weight" for m in mtp), main_stage=-1),
+            )
+        elif self.tie_word_embeddings:  # the last stage's copy loads from the embedding, never exported
+            io = (
+                VocabParallel(embedding, "model.embed_tokens.weight"),
+                VocabParallel(output, "model.embed_tokens.weight", export=False),
+            )
+        else:
+            io = (VocabParallel(embedding, "model.embed_tokens.weight"), VocabParallel(output, "lm_head.weight"))
         return (
             *te_norms,
-            VocabParallel("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+            *io,
             Replicated("decoder.final_layernorm.weight", "model.norm.weight"),
-            # Tied embeddings: the last stage's copy loads from the embedding, never exported.
-            VocabParallel("output_layer.weight", "model.embed_tokens.weight", export=False)
-            if self.tie_word_embeddings
-            else VocabParallel("output_layer.weight", "lm_head.weight"),
             Replicated("decoder.layers.*.input_layernorm.weight", "model.layers.*.input_layernorm.weight"),
             Replicated("decoder.layers.*.pre_mlp_layernorm.weight", "model.layers.*.post_attention_layernorm.weight"),
         )
@@ -267,6 +318,8 @@ class Bridge:
             moe_permute_fusion=False,
         )
         kwargs.update(self.transformer_config_kwargs())
+        if self.mtp_layers:
+            kwargs["mtp_num_layers"] = self.mtp_layers
         kwargs.update(overrides)
         return self.megatron_config_class()(**kwargs)
 

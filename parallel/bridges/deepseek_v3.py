@@ -123,11 +123,13 @@ class DeepseekV3Bridge(Bridge):
         return spec
 
     def mappings(self, te: bool = False) -> tuple:
-        return (
-            *self.common_mappings(te),
-            *self.mla_mappings(te),
-            *self.dense_mlp_mappings(),
-            *routed_and_shared_expert_mappings(self, te),
+        return self.with_mtp(
+            (
+                *self.common_mappings(te),
+                *self.mla_mappings(te),
+                *self.dense_mlp_mappings(),
+                *routed_and_shared_expert_mappings(self, te),
+            )
         )
 
     def mla_mappings(self, te: bool) -> tuple:

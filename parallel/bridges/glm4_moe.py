@@ -42,11 +42,13 @@ class Glm4MoeBridge(Bridge):
 
     def mappings(self, te: bool = False) -> tuple:
         qk_norm, bias = bool(self.get("use_qk_norm", False)), bool(self.get("attention_bias", False))
-        return (
-            *self.common_mappings(te),
-            *self.attention_mappings(qk_norm=qk_norm, qkv_bias=bias),
-            *self.dense_mlp_mappings(),
-            *routed_and_shared_expert_mappings(self, te),
+        return self.with_mtp(
+            (
+                *self.common_mappings(te),
+                *self.attention_mappings(qk_norm=qk_norm, qkv_bias=bias),
+                *self.dense_mlp_mappings(),
+                *routed_and_shared_expert_mappings(self, te),
+            )
         )
 
 

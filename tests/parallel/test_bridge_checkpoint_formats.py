@@ -69,13 +69,16 @@ def save_deepseek_fp8_with_mtp(tmp_path: Path) -> tuple[Path, set[str]]:
                 "hnorm.weight": torch.rand(hidden, generator=g) + 0.5,
                 "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=g) * 0.02,
                 "shared_head.norm.weight": torch.rand(hidden, generator=g) + 0.5,
-                "shared_head.head.weight": torch.randn(vocab, hidden, generator=g) * 0.02,
+                # DeepSeek stores copies of the model's embedding and head in every MTP layer
+                "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+                "shared_head.head.weight": tensors["lm_head.weight"].clone(),
             }.items()
         }
     )
     stored = {}
     for name, tensor in {**tensors, **layer}.items():
-        if name.startswith("model.layers.") and tensor.ndim == 2 and not name.endswith(".gate.weight"):  # linears
+        linear = tensor.ndim == 2 and not name.endswith((".gate.weight", "embed_tokens.weight", "shared_head.head.weight"))
+        if name.startswith("model.layers.") and linear:
             stored[name], stored[name + "_scale_inv"] = BLOCK.quantize(tensor)
         else:
             stored[name] = tensor

@@ -60,8 +60,10 @@ def megatron_logits(model, tokens: torch.Tensor) -> torch.Tensor | None:
     b, s = tokens.shape
     positions = torch.arange(s).expand(b, s)
 
+    from parallel.model import forward
+
     def step(_iterator, chunk):
-        output = chunk(tokens, positions, None)
+        output = forward(chunk, tokens, positions, labels=tokens.roll(-1, 1), loss_mask=torch.ones_like(tokens))
         return output, lambda out, non_loss_data=True: gather_from_tensor_model_parallel_region(out)
 
     with torch.no_grad():

@@ -11,7 +11,6 @@ from safetensors.torch import load_file, save_file
 
 from moe_rl import cli
 from moe_rl.rl.resume import truncate_rows
-from tests.engine.engine_helpers import save_tiny_model
 
 
 def error_of(capsys, argv: list[str]) -> str:
@@ -19,11 +18,6 @@ def error_of(capsys, argv: list[str]) -> str:
     err = capsys.readouterr().err
     assert err.startswith("moe-rl: error: ") and "Traceback" not in err and err.count("\n") == 1, err
     return err
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_tiny_model("qwen3_moe", tmp_path_factory.mktemp("tiny"))
 
 
 def test_yaml_syntax_error_names_the_file_and_line(tmp_path, capsys):
@@ -35,15 +29,15 @@ def test_yaml_syntax_error_names_the_file_and_line(tmp_path, capsys):
     assert "must hold a mapping" in error_of(capsys, ["train", str(tmp_path / "list.yaml")])
 
 
-def test_convert_with_a_zero_size_is_refused(tiny_dir, tmp_path, capsys):
+def test_convert_with_a_zero_size_is_refused(qwen3_dir, tmp_path, capsys):
     for flag in ("--tp", "--ep", "--pp"):
         err = error_of(
-            capsys, ["convert", "hf-to-megatron", "--hf", str(tiny_dir), "--out", str(tmp_path / "o"), flag, "0"]
+            capsys, ["convert", "hf-to-megatron", "--hf", str(qwen3_dir), "--out", str(tmp_path / "o"), flag, "0"]
         )
         assert f"{flag}=0: must be a positive integer" in err
 
 
-def test_serve_refuses_a_dense_a_truncated_or_a_nan_checkpoint(tiny_dir, tmp_path, capsys):
+def test_serve_refuses_a_dense_a_truncated_or_a_nan_checkpoint(qwen3_dir, tmp_path, capsys):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     dense = tmp_path / "dense"
@@ -61,13 +55,13 @@ def test_serve_refuses_a_dense_a_truncated_or_a_nan_checkpoint(tiny_dir, tmp_pat
     assert "is not a Mixture-of-Experts model" in error_of(capsys, ["serve", str(dense), "--port", "0"])
 
     truncated = tmp_path / "truncated"
-    shutil.copytree(tiny_dir, truncated)
+    shutil.copytree(qwen3_dir, truncated)
     weights = truncated / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     assert "is truncated" in error_of(capsys, ["serve", str(truncated), "--port", "0"])
 
     nan = tmp_path / "nan"
-    shutil.copytree(tiny_dir, nan)
+    shutil.copytree(qwen3_dir, nan)
     state = load_file(nan / "model.safetensors")
     name = sorted(state)[0]
     state[name] = torch.full_like(state[name], float("nan"))
@@ -76,9 +70,9 @@ def test_serve_refuses_a_dense_a_truncated_or_a_nan_checkpoint(tiny_dir, tmp_pat
     assert name in err and "NaN or infinite" in err
 
 
-def test_resume_on_an_hf_directory_says_what_it_is(tiny_dir, capsys):
+def test_resume_on_an_hf_directory_says_what_it_is(qwen3_dir, capsys):
     assert "is an HF model directory, not a moe-rl run directory" in error_of(
-        capsys, ["train", "--resume", str(tiny_dir)]
+        capsys, ["train", "--resume", str(qwen3_dir)]
     )
 
 

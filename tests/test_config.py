@@ -5,23 +5,9 @@ import yaml
 
 from moe_rl import cli
 from moe_rl.config import RunConfig, load_config
+from tests.tiny_models import QWEN3_MOE, hf_fields
 
-TINY_MODEL = {
-    "hf_config": {
-        "model_type": "qwen3_moe",
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "vocab_size": 256,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-    }
-}
+TINY_MODEL = {"hf_config": hf_fields(QWEN3_MOE, norm_topk_prob=False)}
 
 
 @pytest.fixture

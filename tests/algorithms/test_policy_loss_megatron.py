@@ -6,31 +6,17 @@ import math
 import torch
 
 from parallel.world import spawn
+from tests import tiny_models
 
 ROWS, SEQ, PROMPT, VOCAB = 4, 9, 3, 256
 
 
 def _rank(estimators):
-    from transformers import Qwen3MoeConfig
-
     from moe_rl.algorithms import AlgorithmConfig, make_policy_loss, policy_metrics
     from moe_rl.config import TrainerConfig
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
 
-    hf_config = Qwen3MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        architectures=["Qwen3MoeForCausalLM"],
-    )
+    hf_config = tiny_models.hf_config(tiny_models.QWEN3_MOE_SMALL, vocab_size=VOCAB)
     trainer = MegatronTrainer(TrainerConfig(world_size=2, global_batch_size=ROWS, micro_batch_size=1), hf_config)
     generator = torch.Generator().manual_seed(0)
     mask = torch.zeros(ROWS, SEQ, dtype=torch.long)
@@ -77,27 +63,12 @@ def _mini_batch_rank():
     """Two trainers from the same seed: one takes `train_step(..., mini_batches=2)`, the other two
     plain steps on the row halves (global_batch_size = half). Same parameters after, bit for bit;
     the second mini-batch sees ratios != 1 against the old logprobs, so PPO's clip acts."""
-    from transformers import Qwen3MoeConfig
-
     from moe_rl.algorithms import AlgorithmConfig, make_policy_loss, policy_metrics
     from moe_rl.config import OptimizerConfig, TrainerConfig
     from moe_rl.trainer.batch import split_rows
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
 
-    hf_config = Qwen3MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        architectures=["Qwen3MoeForCausalLM"],
-    )
+    hf_config = tiny_models.hf_config(tiny_models.QWEN3_MOE_SMALL, vocab_size=VOCAB)
     optimizer = OptimizerConfig(lr=0.05)
     whole = MegatronTrainer(
         TrainerConfig(world_size=2, global_batch_size=ROWS, micro_batch_size=1, optimizer=optimizer), hf_config

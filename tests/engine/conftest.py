@@ -1,4 +1,5 @@
-"""Fixtures for engine tests: tiny random MoE checkpoints and embedded engines (real subprocesses)."""
+"""Fixtures for engine tests: tiny random MoE checkpoints and embedded engines (real subprocesses);
+`qwen3_dir` is in tests/conftest.py (the CLI tests use it too)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,6 @@ import pytest
 
 from moe_rl.engine.process import launch_embedded
 from tests.engine.engine_helpers import save_tiny_model
-
-
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory):
-    return save_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"))
 
 
 @pytest.fixture(scope="module")

@@ -7,49 +7,21 @@ from pathlib import Path
 
 import torch
 
+from tests.tiny_models import MIXTRAL, QWEN3_MOE, hf_config, save_random_model
+
 
 def tiny_config(arch: str):
-    from transformers import MixtralConfig, Qwen3MoeConfig
-
-    common = dict(
-        vocab_size=256,
-        hidden_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts_per_tok=2,
-        max_position_embeddings=512,
-    )
+    """The engine tests' tiny models: the shared Qwen3-MoE and Mixtral (tests/tiny_models.py), 3 layers."""
     if arch == "qwen3_moe":
-        return Qwen3MoeConfig(
-            intermediate_size=128,
-            moe_intermediate_size=32,
-            num_experts=4,
-            norm_topk_prob=True,
-            architectures=["Qwen3MoeForCausalLM"],
-            **common,
-        )
+        return hf_config(QWEN3_MOE, num_hidden_layers=3, max_position_embeddings=512)
     if arch == "mixtral":
-        return MixtralConfig(
-            intermediate_size=32,
-            num_local_experts=4,
-            sliding_window=None,
-            architectures=["MixtralForCausalLM"],
-            **common,
-        )
+        return hf_config(MIXTRAL, num_hidden_layers=3, head_dim=16, max_position_embeddings=512, sliding_window=None)
     raise ValueError(arch)
 
 
 def save_tiny_model(arch: str, path: Path, seed: int = 0) -> Path:
     """A random tiny model saved with save_pretrained (float32) into `path`."""
-    import transformers
-
-    torch.manual_seed(seed)
-    config = tiny_config(arch)
-    model = getattr(transformers, config.architectures[0])(config)
-    model.save_pretrained(path)
-    return path
+    return save_random_model(tiny_config(arch), path, seed)
 
 
 def load_reference(path: Path):

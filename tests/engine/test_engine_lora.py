@@ -22,6 +22,7 @@ from moe_rl.engine.embedded.runner import ModelRunner
 from moe_rl.engine.lora_tensors import LoraTensorsBody, read_adapter_dir
 from moe_rl.engine.process import launch_embedded
 from tests.engine.engine_helpers import load_reference, reference, run, wait_for_load, with_client
+from tests.tiny_models import DEEPSEEK_V3, hf_config, save_random_model
 
 PROMPTS = [[5, 17, 3, 99, 42], [7, 7, 120, 1], [200, 31, 8, 64, 12, 90]]
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -186,33 +187,7 @@ def test_dense_mlp_shared_experts_and_mla_match_peft(tmp_path):
     adapter on the MLA projections and the fused experts (3-D format, rsLoRA), plus pairs on the dense
     MLP and the shared experts (PEFT 0.21 maps bare gate/up/down_proj names of an MoE model to the
     routed experts, so these are added to its file; the oracle merges them into PEFT's merged model)."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    torch.manual_seed(0)
-    config = DeepseekV3Config(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=32,
-        kv_lora_rank=24,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=12,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        n_group=2,
-        topk_group=1,
-        routed_scaling_factor=2.5,
-        max_position_embeddings=256,
-        architectures=["DeepseekV3ForCausalLM"],
-    )
-    DeepseekV3ForCausalLM(config).save_pretrained(tmp_path / "model")
+    save_random_model(hf_config(DEEPSEEK_V3, num_hidden_layers=2), tmp_path / "model", seed=0)
     mla = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
     adapter = peft_adapter(tmp_path / "model", tmp_path / "adapter", mla, use_rslora=True)
     model = peft_reference(tmp_path / "model", adapter).merge_and_unload()

@@ -10,23 +10,10 @@ import yaml
 from moe_rl import cli
 from moe_rl.config import load_config
 from moe_rl.plan import make_plan, parallel_groups
+from tests.tiny_models import QWEN3_MOE, hf_fields
 
 MODELS = sorted(Path("configs/models").glob("*.yaml"))
-TINY = {
-    "model_type": "qwen3_moe",
-    "architectures": ["Qwen3MoeForCausalLM"],
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "moe_intermediate_size": 32,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "tie_word_embeddings": False,
-}
+TINY = hf_fields(QWEN3_MOE, norm_topk_prob=False, tie_word_embeddings=False)
 
 
 def test_five_model_configs_ship():

@@ -11,8 +11,10 @@ import torch
 from parallel import cpu_compat
 from parallel.world import spawn
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the patches apply only without CUDA")
-cpu_compat.apply()
+pytestmark = [
+    pytest.mark.skipif(torch.cuda.is_available(), reason="the patches apply only without CUDA"),
+    pytest.mark.usefixtures("cpu_patches"),  # tests/conftest.py: applied here, in pytest's process
+]
 
 
 def test_triton_kernel_module_is_stubbed_or_real():
@@ -92,6 +94,7 @@ def test_alltoall_split_sizes_become_host_arrays():
 
 
 def _uneven_collectives():
+    cpu_compat.apply()  # a spawned rank is a fresh process: it applies the patches itself
     import torch.distributed as dist
     from megatron.core.tensor_parallel import mappings
 
@@ -127,6 +130,7 @@ def test_router_gating_runs_without_transformer_engine():
 
 
 def _build_mla_layer() -> list[int]:
+    cpu_compat.apply()
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -183,14 +187,10 @@ def test_device_literals_also_land_on_cpu_in_another_thread():
 
 
 def _train_with_recompute() -> float:
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
-    from tiny_qwen3 import hf_config
-
+    cpu_compat.apply()
     from moe_rl.config import TrainerConfig
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
+    from tests.tiny_models import hf_config
 
     trainer = MegatronTrainer(TrainerConfig(world_size=1, recompute=True, global_batch_size=2), hf_config())
     tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))

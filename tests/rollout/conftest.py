@@ -5,34 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from moe_rl.engine.process import launch_embedded
+from tests.tiny_models import QWEN3_MOE_SMALL, hf_config, save_random_model
 
 LAYERS, TOPK = 2, 2
 
 
 def save_tiny_qwen3(path: Path, seed: int) -> Path:
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen3MoeConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=TOPK,
-        norm_topk_prob=True,
-        max_position_embeddings=1024,
-        architectures=["Qwen3MoeForCausalLM"],
+    """The shared small Qwen3-MoE (tests/tiny_models.py), random from `seed`, in float32."""
+    config = hf_config(
+        QWEN3_MOE_SMALL, num_hidden_layers=LAYERS, num_experts_per_tok=TOPK, max_position_embeddings=1024
     )
-    Qwen3MoeForCausalLM(config).save_pretrained(path)
-    return path
+    return save_random_model(config, path, seed)
 
 
 @pytest.fixture(scope="module")

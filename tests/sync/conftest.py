@@ -6,35 +6,19 @@ import pytest
 import torch
 
 from tests.sync.fake_engine import FakeEngineClient, start_engine
+from tests.tiny_models import QWEN3_MOE, hf_config, save_random_model
 
 
 def tiny_qwen3_moe_config():
-    from transformers import Qwen3MoeConfig
-
-    return Qwen3MoeConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        architectures=["Qwen3MoeForCausalLM"],
-    )
+    """The shared tiny Qwen3-MoE (tests/tiny_models.py) with 2 layers."""
+    return hf_config(QWEN3_MOE, num_hidden_layers=2)
 
 
 def hf_state_dict(tmp_path, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
     """Random tiny Qwen3-MoE, saved with save_pretrained and read back: HF checkpoint names."""
     from safetensors.torch import load_file
-    from transformers import Qwen3MoeForCausalLM
 
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(tiny_qwen3_moe_config()).to(dtype)
-    model.save_pretrained(tmp_path / "hf")
+    save_random_model(tiny_qwen3_moe_config(), tmp_path / "hf", seed=0, dtype=dtype)
     state = {}
     for file in sorted((tmp_path / "hf").glob("*.safetensors")):
         state.update(load_file(file))

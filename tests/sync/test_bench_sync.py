@@ -9,21 +9,9 @@ import json
 import yaml
 
 from moe_rl.cli import main
+from tests.tiny_models import QWEN3_MOE, config_kwargs
 
-MODEL = dict(
-    vocab_size=1024,
-    hidden_size=64,
-    intermediate_size=128,
-    moe_intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    num_experts=4,
-    num_experts_per_tok=2,
-    norm_topk_prob=True,
-    architectures=["Qwen3MoeForCausalLM"],
-)
+MODEL = config_kwargs(QWEN3_MOE, vocab_size=1024, num_hidden_layers=2)
 
 
 def test_bench_sync_reports_full_and_raw_of_the_same_bytes(tmp_path):

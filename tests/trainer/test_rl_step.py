@@ -10,32 +10,17 @@ import math
 import torch
 
 from parallel.world import spawn
+from tests.tiny_models import QWEN3_MOE_SMALL, hf_config
 
 ROWS, SEQ, PROMPT = 4, 10, 3
-MODEL = dict(
-    vocab_size=256,
-    hidden_size=32,
-    intermediate_size=64,
-    moe_intermediate_size=16,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    num_experts=4,
-    num_experts_per_tok=2,
-    norm_topk_prob=True,
-    architectures=["Qwen3MoeForCausalLM"],
-)
 
 
 def _trainer(**trainer):
-    from transformers import Qwen3MoeConfig
-
     from moe_rl.config import TrainerConfig
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
 
     config = TrainerConfig(world_size=2, ep=2, global_batch_size=ROWS, micro_batch_size=1, **trainer)
-    return MegatronTrainer(config, Qwen3MoeConfig(**MODEL))
+    return MegatronTrainer(config, hf_config(QWEN3_MOE_SMALL))
 
 
 def _batch() -> dict[str, torch.Tensor]:
@@ -96,13 +81,13 @@ def _sync_rank(url: str):
 
 
 def test_weight_sync_commits_a_version_on_an_embedded_engine(tmp_path):
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM
 
     from moe_rl.engine.client import EngineClient
     from moe_rl.engine.process import launch_embedded
 
     torch.manual_seed(1)
-    AutoModelForCausalLM.from_config(Qwen3MoeConfig(**MODEL)).save_pretrained(tmp_path / "hf")
+    AutoModelForCausalLM.from_config(hf_config(QWEN3_MOE_SMALL)).save_pretrained(tmp_path / "hf")
     with launch_embedded(tmp_path / "hf", weight_version="0", threads=1) as engine:
         per_rank = spawn(_sync_rank, 2, engine.url)
 

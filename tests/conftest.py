@@ -1,0 +1,28 @@
+"""Fixtures for every test tier. The tiny models themselves are in `tests/tiny_models.py` (plain
+helpers, imported as `tests.tiny_models`, so rank functions under `parallel.world.spawn` and
+other conftests use them too)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def cpu_patches():
+    """`parallel/cpu_compat`'s patches in pytest's own process (a no-op when CUDA is available).
+
+    They cannot be undone, so they are applied when a test that runs Megatron in this process
+    first asks for them, never at the import of a test module (collection would patch torch for
+    every test of the session). A rank function under `parallel.world.spawn` runs in a fresh
+    process: it calls `cpu_compat.apply()` itself (`parallel.model` does so for a model build)."""
+    from parallel import cpu_compat
+
+    cpu_compat.apply()
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    """A random tiny Qwen3-MoE checkpoint (the engine tests' 3-layer one, seed 0, float32)."""
+    from tests.engine.engine_helpers import save_tiny_model
+
+    return save_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"))

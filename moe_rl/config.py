@@ -108,7 +108,20 @@ class TrainerConfig(ParallelLayout):
     routing_replay: bool = False
     """R3: replay the rollout's routed experts in the trainer's forward and in backward
     recompute (megatron-core's router replay), so training routes tokens as generation did."""
+    mtp_loss_weight: float = 0.0
+    """Weight of the multi-token-prediction loss (megatron-core's mtp_loss_scaling_factor, split
+    over the MTP layers; DeepSeek-V3 trained with 0.1-0.3): the MTP layers learn to predict the
+    tokens the loss mask trains on, one more token ahead per layer, so engines that speculate with
+    them keep up with the policy. 0: they are carried along untrained (frozen: no gradient, no
+    optimizer state, no weight decay), exported and synced unchanged."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.mtp_loss_weight < 0:
+            raise ValueError(
+                f"trainer.mtp_loss_weight={self.mtp_loss_weight}: must be >= 0 (0 leaves MTP layers untrained)"
+            )
 
 
 @dataclass(kw_only=True)

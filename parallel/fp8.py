@@ -60,13 +60,15 @@ class BlockFP8:
     def quantize_stream(self, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """An HF (name, tensor) stream with every decoder linear weight as FP8 blocks plus its
         `*_scale_inv`, as DeepSeek's checkpoints hold them; norms, biases, routers (`*.gate.weight`),
-        embeddings and the LM head stay as they are. One tensor at a time."""
+        embeddings and the LM head (the MTP layers' copies of both included) stay as they are. One
+        tensor at a time."""
+        full_precision = (".gate.weight", ".embed_tokens.weight", ".shared_head.head.weight")
         for name, tensor in items:
             if (
                 name.startswith("model.layers.")
                 and name.endswith(".weight")
                 and tensor.ndim == 2
-                and not name.endswith(".gate.weight")
+                and not name.endswith(full_precision)
             ):
                 quantized, scale_inv = self.quantize(tensor)
                 yield name, quantized

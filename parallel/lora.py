@@ -353,7 +353,8 @@ def add_lora(model, bridge, config: LoRAConfig, seed: int) -> dict[str, LoRAAdap
     for name, module in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
         kind = _kind_of(module, kinds)
-        if leaf not in config.target_modules or kind is None:
+        # MTP layers keep their base weights: PEFT's model (transformers') has no MTP layer to adapt
+        if leaf not in config.target_modules or kind is None or name.startswith("mtp."):
             continue
         weights = [f"weight{j}" for j in range(module.num_gemms)] if kind.grouped else ["weight"]
         made = []

@@ -74,7 +74,6 @@ def build_gpt_model(bridge: Bridge, layout: ParallelLayout, use_te: bool | None 
     return model
 
 
-
 @functools.cache
 def _gpt_model_class():
     from megatron.core.models.gpt import GPTModel
@@ -85,7 +84,8 @@ def _gpt_model_class():
         `loss_mask`, times `mtp_loss_scaling_factor`) to the backward through the hidden states, and
         then returns the main tokens' cross entropy, computed in place over the logits. Here the MTP
         layers' losses are computed as Megatron does and the main logits come back untouched
-        ([s, b, vocab / tp]), for the RL loss to read."""
+        ([s, b, vocab / tp]), for the RL loss to read. Also: 0.16's `sharded_state_dict` ties the
+        MTP stage's embedding copy through `metadata["dp_cp_group"]` without defaulting it."""
 
         def forward(self, *args, **kwargs):
             self._losses_left = self.config.mtp_num_layers or 0
@@ -96,6 +96,11 @@ def _gpt_model_class():
                 return logits
             self._losses_left -= 1
             return super().compute_language_model_loss(labels, logits)
+
+        def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+            from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+            return super().sharded_state_dict(prefix, sharded_offsets, ensure_metadata_has_dp_cp_group(metadata))
 
     return LogitsGPTModel
 

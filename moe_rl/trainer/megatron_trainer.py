@@ -92,7 +92,16 @@ class MegatronTrainer:
         )
         replay = dict(moe_enable_routing_replay=True) if config.routing_replay else {}
         # LoRA adapts both specs (parallel.lora): the TE spec where TE is installed, as without LoRA
-        model = build_gpt_model(self.bridge, config, calculate_per_token_loss=True, **recompute, **replay)
+        model = build_gpt_model(
+            self.bridge,
+            config,
+            calculate_per_token_loss=True,
+            mtp_loss_scaling_factor=config.mtp_loss_weight,
+            **recompute,
+            **replay,
+        )
+        if config.mtp_loss_weight == 0 and hasattr(model, "mtp"):  # carried along: no grads, no Adam state
+            model.mtp.requires_grad_(False)
         self.lora = lora
         if lora is not None:  # freezes the base: DDP, the optimizer and checkpoints see only adapters
             add_lora(model, self.bridge, lora, config.seed)

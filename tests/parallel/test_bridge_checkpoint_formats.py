@@ -1,10 +1,13 @@
 """Checkpoints as users download them, not as save_pretrained writes them:
 - DeepSeek-V3 with block-scaled FP8 weights (float8_e4m3fn + `weight_scale_inv`,
-  `quantization_config`) and one multi-token-prediction layer, imported with `model.mtp: drop`
-  under TP2, EP2 and PP2: logits equal transformers' own dequantized model (its FP8 loader on
-  CPU), the export equals the dequantized tensors, and the MTP tensors are left out (warned);
+  `quantization_config`) and one multi-token-prediction layer, imported under TP2+EP2+SP and
+  PP2+EP2 into megatron-core's MTP block: logits equal transformers' own dequantized model (its
+  FP8 loader on CPU) and the export, MTP layer included, equals the dequantized tensors; with
+  `model.mtp: drop` the MTP tensors are left out (warned);
+- the convert CLI round trip of that checkpoint, to full precision and back to FP8 blocks;
 - FP8 blocks that do not divide the shape (DeepSeek's 576-row kv_a_proj_with_mqa), read in slices;
-- GLM-4.5 with fused experts (`mlp.experts.gate_up_proj` / `down_proj`) and `rotary_emb.inv_freq`.
+- GLM-4.5 with fused experts (`mlp.experts.gate_up_proj` / `down_proj`), `rotary_emb.inv_freq`
+  and one MTP layer.
 """
 
 from __future__ import annotations
@@ -18,13 +21,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_bridge_deepseek_v3 import deepseek_v3_config
 from test_bridge_harness import BATCH, SEQ, assert_layout_results, check_layouts, hf_reference, save_tiny_hf_model
-from test_bridge_mixtral_glm import glm4_moe_config
 
 from moe_rl.cli import main
 from parallel.fp8 import BlockFP8
 from parallel.hf_checkpoint import HFCheckpointReader
 from parallel.layout import ParallelLayout
 from parallel.world import spawn
+from tests.tiny_models import GLM4_MOE, hf_config
 
 LAYOUTS = [
     ParallelLayout(world_size=4, tp=2, ep=2, sequence_parallel=True),
@@ -47,14 +50,12 @@ def _write(out: Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
     return out
 
 
-def save_deepseek_fp8_with_mtp(tmp_path: Path) -> tuple[Path, set[str]]:
-    """A tiny DeepSeek-V3 laid out as DeepSeek ships it: every projection in FP8 blocks with its
-    scale_inv, `quantization_config`, and MTP layer `model.layers.{num_hidden_layers}` (its own
-    attention and MoE, enorm / hnorm / eh_proj / shared_head). Returns (dir, the MTP tensor names)."""
-    base = save_tiny_hf_model(deepseek_v3_config(), tmp_path / "bf16")
-    tensors, config = _tensors(base), json.loads((base / "config.json").read_text())
+def with_mtp_layer(tensors: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """`tensors` plus MTP layer `model.layers.{num_hidden_layers}` as DeepSeek ships it: its own
+    attention and MoE (here a copy of the last layer's), random enorm / hnorm / eh_proj /
+    shared_head.norm, and copies of the model's embedding and head."""
     last, mtp = config["num_hidden_layers"] - 1, config["num_hidden_layers"]
-    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    hidden = config["hidden_size"]
     g = torch.Generator().manual_seed(3)
     layer = {
         n.replace(f"layers.{last}.", f"layers.{mtp}."): t.clone()
@@ -75,9 +76,20 @@ def save_deepseek_fp8_with_mtp(tmp_path: Path) -> tuple[Path, set[str]]:
             }.items()
         }
     )
+    return {**tensors, **layer}
+
+
+def save_deepseek_fp8_with_mtp(tmp_path: Path) -> tuple[Path, set[str]]:
+    """A tiny DeepSeek-V3 laid out as DeepSeek ships it: every projection in FP8 blocks with its
+    scale_inv, `quantization_config`, and one MTP layer. Returns (dir, the MTP tensor names)."""
+    base = save_tiny_hf_model(deepseek_v3_config(), tmp_path / "bf16")
+    config = json.loads((base / "config.json").read_text())
+    mtp = config["num_hidden_layers"]
     stored = {}
-    for name, tensor in {**tensors, **layer}.items():
-        linear = tensor.ndim == 2 and not name.endswith((".gate.weight", "embed_tokens.weight", "shared_head.head.weight"))
+    for name, tensor in with_mtp_layer(_tensors(base), config).items():
+        linear = tensor.ndim == 2 and not name.endswith(
+            (".gate.weight", "embed_tokens.weight", "shared_head.head.weight")
+        )
         if name.startswith("model.layers.") and linear:
             stored[name], stored[name + "_scale_inv"] = BLOCK.quantize(tensor)
         else:
@@ -95,19 +107,33 @@ def save_deepseek_fp8_with_mtp(tmp_path: Path) -> tuple[Path, set[str]]:
     return _write(tmp_path / "fp8", stored, config), mtp_names
 
 
-def test_deepseek_v3_fp8_with_mtp_dropped_imports_under_tp_ep_pp(tmp_path):
+def test_deepseek_v3_fp8_with_mtp_imports_under_tp_ep_pp(tmp_path):
     hf_dir, mtp_names = save_deepseek_fp8_with_mtp(tmp_path)
     reader = HFCheckpointReader(hf_dir)
     assert reader.read("model.layers.0.self_attn.q_a_proj.weight").dtype == torch.float32  # dequantized
     assert not [n for n in reader.names() if n.endswith("_scale_inv")]
     tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     reference = hf_reference(hf_dir, tokens)  # transformers dequantizes FP8 checkpoints on CPU
+    per_rank = spawn(check_layouts, 4, str(hf_dir), LAYOUTS, tokens, 4096)
+    assert_layout_results(per_rank, hf_dir, reference, tokens)  # the MTP layer's tensors too, bit for bit
+
+
+def test_deepseek_v3_with_mtp_dropped(tmp_path):
+    from moe_rl.config import load_config
+
+    hf_dir, mtp_names = save_deepseek_fp8_with_mtp(tmp_path)
     warned = spawn(_import_warnings, 1, str(hf_dir))[0]
     assert any(
         re.search(rf"model.mtp=drop: {len(mtp_names)} tensors .* model.layers.4.\* are not imported", w) for w in warned
     ), warned
-    per_rank = spawn(check_layouts, 4, str(hf_dir), LAYOUTS, tokens, 4096, True)
-    assert_layout_results(per_rank, hf_dir, reference, tokens, left_out=mtp_names)
+    assert not [w for w in warned if "differs from" in w]  # the MTP copies of embedding and head are the model's
+    tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    per_rank = spawn(check_layouts, 4, str(hf_dir), LAYOUTS[1:], tokens, 4096, True)
+    assert_layout_results(per_rank, hf_dir, hf_reference(hf_dir, tokens), tokens, left_out=mtp_names)
+    run = tmp_path / "run.yaml"
+    run.write_text(f"model:\n  path: {hf_dir}\ntrainer:\n  micro_batch_size: 1\n  global_batch_size: 1\n")
+    assert load_config(str(run)).model.load_hf_config().num_nextn_predict_layers == 1
+    assert load_config(str(run), ["model.mtp=drop"]).model.load_hf_config().num_nextn_predict_layers == 0
 
 
 def _import_warnings(hf_dir: str) -> list[str]:
@@ -127,35 +153,16 @@ def _import_warnings(hf_dir: str) -> list[str]:
     return [str(w.message) for w in caught]
 
 
-def test_mtp_layers_need_a_choice_before_any_work(tmp_path):
-    from moe_rl.config import load_config
-
-    hf_dir, _ = save_deepseek_fp8_with_mtp(tmp_path)
-    assert main(["convert", "hf-to-megatron", "--hf", str(hf_dir), "--out", str(tmp_path / "out")]) == 2
-    assert not (tmp_path / "out.tmp").exists()
-    run = tmp_path / "run.yaml"
-    run.write_text(f"model:\n  path: {hf_dir}\ntrainer:\n  micro_batch_size: 1\n  global_batch_size: 1\n")
-    with pytest.raises(
-        ValueError,
-        match=r"holds \d+ tensors of multi-token-prediction layers \(model.layers.4.\*\).*"
-        "set model.mtp: drop",
-    ):
-        load_config(str(run))
-    assert load_config(str(run), ["model.mtp=drop"]).model.load_hf_config().num_nextn_predict_layers == 0
-
-
-def test_convert_with_mtp_dropped_exports_full_precision_and_fp8(tmp_path):
-    """FP8 + MTP -> Megatron (--mtp drop) -> HF twice. Full precision: tensors equal to the
-    dequantized ones, a config without MTP layers or quantization. --fp8-blocks: the original FP8
-    bytes and scales back bit for bit, DeepSeek's quantization_config. Both give transformers the
-    original's logits."""
+def test_convert_round_trips_fp8_and_mtp(tmp_path):
+    """FP8 + MTP -> Megatron (MTP block) -> HF twice. Full precision: tensors, the MTP layer's
+    included, equal to the dequantized ones, a config with its MTP layer and without quantization.
+    --fp8-blocks: the original FP8 bytes and scales back bit for bit, DeepSeek's
+    quantization_config. Both give transformers the original's logits."""
     from transformers import AutoModelForCausalLM
 
     hf_dir, mtp_names = save_deepseek_fp8_with_mtp(tmp_path)
     mcore, full, fp8 = tmp_path / "mcore", tmp_path / "full", tmp_path / "fp8_again"
-    assert (
-        main(["convert", "hf-to-megatron", "--hf", str(hf_dir), "--out", str(mcore), "--ep", "2", "--mtp", "drop"]) == 0
-    )
+    assert main(["convert", "hf-to-megatron", "--hf", str(hf_dir), "--out", str(mcore), "--ep", "2"]) == 0
     assert main(["convert", "megatron-to-hf", "--megatron", str(mcore), "--out", str(full), "--ep", "2"]) == 0
     assert (
         main(
@@ -176,15 +183,15 @@ def test_convert_with_mtp_dropped_exports_full_precision_and_fp8(tmp_path):
     )
     original = HFCheckpointReader(hf_dir)
     config = json.loads((full / "config.json").read_text())
-    assert config["num_nextn_predict_layers"] == 0 and "quantization_config" not in config
+    assert config["num_nextn_predict_layers"] == 1 and "quantization_config" not in config
     exported = HFCheckpointReader(full)
-    assert exported.names() == original.names() - mtp_names
+    assert exported.names() == original.names() and mtp_names <= exported.names()
     for name in exported.names():
         assert torch.equal(exported.read(name), original.read(name)), name
     config = json.loads((fp8 / "config.json").read_text())
     assert config["quantization_config"] == json.loads((hf_dir / "config.json").read_text())["quantization_config"]
     stored, again = _tensors(hf_dir), _tensors(fp8)
-    assert set(again) == {n for n in stored if n.removesuffix("_scale_inv") not in mtp_names}
+    assert set(again) == set(stored)
     for name, tensor in again.items():
         assert tensor.dtype == stored[name].dtype and torch.equal(
             tensor.view(torch.uint8), stored[name].view(torch.uint8)
@@ -231,11 +238,14 @@ def test_fp8_blocks_that_do_not_divide_the_shape_read_in_slices(tmp_path):
         HFCheckpointReader(tmp_path / "ckpt")
 
 
-def test_glm4_moe_with_fused_experts_and_inv_freq(tmp_path):
-    hf_dir = save_tiny_hf_model(glm4_moe_config(), tmp_path / "per_expert")
-    tensors, config = _tensors(hf_dir), json.loads((hf_dir / "config.json").read_text())
+def test_glm4_moe_with_fused_experts_inv_freq_and_mtp(tmp_path):
+    """GLM-4.5 with its experts fused (the MTP layer's too) imports, and exports per expert."""
+    hf_dir = save_tiny_hf_model(hf_config(GLM4_MOE, num_nextn_predict_layers=1), tmp_path / "per_expert")
+    config = json.loads((hf_dir / "config.json").read_text())
+    tensors = with_mtp_layer(_tensors(hf_dir), config)
+    hf_dir = _write(tmp_path / "per_expert_mtp", tensors, config)
     fused = {n: t for n, t in tensors.items() if ".mlp.experts." not in n}
-    for layer in range(config["first_k_dense_replace"], config["num_hidden_layers"]):
+    for layer in range(config["first_k_dense_replace"], config["num_hidden_layers"] + 1):
         p = f"model.layers.{layer}.mlp.experts"
         experts = range(config["n_routed_experts"])
         fused[f"{p}.gate_up_proj"] = torch.stack(

@@ -61,6 +61,20 @@ def _keep_logprobs(logprobs: torch.Tensor, microbatch: Batch):
     return torch.zeros(()), torch.zeros((), dtype=torch.int), {"logprobs": logprobs.detach()}
 
 
+def _taken_mtp_losses(microbatches: int) -> list[dict]:
+    """The MTP losses megatron-core logged for this rank's `microbatches` training microbatches,
+    as one more report (none without MTP), its tracker then zeroed. The tracker holds, per MTP
+    layer, the sum over microbatches of each one's token-mean cross entropy."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    values = MTPLossLoggingHelper.tracker.get("values")
+    if values is None:
+        return []
+    taken = {"mtp_loss": float(values.mean()), "mtp_microbatches": float(microbatches)}
+    MTPLossLoggingHelper.clean_loss_in_tracker()
+    return [taken]
+
+
 @dataclass
 class StepResult:
     """What one optimizer step reports; identical on every rank."""
@@ -74,6 +88,9 @@ class StepResult:
     skipped: bool
     sums: dict[str, float]
     """Every quantity the loss function reported, summed over the global batch."""
+    mtp_loss: float | None = None
+    """Mean cross entropy of the MTP layers (megatron-core's own: per microbatch over its loss
+    mask, then averaged over layers, microbatches and DP ranks); None without MTP layers."""
 
 
 class MegatronTrainer:
@@ -220,11 +237,13 @@ class MegatronTrainer:
             )
             updated, grad_norm, _ = self.optimizer.step()
             self.step += 1
-            for key, value in self._reduce_reports(reports).items():
+            for key, value in self._reduce_reports(reports + _taken_mtp_losses(len(reports))).items():
                 sums[key] = sums.get(key, 0.0) + value
             norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
             skipped |= not updated
         tokens = sums.pop("num_tokens", 0.0)
+        mtp_microbatches = sums.pop("mtp_microbatches", 0.0)
+        mtp_loss = sums.pop("mtp_loss") / mtp_microbatches if mtp_microbatches else None
         return StepResult(
             step=self.step,
             loss=sums.get("loss", 0.0) / max(tokens, 1.0),
@@ -232,6 +251,7 @@ class MegatronTrainer:
             num_tokens=int(tokens),
             skipped=skipped,
             sums=sums,
+            mtp_loss=mtp_loss,
         )
 
     @torch.no_grad()

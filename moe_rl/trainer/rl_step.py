@@ -55,6 +55,8 @@ def rl_step(
             "train/skipped": float(result.skipped),
         }
     )
+    if result.mtp_loss is not None:
+        metrics["train/mtp_loss"] = result.mtp_loss
     return metrics
 
 

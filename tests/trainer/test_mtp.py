@@ -16,8 +16,9 @@ from tests.tiny_models import DEEPSEEK_V3, hf_config, save_random_model
 ROWS, SEQ, PROMPT, MTP = 4, 10, 3, "model.layers.4."
 
 
-def _step_rank(hf_dir: str, weight: float) -> dict[str, torch.Tensor]:
-    """Import, one RL step (routing replayed), export: {hf name: (before, after)} on the source ranks."""
+def _step_rank(hf_dir: str, weight: float) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], float]:
+    """Import, one RL step (routing replayed), export: ({hf name: (before, after)} on the source
+    ranks, the step's MTP loss)."""
     import json
     from pathlib import Path
 
@@ -51,7 +52,7 @@ def _step_rank(hf_dir: str, weight: float) -> dict[str, torch.Tensor]:
     assert math.isfinite(metrics["train/loss"])
     after = dict(trainer.export_hf_weights(1 << 20))
     assert set(after) == set(before)
-    return {name: (before[name], after[name]) for name in after}
+    return {name: (before[name], after[name]) for name in after}, metrics["train/mtp_loss"]
 
 
 def test_mtp_layers_carried_untrained_or_trained(tmp_path):
@@ -80,8 +81,12 @@ def test_mtp_layers_carried_untrained_or_trained(tmp_path):
     )
     save_file(tensors, str(file), metadata={"format": "pt"})
 
-    untrained = {k: v for part in spawn(_step_rank, 2, str(hf_dir), 0.0) for k, v in part.items()}
-    trained = {k: v for part in spawn(_step_rank, 2, str(hf_dir), 0.3) for k, v in part.items()}
+    untrained_ranks, trained_ranks = spawn(_step_rank, 2, str(hf_dir), 0.0), spawn(_step_rank, 2, str(hf_dir), 0.3)
+    untrained = {k: v for part, _ in untrained_ranks for k, v in part.items()}
+    trained = {k: v for part, _ in trained_ranks for k, v in part.items()}
+    # logged from the forward before the update, on every rank: a near-uniform model's ln(vocab)
+    losses = {loss for _, loss in untrained_ranks + trained_ranks}
+    assert len(losses) == 1 and abs(losses.pop() - math.log(256)) < 0.5, losses
     assert set(untrained) == set(tensors)  # every tensor, the MTP layer's included, exported once
     mtp_own = [n for n in untrained if n.startswith(MTP) and "embed_tokens" not in n and "shared_head.head" not in n]
     for name in mtp_own:

@@ -19,6 +19,7 @@ from tests.conformance.sglang_twin import SGLangTwin
 from tests.conformance.test_sglang_client_bodies import VOCAB, _check_with_sglang
 from tests.conformance.test_sglang_requests import REQUEST_CLASSES
 from tests.engine.test_engine_requests import RecordingEngine
+from tests.tiny_models import QWEN3_MOE_SMALL, hf_config, save_random_model
 
 CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "gate_proj"]}
 
@@ -122,24 +123,9 @@ def test_tensor_payload_decodes_with_sglangs_code_to_the_exact_tensors(load_form
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
     path = tmp_path_factory.mktemp("sglang_lora_twin")
-    torch.manual_seed(0)
-    Qwen3MoeForCausalLM(
-        Qwen3MoeConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            moe_intermediate_size=16,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            num_experts=4,
-            num_experts_per_tok=2,
-            vocab_size=64,
-        )
-    ).save_pretrained(path)
+    config = hf_config(QWEN3_MOE_SMALL, vocab_size=64, num_hidden_layers=1, norm_topk_prob=False)
+    save_random_model(config, path, seed=0)
     return str(path)
 
 

@@ -15,6 +15,7 @@ from moe_rl.engine.client import EngineClient
 from sync.engine_set import SyncError
 from sync.sender import SyncConfig, WeightSender
 from tests.conformance.sglang_twin import SGLangTwin
+from tests.tiny_models import QWEN3_MOE_SMALL, hf_config, save_random_model
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -32,24 +33,9 @@ def _version(base: dict[str, torch.Tensor], v: int) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """Initial weights (version 0) of a tiny model, as SGLang's twin loads them."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
     path = tmp_path_factory.mktemp("sglang_twin")
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        vocab_size=64,
-        max_position_embeddings=64,
-    )
-    Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(path)  # per-expert HF names on disk
+    config = hf_config(QWEN3_MOE_SMALL, vocab_size=64, max_position_embeddings=64, norm_topk_prob=False)
+    save_random_model(config, path, seed=0, dtype=torch.bfloat16)  # per-expert HF names on disk
     return str(path)
 
 

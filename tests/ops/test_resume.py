@@ -14,6 +14,8 @@ from pathlib import Path
 
 import yaml
 
+from tests.tiny_models import QWEN3_MOE_SMALL, hf_fields
+
 STEPS, GROUPS = 8, 4
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
 
@@ -22,24 +24,7 @@ def write_config(path: Path, run_dir: Path) -> None:
     path.write_text(
         yaml.safe_dump(
             {
-                "model": {
-                    "hf_config": dict(
-                        model_type="qwen3_moe",
-                        architectures=["Qwen3MoeForCausalLM"],
-                        vocab_size=256,
-                        hidden_size=32,
-                        intermediate_size=64,
-                        moe_intermediate_size=16,
-                        num_hidden_layers=2,
-                        num_attention_heads=4,
-                        num_key_value_heads=2,
-                        head_dim=8,
-                        num_experts=4,
-                        num_experts_per_tok=2,
-                        norm_topk_prob=True,
-                        max_position_embeddings=64,
-                    )
-                },
+                "model": {"hf_config": hf_fields(QWEN3_MOE_SMALL, max_position_embeddings=64)},
                 "trainer": {
                     "world_size": 2,
                     "ep": 2,

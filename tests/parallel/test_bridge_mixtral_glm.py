@@ -12,49 +12,17 @@ from test_bridge_qwen3_moe import FOUR_RANK_LAYOUTS
 
 from parallel.layout import ParallelLayout
 from parallel.world import spawn
+from tests.tiny_models import GLM4_MOE, MIXTRAL, hf_config
 
 LAYOUTS = FOUR_RANK_LAYOUTS + [ParallelLayout(world_size=4, tp=2, pp=2, ep=2, etp=1, sequence_parallel=True)]
 
 
 def mixtral_config():
-    from transformers import MixtralConfig
-
-    return MixtralConfig(
-        vocab_size=200,
-        hidden_size=64,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        architectures=["MixtralForCausalLM"],
-    )
+    return hf_config(MIXTRAL, vocab_size=200)
 
 
 def glm4_moe_config():
-    from transformers import Glm4MoeConfig
-
-    return Glm4MoeConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        n_group=1,
-        topk_group=1,
-        routed_scaling_factor=2.5,
-        attention_bias=True,
-        use_qk_norm=True,
-        architectures=["Glm4MoeForCausalLM"],
-    )
+    return hf_config(GLM4_MOE)
 
 
 @pytest.mark.parametrize("make_config", [mixtral_config, glm4_moe_config], ids=["mixtral", "glm4_moe"])

@@ -9,28 +9,12 @@ from test_bridge_harness import BATCH, SEQ, assert_layout_results, check_layouts
 
 from parallel.layout import ParallelLayout
 from parallel.world import spawn
+from tests.tiny_models import QWEN3_MOE, hf_config
 
 
 def qwen3_moe_config(**overrides):
-    from transformers import Qwen3MoeConfig
-
-    fields = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        mlp_only_layers=[0],
-        architectures=["Qwen3MoeForCausalLM"],
-    )
-    fields.update(overrides)
-    return Qwen3MoeConfig(**fields)
+    """The shared tiny Qwen3-MoE (tests/tiny_models.py) with a dense first layer."""
+    return hf_config(QWEN3_MOE, **{"mlp_only_layers": [0], **overrides})
 
 
 FOUR_RANK_LAYOUTS = [

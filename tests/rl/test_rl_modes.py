@@ -15,6 +15,7 @@ import os
 import pytest
 
 from moe_rl.config import RunConfig, from_dict
+from tests.tiny_models import QWEN3_MOE_SMALL, hf_fields
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 STEPS = 4
@@ -24,24 +25,7 @@ def tiny_config(tmp_path, mode: str, **rl) -> RunConfig:
     return from_dict(
         RunConfig,
         {
-            "model": {
-                "hf_config": dict(
-                    model_type="qwen3_moe",
-                    architectures=["Qwen3MoeForCausalLM"],
-                    vocab_size=256,
-                    hidden_size=32,
-                    intermediate_size=64,
-                    moe_intermediate_size=16,
-                    num_hidden_layers=2,
-                    num_attention_heads=4,
-                    num_key_value_heads=2,
-                    head_dim=8,
-                    num_experts=4,
-                    num_experts_per_tok=2,
-                    norm_topk_prob=True,
-                    max_position_embeddings=64,
-                )
-            },
+            "model": {"hf_config": hf_fields(QWEN3_MOE_SMALL, max_position_embeddings=64)},
             "trainer": {
                 "world_size": 2,
                 "ep": 2,

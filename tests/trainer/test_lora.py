@@ -18,6 +18,7 @@ import torch
 
 from parallel.lora import TARGETS, LoRAConfig
 from parallel.world import spawn
+from tests.tiny_models import GLM4_MOE, hf_config
 
 LAYOUTS = [
     dict(world_size=4, tp=2, ep=2, etp=1, sequence_parallel=True),
@@ -29,28 +30,8 @@ SHARED_A = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}  # f
 
 
 def glm4_moe_config():
-    from transformers import Glm4MoeConfig
-
-    return Glm4MoeConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        n_group=1,
-        topk_group=1,
-        routed_scaling_factor=2.5,
-        attention_bias=True,
-        use_qk_norm=True,
-        architectures=["Glm4MoeForCausalLM"],
-    )
+    """The shared tiny GLM-4.5 (tests/tiny_models.py) with 2 layers, 4 experts, a narrower dense MLP."""
+    return hf_config(GLM4_MOE, intermediate_size=96, num_hidden_layers=2, n_routed_experts=4)
 
 
 def save_tiny_model(out_dir: Path) -> Path:

@@ -13,36 +13,11 @@ from test_bridge_qwen3_moe import EIGHT_RANK_LAYOUTS, FOUR_RANK_LAYOUTS
 from parallel.bridges.deepseek_v3 import megatron_at_least
 from parallel.layout import ParallelLayout
 from parallel.world import spawn
+from tests.tiny_models import DEEPSEEK_V3, hf_config
 
 
 def deepseek_v3_config(**overrides):
-    from transformers import DeepseekV3Config
-
-    fields = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=32,
-        kv_lora_rank=24,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=12,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        n_group=2,
-        topk_group=1,
-        routed_scaling_factor=2.5,
-        max_position_embeddings=256,
-        architectures=["DeepseekV3ForCausalLM"],
-    )
-    fields.update(overrides)
-    return DeepseekV3Config(**fields)
+    return hf_config(DEEPSEEK_V3, **overrides)
 
 
 YARN = dict(

@@ -61,7 +61,9 @@ class ModelConfig:
         from transformers import AutoConfig
 
         if self.path is not None:
-            config = AutoConfig.from_pretrained(self.path)
+            from parallel.hf_checkpoint import as_stored
+
+            config = as_stored(AutoConfig.from_pretrained(self.path), self.path)
         else:
             fields = dict(self.hf_config)
             config = AutoConfig.for_model(fields.pop("model_type"), **fields)

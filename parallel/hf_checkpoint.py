@@ -180,10 +180,29 @@ class _ExpertView:
 
 
 def load_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
+    """config.json of `hf_dir`, as its weights hold it (`as_stored`)."""
     path = Path(hf_dir) / "config.json"
     if not path.exists():
         raise ValueError(f"{hf_dir} has no config.json: pass an HF model directory")
-    return json.loads(path.read_text())
+    return as_stored(json.loads(path.read_text()), hf_dir)
+
+
+def declares_absent_mtp(hf_dir: str | os.PathLike) -> bool:
+    """config.json counts MTP layers (num_nextn_predict_layers) that no safetensors file holds:
+    transformers' DeepSeek-V3 and GLM-4.5 configs default to one, and their save_pretrained never
+    writes it (fine-tunes saved that way). False for a directory without weights."""
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    if not (config.get("num_nextn_predict_layers") or 0) or not any(Path(hf_dir).glob("*.safetensors")):
+        return False
+    return not HFCheckpointReader(hf_dir).mtp_names()
+
+
+def as_stored(hf_config: Any, hf_dir: str | os.PathLike) -> Any:
+    """`hf_config` (a dict or a transformers config) without the MTP layers it declares when the
+    checkpoint at `hf_dir` holds none (`declares_absent_mtp`): the model is built as stored."""
+    from parallel.bridges import without_mtp
+
+    return without_mtp(hf_config) if declares_absent_mtp(hf_dir) else hf_config
 
 
 def write_shards(

@@ -53,10 +53,22 @@ def load_hf_weights(model, bridge: Bridge, hf_dir: str | os.PathLike) -> None:
 
 def _left_out(reader: HFCheckpointReader, bridge: Bridge) -> set[str]:
     """Checkpoint tensors the model leaves out on purpose, each kind said once (rank 0): the
-    multi-token-prediction layers of a model built `without_mtp` (a ValueError if the model
-    still counts them) and `rotary_emb.inv_freq` buffers (already not listed by the reader)."""
+    multi-token-prediction layers of a model built `without_mtp` and `rotary_emb.inv_freq`
+    buffers (already not listed by the reader). MTP layers the config declares but the checkpoint
+    lacks: a note where the model was built as stored (`hf_checkpoint.as_stored`), else a ValueError."""
+    if bridge.mtp_layers and not reader.mtp_names():
+        raise ValueError(
+            f"{reader.dir}: the model has {bridge.mtp_layers} MTP layer(s) but the checkpoint holds none: build it "
+            "from parallel.hf_checkpoint.load_hf_config (or as_stored), which leaves them out, or set model.mtp: drop"
+        )
     dropped = set() if bridge.mtp_layers else reader.mtp_names()
     if not dist.is_initialized() or dist.get_rank() == 0:
+        declared = reader.config.get("num_nextn_predict_layers") or 0
+        if declared and not bridge.mtp_layers and not dropped:
+            print(
+                f"[import] config.json declares {declared} MTP layer(s) that the checkpoint does not hold "
+                "(as transformers' save_pretrained writes DeepSeek-V3 / GLM-4.5): building the model without them"
+            )
         if dropped:
             layers = sorted({".".join(name.split(".")[:3]) + ".*" for name in dropped})
             warnings.warn(

@@ -8,6 +8,8 @@ it is used. `MIXTRAL`, `GLM4_MOE` and `DEEPSEEK_V3` are the bridges' tiny models
 Fields (a dict with `model_type`: a run config's `model.hf_config`, a config.json), keyword
 arguments (no `model_type`: `Qwen3MoeConfig(**kwargs)`) and the transformers config are three
 views of the same definition; `save_random_model` writes a seeded random-init checkpoint.
+GLM-4.5 and DeepSeek-V3 carry no MTP layer here (transformers' configs default to one); the MTP
+tests add it.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ GLM4_MOE = dict(
     routed_scaling_factor=2.5,
     attention_bias=True,
     use_qk_norm=True,
+    num_nextn_predict_layers=0,
 )
 
 DEEPSEEK_V3 = dict(
@@ -97,6 +100,7 @@ DEEPSEEK_V3 = dict(
     topk_group=1,
     routed_scaling_factor=2.5,
     max_position_embeddings=256,
+    num_nextn_predict_layers=0,
 )
 
 

@@ -263,3 +263,20 @@ def test_glm4_moe_with_fused_experts_inv_freq_and_mtp(tmp_path):
     tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     per_rank = spawn(check_layouts, 4, str(fused_dir), LAYOUTS, tokens, 4096)
     assert_layout_results(per_rank, fused_dir, hf_reference(hf_dir, tokens), tokens)
+
+
+def test_mtp_declared_but_not_saved_builds_as_stored(tmp_path):
+    """transformers' DeepSeek-V3 config counts one MTP layer that its save_pretrained never writes
+    (fine-tunes saved that way): the model is built, imported and exported as stored, without it."""
+    from moe_rl.config import load_config
+    from parallel.hf_checkpoint import declares_absent_mtp
+
+    hf_dir = save_tiny_hf_model(deepseek_v3_config(num_nextn_predict_layers=1), tmp_path / "hf")
+    assert json.loads((hf_dir / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    assert declares_absent_mtp(hf_dir) and not HFCheckpointReader(hf_dir).mtp_names()
+    run = tmp_path / "run.yaml"
+    run.write_text(f"model:\n  path: {hf_dir}\ntrainer:\n  micro_batch_size: 1\n  global_batch_size: 1\n")
+    assert load_config(str(run)).model.load_hf_config().num_nextn_predict_layers == 0
+    tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    per_rank = spawn(check_layouts, 2, str(hf_dir), [ParallelLayout(world_size=2, pp=2)], tokens, 4096)
+    assert_layout_results(per_rank, hf_dir, hf_reference(hf_dir, tokens), tokens)

@@ -7,7 +7,6 @@ world, imports the HF checkpoint, exports it back and runs Megatron's forward.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -91,11 +90,11 @@ def check_layouts(
 
     from parallel.bridges import bridge_for, without_mtp
     from parallel.export import export_hf_weights, is_export_source
-    from parallel.hf_checkpoint import HFCheckpointReader
+    from parallel.hf_checkpoint import HFCheckpointReader, load_hf_config
     from parallel.hf_import import load_hf_weights
     from parallel.model import build_gpt_model, init_model_parallel
 
-    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    config = load_hf_config(hf_dir)  # as stored: MTP layers only where the checkpoint holds them
     bridge = bridge_for(without_mtp(config) if drop_mtp else config)
     reader = HFCheckpointReader(hf_dir)
     results = []

@@ -11,12 +11,21 @@ count broadcast over the same group into a preallocated buffer. Two warm-up sync
 sets of every engine) and one raw broadcast come first; then `repeats` timed pairs.
 
 Each timed repeat runs, in order: export only (iterate the export, drop every tensor), export +
-pack (the sender's packer with its checksums, nothing sent), the full sync, the raw broadcast.
-Reports every time, the best of the repeats (pack = best export+pack - best export), GB/s, the
-ratio raw/full, and the source rank's peak extra memory against the bound 2 x bucket_bytes +
-the largest tensor: the sender's two bucket buffers (allocated once) plus the peak RSS growth
-during the sync (VmHWM reset through /proc/self/clear_refs: the kernel's exact peak, which
-sees torch's allocations where tracemalloc cannot).
+pack (the sender's packer, then each bucket's checksum, nothing sent; the export's and the
+checksums' time inside it clocked apart), the full sync, the raw broadcast. Reports every time,
+the best of the repeats (pack = best export+pack - best export, the checksums included),
+GB/s, the ratio raw/full, and the source rank's peak extra memory against the bound 2 x
+bucket_bytes + the largest tensor: the sender's two bucket buffers (allocated once) plus the
+peak RSS growth during the sync (VmHWM reset through /proc/self/clear_refs: the kernel's exact
+peak, which sees torch's allocations where tracemalloc cannot).
+
+CPU seconds per stage, next to wall seconds (medians over the repeats, summed over every
+process: trainer ranks and receivers; `time.process_time`, all threads): export (the gathers),
+pack (copies into buckets), hash (the checksums), broadcast (the raw broadcast's), receive (what
+the full sync costs the receivers beyond the raw broadcast: checksum checks, staging, commit;
+no wall time of its own, it overlaps the broadcast), full (the whole sync).
+`cpu_busy` = CPU seconds / (wall seconds x the machine's cores): near 1, the sync is bound by
+the cores, and no overlap of its stages can shorten it.
 
 CONFIG (YAML): model, layout (ParallelLayout fields), bucket_mb, export_bucket_mb, num_engines,
 repeats, output (JSON path). Example: configs/bench/sync_1g.yaml. With a `lora:` section
@@ -55,6 +64,7 @@ def _receiver_main(addresses) -> None:
 
     torch.set_num_threads(1)
     receiver, raw = WeightReceiver("cpu"), {}
+    cpu_seconds = time.process_time  # the "cpu" call: this process's CPU time so far
     with Listener(("127.0.0.1", 0), authkey=_AUTH) as listener:
         addresses.put(listener.address)
         conn = listener.accept()
@@ -66,6 +76,8 @@ def _receiver_main(addresses) -> None:
                 buffer = raw.setdefault(kwargs["nbytes"], torch.empty(kwargs["nbytes"], dtype=torch.uint8))
                 receiver.group.broadcast(buffer)
                 result = ("ok", None)
+            elif method == "cpu":
+                result = ("ok", cpu_seconds())
             else:
                 out = getattr(receiver, method)(**kwargs)
                 result = ("ok", len(out) if method == "commit" else None)
@@ -187,6 +199,7 @@ def _trainer(cfg: dict, addresses: list) -> dict | None:
     from parallel.export import export_hf_weights
     from parallel.layout import ParallelLayout
     from parallel.model import build_gpt_model, init_model_parallel
+    from sync.bucket import checksum
     from sync.sender import SyncConfig, WeightSender, drain
 
     layout = ParallelLayout(**cfg["layout"])
@@ -194,11 +207,18 @@ def _trainer(cfg: dict, addresses: list) -> dict | None:
     init_model_parallel(layout, seed=0)
     model = build_gpt_model(bridge, layout)
     export_bytes, repeats = int(cfg.get("export_bucket_mb", 64)) << 20, int(cfg.get("repeats", 3))
-    exports = 2 + 3 * repeats  # 2 warm-up syncs; per repeat: export only, export + pack, full sync
-    if dist.get_rank() != 0:
-        for _ in range(exports):
+    if dist.get_rank() != 0:  # 2 warm-up syncs, then per repeat the exports of STAGES (CPU seconds of each)
+        for _ in range(2):
             drain(export_hf_weights(model, bridge, bucket_bytes=export_bytes))
-        return None
+        return {
+            "cpu": [
+                {
+                    stage: _cpu(lambda: drain(export_hf_weights(model, bridge, bucket_bytes=export_bytes)))
+                    for stage in STAGES
+                }
+                for _ in range(repeats)
+            ]
+        }
 
     largest = [0]
 
@@ -212,20 +232,44 @@ def _trainer(cfg: dict, addresses: list) -> dict | None:
     sender = WeightSender(engines, SyncConfig(bucket_bytes=bucket_bytes, backend="gloo", timeout_s=600))
     times = {key: [] for key in ("export", "export_pack", "full", "raw")}
     transient = {"export_pack": 0, "full": 0}
+    walls, cpu = [], []  # per repeat: {stage: wall seconds}, {stage: (this rank's CPU s, the receivers')}
     try:
         for version in (1, 2):  # warm-up: the group, both storage sets of every engine, page faults
             nbytes = sender.update(stream(), version).bytes
         flat = torch.zeros(nbytes, dtype=torch.uint8)
         _raw_broadcast(sender, engines, flat)
+        packer = sender.transport.packer
         for version in range(3, 3 + repeats):
-            times["export"].append(_timed(lambda: drain(stream()))[0])
-            seconds, grown = _timed(lambda: drain(sender.transport.packer.pack(stream())))
-            times["export_pack"].append(seconds)
-            transient["export_pack"] = max(transient["export_pack"], grown)
-            seconds, grown = _timed(lambda: sender.update(stream(), version))
-            times["full"].append(seconds)
-            transient["full"] = max(transient["full"], grown)
-            times["raw"].append(_raw_broadcast(sender, engines, flat))
+            wall, grown, spent = {}, {}, {}
+            inside = {"export": [0.0, 0.0], "hash": [0.0, 0.0]}  # [wall s, CPU s] within the pack stage
+
+            def pack() -> None:  # export + pack, each bucket's checksum timed apart (nothing sent)
+                packer.checksums = False
+                for bucket in packer.pack(_clocked(stream(), inside["export"])):
+                    for _ in _clocked(map(checksum, [bucket.data]), inside["hash"]):  # lazy: clocked
+                        pass
+                packer.checksums = True
+
+            work = {
+                "export": lambda: drain(stream()),
+                "pack": pack,
+                "full": lambda: sender.update(stream(), version),
+                "raw": lambda: _raw_broadcast(sender, engines, flat),
+            }
+            for stage in (*STAGES, "raw"):
+                wall[stage], grown[stage], spent[stage] = _measured(work[stage], engines)
+            (export_wall, export_cpu), (hash_wall, hash_cpu) = inside["export"], inside["hash"]
+            wall["hash"], spent["hash"] = hash_wall, (hash_cpu, 0.0)
+            wall["pack"] -= export_wall + hash_wall  # the packer's own copies
+            spent["pack"] = (spent["pack"][0] - export_cpu - hash_cpu, spent["pack"][1])
+            walls.append(wall)
+            cpu.append(spent)
+            times["export"].append(wall["export"])
+            times["export_pack"].append(wall["export"] + wall["pack"] + wall["hash"])
+            times["full"].append(wall["full"])
+            times["raw"].append(wall["raw"])
+            transient["export_pack"] = max(transient["export_pack"], grown["pack"])
+            transient["full"] = max(transient["full"], grown["full"])
     finally:
         sender.close()
         for engine in engines:
@@ -260,7 +304,72 @@ def _trainer(cfg: dict, addresses: list) -> dict | None:
         peak_extra_within_bound=buffers + transient["full"] <= bound,
         stream="Megatron export (parallel.export.export_hf_weights), random init",
         engines="WeightReceiver processes (no model), a thread per call",
+        walls=walls,
+        cpu=cpu,
     )
+
+
+STAGES = ("export", "pack", "full")
+"""The timed stages of a repeat, each an export on every trainer rank; then the raw broadcast."""
+
+
+def _clocked(items, clock: list[float]):
+    """`items`, adding to `clock` [wall s, CPU s] the time spent producing each one."""
+    items = iter(items)
+    while True:
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            item = next(items)
+        except StopIteration:
+            return
+        finally:
+            clock[0] += time.perf_counter() - wall
+            clock[1] += time.process_time() - cpu
+        yield item
+
+
+def _cpu(work) -> float:
+    start = time.process_time()
+    work()
+    return time.process_time() - start
+
+
+def _measured(work, engines: list[SocketEngine]) -> tuple[float, int, tuple[float, float]]:
+    """Wall seconds and peak RSS growth of `work()` (`_timed`), and the CPU seconds it cost this
+    process and, summed, the receivers."""
+    before = sum(e.request("cpu").result(60) for e in engines)
+    start = time.process_time()
+    seconds, grown = _timed(work)
+    here = time.process_time() - start
+    return seconds, grown, (here, sum(e.request("cpu").result(60) for e in engines) - before)
+
+
+def cpu_breakdown(source: dict, others: list[dict]) -> dict[str, dict[str, float]]:
+    """{stage: wall s, CPU s over every process, cpu_busy} (medians over the repeats) from the
+    source rank's result and the other trainer ranks' per-stage CPU seconds."""
+    import os
+    import statistics
+
+    cores = len(os.sched_getaffinity(0))
+    rows = {stage: [] for stage in ("export", "pack", "hash", "broadcast", "receive", "full")}
+    for repeat, (wall, spent) in enumerate(zip(source["walls"], source["cpu"])):
+
+        def total(stage: str) -> float:
+            here, receivers = spent[stage]
+            return here + receivers + sum(other["cpu"][repeat].get(stage, 0.0) for other in others)
+
+        rows["export"].append((wall["export"], total("export")))
+        rows["pack"].append((wall["pack"], spent["pack"][0]))  # the source's packer
+        rows["hash"].append((wall["hash"], spent["hash"][0]))
+        rows["broadcast"].append((wall["raw"], total("raw")))
+        rows["receive"].append((float("nan"), spent["full"][1] - spent["raw"][1]))  # overlaps the broadcast
+        rows["full"].append((wall["full"], total("full")))
+    out = {}
+    for stage, values in rows.items():
+        wall, cpu = statistics.median(v[0] for v in values), statistics.median(v[1] for v in values)
+        busy = cpu / (wall * cores) if wall > 0 else float("nan")
+        out[stage] = {"wall_s": wall, "cpu_s": cpu, "cpu_busy": busy}
+    return out
 
 
 def _timed(work) -> tuple[float, int]:
@@ -308,17 +417,24 @@ def run(args) -> int:
     for proc in procs:
         proc.start()
     try:
-        result = spawn(_trainer, layout.world_size, cfg, [addresses.get(timeout=120) for _ in procs], timeout_s=3600)[0]
+        ranks = spawn(_trainer, layout.world_size, cfg, [addresses.get(timeout=120) for _ in procs], timeout_s=3600)
     finally:
         for proc in procs:
             proc.join(30)
             if proc.is_alive():
                 proc.kill()
+    result = ranks[0]
+    result["cpu_by_stage"] = cpu_breakdown(result, ranks[1:])
     for key, value in result.items():
+        if key in ("walls", "cpu", "cpu_by_stage"):
+            continue
         shown = (
             [round(v, 3) for v in value] if isinstance(value, list) and value and isinstance(value[0], float) else value
         )
         print(f"{key:>42}: {shown:.4g}" if isinstance(shown, float) else f"{key:>42}: {shown}")
+    print(f"{'stage':>10} {'wall s':>8} {'CPU s':>8} {'CPU busy':>9}   (CPU: every process; busy: CPU / wall / cores)")
+    for stage, row in result["cpu_by_stage"].items():
+        print(f"{stage:>10} {row['wall_s']:8.3f} {row['cpu_s']:8.3f} {row['cpu_busy']:9.2f}")
     output = Path(cfg.get("output", "bench_sync.json"))
     output.write_text(json.dumps(result, indent=2))
     print(f"wrote {output}")

@@ -5,6 +5,7 @@ stage, commit) and the raw broadcast move the same bytes; the source's extra mem
 from __future__ import annotations
 
 import json
+import math
 
 import yaml
 
@@ -37,3 +38,9 @@ def test_bench_sync_reports_full_and_raw_of_the_same_bytes(tmp_path):
     assert result["bytes"] == sum(t.numel() * t.element_size() for t in model.state_dict().values())
     assert len(result["full_seconds"]) == len(result["raw_seconds"]) == 1
     assert 0 < result["ratio_best"] and result["peak_extra_within_bound"]
+    stages = result["cpu_by_stage"]
+    assert set(stages) == {"export", "pack", "hash", "broadcast", "receive", "full"}
+    assert all(math.isfinite(row["cpu_s"]) for row in stages.values())
+    assert all(math.isfinite(row["wall_s"]) for stage, row in stages.items() if stage != "receive")  # it overlaps
+    # a sync costs CPU on the trainer ranks and on the receiver: the sums see both
+    assert stages["full"]["cpu_s"] > 0 and stages["broadcast"]["cpu_s"] > 0

@@ -74,11 +74,20 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
         proc.start()
     try:
         return _collect(procs, results, world_size, timeout_s)
-    finally:
+    except BaseException:
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
-            proc.join(timeout=10)
+        raise
+    finally:
+        # Ranks that returned exit on their own: killed instead, they would skip their exit
+        # handlers and orphan the processes those stop (megatron-core's checkpoint writer
+        # starts a multiprocessing Manager, which its exit handler shuts down).
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
 
 
 def _collect(procs, results, world_size: int, timeout_s: float | None) -> list[Any]:

@@ -133,3 +133,16 @@ def load_checkpoint(trainer, directory: str | Path, load_optimizer: bool = True)
             f"checkpoint layout {saved_layout} differs from {_layout_record(trainer)}: "
             f"model and optimizer resharded, RNG states restart from the seed"
         )
+
+
+def stop_checkpoint_writer() -> None:
+    """Stop the multiprocessing Manager that megatron-core's checkpoint writer starts, once per
+    process, for its results queue (`dist_checkpointing.strategies.filesystem_async`). Its exit
+    handler stops it too, but a process that is killed (a Ray actor) never runs that, and the
+    Manager outlives it. Megatron keeps no other handle on it than the queue proxy's."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue = filesystem_async._results_queue
+    if queue is not None:
+        queue._manager.shutdown()
+        filesystem_async._results_queue = None

@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25  # the slowest tests, to keep the suite fast
 
 lint: setup  # ruff, configured in pyproject.toml: lint rules and the formatter (120 columns)
 	$(BIN)/ruff check .

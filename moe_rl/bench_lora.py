@@ -75,7 +75,7 @@ def rank_main(cfg: dict, work_dir: str) -> dict | None:
     from parallel.model import build_gpt_model, init_model_parallel
     from parallel.peft import collect_adapter, write_adapter
     from sync.lora import AdapterSync, AdapterSyncConfig, adapter_name
-    from sync.sender import SyncConfig, WeightSender, drain
+    from sync.sender import SyncConfig, WeightSender, exhaust
 
     layout, hf_config = ParallelLayout(**cfg["layout"]), Qwen3MoeConfig(**cfg["model"])
     bridge, lora = bridge_for(hf_config), LoRAConfig(**cfg["lora"])
@@ -89,7 +89,7 @@ def rank_main(cfg: dict, work_dir: str) -> dict | None:
         for _ in range(2 * repeats):  # rank 0's order: every adapter sync, then every full one
             collect_adapter(model, bridge, lora)
         for _ in range(repeats):
-            drain(export_hf_weights(model, bridge))
+            exhaust(export_hf_weights(model, bridge))
         return None
 
     times: dict[str, list[float]] = {"adapter_tensors": [], "adapter_disk": [], "full": []}

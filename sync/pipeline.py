@@ -20,7 +20,7 @@ bucket k+1 while bucket k is on the wire).
 
 Collective contract: every rank of the trainer world calls `stage_stream` with its own export
 generator and iterates the result to the end (`WeightSender.update` on the sync source,
-`sync.sender.drain` elsewhere). Stage sources other than the first block in their sends until
+`sync.sender.exhaust` elsewhere). Stage sources other than the first block in their sends until
 the sync source reaches their stage (bounded by the default group's timeout). Memory on the sync
 source: one received tensor at a time, on top of the sender's two buckets.
 """

@@ -1,13 +1,13 @@
 """Trainer side of the weight sync: one call per training step moves a new version to every engine.
 
     sender = WeightSender(engines, SyncConfig(transport="broadcast", bucket_bytes=512 << 20))
-    sender.update(export_stream, version)      # on the source rank; other ranks drain the export
+    sender.update(export_stream, version)      # on the source rank; other ranks exhaust the export
     sender.close()
 
 `export_stream` is any iterable of `(hf_name, tensor)`; with Megatron it is `parallel`'s
 streaming export, which runs gathers over TP/EP/ETP on every trainer rank: the source rank
 (rank 0 of the weight-update group) passes it to `update`, every other trainer rank iterates it
-in lockstep (`drain`).
+in lockstep (`exhaust`).
 
 Pipeline parallelism (PP > 1): one weight-update group, fed through a funnel. Each stage's
 export yields its layers on that stage's source rank; wrap the export in
@@ -17,7 +17,7 @@ stages' tensors point-to-point while it broadcasts (see `sync.pipeline` for why 
 per stage, and the cost: (PP-1)/PP of the bytes cross the trainer network once more).
 
     stream = stage_stream(export_hf_weights(model, bridge, bucket_bytes), sources)
-    sender.update(stream, version) if rank == sync_source(sources) else drain(stream)
+    sender.update(stream, version) if rank == sync_source(sources) else exhaust(stream)
 
 `update` is the weight update, as numbered steps (`sync.engine_api` has the engine's side):
   1. refuse a version that does not increase (repeating the committed version only catches up
@@ -60,6 +60,7 @@ import torch
 from sync.engine_api import EngineEndpoint
 from sync.engine_set import EngineSet, SyncError, describe
 from sync.transports import TransportConfig, make_transport
+from sync.transports.base import exhaust
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
@@ -143,7 +144,7 @@ class WeightSender:
         names = self.behind | self.partial if version == self.version else set(self.engines.names)
         targets = self.engines.subset(names)
         if not targets.engines:  # every engine died: the restarted ones catch up to this version
-            drain(named_tensors)
+            exhaust(named_tensors)
             self.version = version
             return SyncStats(version, 0, 0.0)
         start, committed, touched, session = time.perf_counter(), False, False, False
@@ -175,7 +176,7 @@ class WeightSender:
             self.behind -= set(targets.names)
             self.partial -= set(targets.names)
         except BaseException as failure:
-            drain(named_tensors)  # if we failed before sending: other ranks run the export
+            exhaust(named_tensors)  # if we failed before sending: other ranks run the export
             if session:
                 targets.call(lambda e: e.end_weight_update())  # best effort: the next begin needs it
             if isinstance(failure, SyncError):
@@ -220,9 +221,3 @@ class WeightSender:
 async def require_health(engine: EngineEndpoint) -> None:
     if not await engine.health():
         raise ConnectionError(f"{engine.name} does not answer /health")
-
-
-def drain(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Non-source trainer ranks: run the export (its collectives) without sending anything."""
-    for _ in named_tensors:
-        pass

@@ -2,7 +2,7 @@
 
 Trainer: a Megatron GPTModel (random init) built from `model` (Qwen3MoeConfig fields) on a gloo
 world of `layout.world_size` ranks (`parallel.world.spawn`); rank 0 owns the `WeightSender`, the
-others drain the export. Full = export (TP/EP gathers) + pack + broadcast + engines verify the
+others exhaust the export. Full = export (TP/EP gathers) + pack + broadcast + engines verify the
 checksum, stage into their reused storage and commit. Engines: `num_engines` receiver
 processes (a `WeightReceiver` each, no model; not the embedded engine, whose commit rebuilds a
 transformers model, which is model loading, not transfer), driven over a socket by the same
@@ -191,7 +191,7 @@ def _memory_kb(field: str) -> int:
 
 
 def _trainer(cfg: dict, addresses: list) -> dict | None:
-    """Rank function: build this rank's Megatron stage; rank 0 syncs, the others drain exports."""
+    """Rank function: build this rank's Megatron stage; rank 0 syncs, the others exhaust the exports."""
     import torch.distributed as dist
     from transformers import Qwen3MoeConfig
 
@@ -200,7 +200,7 @@ def _trainer(cfg: dict, addresses: list) -> dict | None:
     from parallel.layout import ParallelLayout
     from parallel.model import build_gpt_model, init_model_parallel
     from sync.bucket import checksum
-    from sync.sender import SyncConfig, WeightSender, drain
+    from sync.sender import SyncConfig, WeightSender, exhaust
 
     layout = ParallelLayout(**cfg["layout"])
     bridge = bridge_for(Qwen3MoeConfig(**cfg["model"]))
@@ -209,11 +209,11 @@ def _trainer(cfg: dict, addresses: list) -> dict | None:
     export_bytes, repeats = int(cfg.get("export_bucket_mb", 64)) << 20, int(cfg.get("repeats", 3))
     if dist.get_rank() != 0:  # 2 warm-up syncs, then per repeat the exports of STAGES (CPU seconds of each)
         for _ in range(2):
-            drain(export_hf_weights(model, bridge, bucket_bytes=export_bytes))
+            exhaust(export_hf_weights(model, bridge, bucket_bytes=export_bytes))
         return {
             "cpu": [
                 {
-                    stage: _cpu(lambda: drain(export_hf_weights(model, bridge, bucket_bytes=export_bytes)))
+                    stage: _cpu(lambda: exhaust(export_hf_weights(model, bridge, bucket_bytes=export_bytes)))
                     for stage in STAGES
                 }
                 for _ in range(repeats)
@@ -251,7 +251,7 @@ def _trainer(cfg: dict, addresses: list) -> dict | None:
                 packer.checksums = True
 
             work = {
-                "export": lambda: drain(stream()),
+                "export": lambda: exhaust(stream()),
                 "pack": pack,
                 "full": lambda: sender.update(stream(), version),
                 "raw": lambda: _raw_broadcast(sender, engines, flat),

@@ -88,7 +88,7 @@ class WeightSync:
         from moe_rl.engine.client import EngineClient
         from sync.engine_set import SyncError
         from sync.pipeline import stage_stream
-        from sync.sender import drain
+        from sync.sender import exhaust
 
         if self.trainer.lora is not None:
             return self._sync_adapters(version, joined or {}, lost)
@@ -105,7 +105,7 @@ class WeightSync:
             if self.fp8 is not None:
                 stream = self.fp8.quantize_stream(stream)
             if self.sender is None:
-                drain(stream)
+                exhaust(stream)
                 continue
             try:
                 stats = self.sender.update(stream, version)

@@ -8,7 +8,7 @@ Lifecycle, called by `WeightSender` on the trainer's source rank only:
 
 `send` moves the bytes and announces them, but never commits: the sender commits the version
 (`update_weight_version`) only after `send` returned. `send` raises `SyncError` naming the
-engine and bucket on any failure, after draining `named_tensors` (the export is a collective
+engine and bucket on any failure, after exhausting `named_tensors` (the export is a collective
 on the trainer ranks: the source must keep iterating in lockstep even when it stops sending).
 `broken` tells the sender that `open` must run again before the next `send`.
 """
@@ -23,6 +23,14 @@ from typing import ClassVar, Iterable
 import torch
 
 from sync.engine_set import EngineSet
+
+
+def exhaust(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Run an export to its end, keeping nothing: what every trainer rank that does not send it
+    (or stopped sending it) does, so the export's collectives stay in lockstep on every rank."""
+    for _ in named_tensors:
+        pass
+
 
 _REGISTRY = {
     "broadcast": "sync.transports.broadcast:BroadcastTransport",

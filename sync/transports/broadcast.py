@@ -28,7 +28,7 @@ import torch
 from sync.bucket import Bucket, BucketPacker
 from sync.engine_set import EngineSet, SyncError, describe
 from sync.group import WeightUpdateGroup, client_store, host_store
-from sync.transports.base import Transport
+from sync.transports.base import Transport, exhaust
 
 _POLL_S = 0.002  # how often a running broadcast looks for engines that failed meanwhile
 _ABORT_GRACE_S = 2.0  # how long an aborted rendezvous (a broadcast with a failed engine) waits
@@ -127,7 +127,7 @@ class BroadcastTransport(Transport):
         self.broken = False
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, engines: EngineSet) -> int:
-        """Source rank only; returns the bytes sent. Raises SyncError after draining the export.
+        """Source rank only; returns the bytes sent. Raises SyncError after exhausting the export.
 
         At most two buckets are unacknowledged: bucket k+1 is announced and broadcast once the
         broadcast of k completed, while the engines still verify k (its checksum overlaps the
@@ -157,8 +157,7 @@ class BroadcastTransport(Transport):
                     unacked.append(pending.result())
             for bucket_id, acks in unacked:
                 engines.wait(acks)
-            for _ in stream:  # keep the export's collectives in lockstep with the other ranks
-                pass
+            exhaust(stream)  # the export's collectives stay in lockstep with the other ranks
             raise
         return sent_bytes
 

@@ -41,7 +41,7 @@ import torch
 from sync.bucket import Bucket, BucketPacker
 from sync.engine_api import ColocatedEngineEndpoint
 from sync.engine_set import EngineSet, SyncError, describe
-from sync.transports.base import Transport
+from sync.transports.base import Transport, exhaust
 
 
 def missing_requirements() -> list[str]:
@@ -84,7 +84,7 @@ class CudaIpcTransport(Transport):
         self.broken = False
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, engines: EngineSet) -> int:
-        """Source rank only; returns the bytes handed over. Raises SyncError after draining."""
+        """Source rank only; returns the bytes handed over. Raises SyncError after exhausting the export."""
         stream = iter(named_tensors)
         sent_bytes, pending = 0, None
         try:
@@ -98,8 +98,7 @@ class CudaIpcTransport(Transport):
         except BaseException:
             if pending is not None:
                 cf.wait([pending])
-            for _ in stream:  # keep the export's collectives in lockstep with the other ranks
-                pass
+            exhaust(stream)  # the export's collectives stay in lockstep with the other ranks
             raise
         return sent_bytes
 

@@ -6,7 +6,7 @@ so an engine never sees a half-written version; then every engine is told, concu
 through `update_weights_from_disk(model_path, weight_version)`. After the sender commits, the
 previous published versions are removed at the next `send`. Sending a version that is already
 published (the sender catching a restarted engine up to the committed version) writes nothing:
-the export is drained and the engines load the published directory.
+the export is exhausted and the engines load the published directory.
 
 Memory on the source rank: one shard (the tensors of at most `bucket_bytes`, held until written).
 """

@@ -27,7 +27,7 @@ def export_and_sync(hf_dir: str, ports: list[int], out_dir: str, bucket_bytes: i
     from parallel.export import export_hf_weights, is_export_source
     from parallel.hf_import import load_hf_weights
     from parallel.model import build_gpt_model, init_model_parallel
-    from sync.sender import SyncConfig, WeightSender, drain
+    from sync.sender import SyncConfig, WeightSender, exhaust
     from tests.sync.fake_engine import FakeEngineClient
 
     bridge = bridge_for(json.loads((Path(hf_dir) / "config.json").read_text()))
@@ -59,7 +59,7 @@ def export_and_sync(hf_dir: str, ports: list[int], out_dir: str, bucket_bytes: i
                 client.dump_weights(f"{out_dir}/engine{i}-v{version}.safetensors")
             written.append(version)
         else:
-            drain(stream)
+            exhaust(stream)
         dist.barrier()
     if sender is not None:
         sender.close()

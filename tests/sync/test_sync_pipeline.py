@@ -26,7 +26,7 @@ def pp_export_and_sync(hf_dir: str, ports: list[int], out_dir: str, layout: Para
     from parallel.hf_import import load_hf_weights
     from parallel.model import build_gpt_model, init_model_parallel
     from sync.pipeline import stage_stream, sync_source
-    from sync.sender import SyncConfig, WeightSender, drain
+    from sync.sender import SyncConfig, WeightSender, exhaust
     from tests.sync.fake_engine import FakeEngineClient
 
     bridge = bridge_for(json.loads((Path(hf_dir) / "config.json").read_text()))
@@ -48,7 +48,7 @@ def pp_export_and_sync(hf_dir: str, ports: list[int], out_dir: str, layout: Para
             for i, client in enumerate(clients):
                 client.dump_weights(f"{out_dir}/engine{i}-v{version}.safetensors")
         else:
-            drain(stream)
+            exhaust(stream)
         dist.barrier()
     if sender is not None:
         sender.close()

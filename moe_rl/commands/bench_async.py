@@ -13,7 +13,7 @@ each process reports are printed. `--no-pools` keeps CONFIG's layout, unpinned.
    max(gen, train), so ideal = (gen + train) / max(gen, train) (2x when balanced);
 2. long-tailed response lengths (task `copy_digits_long_tail`: responses stop at any of
    `num_stop_tokens` tokens, else run to `long_tail_max_new_tokens`): drain-before-sync
-   (`one_step_off`) vs partial rollouts (`fully_async`, pause_mode abort, resume after the swap)
+   (`one_step_off`) vs partial rollouts (`fully_async`, pause_mode abort, continued after the swap)
    at the same staleness bound 1; reports generated tokens/s and step throughput, and the ideal
    (no drain wait: the drain run's step without its drain seconds).
 Runs follow one another, so a ratio also measures how the machine's load moved between its two
@@ -98,7 +98,7 @@ def _run(config_path: str, overrides: list[str], name: str, out: Path) -> dict:
         "trained_tokens_per_s": sum(r["train/tokens"] for r in rows) / summary["train_s"],
         "reward_first": summary["reward_first"],
         "reward_last": summary["reward_last"],
-        "resumed_requests": last["rollout/resumed_requests"],
+        "continued_requests": last["rollout/continued_requests"],
         "mean_step_s": mean("time/step_s"),
         "mean_sync_s": mean("time/sync_s"),
         "mean_trainer_wait_s": mean("time/trainer_wait_s"),
@@ -164,7 +164,7 @@ def run(args) -> int:
     Path(args.output).write_text(json.dumps(results, indent=2))
     print(
         f"{'run':<23} {'train s':>8} {'steps/s':>8} {'gen tok/s':>10} {'step s':>7} {'wait s':>7} "
-        f"{'drain s':>8} {'resumed':>8} {'trainer busy':>13} {'engine busy':>12}"
+        f"{'drain s':>8} {'continued':>8} {'trainer busy':>13} {'engine busy':>12}"
     )
     for r, rep in enumerate(repeats):
         for name, run_ in rep["runs"].items():
@@ -172,7 +172,7 @@ def run(args) -> int:
             print(
                 f"{label:<23} {run_['train_s']:8.1f} {run_['steps_per_s']:8.2f} {run_['generated_tokens_per_s']:10.0f} "
                 f"{run_['mean_step_s']:7.3f} {run_['mean_trainer_wait_s']:7.3f} {run_['mean_drain_s']:8.3f} "
-                f"{run_['resumed_requests']:8.0f} {run_['trainer_busy_frac']:13.0%} {run_['engine_busy_frac']:12.0%}"
+                f"{run_['continued_requests']:8.0f} {run_['trainer_busy_frac']:13.0%} {run_['engine_busy_frac']:12.0%}"
             )
     reported = repeats[0]["runs"]["balanced_sync"]["cores"]
     if reported:

@@ -4,7 +4,7 @@ One loop serves every mode; modes only set the staleness bound and whether gener
 before a weight sync (`RLConfig`): `sync` = staleness 0 (round v+1 is not admitted until the
 engines serve v+1, so generation and training alternate), `one_step_off` = staleness 1 +
 drain-before-sync, `fully_async` = staleness >= 1, generation paused only for the weight swap
-(requests cut by it are resumed as partial rollouts). Runs on the driver; returns a summary.
+(requests cut by it continue as partial rollouts). Runs on the driver; returns a summary.
 With `lora:`, each sync publishes only the new adapter and the run ends with `final_adapter/` (PEFT)
 next to the merged `final_hf/`. With `rl.checkpoint_every`, run checkpoints (`moe_rl.rl.resume`) let
 `--resume` continue a run.
@@ -15,15 +15,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import ray
-
 from moe_rl.config import RunConfig, dump_config, to_dict
 from moe_rl.metrics import MetricsLogger
 from moe_rl.progress import StepProgress
 from moe_rl.rl import resume as resume_state
-from moe_rl.rl.batch import build_batch
 from moe_rl.rl.cluster import RLCluster
 from moe_rl.rl.colocate import engines_released
+from moe_rl.rollout.train_batch import build_batch
 
 
 def run(config: RunConfig, resume: bool = False) -> dict:
@@ -46,7 +44,7 @@ def run(config: RunConfig, resume: bool = False) -> dict:
     rewards, trained, ledger = [], [], None
     try:
         setup_s = time.perf_counter() - start
-        generated, active = 0.0, ray.get(cluster.rollout.metrics.remote())["engines/active_s"]
+        generated, active = 0.0, cluster.rollout_metrics()["engines/active_s"]
         with StepProgress("rl", config.steps - first) as progress:
             for version in range(first, config.steps):
                 metrics, step_start = {}, time.perf_counter()
@@ -59,7 +57,7 @@ def run(config: RunConfig, resume: bool = False) -> dict:
                     metrics.update(cluster.trainer.step(batch, config.algorithm))
                 released = time.perf_counter() - released if config.rl.colocate else 0.0
                 metrics.update(_update_weights(cluster, config, version + 1))
-                rollout_metrics = ray.get(cluster.rollout.metrics.remote())
+                rollout_metrics = cluster.rollout_metrics()
                 metrics.update({**info.metrics(), **rollout_metrics})
                 metrics["time/step_s"] = time.perf_counter() - step_start
                 # engines pause for a full-weight sync (LoRA adapters load beside generation)
@@ -138,13 +136,12 @@ def _update_weights(cluster: RLCluster, config: RunConfig, version: int) -> dict
     metrics["time/sync_s"] = cluster.sync(version)
     metrics["engines/restarts"] = cluster.restarts
     # 3. the engines serve `version`: admit the rounds it allows (the staleness bound)
-    ray.get(cluster.rollout.set_version.remote(version))
+    cluster.set_rollout_version(version)
     return metrics
 
 
 def _check_task(config: RunConfig) -> None:
     """Build the task once here, so a bad task name or option fails before any process starts."""
-    import moe_rl.rl.long_tail  # noqa: F401  (registers the benchmark task)
     from moe_rl.tasks import make_task
 
     if config.rollout.task != "jsonl":

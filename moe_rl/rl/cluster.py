@@ -171,6 +171,14 @@ class RLCluster:
         """The rollout worker's next batch; recovers engines while waiting for it."""
         return self._wait(self.rollout.get_batch.remote(n_groups))
 
+    def rollout_metrics(self) -> dict[str, float]:
+        """The rollout worker's counters (`RolloutManager.metrics` plus the engines' active seconds)."""
+        return ray.get(self.rollout.metrics.remote())
+
+    def set_rollout_version(self, version: int) -> None:
+        """Tell the rollout worker that engines serve `version` now (the buffer admits by it)."""
+        ray.get(self.rollout.set_version.remote(version))
+
     def drain(self) -> float:
         """Wait until no group is generating (drain-before-sync); recovers engines meanwhile."""
         return self._wait(self.rollout.drain.remote())

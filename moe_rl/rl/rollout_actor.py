@@ -121,7 +121,7 @@ def engine_placement(
 
 
 class CountingPool(EnginePool):
-    """An `EnginePool` that counts every generated token (resumed segments included)."""
+    """An `EnginePool` that counts every generated token (continued segments included)."""
 
     generated_tokens = 0
 
@@ -154,7 +154,6 @@ class RolloutWorker:
 
     async def start(self, restore: RunCheckpoint | None = None) -> None:
         """Start generating; `restore`: the run checkpoint to continue from."""
-        import moe_rl.rl.long_tail  # noqa: F401  registers the benchmark's long-tailed task
 
         clients = [self._client(i, url) for i, url in enumerate(self.urls)]
         self.pool = CountingPool(clients)

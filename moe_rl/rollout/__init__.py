@@ -2,9 +2,9 @@
 
 - `config`: `RolloutConfig` (task, reward, sampling, staleness, partial-rollout options).
 - `manager`: `RolloutManager`, generates scored groups through the `EnginePool` into the buffer,
-  resumes requests cut by a weight-swap pause.
+  continues requests cut by a weight-swap pause.
 - `buffer`: `RolloutBuffer`, staleness-bounded admission and consumption, group ledger, metrics.
-- `partial`: `continue_sample` and the resume request of a partial sample.
+- `partial`: `continue_sample` and the continuation request of a partial sample.
 """
 
 from moe_rl.rollout.buffer import RolloutBuffer, staleness

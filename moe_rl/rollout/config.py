@@ -35,7 +35,7 @@ class RolloutConfig:
     """Groups over the bound at consumption: "drop" (count, replace with a fresh prompt) or
     "requeue" (count, regenerate the same prompt under the same group id)."""
     partial_rollout: bool = True
-    """A request cut by an abort-mode pause is resumed (prompt + partial response, remaining
+    """A request cut by an abort-mode pause is continued (prompt + partial response, remaining
     budget, new weights); False restarts it from the prompt and discards the partial tokens."""
     mask_stale_tokens: bool = False
     """Set loss_mask 0 on response tokens older than the newest weight version in their sample

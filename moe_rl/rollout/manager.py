@@ -33,7 +33,7 @@ from pathlib import Path
 from moe_rl.engine.pool import EnginePool
 from moe_rl.rollout.buffer import Group, RolloutBuffer
 from moe_rl.rollout.config import RolloutConfig
-from moe_rl.rollout.partial import continue_sample, mask_older_tokens, resume_request
+from moe_rl.rollout.partial import continuation_request, continue_sample, mask_older_tokens
 from moe_rl.sample import Sample
 from moe_rl.tasks import Prompt, Task, get_reward, make_task
 from sync.lora import adapter_name
@@ -73,7 +73,7 @@ class RolloutManager:
         self._fills: set[asyncio.Task] = set()  # replacements of stale groups
         self._inflight: dict[str, tuple[Prompt, list[Sample]]] = {}  # open group -> prompt, samples so far
         self.started_ids: set[str] = set()
-        self.resumed_requests = 0
+        self.continued_requests = 0
         self.discarded_tokens = 0
 
     # -- the loop ----------------------------------------------------------------------------------
@@ -238,7 +238,7 @@ class RolloutManager:
         if is_finished(sample):  # restored from a run checkpoint already complete
             return sample
         while True:
-            input_ids, start = resume_request(sample)
+            input_ids, start = continuation_request(sample)
             version = self.buffer.version  # LoRA: the newest adapter, loaded before the buffer heard of it
             lora = {"lora_path": adapter_name(version)} if self.adapters else {}
             result = await self.pool.generate(
@@ -261,7 +261,7 @@ class RolloutManager:
                 if sample.status == "aborted":  # the abort came exactly at the end of the budget
                     sample.status = "truncated"
                 return sample
-            self.resumed_requests += 1
+            self.continued_requests += 1
             if not cfg.partial_rollout:
                 self.discarded_tokens += len(sample.response_ids)
                 restarts = sample.metadata.get("restarts", 0) + 1
@@ -318,7 +318,7 @@ class RolloutManager:
     def metrics(self) -> dict[str, float]:
         return {
             **self.buffer.metrics(),
-            "rollout/resumed_requests": self.resumed_requests,
+            "rollout/continued_requests": self.continued_requests,
             "rollout/discarded_tokens": self.discarded_tokens,
             "rollout/groups_started": len(self.started_ids),
         }

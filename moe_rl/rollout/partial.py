@@ -1,7 +1,7 @@
-"""Partial rollouts: turn engine results into `Sample`s and resume samples cut by a pause.
+"""Partial rollouts: turn engine results into `Sample`s and continue samples cut by a pause.
 
 A request cut by an abort-mode pause returns finish reason "abort" with the tokens it made so
-far. It is resumed by generating again from prompt + partial response with the remaining budget
+far. It is continued by generating again from prompt + partial response with the remaining budget
 and `routed_experts_start_len = prompt_len + partial_len - 1`, so the engine returns routing only
 for the positions the partial sample lacks. `continue_sample` concatenates the two exactly:
 tokens, logprobs, loss mask and per-token versions append; routed-expert rows append (the
@@ -21,7 +21,7 @@ from moe_rl.sample import Sample
 STATUS_OF_FINISH = {"stop": "completed", "length": "truncated", "abort": "aborted"}
 
 
-def resume_request(sample: Sample) -> tuple[list[int], int]:
+def continuation_request(sample: Sample) -> tuple[list[int], int]:
     """(input ids, routed_experts_start_len) that continue `sample` on an engine."""
     generated = len(sample.response_ids)
     start = len(sample.prompt_ids) + generated - 1 if generated else 0
@@ -29,7 +29,7 @@ def resume_request(sample: Sample) -> tuple[list[int], int]:
 
 
 def continue_sample(partial: Sample, result: GenerateResult, *, routed_experts: bool) -> Sample:
-    """`partial` extended by `result`, the engine's answer to `resume_request(partial)`;
+    """`partial` extended by `result`, the engine's answer to `continuation_request(partial)`;
     `routed_experts`: whether the request asked for them (`return_routed_experts`).
 
     A partial with no response yet takes the result as its first segment. With `routed_experts`,
@@ -37,7 +37,7 @@ def continue_sample(partial: Sample, result: GenerateResult, *, routed_experts: 
     routing always covers every position: a segment with tokens but no routed experts, or the
     wrong number of rows, raises ValueError naming the sample and the segment. A segment with no
     tokens (SGLang answers a request aborted while still queued without `routed_experts`) adds no
-    rows: the next resume asks for the same ones again.
+    rows: the next continuation asks for the same ones again.
     """
     n_new = len(result.output_ids)
     logprobs = result.logprobs if result.logprobs is not None else [0.0] * n_new
@@ -52,7 +52,7 @@ def continue_sample(partial: Sample, result: GenerateResult, *, routed_experts: 
             f"sample of group {partial.group_id!r}, segment {partial.metadata.get('num_segments', 0) + 1} "
             f"(engine request {result.rid})"
         )
-        _, start = resume_request(partial)
+        _, start = continuation_request(partial)
         expected = len(partial.prompt_ids) + len(partial.response_ids) + n_new - 1 - start
         if routed is None and partial.response_ids:
             raise ValueError(

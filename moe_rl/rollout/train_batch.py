@@ -1,4 +1,4 @@
-"""Scored groups of `Sample`s -> one trainer batch (a dict of [B, S, ...] tensors, see trainer.batch).
+"""Scored groups of `Sample`s -> one trainer batch (a dict of [B, S, ...] tensors, see trainer.microbatches).
 
 Row i is sample i: tokens = prompt + response, right-padded with 0 to the longest row. Every
 per-token tensor sits at the token's own position t (the trainer aligns column t + 1 of it with
@@ -38,7 +38,7 @@ class BatchInfo:
     staleness: list[int]
     """Per sample: trainer version minus its oldest token's version."""
     segments: list[int]
-    """Per sample: engine requests behind it (> 1 = resumed across a weight swap)."""
+    """Per sample: engine requests behind it (> 1 = continued across a weight swap)."""
 
     def metrics(self) -> dict[str, float]:
         n = max(len(self.rewards), 1)

@@ -6,9 +6,11 @@
 - `digits`: built-in tasks with their own token vocabulary (`copy_digits`, `reverse_digits`,
   `sum_mod10`) that a tiny random-init model learns on CPU.
 - `dataset`: the `"jsonl"` task for user data (text or token-id prompts, answer, metadata).
+- `long_tail`: `copy_digits_long_tail`, copy_digits with long-tailed response lengths (`moe-rl
+  bench async`).
 """
 
-from moe_rl.tasks import dataset, digits, math  # noqa: F401  (registers the built-ins)
+from moe_rl.tasks import dataset, digits, long_tail, math  # noqa: F401  (registers the built-ins)
 from moe_rl.tasks.registry import Prompt, Task, get_reward, make_task, register_reward, register_task, task_names
 
 __all__ = ["Prompt", "Task", "get_reward", "make_task", "register_reward", "register_task", "task_names"]

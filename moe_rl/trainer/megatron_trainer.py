@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.config import TrainerConfig
-from moe_rl.trainer.batch import Batch, check_batch, microbatches, pad_sequence_dim, split_rows
 from moe_rl.trainer.logprobs import token_entropy, token_logprobs
+from moe_rl.trainer.microbatches import Batch, check_batch, microbatches, pad_sequence_dim, split_rows
 from moe_rl.trainer.reference import FrozenModel, build_reference
 from moe_rl.trainer.routing_replay import RoutingReplay
 from parallel.bridges import bridge_for

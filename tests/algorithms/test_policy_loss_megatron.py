@@ -65,8 +65,8 @@ def _mini_batch_rank():
     the second mini-batch sees ratios != 1 against the old logprobs, so PPO's clip acts."""
     from moe_rl.algorithms import AlgorithmConfig, make_policy_loss, policy_metrics
     from moe_rl.config import OptimizerConfig, TrainerConfig
-    from moe_rl.trainer.batch import split_rows
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
+    from moe_rl.trainer.microbatches import split_rows
 
     hf_config = tiny_models.hf_config(tiny_models.QWEN3_MOE_SMALL, vocab_size=VOCAB)
     optimizer = OptimizerConfig(lr=0.05)

@@ -30,7 +30,7 @@ def test_release_resume_and_reload(qwen3_dir, tmp_path):
             await client.generate([1, 2, 3], max_new_tokens=4)
         await client.resume_memory_occupation(["weights", "kv_cache"])
         infos.append(await client.model_info())
-        with pytest.raises(EngineError, match="resumed"):
+        with pytest.raises(EngineError, match="reallocated"):
             await client.generate([1, 2, 3], max_new_tokens=4)
         with pytest.raises(EngineError, match="all .* checkpoint tensors"):  # a relabel is not a reload
             await client.update_weight_version("5")
@@ -45,7 +45,7 @@ def test_release_resume_and_reload(qwen3_dir, tmp_path):
     assert released["weights_state"] == "released" and released["weight_bytes"] == 0
     assert released["memory_released"] == ["kv_cache", "weights"]
     # resume allocates the checkpoint tensors again (no model yet)
-    assert resumed["weights_state"] == "resumed" and 0 < resumed["weight_bytes"] < loaded["weight_bytes"]
+    assert resumed["weights_state"] == "reallocated" and 0 < resumed["weight_bytes"] < loaded["weight_bytes"]
     assert resumed["memory_released"] == []
     # (a rebuilt model shares its unfused tensors with the checkpoint: fewer bytes than at start)
     assert reloaded["weights_state"] == "loaded" and reloaded["weight_bytes"] >= resumed["weight_bytes"]

@@ -60,7 +60,7 @@ def test_rl_with_lora(tmp_path):
     assert set(ledger["started"]) == set(ledger["delivered"]) | set(ledger["dropped"])
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    assert all(r["rollout/resumed_requests"] == 0 for r in rows)  # never paused, never cut
+    assert all(r["rollout/continued_requests"] == 0 for r in rows)  # never paused, never cut
     assert all(r["buffer/staleness_max"] <= 1 for r in rows)
     assert sum(r["train/grad_norm"] > 0 for r in rows) >= STEPS - 1
     left = sorted(p.name for p in (tmp_path / "run" / "adapters").iterdir())

@@ -15,7 +15,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import moe_rl.rl.long_tail  # noqa: F401  registers copy_digits_long_tail
 from moe_rl.engine.client import EngineClient
 from moe_rl.engine.pool import EnginePool
 from moe_rl.engine.process import launch_embedded

@@ -9,7 +9,7 @@ import pytest
 
 from moe_rl.engine.client import GenerateResult
 from moe_rl.rollout import RolloutConfig, RolloutManager, continue_sample
-from moe_rl.rollout.partial import mask_older_tokens, resume_request
+from moe_rl.rollout.partial import continuation_request, mask_older_tokens
 from moe_rl.sample import Sample
 from tests.engine.engine_helpers import wait_until_decoding
 from tests.rollout.rollout_helpers import cancel, make_pool, reference, swap_weights
@@ -37,7 +37,7 @@ def test_continue_sample_concatenates_every_field_in_order():
         Sample(prompt_ids=prompt), result([7, 8], "0", routed_rows=3 + 2 - 1, finish="abort"), routed_experts=True
     )
     assert sample.status == "aborted" and sample.routed_experts.shape == (4, 2, 2)
-    ids, start = resume_request(sample)
+    ids, start = continuation_request(sample)
     assert ids == [1, 2, 3, 7, 8] and start == 4  # the engine returns rows from position P + n - 1
     done = continue_sample(sample, result([9, 10, 11], "1", routed_rows=5 + 3 - 1 - 4, first=1000), routed_experts=True)
     assert done.response_ids == [7, 8, 9, 10, 11]
@@ -54,7 +54,7 @@ def test_continue_sample_edge_cases():
     empty = continue_sample(
         Sample(prompt_ids=[1, 2]), result([], "0", routed_rows=None, finish="abort"), routed_experts=True
     )
-    assert empty.response_ids == [] and empty.routed_experts is None and resume_request(empty) == ([1, 2], 0)
+    assert empty.response_ids == [] and empty.routed_experts is None and continuation_request(empty) == ([1, 2], 0)
     first = continue_sample(empty, result([5], "1", routed_rows=2, finish="stop"), routed_experts=True)
     assert first.response_ids == [5] and first.routed_experts.shape == (2, 2, 2) and first.status == "completed"
     partial = continue_sample(
@@ -76,7 +76,7 @@ def test_every_resumed_segment_brings_its_routed_expert_rows():
     # aborted while still queued: no tokens and, as SGLang answers, no routed_experts; nothing is missing
     queued = continue_sample(partial, result([], "1", routed_rows=None, finish="abort"), routed_experts=True)
     assert queued.response_ids == [7, 8] and np.array_equal(queued.routed_experts, partial.routed_experts)
-    assert resume_request(queued) == resume_request(partial)  # the next resume asks for the same rows
+    assert continuation_request(queued) == continuation_request(partial)  # the next continuation asks for the same rows
     done = continue_sample(queued, result([9], "1", routed_rows=1, finish="stop"), routed_experts=True)
     assert done.routed_experts.shape == (3 + 3 - 1, 2, 2)
     # tokens without their rows: an error naming the sample and the segment
@@ -122,7 +122,7 @@ def test_abort_pause_swap_resume_keeps_tokens_logprobs_routing_versions(engine, 
 
     batch, calls, manager = asyncio.run(go())
     samples = [s for group in batch for s in group]
-    assert manager.resumed_requests >= 8
+    assert manager.continued_requests >= 8
     cut = [s for s in samples if s.metadata["num_segments"] == 2]
     assert cut, "no request was cut by the pause: raise max_new_tokens"
     by_rid = {res.rid: (ids, kwargs, res) for ids, kwargs, res in calls}
@@ -179,6 +179,6 @@ def test_restart_mode_discards_partial_tokens(engine, model_dirs):
         return batch, manager
 
     batch, manager = asyncio.run(go())
-    assert manager.resumed_requests >= 1 and manager.discarded_tokens > 0
+    assert manager.continued_requests >= 1 and manager.discarded_tokens > 0
     for sample in batch[0]:  # a cut sample restarted; one that finished under v2 was stale (bound 0)
         assert sample.weight_versions == ["3"] * config.max_new_tokens and sample.metadata["num_segments"] == 1

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moe_rl.algorithms import AlgorithmConfig
-from moe_rl.rl.batch import build_batch
+from moe_rl.rollout.train_batch import build_batch
 from moe_rl.sample import Sample
 
 LAYERS, TOPK = 2, 2

@@ -14,7 +14,7 @@ the per-expert -> fused conversion, and no forward ever sees a half-loaded model
 
 Memory occupation (SGLang's `/release_memory_occupation` tag "weights", for colocated RL):
 `release_weights` drops the model and the checkpoint tensors (their memory is freed) and keeps
-only names, shapes and dtypes; `resume_weights` re-allocates the checkpoint (zeros: like SGLang's
+only names, shapes and dtypes; `reallocate_weights` re-allocates the checkpoint (zeros: like SGLang's
 re-mapped memory, it holds no valid weights) and the next weight update must then carry every
 tensor, after which the model is built again. Until then there is no model to run.
 """
@@ -96,7 +96,7 @@ class ModelRunner:
         )
         self._layout = {name: (tensor.shape, tensor.dtype) for name, tensor in self.checkpoint.items()}
         self.weights_state = "loaded"
-        """"loaded" | "released" (no tensors) | "resumed" (allocated, waiting for a full update)."""
+        """"loaded" | "released" (no tensors) | "reallocated" (allocated, waiting for a full update)."""
 
     # -- model lifecycle -------------------------------------------------------------------------
 
@@ -112,7 +112,7 @@ class ModelRunner:
             )
         if self.fp8 is not None:
             tensors = self.fp8.dequantize_named(tensors)
-        if self.weights_state == "resumed" and tensors.keys() != self.checkpoint.keys():
+        if self.weights_state == "reallocated" and tensors.keys() != self.checkpoint.keys():
             raise ValueError(
                 f"after /resume_memory_occupation the engine holds no valid weights: the update must "
                 f"carry all {len(self.checkpoint)} checkpoint tensors, got {len(tensors)}"
@@ -147,12 +147,12 @@ class ModelRunner:
         self.weights_state = "released"
         gc.collect()
 
-    def resume_weights(self) -> None:
+    def reallocate_weights(self) -> None:
         """Re-allocate the checkpoint tensors (zeros); a full weight update must follow."""
         if self.weights_state != "released":
             return  # SGLang: resuming what is not released is a no-op
         self.checkpoint = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in self._layout.items()}
-        self.weights_state = "resumed"
+        self.weights_state = "reallocated"
 
     def require_weights(self) -> None:
         if self.weights_state != "loaded":

@@ -86,7 +86,7 @@ class Scheduler:
             self._drop_batch()
         self.paused = True
 
-    def resume(self) -> None:
+    def unpause(self) -> None:
         self.paused = False
 
     def abort(self, rid: str | None) -> int:

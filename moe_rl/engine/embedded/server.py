@@ -92,7 +92,7 @@ class EmbeddedServer:
         routes = {
             "/generate": self.generate,
             "/pause_generation": self.pause,
-            "/continue_generation": self.resume,
+            "/continue_generation": self.continue_generation,
             "/abort_request": self.abort,
             "/update_weights_from_disk": self.update_from_disk,
             "/init_weights_update_group": self.init_group,
@@ -258,10 +258,10 @@ class EmbeddedServer:
         await self._on_scheduler(lambda: self.scheduler.pause(mode))
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
-    async def resume(self, http: web.Request) -> web.Response:
+    async def continue_generation(self, http: web.Request) -> web.Response:
         await self._body(http)
         self.receiver.abort()  # an uncommitted staged version is dropped (sync.engine_api)
-        await self._on_scheduler(self.scheduler.resume)
+        await self._on_scheduler(self.scheduler.unpause)
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def abort(self, http: web.Request) -> web.Response:
@@ -378,12 +378,12 @@ class EmbeddedServer:
     async def resume_memory(self, http: web.Request) -> web.Response:
         tags = self._tags(await self._body(http))
 
-        def resume() -> None:
+        def reallocate() -> None:
             if "weights" in tags:
-                self.runner.resume_weights()
+                self.runner.reallocate_weights()
             self.released.difference_update(tags)
 
-        await self._on_scheduler(resume)
+        await self._on_scheduler(reallocate)
         return web.json_response({"success": True, "message": f"Resumed {tags}; weights {self.runner.weights_state}."})
 
     # -- weights -----------------------------------------------------------------------------------

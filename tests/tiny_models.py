@@ -9,7 +9,7 @@ Fields (a dict with `model_type`: a run config's `model.hf_config`, a config.jso
 arguments (no `model_type`: `Qwen3MoeConfig(**kwargs)`) and the transformers config are three
 views of the same definition; `save_random_model` writes a seeded random-init checkpoint.
 GLM-4.5 and DeepSeek-V3 carry no MTP layer here (transformers' configs default to one); the MTP
-tests add it.
+tests add it to a saved checkpoint with `with_mtp_layer`.
 """
 
 from __future__ import annotations
@@ -135,3 +135,34 @@ def save_random_model(config, path: Path, seed: int = 0, dtype=None) -> Path:
         model = model.to(dtype)
     model.save_pretrained(path)
     return path
+
+
+def with_mtp_layer(tensors: dict, config: dict) -> dict:
+    """`tensors` plus MTP layer `model.layers.{num_hidden_layers}` as DeepSeek ships it: its own
+    attention and MoE (here a copy of the last layer's), random enorm / hnorm / eh_proj /
+    shared_head.norm, and copies of the model's embedding and head."""
+    import torch
+
+    last, mtp = config["num_hidden_layers"] - 1, config["num_hidden_layers"]
+    hidden = config["hidden_size"]
+    g = torch.Generator().manual_seed(3)
+    layer = {
+        n.replace(f"layers.{last}.", f"layers.{mtp}."): t.clone()
+        for n, t in tensors.items()
+        if n.startswith(f"model.layers.{last}.")
+    }
+    layer.update(
+        {
+            f"model.layers.{mtp}.{n}": t
+            for n, t in {
+                "enorm.weight": torch.rand(hidden, generator=g) + 0.5,
+                "hnorm.weight": torch.rand(hidden, generator=g) + 0.5,
+                "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=g) * 0.02,
+                "shared_head.norm.weight": torch.rand(hidden, generator=g) + 0.5,
+                # DeepSeek stores copies of the model's embedding and head in every MTP layer
+                "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+                "shared_head.head.weight": tensors["lm_head.weight"].clone(),
+            }.items()
+        }
+    )
+    return {**tensors, **layer}

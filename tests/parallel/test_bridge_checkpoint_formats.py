@@ -27,7 +27,7 @@ from parallel.fp8 import BlockFP8
 from parallel.hf_checkpoint import HFCheckpointReader
 from parallel.layout import ParallelLayout
 from parallel.world import spawn
-from tests.tiny_models import GLM4_MOE, hf_config
+from tests.tiny_models import GLM4_MOE, hf_config, with_mtp_layer
 
 LAYOUTS = [
     ParallelLayout(world_size=4, tp=2, ep=2, sequence_parallel=True),
@@ -48,35 +48,6 @@ def _write(out: Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config))
     return out
-
-
-def with_mtp_layer(tensors: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
-    """`tensors` plus MTP layer `model.layers.{num_hidden_layers}` as DeepSeek ships it: its own
-    attention and MoE (here a copy of the last layer's), random enorm / hnorm / eh_proj /
-    shared_head.norm, and copies of the model's embedding and head."""
-    last, mtp = config["num_hidden_layers"] - 1, config["num_hidden_layers"]
-    hidden = config["hidden_size"]
-    g = torch.Generator().manual_seed(3)
-    layer = {
-        n.replace(f"layers.{last}.", f"layers.{mtp}."): t.clone()
-        for n, t in tensors.items()
-        if n.startswith(f"model.layers.{last}.")
-    }
-    layer.update(
-        {
-            f"model.layers.{mtp}.{n}": t
-            for n, t in {
-                "enorm.weight": torch.rand(hidden, generator=g) + 0.5,
-                "hnorm.weight": torch.rand(hidden, generator=g) + 0.5,
-                "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=g) * 0.02,
-                "shared_head.norm.weight": torch.rand(hidden, generator=g) + 0.5,
-                # DeepSeek stores copies of the model's embedding and head in every MTP layer
-                "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
-                "shared_head.head.weight": tensors["lm_head.weight"].clone(),
-            }.items()
-        }
-    )
-    return {**tensors, **layer}
 
 
 def save_deepseek_fp8_with_mtp(tmp_path: Path) -> tuple[Path, set[str]]:

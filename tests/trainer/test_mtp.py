@@ -11,7 +11,7 @@ import math
 import torch
 
 from parallel.world import spawn
-from tests.tiny_models import DEEPSEEK_V3, hf_config, save_random_model
+from tests.tiny_models import DEEPSEEK_V3, hf_config, save_random_model, with_mtp_layer
 
 ROWS, SEQ, PROMPT, MTP = 4, 10, 3, "model.layers.4."
 
@@ -58,27 +58,10 @@ def _step_rank(hf_dir: str, weight: float) -> tuple[dict[str, tuple[torch.Tensor
 def test_mtp_layers_carried_untrained_or_trained(tmp_path):
     config = hf_config(DEEPSEEK_V3, num_nextn_predict_layers=1)
     hf_dir = save_random_model(config, tmp_path / "hf")
-    # transformers saves no MTP layer: add one as DeepSeek ships it (its own attention and MoE,
-    # enorm / hnorm / eh_proj / shared_head, copies of the embedding and head)
     from safetensors.torch import load_file, save_file
 
     (file,) = hf_dir.glob("*.safetensors")
-    tensors = load_file(file)
-    g = torch.Generator().manual_seed(1)
-    hidden = config.hidden_size
-    tensors.update(
-        {n.replace("model.layers.3.", MTP): t.clone() for n, t in tensors.items() if n.startswith("model.layers.3.")}
-    )
-    tensors.update(
-        {
-            MTP + "enorm.weight": torch.rand(hidden, generator=g) + 0.5,
-            MTP + "hnorm.weight": torch.rand(hidden, generator=g) + 0.5,
-            MTP + "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=g) * 0.05,
-            MTP + "shared_head.norm.weight": torch.rand(hidden, generator=g) + 0.5,
-            MTP + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
-            MTP + "shared_head.head.weight": tensors["lm_head.weight"].clone(),
-        }
-    )
+    tensors = with_mtp_layer(load_file(file), config.to_dict())  # transformers saves no MTP layer
     save_file(tensors, str(file), metadata={"format": "pt"})
 
     untrained_ranks, trained_ranks = spawn(_step_rank, 2, str(hf_dir), 0.0), spawn(_step_rank, 2, str(hf_dir), 0.3)

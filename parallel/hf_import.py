@@ -56,15 +56,16 @@ def _left_out(reader: HFCheckpointReader, bridge: Bridge) -> set[str]:
     multi-token-prediction layers of a model built `without_mtp` and `rotary_emb.inv_freq`
     buffers (already not listed by the reader). MTP layers the config declares but the checkpoint
     lacks: a note where the model was built as stored (`hf_checkpoint.as_stored`), else a ValueError."""
-    if bridge.mtp_layers and not reader.mtp_names():
+    stored = reader.mtp_names()
+    if bridge.mtp_layers and not stored:
         raise ValueError(
             f"{reader.dir}: the model has {bridge.mtp_layers} MTP layer(s) but the checkpoint holds none: build it "
             "from parallel.hf_checkpoint.load_hf_config (or as_stored), which leaves them out, or set model.mtp: drop"
         )
-    dropped = set() if bridge.mtp_layers else reader.mtp_names()
+    dropped = set() if bridge.mtp_layers else stored
     if not dist.is_initialized() or dist.get_rank() == 0:
         declared = reader.config.get("num_nextn_predict_layers") or 0
-        if declared and not bridge.mtp_layers and not dropped:
+        if declared and not stored:
             print(
                 f"[import] config.json declares {declared} MTP layer(s) that the checkpoint does not hold "
                 "(as transformers' save_pretrained writes DeepSeek-V3 / GLM-4.5): building the model without them"

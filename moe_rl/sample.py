@@ -48,8 +48,9 @@ class Sample:
     """Engine logprob of each response token (raw model log-softmax, see moe_rl.engine)."""
     loss_mask: list[int] = dataclasses.field(default_factory=list)
     """1 where the token is trained on; one entry per response token."""
-    weight_versions: list[str] = dataclasses.field(default_factory=list)
-    """Weight version that produced each response token."""
+    weight_versions: list[int] = dataclasses.field(default_factory=list)
+    """Weight version that produced each response token (an integer; engines label versions with
+    SGLang's strings, which the client parses)."""
     routed_experts: np.ndarray | None = None
     """int32 [prompt_len + response_len - 1, num_hidden_layers, topk]."""
     reward: float | None = None
@@ -69,6 +70,12 @@ class Sample:
                     f"Sample.{name} has {len(getattr(self, name))} entries but response_ids has {n}: "
                     "give one entry per response token"
                 )
+        if not all(type(v) is int and v >= 0 for v in self.weight_versions):
+            bad = next(v for v in self.weight_versions if type(v) is not int or v < 0)
+            raise ValueError(
+                f"Sample.weight_versions holds {bad!r}: versions are non-negative integers (parse an "
+                "engine's string label with int())"
+            )
         if self.status not in STATUSES:
             raise ValueError(f"Sample.status={self.status!r}: use one of {STATUSES}")
         if self.routed_experts is not None:
@@ -96,6 +103,8 @@ class Sample:
             if shape is None:
                 raise ValueError("Sample dict has routed_experts but no routed_experts_shape")
             data["routed_experts"] = decode_routed_experts(data["routed_experts"], shape[1], shape[2])
+        # rollout.json files written before versions were integers hold them as strings ("3")
+        data["weight_versions"] = [int(v) for v in data.get("weight_versions", [])]
         return cls(**data)
 
     def __eq__(self, other: object) -> bool:

@@ -51,9 +51,10 @@ class GenerateResult:
     """Per output token: the model's log-softmax at temperature 1 of the sampled token."""
     finish_reason: str
     """"stop" | "length" | "abort" (SGLang's finish_reason["type"])."""
-    weight_version: str
-    weight_versions: list[str]
-    """Weight version of each output token (from SGLang's `weight_versions` spans when present)."""
+    weight_version: int
+    weight_versions: list[int]
+    """Weight version of each output token (from SGLang's `weight_versions` spans when present).
+    Engines label versions with strings ("3", SGLang's form); they are integers from here on."""
     routed_experts: np.ndarray | None
     """int32 [prompt + output - 1 - routed_experts_start_len, num_hidden_layers, topk], or None."""
     meta_info: dict[str, Any]
@@ -202,9 +203,10 @@ class EngineClient:
         logprobs = (
             [float(entry[0]) for entry in meta["output_token_logprobs"]] if "output_token_logprobs" in meta else None
         )
-        versions = [str(meta["weight_version"])] * len(output_ids)
+        served = self._version(meta["weight_version"])
+        versions = [served] * len(output_ids)
         for span in meta.get("weight_versions") or []:
-            versions[span["start"] : span["end"]] = [str(span["version"])] * (span["end"] - span["start"])
+            versions[span["start"] : span["end"]] = [self._version(span["version"])] * (span["end"] - span["start"])
         routed = None
         if meta.get("routed_experts") is not None:
             layers, topk = await self._routing_layout()
@@ -215,10 +217,22 @@ class EngineClient:
             output_ids=output_ids,
             logprobs=logprobs,
             finish_reason=reason.get("type", "abort") if isinstance(reason, dict) else str(reason),
-            weight_version=str(meta["weight_version"]),
+            weight_version=served,
             weight_versions=versions,
             routed_experts=routed,
             meta_info=meta,
+        )
+
+    def _version(self, label: object) -> int:
+        """An engine's weight-version label as the integer the project counts with."""
+        if isinstance(label, int) or (isinstance(label, str) and label.isdigit()):
+            return int(label)
+        raise EngineError(
+            self.name,
+            "/generate",
+            None,
+            f"weight_version {label!r} is not a non-negative integer: start the engine with an integer "
+            "--weight-version (moe-rl's launchers pass the run's version)",
         )
 
     async def _routing_layout(self) -> tuple[int, int]:

@@ -34,7 +34,7 @@ def staleness(sample: Sample, version: int) -> int:
     """Trainer version minus the oldest weight version among the sample's response tokens."""
     if not sample.weight_versions:
         return 0
-    return version - min(int(v) for v in sample.weight_versions)
+    return version - min(sample.weight_versions)
 
 
 class RolloutBuffer:

@@ -254,7 +254,7 @@ class RolloutManager:
             )
             if self.adapters:  # the engine's base never changes: the adapter's version is the policy's
                 result = dataclasses.replace(
-                    result, weight_version=str(version), weight_versions=[str(version)] * len(result.output_ids)
+                    result, weight_version=version, weight_versions=[version] * len(result.output_ids)
                 )
             sample = progress[index] = continue_sample(sample, result, routed_experts=cfg.return_routed_experts)
             if result.finish_reason != "abort" or len(sample.response_ids) >= cfg.max_new_tokens:

@@ -90,6 +90,6 @@ def mask_older_tokens(sample: Sample) -> Sample:
     """loss_mask 0 on tokens whose weight version is older than the sample's newest one."""
     if not sample.weight_versions:
         return sample
-    newest = max(int(v) for v in sample.weight_versions)
-    mask = [m if int(v) == newest else 0 for m, v in zip(sample.loss_mask, sample.weight_versions)]
+    newest = max(sample.weight_versions)
+    mask = [m if v == newest else 0 for m, v in zip(sample.loss_mask, sample.weight_versions)]
     return dataclasses.replace(sample, loss_mask=mask)

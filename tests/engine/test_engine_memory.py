@@ -50,7 +50,7 @@ def test_release_resume_and_reload(qwen3_dir, tmp_path):
     # (a rebuilt model shares its unfused tensors with the checkpoint: fewer bytes than at start)
     assert reloaded["weights_state"] == "loaded" and reloaded["weight_bytes"] >= resumed["weight_bytes"]
     assert reloaded["weight_version"] == "1"
-    assert all(r.weight_version == "1" for r in results) and matches(new_dir, results)
+    assert all(r.weight_version == 1 for r in results) and matches(new_dir, results)
 
 
 def test_release_needs_an_idle_engine(qwen3_dir):

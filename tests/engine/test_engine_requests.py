@@ -69,9 +69,9 @@ class RecordingEngine:
     """A real aiohttp server that records every body and answers like SGLang; fails the first
     `fail_first` requests with 503 (a transient error)."""
 
-    def __init__(self, fail_first: int = 0):
+    def __init__(self, fail_first: int = 0, version_label: str = "3"):
         self.bodies: list[tuple[str, dict]] = []
-        self.fail_first = fail_first
+        self.fail_first, self.version_label = fail_first, version_label
 
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.json() if request.can_read_body else {}
@@ -84,7 +84,7 @@ class RecordingEngine:
             meta = {
                 "id": body["rid"],
                 "finish_reason": {"type": "length", "length": n},
-                "weight_version": "3",
+                "weight_version": self.version_label,
                 "output_token_logprobs": [[-1.0, 5, None]] * n,
             }
             return web.json_response({"output_ids": [5] * n, "meta_info": meta})
@@ -170,8 +170,24 @@ def test_retries_transient_errors_then_gives_up():
         return result, info, len(dead.bodies)
 
     result, info, attempts = run(go())
-    assert result.output_ids == [5, 5, 5] and result.weight_versions == ["3"] * 3 and info["weight_version"] == "3"
+    assert result.output_ids == [5, 5, 5] and result.weight_versions == [3] * 3 and info["weight_version"] == "3"
     assert attempts == 3
+
+
+def test_a_version_label_that_is_not_an_integer_is_named():
+    """SGLang's default label is "default"; the project counts versions as integers."""
+
+    async def go():
+        engine = RecordingEngine(version_label="default")
+        client = EngineClient(await engine.start(), backoff_s=0.01)
+        try:
+            with pytest.raises(EngineError, match="weight_version 'default' is not a non-negative integer"):
+                await client.generate([1], max_new_tokens=2)
+        finally:
+            await client.close()
+            await engine.runner.cleanup()
+
+    run(go())
 
 
 def test_pool_keeps_groups_together_and_balances_the_rest():

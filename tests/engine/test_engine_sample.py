@@ -18,7 +18,7 @@ def make_sample(**overrides) -> Sample:
         response_ids=[4, 5],
         rollout_logprobs=[-0.1234567890123, -2.5e-9],
         loss_mask=[1, 0],
-        weight_versions=["3", "4"],
+        weight_versions=[3, 4],
         routed_experts=rng.integers(0, 64, size=(4, 3, 2)).astype(np.int32),
         reward=0.75,
         status="truncated",
@@ -37,6 +37,12 @@ def test_round_trip_through_json_is_exact():
     assert Sample.from_dict(make_sample(routed_experts=None).to_dict()) == make_sample(routed_experts=None)
 
 
+def test_a_rollout_record_with_string_versions_loads_as_integers():
+    """rollout.json files written before versions were integers hold SGLang's labels ("3")."""
+    old = {**make_sample().to_dict(), "weight_versions": ["3", "4"]}
+    assert Sample.from_dict(json.loads(json.dumps(old))) == make_sample()
+
+
 def test_routed_experts_use_sglang_encoding():
     routed = np.arange(24, dtype=np.int32).reshape(4, 3, 2)
     encoded = encode_routed_experts(routed)
@@ -53,6 +59,8 @@ def test_routed_experts_use_sglang_encoding():
         ({"rollout_logprobs": [-1.0]}, "rollout_logprobs"),
         ({"loss_mask": [1, 1, 1]}, "loss_mask"),
         ({"weight_versions": []}, "weight_versions"),
+        ({"weight_versions": ["3", "4"]}, "weight_versions"),
+        ({"weight_versions": [3, -1]}, "weight_versions"),
         ({"routed_experts": np.zeros((5, 3, 2), np.int32)}, "routed_experts"),
         ({"routed_experts": np.zeros((4, 3, 2), np.int64)}, "routed_experts"),
         ({"status": "done"}, "status"),

@@ -62,7 +62,7 @@ def test_sglang_generates_with_routed_experts_and_versions(tmp_path):
             return result
 
         result = run(go())
-    assert len(result.output_ids) == 8 == len(result.logprobs) and result.weight_version == "0"
+    assert len(result.output_ids) == 8 == len(result.logprobs) and result.weight_version == 0
     assert result.routed_experts.shape == (4 + 8 - 1, 3, 2) and np.all(result.routed_experts < 4)
 
 
@@ -97,6 +97,6 @@ def test_nccl_weight_sync_into_a_real_sglang_engine(tmp_path):
             return weights, result
 
         weights, result = run(check())
-    assert stats.engines == [client.name] and result.weight_version == "1"
+    assert stats.engines == [client.name] and result.weight_version == 1
     expected = new_state["model.embed_tokens.weight"][:8].float()
     assert torch.allclose(torch.tensor(weights).float(), expected, atol=1e-2)

@@ -64,7 +64,7 @@ def test_update_from_disk(engine, qwen3_dir, new_dir, tmp_path):
         return before, after, await client.model_info()
 
     before, after, info = run(with_client(engine.url, go))
-    assert all(r.weight_version == "0" for r in before) and matches(qwen3_dir, before)
+    assert all(r.weight_version == 0 for r in before) and matches(qwen3_dir, before)
     assert all(r.weight_versions == ["1"] * 8 for r in after) and info["weight_version"] == "1"
     assert matches(new_dir, after) and not matches(qwen3_dir, after)
 
@@ -93,8 +93,8 @@ def test_update_from_distributed_with_weight_sender(engine, qwen3_dir, new_dir):
             t.numel() * t.element_size() for t in load_checkpoint_state(new_dir).values()
         )
         assert crossing.finish_reason == "length" and len(crossing.output_ids) == 300
-        assert crossing.weight_versions[0] == "0" and crossing.weight_versions[-1] == "1"
-        assert all(r.weight_version == "1" for r in after) and matches(new_dir, after)
+        assert crossing.weight_versions[0] == 0 and crossing.weight_versions[-1] == 1
+        assert all(r.weight_version == 1 for r in after) and matches(new_dir, after)
     finally:
         sender.close()
         run(client.close())

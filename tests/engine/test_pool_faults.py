@@ -57,7 +57,7 @@ def test_dead_engine_requests_resubmitted_then_revived(qwen3_dir):
             restarted = await asyncio.to_thread(launch_embedded, qwen3_dir, weight_version="3", threads=1)
             await pool.revive(0, EngineClient(restarted.url, name="engine-0"))
             result = await waiting
-            assert len(result.output_ids) == TOKENS and result.weight_version == "3"
+            assert len(result.output_ids) == TOKENS and result.weight_version == 3
             assert pool.live == [True, False] and pool.served[0] == 1
             assert pool.resubmitted == 5  # it was first sent to engine-1, found dead there
         finally:

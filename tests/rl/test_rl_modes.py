@@ -150,4 +150,4 @@ def test_fully_async_partial_rollouts_r3_and_final_checkpoint(tmp_path):
                 await client.close()
 
         result = asyncio.run(generate())
-    assert len(result.output_ids) == 4 and result.weight_version == "7"
+    assert len(result.output_ids) == 4 and result.weight_version == 7

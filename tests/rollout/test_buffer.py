@@ -10,7 +10,7 @@ from moe_rl.rollout import RolloutBuffer, RolloutConfig, staleness
 from moe_rl.sample import Sample
 
 
-def group(gid: str, versions: list[str], n: int = 2) -> list[Sample]:
+def group(gid: str, versions: list[int], n: int = 2) -> list[Sample]:
     return [
         Sample(
             prompt_ids=[1],
@@ -25,7 +25,7 @@ def group(gid: str, versions: list[str], n: int = 2) -> list[Sample]:
 
 
 def test_staleness_uses_the_oldest_token():
-    assert staleness(group("a", ["3", "5", "4"])[0], version=6) == 3
+    assert staleness(group("a", [3, 5, 4])[0], version=6) == 3
     assert staleness(Sample(prompt_ids=[1]), version=6) == 0
 
 
@@ -49,8 +49,8 @@ def test_stale_groups_are_dropped_or_requeued_and_counted():
         rejected = []
         buffer = RolloutBuffer(groups_per_step=1, max_staleness=1, stale_policy=policy, on_reject=rejected.append)
         await buffer.set_version(3)
-        await buffer.put(group("old", ["1", "3"]))  # staleness 2 > 1
-        await buffer.put(group("ok", ["2", "3"]))
+        await buffer.put(group("old", [1, 3]))  # staleness 2 > 1
+        await buffer.put(group("ok", [2, 3]))
         batch = await buffer.get_batch(1)
         return buffer, batch, rejected
 
@@ -66,10 +66,10 @@ def test_get_batch_waits_and_measures_trainer_wait():
     async def go():
         buffer = RolloutBuffer(groups_per_step=2, max_staleness=0)
         consumer = asyncio.create_task(buffer.get_batch(2))
-        await buffer.put(group("a", ["0"]))
+        await buffer.put(group("a", [0]))
         await asyncio.sleep(0.1)
         assert not consumer.done()
-        await buffer.put(group("b", ["0"]))
+        await buffer.put(group("b", [0]))
         return buffer, await consumer
 
     buffer, batch = asyncio.run(go())

@@ -34,15 +34,15 @@ def result(tokens, version, routed_rows, finish="length", layers=2, topk=2, firs
 def test_continue_sample_concatenates_every_field_in_order():
     prompt = [1, 2, 3]
     sample = continue_sample(
-        Sample(prompt_ids=prompt), result([7, 8], "0", routed_rows=3 + 2 - 1, finish="abort"), routed_experts=True
+        Sample(prompt_ids=prompt), result([7, 8], 0, routed_rows=3 + 2 - 1, finish="abort"), routed_experts=True
     )
     assert sample.status == "aborted" and sample.routed_experts.shape == (4, 2, 2)
     ids, start = continuation_request(sample)
     assert ids == [1, 2, 3, 7, 8] and start == 4  # the engine returns rows from position P + n - 1
-    done = continue_sample(sample, result([9, 10, 11], "1", routed_rows=5 + 3 - 1 - 4, first=1000), routed_experts=True)
+    done = continue_sample(sample, result([9, 10, 11], 1, routed_rows=5 + 3 - 1 - 4, first=1000), routed_experts=True)
     assert done.response_ids == [7, 8, 9, 10, 11]
     assert done.rollout_logprobs == [-7.5, -8.5, -9.5, -10.5, -11.5]
-    assert done.weight_versions == ["0", "0", "1", "1", "1"] and done.loss_mask == [1] * 5
+    assert done.weight_versions == [0, 0, 1, 1, 1] and done.loss_mask == [1] * 5
     assert done.routed_experts.shape == (3 + 5 - 1, 2, 2)
     assert np.array_equal(done.routed_experts[:4], sample.routed_experts)
     assert done.routed_experts[4, 0, 0] == 1000 and done.status == "truncated"
@@ -52,17 +52,17 @@ def test_continue_sample_concatenates_every_field_in_order():
 
 def test_continue_sample_edge_cases():
     empty = continue_sample(
-        Sample(prompt_ids=[1, 2]), result([], "0", routed_rows=None, finish="abort"), routed_experts=True
+        Sample(prompt_ids=[1, 2]), result([], 0, routed_rows=None, finish="abort"), routed_experts=True
     )
     assert empty.response_ids == [] and empty.routed_experts is None and continuation_request(empty) == ([1, 2], 0)
-    first = continue_sample(empty, result([5], "1", routed_rows=2, finish="stop"), routed_experts=True)
+    first = continue_sample(empty, result([5], 1, routed_rows=2, finish="stop"), routed_experts=True)
     assert first.response_ids == [5] and first.routed_experts.shape == (2, 2, 2) and first.status == "completed"
     partial = continue_sample(
-        Sample(prompt_ids=[1, 2]), result([5], "0", routed_rows=2, finish="abort"), routed_experts=True
+        Sample(prompt_ids=[1, 2]), result([5], 0, routed_rows=2, finish="abort"), routed_experts=True
     )
     with pytest.raises(ValueError, match="routed_experts_start_len"):  # engine sent all rows again
-        continue_sample(partial, result([6], "1", routed_rows=3), routed_experts=True)
-    unrouted = continue_sample(Sample(prompt_ids=[1, 2]), result([5, 6], "0", routed_rows=None), routed_experts=False)
+        continue_sample(partial, result([6], 1, routed_rows=3), routed_experts=True)
+    unrouted = continue_sample(Sample(prompt_ids=[1, 2]), result([5, 6], 0, routed_rows=None), routed_experts=False)
     assert unrouted.routed_experts is None and unrouted.response_ids == [5, 6]
 
 
@@ -70,28 +70,28 @@ def test_every_resumed_segment_brings_its_routed_expert_rows():
     prompt = [1, 2, 3]
     partial = continue_sample(
         Sample(prompt_ids=prompt, group_id="g1"),
-        result([7, 8], "0", routed_rows=4, finish="abort"),
+        result([7, 8], 0, routed_rows=4, finish="abort"),
         routed_experts=True,
     )
     # aborted while still queued: no tokens and, as SGLang answers, no routed_experts; nothing is missing
-    queued = continue_sample(partial, result([], "1", routed_rows=None, finish="abort"), routed_experts=True)
+    queued = continue_sample(partial, result([], 1, routed_rows=None, finish="abort"), routed_experts=True)
     assert queued.response_ids == [7, 8] and np.array_equal(queued.routed_experts, partial.routed_experts)
     assert continuation_request(queued) == continuation_request(partial)  # the next continuation asks for the same rows
-    done = continue_sample(queued, result([9], "1", routed_rows=1, finish="stop"), routed_experts=True)
+    done = continue_sample(queued, result([9], 1, routed_rows=1, finish="stop"), routed_experts=True)
     assert done.routed_experts.shape == (3 + 3 - 1, 2, 2)
     # tokens without their rows: an error naming the sample and the segment
     with pytest.raises(ValueError, match=r"group 'g1', segment 3 \(engine request r\): 1 tokens but no routed_experts"):
-        continue_sample(queued, result([9], "1", routed_rows=None), routed_experts=True)
+        continue_sample(queued, result([9], 1, routed_rows=None), routed_experts=True)
     with pytest.raises(ValueError, match=r"group 'g1', segment 3 .*2 rows, expected 1"):
-        continue_sample(queued, result([9], "1", routed_rows=2), routed_experts=True)
+        continue_sample(queued, result([9], 1, routed_rows=2), routed_experts=True)
     # a first segment whose tokens came without rows cannot be completed by later segments
     lost = continue_sample(
         Sample(prompt_ids=prompt, group_id="g2"),
-        result([7], "0", routed_rows=None, finish="abort"),
+        result([7], 0, routed_rows=None, finish="abort"),
         routed_experts=False,
     )
     with pytest.raises(ValueError, match=r"group 'g2', segment 2 .*earlier segments' 1 tokens have no routed experts"):
-        continue_sample(lost, result([8], "1", routed_rows=1), routed_experts=True)
+        continue_sample(lost, result([8], 1, routed_rows=1), routed_experts=True)
 
 
 def test_abort_pause_swap_resume_keeps_tokens_logprobs_routing_versions(engine, model_dirs):
@@ -145,7 +145,7 @@ def test_abort_pause_swap_resume_keeps_tokens_logprobs_routing_versions(engine, 
     for sample in cut[:2]:  # each segment is the model it ran under: logprobs and routing
         (ids0, _, first), (ids1, kwargs, second) = [by_rid[rid] for rid in sample.metadata["rids"]]
         start = kwargs["routed_experts_start_len"]
-        assert set(first.weight_versions) == {"0"} and set(second.weight_versions) == {"1"}
+        assert set(first.weight_versions) == {0} and set(second.weight_versions) == {1}
         assert sample.loss_mask == [0] * len(first.output_ids) + [1] * len(second.output_ids)
         full = sample.prompt_ids + sample.response_ids
         for model_dir, ids, res, rows in (
@@ -181,4 +181,4 @@ def test_restart_mode_discards_partial_tokens(engine, model_dirs):
     batch, manager = asyncio.run(go())
     assert manager.continued_requests >= 1 and manager.discarded_tokens > 0
     for sample in batch[0]:  # a cut sample restarted; one that finished under v2 was stale (bound 0)
-        assert sample.weight_versions == ["3"] * config.max_new_tokens and sample.metadata["num_segments"] == 1
+        assert sample.weight_versions == [3] * config.max_new_tokens and sample.metadata["num_segments"] == 1

@@ -31,8 +31,8 @@ def sample(prompt, response, reward, gid, versions, routed=True):
 
 def test_positions_advantages_staleness_and_routing():
     groups = [
-        [sample([1, 5, 2], [7, 8], 1.0, "a", ["3", "3"]), sample([1, 5, 2], [9], 0.0, "a", ["2"])],
-        [sample([1, 6, 2], [4, 4, 4], 0.5, "b", ["1", "2", "3"]), sample([1, 6, 2], [3], 0.5, "b", ["3"])],
+        [sample([1, 5, 2], [7, 8], 1.0, "a", [3, 3]), sample([1, 5, 2], [9], 0.0, "a", [2])],
+        [sample([1, 6, 2], [4, 4, 4], 0.5, "b", [1, 2, 3]), sample([1, 6, 2], [3], 0.5, "b", [3])],
     ]
     batch, info = build_batch(groups, AlgorithmConfig(), version=3, max_staleness=2)
     assert set(batch) == {"tokens", "loss_mask", "advantages", "rollout_logprobs", "routed_experts"}
@@ -61,7 +61,7 @@ def test_positions_advantages_staleness_and_routing():
 
 def test_rows_past_the_buffer_bound_mean_a_wrong_version():
     # the buffer delivered these within max_staleness 1 at version 3; at version 4 one is 2 behind
-    groups = [[sample([1, 2], [3, 4], 1.0, "a", ["2", "3"]), sample([1, 2], [5], 0.0, "a", ["3"])]]
+    groups = [[sample([1, 2], [3, 4], 1.0, "a", [2, 3]), sample([1, 2], [5], 0.0, "a", [3])]]
     build_batch(groups, AlgorithmConfig(), 3, max_staleness=1)
     with pytest.raises(ValueError, match=r"group 'a'\) is 2 versions behind trainer version 4, past max_staleness=1"):
         build_batch(groups, AlgorithmConfig(), 4, max_staleness=1)
@@ -71,9 +71,9 @@ def test_rows_past_the_buffer_bound_mean_a_wrong_version():
 def test_zero_variance_groups_stay_in_the_batch_and_mixed_routing_is_refused():
     # leaving them out is the rollout's job (rollout.drop_zero_variance_groups): here they keep
     # their tokens, with advantage 0 (only the normaliser sees them)
-    groups = [[sample([1, 2], [3], 1.0, "a", ["0"]), sample([1, 2], [4], 1.0, "a", ["0"])]]
+    groups = [[sample([1, 2], [3], 1.0, "a", [0]), sample([1, 2], [4], 1.0, "a", [0])]]
     batch, _ = build_batch(groups, AlgorithmConfig(), 0, 0)
     assert batch["loss_mask"].tolist() == [[0, 0, 1], [0, 0, 1]] and batch["advantages"].abs().sum() == 0
-    mixed = [[sample([1, 2], [3], 1.0, "a", ["0"]), sample([1, 2], [4], 0.0, "a", ["0"], routed=False)]]
+    mixed = [[sample([1, 2], [3], 1.0, "a", [0]), sample([1, 2], [4], 0.0, "a", [0], routed=False)]]
     with pytest.raises(ValueError, match="routed experts"):
         build_batch(mixed, AlgorithmConfig(), 0, 0)

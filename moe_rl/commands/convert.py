@@ -198,8 +198,8 @@ def _hf_config(hf_dir: str, drop_mtp: bool) -> dict:
 def hf_to_megatron(layout, hf_dir: str, out: str, drop_mtp: bool) -> None:
     """Rank function (every rank): import this rank's shards, save torch_dist, rename."""
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
 
+    from moe_rl.trainer.checkpoint import save_sharded
     from parallel.hf_import import load_hf_weights
 
     hf_config = _hf_config(hf_dir, drop_mtp)
@@ -208,7 +208,7 @@ def hf_to_megatron(layout, hf_dir: str, out: str, drop_mtp: bool) -> None:
     _say(f"importing {hf_dir} at tp={layout.tp} pp={layout.pp} ep={layout.ep} etp={layout.expert_tp}")
     load_hf_weights(model, bridge, hf_dir)
     _say(f"saving torch_dist checkpoint to {tmp}")
-    dist_checkpointing.save(model.sharded_state_dict(), str(tmp))
+    save_sharded(model.sharded_state_dict(), tmp)
     if dist.get_rank() == 0:
         (tmp / META_FILE).write_text(
             json.dumps(
@@ -259,8 +259,8 @@ def megatron_to_hf(
 def peft_to_megatron(layout, peft_dir: str, out: str, hf_dir: str) -> None:
     """Rank function: build the model with adapters matching the PEFT file, fill them, save them."""
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
 
+    from moe_rl.trainer.checkpoint import save_sharded
     from parallel.hf_checkpoint import load_hf_config
     from parallel.lora import TARGETS, adapter_sharded_state_dict, add_lora
     from parallel.peft import load_adapter, lora_config_of
@@ -272,7 +272,7 @@ def peft_to_megatron(layout, peft_dir: str, out: str, hf_dir: str) -> None:
     load_adapter(model, bridge, peft_dir)
     tmp = _fresh_tmp(out)
     _say(f"saving the adapters of {peft_dir} to {tmp}")
-    dist_checkpointing.save(adapter_sharded_state_dict(model), str(tmp))
+    save_sharded(adapter_sharded_state_dict(model), tmp)
     if dist.get_rank() == 0:
         write_lora_meta(tmp, hf_config, lora)
         publish(tmp, out)

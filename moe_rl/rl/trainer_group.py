@@ -129,11 +129,8 @@ class TrainerRank:
         return rl_step(self.trainer, batch, algorithm, self.model_path)
 
     def close(self) -> None:
-        from moe_rl.trainer.checkpoint import stop_checkpoint_writer
-
         if self.weight_sync is not None:
             self.weight_sync.close()
-        stop_checkpoint_writer()  # Ray kills this actor next: its exit handlers never run
         import torch.distributed as dist
 
         if dist.is_initialized():

@@ -17,8 +17,13 @@ leaves a half-written checkpoint under the final name.
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import random
+import threading
+import time
 import warnings
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 import numpy as np
@@ -74,13 +79,11 @@ def _sharded_state(trainer, with_rng: bool, is_loading: bool) -> dict:
 
 def save_checkpoint(trainer, directory: str | Path) -> Path:
     """Save on every rank (collective); returns the final directory."""
-    from megatron.core import dist_checkpointing
-
     final, staging = Path(directory), staging_dir(directory)
     if dist.get_rank() == 0:
         fresh_staging(final)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(trainer, with_rng=True, is_loading=False), str(staging))
+    save_sharded(_sharded_state(trainer, with_rng=True, is_loading=False), staging)
     if dist.get_rank() == 0:
         (staging / LAYOUT_FILE).write_text(json.dumps(_layout_record(trainer)))
         if trainer.lora is not None:  # `moe-rl convert megatron-to-peft` reads the adapters from here
@@ -135,14 +138,27 @@ def load_checkpoint(trainer, directory: str | Path, load_optimizer: bool = True)
         )
 
 
-def stop_checkpoint_writer() -> None:
-    """Stop the multiprocessing Manager that megatron-core's checkpoint writer starts, once per
-    process, for its results queue (`dist_checkpointing.strategies.filesystem_async`). Its exit
-    handler stops it too, but a process that is killed (a Ray actor) never runs that, and the
-    Manager outlives it. Megatron keeps no other handle on it than the queue proxy's."""
+def save_sharded(state: dict, directory: str | Path) -> None:
+    """`dist_checkpointing.save` (collective), with the writer's results queue served by a Manager
+    that exits with this process. megatron-core starts that Manager once per process and stops it
+    in an exit handler, which a killed process (a Ray actor, a cancelled job) never runs: its
+    Manager would outlive it. Ours watches its parent and exits within a second of it."""
+    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    queue = filesystem_async._results_queue
-    if queue is not None:
-        queue._manager.shutdown()
-        filesystem_async._results_queue = None
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(_exit_with_parent, (os.getpid(),))
+        filesystem_async._results_queue = manager.Queue()  # the proxy keeps the Manager alive
+    dist_checkpointing.save(state, str(directory))
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Manager initializer: a daemon thread ends the Manager once `parent` is gone (reparented)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import torch
 
 from parallel.world import spawn
@@ -68,8 +67,13 @@ def _adapter_and_merged(hf_dir: Path, family: str, adapter_dir: Path, merged_dir
     save_file(merged, str(merged_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _trainer_side(family: str, hf_dir: str, adapter_dir: str, out_dir: str, tokens: torch.Tensor):
-    """Rank function: import base + adapter, logprobs, export the adapter and the merged model."""
+def _trainer_side(root: str, tokens: torch.Tensor) -> dict:
+    """Rank function, one world for both families: per family, import base + adapter, logprobs,
+    export the adapter and the merged model."""
+    return {family: _family_side(family, f"{root}/{family}", tokens) for family in FAMILIES}
+
+
+def _family_side(family: str, root: str, tokens: torch.Tensor):
     import torch.distributed as dist
 
     from moe_rl.config import TrainerConfig
@@ -83,39 +87,40 @@ def _trainer_side(family: str, hf_dir: str, adapter_dir: str, out_dir: str, toke
         _config(family),
         lora=LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=targets),
     )
-    trainer.load_hf_weights(hf_dir)
-    trainer.load_adapter(adapter_dir)
+    trainer.load_hf_weights(f"{root}/hf")
+    trainer.load_adapter(f"{root}/adapter")
     logprobs = trainer.forward_logprobs({"tokens": tokens, "loss_mask": torch.ones_like(tokens)})
-    trainer.save_adapter(f"{out_dir}/adapter")
-    trainer.save_hf_checkpoint(f"{out_dir}/merged", load_hf_config(hf_dir))
+    trainer.save_adapter(f"{root}/out/adapter")
+    trainer.save_hf_checkpoint(f"{root}/out/merged", load_hf_config(f"{root}/hf"))
     return logprobs.numpy().copy() if dist.get_rank() == 0 else None
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_adapter_import_and_export_for_the_family(tmp_path, family):
+def test_adapter_import_and_export_for_mixtral_and_deepseek_v3(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    hf_dir = save_random_model(_config(family), tmp_path / "hf")
-    _adapter_and_merged(hf_dir, family, tmp_path / "adapter", tmp_path / "merged_reference")
     tokens = torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(1))
-    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "merged_reference", dtype=torch.float32).eval()
-    with torch.no_grad():
-        expected = torch.log_softmax(reference(tokens).logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    expected = {}
+    for family in FAMILIES:
+        hf_dir = save_random_model(_config(family), tmp_path / family / "hf")
+        _adapter_and_merged(hf_dir, family, tmp_path / family / "adapter", tmp_path / family / "merged_reference")
+        reference = AutoModelForCausalLM.from_pretrained(tmp_path / family / "merged_reference", dtype=torch.float32)
+        with torch.no_grad():
+            logits = reference.eval()(tokens).logits
+        expected[family] = torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
 
-    logprobs = spawn(_trainer_side, 4, family, str(hf_dir), str(tmp_path / "adapter"), str(tmp_path / "out"), tokens)[0]
-    assert (torch.from_numpy(logprobs) - expected).abs().max() < 1e-4
-
-    original = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
-    exported = load_file(str(tmp_path / "out" / "adapter" / "adapter_model.safetensors"))
-    assert exported.keys() == original.keys()
-    assert all(torch.equal(exported[k], original[k]) for k in original)  # PEFT -> Megatron -> PEFT
-    targets = json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())["target_modules"]
-    assert sorted(targets) == sorted(FAMILIES[family][1])  # the names SGLang's --lora-target-modules takes
-
-    merged = {
-        k: v for f in sorted((tmp_path / "out" / "merged").glob("*.safetensors")) for k, v in load_file(f).items()
-    }
-    merged_reference = load_file(str(tmp_path / "merged_reference" / "model.safetensors"))
-    assert merged.keys() == merged_reference.keys()
-    assert max((merged[k] - merged_reference[k]).abs().max().item() for k in merged) < 1e-6
+    results = spawn(_trainer_side, 4, str(tmp_path), tokens)[0]
+    for family, root in ((f, tmp_path / f) for f in FAMILIES):
+        assert (torch.from_numpy(results[family]) - expected[family]).abs().max() < 1e-4, family
+        original = load_file(str(root / "adapter" / "adapter_model.safetensors"))
+        exported = load_file(str(root / "out" / "adapter" / "adapter_model.safetensors"))
+        assert exported.keys() == original.keys(), family
+        assert all(torch.equal(exported[k], original[k]) for k in original), family  # PEFT -> Megatron -> PEFT
+        targets = json.loads((root / "out" / "adapter" / "adapter_config.json").read_text())["target_modules"]
+        assert sorted(targets) == sorted(FAMILIES[family][1]), family  # what SGLang's --lora-target-modules takes
+        merged = {
+            k: v for f in sorted((root / "out" / "merged").glob("*.safetensors")) for k, v in load_file(f).items()
+        }
+        merged_reference = load_file(str(root / "merged_reference" / "model.safetensors"))
+        assert merged.keys() == merged_reference.keys(), family
+        assert max((merged[k] - merged_reference[k]).abs().max().item() for k in merged) < 1e-6, family

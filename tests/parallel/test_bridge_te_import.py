@@ -285,7 +285,7 @@ def results(tmp_path_factory) -> dict:
 
     root = tmp_path_factory.mktemp("te_import")
     hf_dirs = {arch: str(save_tiny_hf_model(config, root / arch)) for arch, config in hf_configs().items()}
-    per_rank = spawn(import_and_compare, 4, hf_dirs, LAYOUTS)
+    per_rank = spawn(import_and_compare, 4, hf_dirs, LAYOUTS, fresh=True)
     by_arch: dict = {arch: [] for arch in ARCHS}
     for rank_results in per_rank:
         for result in rank_results:

@@ -45,16 +45,16 @@ def export_peak(config: dict, layout: ParallelLayout, bucket_bytes_list: list[in
 
 
 def test_export_stays_within_one_bucket(monkeypatch):
-    # Fixed mmap threshold in the ranks: every tensor > 16 KiB is its own mapping, returned to
-    # the OS when freed, so RSS counts the tensors alive. The first pass warms up one-time
-    # costs (lazy imports, gloo buffers) and is not judged.
+    # Fixed mmap threshold in the ranks (fresh processes: glibc reads it at start): every tensor
+    # > 16 KiB is its own mapping, returned to the OS when freed, so RSS counts the tensors alive.
+    # The first pass warms up one-time costs (lazy imports, gloo buffers) and is not judged.
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(16 * 1024))
     config = qwen3_moe_config(
         hidden_size=128, moe_intermediate_size=128, num_experts=128, num_hidden_layers=2, mlp_only_layers=[]
     ).to_dict()
     layout = ParallelLayout(world_size=2, ep=2)
     bucket = 2 * MiB
-    (_warmup, small, huge), _ = spawn(export_peak, 2, config, layout, [bucket, bucket, 1024 * MiB])
+    (_warmup, small, huge), _ = spawn(export_peak, 2, config, layout, [bucket, bucket, 1024 * MiB], fresh=True)
     growth, items, total = small
     assert items == 2 * (128 * 3 + 9) + 3 and total > 45 * MiB  # every HF tensor, ~50 MiB
     assert growth <= bucket + 2 * MiB, f"export grew RSS by {growth / MiB:.1f} MiB with a {bucket / MiB} MiB bucket"

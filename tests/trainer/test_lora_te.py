@@ -180,7 +180,7 @@ def test_te_lora_matches_peft_and_the_local_spec(tmp_path, model_name):
     original = load_file(str(adapter_dir / "adapter_model.safetensors"))
     local_fresh = spawn(local_fresh_adapter, 1, str(hf_dir))[0]
 
-    results = spawn(under_te, 2, te_layouts, str(hf_dir), str(adapter_dir), tokens, LAYOUTS)[0]
+    results = spawn(under_te, 2, te_layouts, str(hf_dir), str(adapter_dir), tokens, LAYOUTS, fresh=True)[0]
     assert len(results) == 2 * len(LAYOUTS)
     check_te_results(results, expected, original, local_fresh)
 
@@ -232,9 +232,11 @@ def test_te_lora_gradients_equal_one_rank(tmp_path):
     adapter_dir = random_peft_adapter(hf_dir, tmp_path / "adapter")
     tokens = torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(2))
     args = (str(hf_dir), str(adapter_dir))
-    single = spawn(under_te, 1, train_and_resume, *args, str(tmp_path / "one"), tokens, dict(world_size=1))[0]
+    single = spawn(under_te, 1, train_and_resume, *args, str(tmp_path / "one"), tokens, dict(world_size=1), fresh=True)[
+        0
+    ]
     for i, layout in enumerate([dict(world_size=2, ep=2), dict(world_size=2, tp=2, sequence_parallel=True)]):
-        per_rank = spawn(under_te, 2, train_and_resume, *args, str(tmp_path / f"two{i}"), tokens, layout)
+        per_rank = spawn(under_te, 2, train_and_resume, *args, str(tmp_path / f"two{i}"), tokens, layout, fresh=True)
         for result in [single, *per_rank]:
             assert result["base_unchanged"] and result["only_adapters"] and result["resumed_equal"], layout
         parallel = per_rank[0]["grads"]

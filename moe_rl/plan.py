@@ -171,7 +171,7 @@ def make_plan(config: RunConfig) -> Plan:
     _check_engine_model(config, hf)
     counts = count_parameters(hf)
     dtype_bytes = PARAM_DTYPES[config.cluster.param_dtype]
-    adapter = None if config.lora is None else lora_parameters(hf, counts, config.lora.rank, config.lora.target_modules)
+    adapter = None if config.lora is None else lora_parameters(hf, counts, config.lora.rank, config.lora.targets)
     stage, trainer = trainer_memory(config, hf, counts, dtype_bytes, adapter)
     engine = engine_memory(config, counts, dtype_bytes) if config.is_rl else {}
     sync_bytes = (sum(adapter) if adapter else counts.total) * dtype_bytes
@@ -303,6 +303,19 @@ def lora_parameters(hf, counts: ParamCounts, rank: int, targets: list[str]) -> t
     attention = 0
     if "linear_qkv" in targets and not mla:
         attention += rank * (h + (heads + 2 * text.num_key_value_heads) * head_dim)
+    if mla:  # each adapter: rank * (in + out) of its projection
+        q_head = text.qk_nope_head_dim + text.qk_rope_head_dim
+        q_lora, kv_lora = getattr(text, "q_lora_rank", None), text.kv_lora_rank
+        shapes = {
+            "linear_kv_down_proj": (h, kv_lora + text.qk_rope_head_dim),
+            "linear_kv_up_proj": (kv_lora, heads * (text.qk_nope_head_dim + text.v_head_dim)),
+            **(
+                {"linear_q_proj": (h, heads * q_head)}
+                if q_lora is None
+                else {"linear_q_down_proj": (h, q_lora), "linear_q_up_proj": (q_lora, heads * q_head)}
+            ),
+        }
+        attention += sum(rank * (i + o) for name, (i, o) in shapes.items() if name in targets)
     if "linear_proj" in targets:
         attention += rank * ((heads * (text.v_head_dim if mla else head_dim)) + h)
 

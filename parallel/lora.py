@@ -20,7 +20,9 @@ Sharding follows the base layer (Megatron-Bridge's rule):
 - column-parallel (`linear_qkv`, `linear_fc1`): A [r, in] is replicated, B [out / tp, r] is split
   on the output like the weight (for `linear_fc1` as [gate_r; up_r], like the weight);
 - row-parallel (`linear_proj`, `linear_fc2`): A [r, in / tp] is split on the input, B [out, r]
-  is replicated.
+  is replicated;
+- duplicated (TE's `TELinear` of MLA's down projections, the same whole weight on every TP rank):
+  A and B are whole and replicated. On the local spec those projections are column-parallel.
 The low-rank activation `h` crosses the tensor-parallel group the way the base layer's does, so
 only r-wide tensors are communicated. Where each rank's gradient of a replicated A or B is
 partial (a sequence-parallel shard of tokens, or an expert-TP rank whose partial outputs the token
@@ -34,14 +36,17 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-"""Megatron module names LoRA can target; each matches attention (qkv, proj), dense MLPs,
-shared experts and routed experts (fc1, fc2) alike."""
+MLA_TARGETS = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
+"""Multi-Latent Attention's input projections (DeepSeek-V3): q_proj (no q LoRA) or q_a_proj and
+q_b_proj, kv_a_proj_with_mqa, kv_b_proj; MLA models have these instead of `linear_qkv`."""
+TARGETS = ("linear_qkv", *MLA_TARGETS, "linear_proj", "linear_fc1", "linear_fc2")
+"""Megatron module names LoRA can target; each matches attention (qkv or MLA's projections, proj),
+dense MLPs, shared experts and routed experts (fc1, fc2) alike."""
 
 SUFFIX = "_lora"
 """The adapter of module `<parent>.<name>` is `<parent>.<name>_lora`."""
@@ -58,9 +63,11 @@ class LoRAConfig:
     every layer is adapted; use an LR about 10x the full fine-tuning one)."""
     alpha: float = 16.0
     """Scaling numerator: the update is (alpha / rank) * B A."""
-    target_modules: list[str] = field(default_factory=lambda: list(TARGETS))
-    """Megatron modules to adapt, from linear_qkv, linear_proj (attention), linear_fc1,
-    linear_fc2 (dense MLPs, shared experts and every routed expert)."""
+    target_modules: list[str] | None = None
+    """Megatron modules to adapt, from `TARGETS`: linear_qkv or MLA's projections and linear_proj
+    (attention), linear_fc1, linear_fc2 (dense MLPs, shared experts and every routed expert).
+    None (default): every one of them the model has. A name given here that no layer has is an
+    error."""
     dropout: float = 0.0
     """Must be 0: the trainer's logprobs must equal the engine's."""
     use_rslora: bool = False
@@ -72,14 +79,23 @@ class LoRAConfig:
             raise ValueError(f"lora.rank={self.rank}: must be >= 1")
         if self.alpha <= 0:
             raise ValueError(f"lora.alpha={self.alpha}: must be > 0")
-        unknown = sorted(set(self.target_modules) - set(TARGETS))
-        if unknown or not self.target_modules:
-            raise ValueError(f"lora.target_modules={self.target_modules}: choose a non-empty subset of {list(TARGETS)}")
+        if self.target_modules is not None:
+            unknown = sorted(set(self.target_modules) - set(TARGETS))
+            if unknown or not self.target_modules:
+                raise ValueError(
+                    f"lora.target_modules={self.target_modules}: choose a non-empty subset of {list(TARGETS)}, "
+                    "or null for all the model has"
+                )
         if self.dropout != 0.0:
             raise ValueError(
                 f"lora.dropout={self.dropout}: must be 0 (RL needs the trainer's logprobs to equal "
                 f"the engine's, which applies no dropout)"
             )
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The Megatron module names to adapt where the model has them."""
+        return TARGETS if self.target_modules is None else tuple(self.target_modules)
 
     @property
     def scale(self) -> float:
@@ -120,14 +136,23 @@ class LoRAAdapter(torch.nn.Module):
     """
 
     def __init__(
-        self, weight: torch.Tensor, *, column: bool, expert: bool, config, rank: int, scale: float, gated: bool
+        self,
+        weight: torch.Tensor,
+        *,
+        column: bool,
+        expert: bool,
+        config,
+        rank: int,
+        scale: float,
+        gated: bool,
+        replicated: bool = False,
     ):
         super().__init__()
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         out_local, in_local = weight.shape
-        self.column, self.scale, self.gated = column, scale, gated
+        self.column, self.scale, self.gated, self.replicated = column, scale, gated, replicated
         # The groups every megatron-core linear defaults to; derived, not read from the base,
         # because TE linears keep no group when the dispatcher does their communication.
         self.group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
@@ -140,6 +165,10 @@ class LoRAAdapter(torch.nn.Module):
         self.lora_B = torch.nn.Parameter(torch.zeros(out_local, rank, device=device, dtype=dtype))
         # Megatron's grad norm counts a tensor-parallel param on every rank, any other on dense-TP
         # rank 0 only, and never a `shared` one.
+        if replicated:  # a duplicated linear (TE's MLA down projections): nothing is split
+            for param in (self.lora_A, self.lora_B):
+                set_tensor_model_parallel_attributes(param, False, 0, 1)
+            return
         split, replicated = (self.lora_B, self.lora_A) if column else (self.lora_A, self.lora_B)
         set_tensor_model_parallel_attributes(split, True, 0 if column else 1, 1)
         first = dist.get_rank(self.group) == 0
@@ -161,6 +190,10 @@ class LoRAAdapter(torch.nn.Module):
         from megatron.core.tensor_parallel import mappings
 
         group, size = self.group, self.group_size
+        if self.replicated:  # every rank computes the whole output for its own tokens (SP) or all
+            if not self.sequence_parallel:
+                return self.scale * (x @ self.lora_A.t() @ self.lora_B.t())
+            return self.scale * (x @ _summed(self.lora_A, group, size).t() @ _summed(self.lora_B, group, size).t())
         if self.column:  # x: the base's input, whole features (sequence-sharded under SP)
             if self.explicit_expert_comm:  # the dispatcher sums each ETP rank's partial dx
                 h = x @ _summed(self.lora_A, group, size).t()
@@ -188,7 +221,7 @@ class LoRAAdapter(torch.nn.Module):
         state = make_sharded_tensors_for_checkpoint(
             self.state_dict(prefix="", keep_vars=True),
             prefix,
-            {"lora_B": 0} if self.column else {"lora_A": 1},
+            {} if self.replicated else {"lora_B": 0} if self.column else {"lora_A": 1},
             sharded_offsets,
             tp_group=self.group,
             dp_cp_group=metadata["dp_cp_group"],
@@ -271,6 +304,7 @@ class _Kind:
     column: bool
     fused_norm: bool = False
     grouped: bool = False
+    replicated: bool = False
 
 
 def _linear_kinds(te: bool) -> dict[type, _Kind]:
@@ -286,6 +320,8 @@ def _linear_kinds(te: bool) -> dict[type, _Kind]:
             te_ext.TERowParallelLinear: _Kind(column=False),
             te_ext.TEColumnParallelGroupedLinear: _Kind(column=True, grouped=True),  # None before TE 1.9
             te_ext.TERowParallelGroupedLinear: _Kind(column=False, grouped=True),
+            # the parallel linears subclass it: last, so they match first (MLA's duplicated down projections)
+            te_ext.TELinear: _Kind(column=True, replicated=True),
         }
         kinds.update((cls, kind) for cls, kind in te_kinds.items() if cls is not None)
     return kinds
@@ -354,7 +390,7 @@ def add_lora(model, bridge, config: LoRAConfig, seed: int) -> dict[str, LoRAAdap
         leaf = name.rsplit(".", 1)[-1]
         kind = _kind_of(module, kinds)
         # MTP layers keep their base weights: PEFT's model (transformers') has no MTP layer to adapt
-        if leaf not in config.target_modules or kind is None or name.startswith("mtp."):
+        if leaf not in config.targets or kind is None or name.startswith("mtp."):
             continue
         weights = [f"weight{j}" for j in range(module.num_gemms)] if kind.grouped else ["weight"]
         made = []
@@ -368,6 +404,7 @@ def add_lora(model, bridge, config: LoRAConfig, seed: int) -> dict[str, LoRAAdap
                 rank=config.rank,
                 scale=config.scale,
                 gated=leaf == "linear_fc1",
+                replicated=kind.replicated,
             )
             axis = mapping.axis(ctx)
             _init_a(adapter, mapping.hf_names(ctx, indices)[0], seed, (0, 1) if kind.column else (axis.rank, axis.size))
@@ -387,7 +424,7 @@ def add_lora(model, bridge, config: LoRAConfig, seed: int) -> dict[str, LoRAAdap
             else:
                 module.register_forward_hook(_hook(made[0]))
         found.add(leaf)
-    missing = [t for t in config.target_modules if t not in found]
+    missing = [t for t in config.target_modules or () if t not in found]
     if missing and len(model.decoder.layers):
         raise ValueError(
             f"lora.target_modules: {missing} match no layer of this model ({type(bridge).__name__}); remove them"

@@ -12,7 +12,9 @@ The bridge's mapping of the base weight tells how an adapter maps, so no table i
   shared A is written once per HF target (fused `linear_qkv` / `linear_fc1` become separate
   targets with A duplicated);
 - row-parallel bases: columns of B A are columns of A, so A goes through the base's mapping and
-  the replicated B is written once.
+  the replicated B is written once;
+- duplicated bases (the TE spec's MLA down projections): B goes through the base's mapping as for
+  a column, which gathers nothing.
 Experts are gathered over EP as their weights are; the TE spec's grouped experts (`weight{j}`)
 map to the same per-expert HF names as SequentialMLP's. Import is the inverse (each rank reads its
 shards); it refuses an adapter whose fused targets have different A (q/k/v, gate/up), which one
@@ -70,7 +72,9 @@ def _is_column(mapping: Mapping) -> bool:
 def _halves(mapping: Mapping, adapter: LoRAAdapter) -> tuple[Mapping, Mapping]:
     """(mapping of A, mapping of B): one follows the base weight's mapping, the other is shared."""
     shared = _Shared(mapping.megatron, *mapping.hf, expert=mapping.expert)
-    if adapter.column != _is_column(mapping):
+    # a duplicated linear's B is whole on every rank, which its Replicated mapping says
+    column = _is_column(mapping) or (adapter.replicated and isinstance(mapping, Replicated))
+    if adapter.column != column:
         raise ValueError(f"{mapping}: the adapter's parallel kind does not match the bridge's mapping")
     return (shared, mapping) if adapter.column else (mapping, shared)
 
@@ -144,7 +148,7 @@ def collect_adapter(model, bridge: Bridge, lora: LoRAConfig) -> tuple[dict, dict
     if dist.get_rank() != 0:
         return None
     tensors = {name: tensor for part in parts for name, tensor in part.items()}
-    return adapter_config(lora, hf_lora_targets(bridge, lora.target_modules)), tensors
+    return adapter_config(lora, hf_lora_targets(bridge, lora.targets)), tensors
 
 
 def write_adapter(directory: str | os.PathLike, config: dict, tensors: dict[str, torch.Tensor]) -> Path:

@@ -252,7 +252,7 @@ class RLCluster:
         if cfg.lora is None:
             return None
         slots = cfg.effective_rollout().max_staleness + 2
-        targets = hf_lora_targets(bridge_for(cfg.model.load_hf_config()), cfg.lora.target_modules)
+        targets = hf_lora_targets(bridge_for(cfg.model.load_hf_config()), cfg.lora.targets)
         return SGLangLoRA(
             max_lora_rank=cfg.lora.rank, target_modules=targets, max_loaded_loras=slots, max_loras_per_batch=slots
         )

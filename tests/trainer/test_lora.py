@@ -18,7 +18,7 @@ import torch
 
 from parallel.lora import TARGETS, LoRAConfig
 from parallel.world import spawn
-from tests.tiny_models import GLM4_MOE, hf_config
+from tests.tiny_models import DEEPSEEK_V3, GLM4_MOE, hf_config
 
 LAYOUTS = [
     dict(world_size=4, tp=2, ep=2, etp=1, sequence_parallel=True),
@@ -291,22 +291,29 @@ def test_convert_peft_megatron_peft_is_bit_exact(tmp_path):
     assert (config["r"], config["lora_alpha"]) == (RANK, ALPHA)
 
 
-def count_adapter_parameters() -> tuple[int, int]:
+def count_adapter_parameters(config) -> tuple[int, int]:
     from moe_rl.config import TrainerConfig
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
     from parallel.lora import adapter_parameters
 
-    trainer = MegatronTrainer(TrainerConfig(world_size=1), glm4_moe_config(), lora=LoRAConfig(rank=RANK, alpha=ALPHA))
+    trainer = MegatronTrainer(TrainerConfig(world_size=1), config, lora=LoRAConfig(rank=RANK, alpha=ALPHA))
     params = adapter_parameters(trainer.model.module)
     expert = sum(p.numel() for name, p in params.items() if ".local_experts." in name)
     return sum(p.numel() for p in params.values()) - expert, expert
 
 
-def test_plan_counts_the_adapters_exactly():
-    """`moe-rl plan`'s adapter count (dense layers, shared and routed experts) is the trainer's."""
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3", "deepseek_v3_no_q_lora"])
+def test_plan_counts_the_adapters_exactly(family):
+    """`moe-rl plan`'s adapter count (attention, MLA's projections included, dense layers, shared and
+    routed experts) is the trainer's, with every target the model has (the default)."""
     from moe_rl.plan import count_parameters, lora_parameters
 
-    config = glm4_moe_config()
+    config = {
+        "glm4_moe": glm4_moe_config(),
+        "deepseek_v3": hf_config(DEEPSEEK_V3, num_hidden_layers=2),
+        "deepseek_v3_no_q_lora": hf_config(DEEPSEEK_V3, num_hidden_layers=2, q_lora_rank=None),
+    }[family]
     assert (
-        lora_parameters(config, count_parameters(config), RANK, list(TARGETS)) == spawn(count_adapter_parameters, 1)[0]
+        lora_parameters(config, count_parameters(config), RANK, list(TARGETS))
+        == spawn(count_adapter_parameters, 1, config)[0]
     )

@@ -1,10 +1,11 @@
-"""LoRA import and export for Mixtral (w1/w3/w2 experts) and DeepSeek-V3 (MLA attention, shared and
-routed experts), the families test_lora's GLM-4.5 does not cover.
+"""LoRA import and export for Mixtral (w1/w3/w2 experts) and DeepSeek-V3 (MLA's q_a/q_b/kv_a/kv_b
+projections, or q_proj without q LoRA, with rotary rows interleaved or in halves; shared and routed
+experts), the families test_lora's GLM-4.5 does not cover.
 
 The oracle is the LoRA update itself applied to the HF checkpoint on disk, W + alpha/r * B A per
 adapted weight, loaded by transformers: the trainer's logprobs with the adapter under TP2+EP2+SP
 equal that model's, the adapter exports back bit for bit, and the merged export equals the
-merged checkpoint. DeepSeek-V3's MLA projections are not trainer targets (only o_proj is).
+merged checkpoint. Every target the model has is adapted (the default `target_modules`).
 """
 
 from __future__ import annotations
@@ -19,20 +20,30 @@ from tests.tiny_models import DEEPSEEK_V3, MIXTRAL, hf_config, save_random_model
 
 RANK, ALPHA = 2, 3.0
 LAYOUT = dict(world_size=4, tp=2, ep=2, etp=1, sequence_parallel=True)
+MLA = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+EXPERTS = ["gate_proj", "up_proj", "down_proj"]
 FAMILIES = {
-    # leaf -> the leaf whose A it shares (fused into one Megatron linear: one A)
+    # (model, overrides, HF leaves adapted, leaf -> the leaf whose A it shares: one Megatron linear)
     "mixtral": (
         MIXTRAL,
+        {},
         ["q_proj", "k_proj", "v_proj", "o_proj", "w1", "w3", "w2"],
         {"k_proj": "q_proj", "v_proj": "q_proj", "w3": "w1"},
     ),
-    "deepseek_v3": (DEEPSEEK_V3, ["o_proj", "gate_proj", "up_proj", "down_proj"], {"up_proj": "gate_proj"}),
+    "deepseek_v3": (DEEPSEEK_V3, {}, [*MLA, *EXPERTS], {"up_proj": "gate_proj"}),
+    # no q LoRA (q_proj) and rotary rows stored in halves: B's rows are re-interleaved like the weight's
+    "deepseek_v3_q_proj_halves": (
+        DEEPSEEK_V3,
+        dict(q_lora_rank=None, rope_interleave=False),
+        ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", *EXPERTS],
+        {"up_proj": "gate_proj"},
+    ),
 }
-TRAINER_TARGETS = {"mixtral": None, "deepseek_v3": ["linear_proj", "linear_fc1", "linear_fc2"]}
 
 
 def _config(family: str):
-    return hf_config(FAMILIES[family][0], num_hidden_layers=2)  # DeepSeek-V3: a dense layer, then MoE
+    base, overrides, _, _ = FAMILIES[family]
+    return hf_config(base, num_hidden_layers=2, **overrides)  # DeepSeek-V3: a dense layer, then MoE
 
 
 def _adapter_and_merged(hf_dir: Path, family: str, adapter_dir: Path, merged_dir: Path) -> None:
@@ -40,7 +51,7 @@ def _adapter_and_merged(hf_dir: Path, family: str, adapter_dir: Path, merged_dir
     with that adapter merged in by hand."""
     from safetensors.torch import load_file, save_file
 
-    _, leaves, shared_a = FAMILIES[family]
+    _, _, leaves, shared_a = FAMILIES[family]
     base = load_file(str(hf_dir / "model.safetensors"))
     names = sorted(n for n in base if n.endswith(".weight") and n.split(".")[-2] in leaves)
     generator = torch.Generator().manual_seed(5)
@@ -67,60 +78,95 @@ def _adapter_and_merged(hf_dir: Path, family: str, adapter_dir: Path, merged_dir
     save_file(merged, str(merged_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _trainer_side(root: str, tokens: torch.Tensor) -> dict:
-    """Rank function, one world for both families: per family, import base + adapter, logprobs,
-    export the adapter and the merged model."""
-    return {family: _family_side(family, f"{root}/{family}", tokens) for family in FAMILIES}
+def _trainer_side(root: str, tokens: torch.Tensor, families: list[str], layouts: list[dict]) -> dict:
+    """Rank function, one world: per family and layout, import base + adapter, logprobs, export
+    the adapter and the merged model (into `<root>/<family>/out<i>`)."""
+    return {
+        (family, i): _family_side(family, f"{root}/{family}", f"out{i}", tokens, layout)
+        for family in families
+        for i, layout in enumerate(layouts)
+    }
 
 
-def _family_side(family: str, root: str, tokens: torch.Tensor):
+def _family_side(family: str, root: str, out: str, tokens: torch.Tensor, layout: dict):
     import torch.distributed as dist
 
     from moe_rl.config import TrainerConfig
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
+    from parallel.export import uses_transformer_engine
     from parallel.hf_checkpoint import load_hf_config
-    from parallel.lora import TARGETS, LoRAConfig
+    from parallel.lora import LoRAConfig, adapters
 
-    targets = TRAINER_TARGETS[family] or list(TARGETS)
-    trainer = MegatronTrainer(
-        TrainerConfig(**LAYOUT, micro_batch_size=2, global_batch_size=4),
+    trainer = MegatronTrainer(  # every target the model has (the default)
+        TrainerConfig(**layout, micro_batch_size=2, global_batch_size=4),
         _config(family),
-        lora=LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=targets),
+        lora=LoRAConfig(rank=RANK, alpha=ALPHA),
     )
     trainer.load_hf_weights(f"{root}/hf")
     trainer.load_adapter(f"{root}/adapter")
     logprobs = trainer.forward_logprobs({"tokens": tokens, "loss_mask": torch.ones_like(tokens)})
-    trainer.save_adapter(f"{root}/out/adapter")
-    trainer.save_hf_checkpoint(f"{root}/out/merged", load_hf_config(f"{root}/hf"))
-    return logprobs.numpy().copy() if dist.get_rank() == 0 else None
+    trainer.save_adapter(f"{root}/{out}/adapter")
+    trainer.save_hf_checkpoint(f"{root}/{out}/merged", load_hf_config(f"{root}/hf"))
+    spec = dict(
+        te=uses_transformer_engine(trainer.model.module),
+        duplicated=sorted({n.split(".")[-2] for n, a in adapters(trainer.model.module).items() if a.replicated}),
+    )
+    return logprobs.numpy().copy() if dist.get_rank() == 0 else None, spec
 
 
-def test_adapter_import_and_export_for_mixtral_and_deepseek_v3(tmp_path):
-    from safetensors.torch import load_file
+def _prepare(tmp_path: Path, families: list[str], tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per family: the HF model, the adapter, the merged reference; returns its logprobs."""
     from transformers import AutoModelForCausalLM
 
-    tokens = torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(1))
     expected = {}
-    for family in FAMILIES:
+    for family in families:
         hf_dir = save_random_model(_config(family), tmp_path / family / "hf")
         _adapter_and_merged(hf_dir, family, tmp_path / family / "adapter", tmp_path / family / "merged_reference")
         reference = AutoModelForCausalLM.from_pretrained(tmp_path / family / "merged_reference", dtype=torch.float32)
         with torch.no_grad():
             logits = reference.eval()(tokens).logits
         expected[family] = torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    return expected
 
-    results = spawn(_trainer_side, 4, str(tmp_path), tokens)[0]
-    for family, root in ((f, tmp_path / f) for f in FAMILIES):
-        assert (torch.from_numpy(results[family]) - expected[family]).abs().max() < 1e-4, family
+
+def _check(tmp_path: Path, results: dict, expected: dict) -> None:
+    from safetensors.torch import load_file
+
+    for (family, i), (logprobs, _) in results.items():
+        root, out, where = tmp_path / family, tmp_path / family / f"out{i}", (family, i)
+        assert (torch.from_numpy(logprobs) - expected[family]).abs().max() < 1e-4, where
         original = load_file(str(root / "adapter" / "adapter_model.safetensors"))
-        exported = load_file(str(root / "out" / "adapter" / "adapter_model.safetensors"))
-        assert exported.keys() == original.keys(), family
-        assert all(torch.equal(exported[k], original[k]) for k in original), family  # PEFT -> Megatron -> PEFT
-        targets = json.loads((root / "out" / "adapter" / "adapter_config.json").read_text())["target_modules"]
-        assert sorted(targets) == sorted(FAMILIES[family][1]), family  # what SGLang's --lora-target-modules takes
-        merged = {
-            k: v for f in sorted((root / "out" / "merged").glob("*.safetensors")) for k, v in load_file(f).items()
-        }
+        exported = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+        assert exported.keys() == original.keys(), where
+        assert all(torch.equal(exported[k], original[k]) for k in original), where  # PEFT -> Megatron -> PEFT
+        targets = json.loads((out / "adapter" / "adapter_config.json").read_text())["target_modules"]
+        assert sorted(targets) == sorted(FAMILIES[family][2]), where  # what SGLang's --lora-target-modules takes
+        merged = {k: v for f in sorted((out / "merged").glob("*.safetensors")) for k, v in load_file(f).items()}
         merged_reference = load_file(str(root / "merged_reference" / "model.safetensors"))
-        assert merged.keys() == merged_reference.keys(), family
-        assert max((merged[k] - merged_reference[k]).abs().max().item() for k in merged) < 1e-6, family
+        assert merged.keys() == merged_reference.keys(), where
+        assert max((merged[k] - merged_reference[k]).abs().max().item() for k in merged) < 1e-6, where
+
+
+def test_adapter_import_and_export_for_mixtral_and_deepseek_v3(tmp_path):
+    tokens = torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(1))
+    expected = _prepare(tmp_path, list(FAMILIES), tokens)
+    results = spawn(_trainer_side, 4, str(tmp_path), tokens, list(FAMILIES), [LAYOUT])[0]
+    _check(tmp_path, results, expected)
+    assert all(spec == dict(te=False, duplicated=[]) for _, spec in results.values())  # the local spec
+
+
+def test_mla_adapters_on_the_transformer_engine_spec(tmp_path):
+    """DeepSeek-V3 on TE's spec (the stand-in of test_lora_te): the down projections are duplicated
+    TELinear (adapters whole on every rank), the up projections fuse the latent norms
+    (TELayerNormColumnParallelLinear), experts are grouped; under TP2+SP and EP2."""
+    from test_lora_te import under_te
+
+    families = ["deepseek_v3", "deepseek_v3_q_proj_halves"]
+    layouts = [dict(world_size=2, tp=2, sequence_parallel=True), dict(world_size=2, ep=2)]
+    tokens = torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(1))
+    expected = _prepare(tmp_path, families, tokens)
+    results = spawn(under_te, 2, _trainer_side, str(tmp_path), tokens, families, layouts, fresh=True)[0]
+    _check(tmp_path, results, expected)
+    for (family, _), (_, spec) in results.items():
+        down = ["linear_kv_down_proj"] if family.endswith("halves") else ["linear_kv_down_proj", "linear_q_down_proj"]
+        assert spec == dict(te=True, duplicated=sorted(down)), (family, spec)

@@ -27,6 +27,17 @@ SERVER_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 """Environment of every SGLang server process: logprobs of the model's own distribution (temperature 1)."""
 
 
+SGLANG_LORA_TARGETS = frozenset(
+    {
+        *("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"),
+        *("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "wq_b", "wk", "weights_proj"),
+        *("gate_proj", "up_proj", "down_proj", "gate_up_proj", "embed_tokens", "lm_head", "qkvr", "wo_ud"),
+    }
+)
+"""The names SGLang 0.5.23's `--lora-target-modules` accepts besides "all" (its argparse choices,
+`SUPPORTED_LORA_TARGET_MODULES`; the conformance tests check this against SGLang's own list)."""
+
+
 @dataclasses.dataclass(kw_only=True)
 class SGLangLoRA:
     """SGLang's LoRA serving slots (adapters are loaded later with `/load_lora_adapter`)."""
@@ -49,6 +60,14 @@ class SGLangLoRA:
             )
         if not self.target_modules:
             raise ValueError("lora.target_modules is empty: name the modules adapters touch, or ['all']")
+        unknown = sorted(set(self.target_modules) - SGLANG_LORA_TARGETS - {"all"})
+        if unknown:  # SGLang's argparse would exit at launch
+            raise ValueError(
+                f"LoRA targets {unknown} are not among SGLang 0.5.23's --lora-target-modules "
+                f"({sorted(SGLANG_LORA_TARGETS)}): set lora.target_modules to Megatron modules whose HF "
+                "names SGLang serves (Mixtral's experts are w1/w2/w3: adapt its attention only), or use "
+                "the embedded engine"
+            )
         if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
             raise ValueError(
                 f"lora.max_loaded_loras={self.max_loaded_loras} < max_loras_per_batch="

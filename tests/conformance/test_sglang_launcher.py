@@ -124,6 +124,32 @@ def test_dp_size_above_one_is_refused_before_launch():
         SGLangLoRA(max_lora_rank=8, target_modules=["all"], max_loaded_loras=1, max_loras_per_batch=2)
 
 
+def _supported_lora_targets() -> list[str]:
+    from sglang.srt.utils.common import SUPPORTED_LORA_TARGET_MODULES
+
+    return list(SUPPORTED_LORA_TARGET_MODULES)
+
+
+def test_lora_targets_are_the_ones_sglang_accepts():
+    """The launcher checks targets against SGLang's argparse choices before launch: Mixtral's
+    expert names (w1/w2/w3) would make SGLang exit; q/k/v/o, MLA's and gate/up/down pass."""
+    from moe_rl.engine.sglang_launcher import SGLANG_LORA_TARGETS
+    from parallel.bridges import bridge_for
+    from parallel.lora import TARGETS
+    from parallel.peft import hf_lora_targets
+    from tests.tiny_models import DEEPSEEK_V3, GLM4_MOE, MIXTRAL, QWEN3_MOE, hf_config
+
+    assert SGLANG_LORA_TARGETS == set(sglang_oracle.call(_supported_lora_targets))
+    for family in (QWEN3_MOE, GLM4_MOE, DEEPSEEK_V3):
+        SGLangLoRA(max_lora_rank=8, target_modules=hf_lora_targets(bridge_for(hf_config(family)), TARGETS))
+    mixtral = hf_lora_targets(bridge_for(hf_config(MIXTRAL)), TARGETS)
+    with pytest.raises(ValueError, match=r"LoRA targets \['w1', 'w2', 'w3'\] are not among SGLang"):
+        SGLangLoRA(max_lora_rank=8, target_modules=mixtral)
+    SGLangLoRA(
+        max_lora_rank=8, target_modules=hf_lora_targets(bridge_for(hf_config(MIXTRAL)), ["linear_qkv", "linear_proj"])
+    )
+
+
 def test_the_server_returns_temperature_one_logprobs(monkeypatch):
     # srt/layers/sampler.py reads it with get_bool_env_var: "1" turns it on
     assert SERVER_ENV == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}

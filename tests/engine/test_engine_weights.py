@@ -65,7 +65,7 @@ def test_update_from_disk(engine, qwen3_dir, new_dir, tmp_path):
 
     before, after, info = run(with_client(engine.url, go))
     assert all(r.weight_version == 0 for r in before) and matches(qwen3_dir, before)
-    assert all(r.weight_versions == ["1"] * 8 for r in after) and info["weight_version"] == "1"
+    assert all(r.weight_versions == [1] * 8 for r in after) and info["weight_version"] == "1"
     assert matches(new_dir, after) and not matches(qwen3_dir, after)
 
 

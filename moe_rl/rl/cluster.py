@@ -237,7 +237,9 @@ class RLCluster:
             engines.append(
                 ray.remote(EngineServer)
                 .options(**options)
-                .remote(model_dir, cfg.engines, str(self.run_dir / f"{engine_name(i)}.log"), version, gpu_ids, lora, cpus)
+                .remote(
+                    model_dir, cfg.engines, str(self.run_dir / f"{engine_name(i)}.log"), version, gpu_ids, lora, cpus
+                )
             )
         return engines
 

@@ -419,7 +419,10 @@ def run(args) -> int:
     for proc in procs:
         proc.start()
     try:
-        ranks = spawn(_trainer, layout.world_size, cfg, [addresses.get(timeout=120) for _ in procs], timeout_s=3600)
+        # fresh ranks: forked ones would count copy-on-write faults of the preloaded modules as peak memory
+        ranks = spawn(
+            _trainer, layout.world_size, cfg, [addresses.get(timeout=120) for _ in procs], timeout_s=3600, fresh=True
+        )
     finally:
         for proc in procs:
             proc.join(30)

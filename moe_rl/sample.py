@@ -70,10 +70,10 @@ class Sample:
                     f"Sample.{name} has {len(getattr(self, name))} entries but response_ids has {n}: "
                     "give one entry per response token"
                 )
-        if not all(type(v) is int and v >= 0 for v in self.weight_versions):
-            bad = next(v for v in self.weight_versions if type(v) is not int or v < 0)
+        bad = [v for v in self.weight_versions if type(v) is not int or v < 0]
+        if bad:
             raise ValueError(
-                f"Sample.weight_versions holds {bad!r}: versions are non-negative integers (parse an "
+                f"Sample.weight_versions holds {bad[0]!r}: versions are non-negative integers (parse an "
                 "engine's string label with int())"
             )
         if self.status not in STATUSES:

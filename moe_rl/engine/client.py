@@ -225,8 +225,9 @@ class EngineClient:
 
     def _version(self, label: object) -> int:
         """An engine's weight-version label as the integer the project counts with."""
-        if isinstance(label, int) or (isinstance(label, str) and label.isdigit()):
-            return int(label)
+        version = protocol.weight_version_number(label)
+        if version is not None:
+            return version
         raise EngineError(
             self.name,
             "/generate",

@@ -350,6 +350,15 @@ default into (`logprob_start_len=-1`: output logprobs only; `top_logprobs_num=0`
 rank of a dp_size 1 engine (SGLang 0.5.23 ignores `routed_dp_rank=0` there and refuses any other)."""
 
 
+def weight_version_number(label: object) -> int | None:
+    """The integer of a weight-version label: SGLang's decimal string ("3") or an int, not a bool;
+    None for anything else (each side raises its own error)."""
+    if isinstance(label, bool) or not (isinstance(label, int) or (isinstance(label, str) and label.isdigit())):
+        return None
+    version = int(label)
+    return version if version >= 0 else None
+
+
 def unknown_fields(path: str, body: dict) -> list[str]:
     """Names in `body` that the embedded engine does not take for `path` (sampling params included)."""
     extra = EMBEDDED_EXTENSIONS.get(path, frozenset()) | (ROUTER_IGNORED if path == "/generate" else frozenset())

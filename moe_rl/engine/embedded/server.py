@@ -401,12 +401,12 @@ class EmbeddedServer:
     def _version(self, value: object, field: str, same_ok: bool) -> str:
         """A weight version as the engine takes it: a non-negative integer (SGLang's string form, e.g.
         "3"), never older than the served one (equal only where `same_ok`: a reload)."""
-        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.isdigit())):
+        version, served = protocol.weight_version_number(value), self.scheduler.weight_version
+        if version is None:
             raise BadRequest(
                 f"{field}: {value!r} is not a weight version; versions are non-negative integers, "
                 f'sent as strings (e.g. "3")'
             )
-        version, served = int(value), self.scheduler.weight_version
         if served.isdigit() and (version < int(served) or (version == int(served) and not same_ok)):
             raise BadRequest(
                 f"{field}: {version} is not newer than the served version {served}; versions only increase"

@@ -120,6 +120,8 @@ async def _run(config, client, sync, model_dir, directory):
                 {v: (directory / adapter_name(v)).is_dir() for v in sync.loaded} if sync.config.route == "disk" else {}
             )
             await manager.buffer.set_version(version + 1)
+            if version + 1 < VERSIONS:  # a trainer's step takes time: the new adapter gets requests before the next
+                await _requested(pool, adapter_name(version + 1))
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -132,3 +134,13 @@ async def _run(config, client, sync, model_dir, directory):
         > 0
     )
     return batches, on_disk
+
+
+async def _requested(pool: RecordingPool, name: str, timeout_s: float = 60.0) -> None:
+    """Wait until a request has named adapter `name` (the round its version admits has started)."""
+
+    async def named() -> None:
+        while not any(lora_path == name for lora_path, _ in pool.named):
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(named(), timeout_s)

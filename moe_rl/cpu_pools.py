@@ -4,8 +4,10 @@ The CPU picture of disaggregated GPU pools: with `cpu_pools:` set, each trainer 
 and each embedded engine process is pinned with `sched_setaffinity` and runs one torch thread per
 core it owns, so generation and training stop time-sharing cores and can overlap for real. The
 rollout worker runs on the engines' cores (its work, building requests and scoring responses, is
-generation's; left free it would steal the trainer's cores); the driver and Ray's own processes
-stay unpinned (they mostly wait, and Ray's worker processes inherit the driver's affinity).
+generation's; left free it would steal the trainer's cores). The driver runs on the trainer's cores
+while its `RLCluster` lives, and so do the Ray processes it starts: its work (building the batch,
+logging) alternates with the trainer's, which waits for it, while left free it takes time from the
+engines, whose core is the busy one in fully_async mode.
 
 `CpuPoolsConfig` is the config section (validated against the cores this process may use);
 `pin_process` is what each pinned process calls on itself, first thing.
@@ -80,6 +82,12 @@ class CpuPoolsConfig:
         if self.shared_trainer:
             return [(list(self.trainer), max(1, len(self.trainer) // world_size))] * world_size
         return [(list(cores), len(cores)) for cores in self.trainer]
+
+    @property
+    def driver_cores(self) -> list[int]:
+        """The driver's cores: every trainer rank's."""
+        lists = [self.trainer] if self.shared_trainer else self.trainer
+        return sorted({core for cores in lists for core in cores})
 
     @property
     def rollout_cores(self) -> list[int]:

@@ -239,4 +239,4 @@ def _describe_pools(config) -> str:
         for i, (cores, threads) in enumerate(pools.trainer_cores(config.trainer.world_size))
     )
     engines = "; ".join(f"engine {i} on cores {cores}" for i, cores in enumerate(pools.engines))
-    return f"{ranks}; {engines}; rollout worker on {pools.rollout_cores}; driver unpinned"
+    return f"{ranks}; {engines}; rollout worker on {pools.rollout_cores}; driver and Ray on {pools.driver_cores}"

@@ -57,7 +57,10 @@ def run(config: RunConfig, resume: bool = False) -> dict:
                     metrics.update(cluster.trainer.step(batch, config.algorithm))
                 released = time.perf_counter() - released if config.rl.colocate else 0.0
                 metrics.update(_update_weights(cluster, config, version + 1))
+                # read before admitting the next round: the worker answers after starting its requests
                 rollout_metrics = cluster.rollout_metrics()
+                # the engines serve version + 1: admit the rounds it allows (the staleness bound)
+                cluster.set_rollout_version(version + 1)
                 metrics.update({**info.metrics(), **rollout_metrics})
                 metrics["time/step_s"] = time.perf_counter() - step_start
                 # engines pause for a full-weight sync (LoRA adapters load beside generation)
@@ -126,7 +129,7 @@ def utilization(metrics: dict[str, float], engine_active_s: float, engine_paused
 
 
 def _update_weights(cluster: RLCluster, config: RunConfig, version: int) -> dict[str, float]:
-    """The weight update, as numbered steps."""
+    """The weight update, as numbered steps (the caller then admits the rounds `version` allows)."""
     metrics = {}
     # 1. one_step_off: let in-flight generation finish, so no sample mixes two versions
     if config.rl.drain_before_sync:
@@ -135,8 +138,6 @@ def _update_weights(cluster: RLCluster, config: RunConfig, version: int) -> dict
     #    (an engine that died is dropped, the others commit; it is restarted and caught up later)
     metrics["time/sync_s"] = cluster.sync(version)
     metrics["engines/restarts"] = cluster.restarts
-    # 3. the engines serve `version`: admit the rounds it allows (the staleness bound)
-    cluster.set_rollout_version(version)
     return metrics
 
 

@@ -11,7 +11,8 @@ Start-up, in order:
      (`engine_placement`: embedded = a CPU each; SGLang = `engines.tp` GPUs each, or, with
      `rl.colocate`, the GPUs of trainer ranks [i*tp, (i+1)*tp) inside their bundle); with
      `cpu_pools`, trainer ranks, embedded engines and the rollout worker are pinned to their cores
-     (`moe_rl.cpu_pools`) and `cpu_pools.json` records the cores each reports;
+     (`moe_rl.cpu_pools`; the driver, pinned first, and the Ray it starts share the trainer's) and
+     `cpu_pools.json` records the cores each reports;
   5. the trainer's sync source joins the engines' weight-update group (`WeightSender`);
   6. the `RolloutWorker` actor starts generating.
 `close()` undoes them in reverse and returns the rollout ledger.
@@ -28,6 +29,7 @@ bookkeeping; the driver calls it while it waits for a batch and after each sync.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +38,7 @@ import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from moe_rl.config import RunConfig
+from moe_rl.cpu_pools import pin_process
 from moe_rl.engine.client import engine_index, engine_name
 from moe_rl.rl.ray_init import init_ray
 from moe_rl.rl.resume import RunCheckpoint
@@ -93,6 +96,9 @@ class RLCluster:
         self.restarting: dict[int, ray.ObjectRef] = {}  # engine index -> its restart's URL
         self.restarts = 0
         self.lost: list[str] = []  # found dead by the pool, not yet removed from the weight sender
+        self.driver_cores = sorted(os.sched_getaffinity(0))  # restored by close()
+        if config.cpu_pools is not None:  # before Ray starts: its processes inherit the driver's cores
+            pin_process(config.cpu_pools.driver_cores)
         use_gpus = torch.cuda.is_available()
         demand = ray_demand(config, use_gpus)
         if not ray.is_initialized():
@@ -270,6 +276,8 @@ class RLCluster:
             for engine in self.engines:
                 ray.get(engine.stop.remote())
             ray.shutdown()
+            if self.config.cpu_pools is not None:
+                pin_process(self.driver_cores)
         return ledger
 
 

@@ -1,6 +1,7 @@
 """`cpu_pools`: the section's validation, and pinning applied for real: an embedded engine launched
 on a core reports exactly that core, and in an RL cluster the trainer rank, the engine and the rollout
-worker report the cores their pools gave them (the processes' own affinity, read back)."""
+worker report the cores their pools gave them (the processes' own affinity, read back), while the
+driver runs on the trainer's cores until the cluster closes."""
 
 from __future__ import annotations
 
@@ -100,6 +101,9 @@ def test_rl_cluster_pins_trainer_engine_and_rollout_worker(tmp_path):
         pid = ray.get(cluster.engines[0].pid.remote())
         assert process_cores(pid) == CORES[1:]
         assert ray.get(cluster.rollout.cpus.remote()) == CORES[1:]
+        # the driver, every thread of it, runs on the trainer's cores while the cluster lives
+        tids = os.listdir("/proc/self/task")
+        assert {tuple(sorted(os.sched_getaffinity(int(t)))) for t in tids} == {(CORES[0],)}
         assert len(cluster.get_batch(1)) == 1  # and generation works on them
         recorded = json.loads((tmp_path / "cpu_pools.json").read_text())
         assert recorded == {
@@ -109,7 +113,7 @@ def test_rl_cluster_pins_trainer_engine_and_rollout_worker(tmp_path):
         }
     finally:
         cluster.close()
-    assert os.sched_getaffinity(0) == set(CORES)  # the driver stays unpinned
+    assert os.sched_getaffinity(0) == set(CORES)  # close() gives the driver its cores back
 
 
 def test_bench_async_pools_and_ideal():

@@ -85,7 +85,8 @@ def _run(config_path: str, overrides: list[str], name: str, out: Path) -> dict:
 
     config = load_config(config_path, [*overrides, f"output_dir={out / name}", "rl.report=false", "rl.save_hf=false"])
     summary = rl.run(config)
-    rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+    # this run's steps: metrics.jsonl appends, so a reused --output also holds an earlier run's
+    rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()][-config.steps :]
     last, n = rows[-1], len(rows)
     mean = lambda key: sum(r.get(key, 0.0) for r in rows) / n  # noqa: E731
     cores = out / name / "cpu_pools.json"

@@ -13,9 +13,11 @@ each process reports are printed. `--no-pools` keeps CONFIG's layout, unpinned.
    max(gen, train), so ideal = (gen + train) / max(gen, train) (2x when balanced);
 2. long-tailed response lengths (task `copy_digits_long_tail`: responses stop at any of
    `num_stop_tokens` tokens, else run to `long_tail_max_new_tokens`): drain-before-sync
-   (`one_step_off`) vs partial rollouts (`fully_async`, pause_mode abort, continued after the swap)
-   at the same staleness bound 1; reports generated tokens/s and step throughput, and the ideal
-   (no drain wait: the drain run's step without its drain seconds).
+   (`one_step_off`, staleness bound 1) vs partial rollouts (`fully_async`, pause_mode abort,
+   continued after the swap) at bound `--long-tail-staleness`: 1 by default, the same bound; 2 lets
+   the trainer take the next round's finished groups and carry stragglers over into the next step
+   (APRIL's setting). Reports generated tokens/s and step throughput, and the ideal (no drain wait:
+   the drain run's step without its drain seconds).
 Runs follow one another, so a ratio also measures how the machine's load moved between its two
 runs; `--repeats N` runs every pair N times and reports the median ratio with its range.
 Writes every number to `output` (JSON) and prints a table.
@@ -50,6 +52,13 @@ def add_arguments(parser) -> None:
         type=int,
         default=8,
         help="stop tokens of the long-tailed task (8 of 256: mean length ~27, ~17%% run to the budget)",
+    )
+    parser.add_argument(
+        "--long-tail-staleness",
+        type=int,
+        default=1,
+        help="staleness bound of the partial-rollout run (drain-before-sync is always 1); "
+        "2 carries stragglers over into the next step",
     )
     parser.add_argument(
         "--pools",
@@ -141,7 +150,7 @@ def run(args) -> int:
         "rollout.task=copy_digits_long_tail",
         f"rollout.max_new_tokens={args.long_tail_max_new_tokens}",
         f"rollout.task_options={{length: 1, num_stop_tokens: {args.num_stop_tokens}}}",
-        "rollout.max_staleness=1",
+        f"rollout.max_staleness={args.long_tail_staleness}",
         "sync.pause_mode=abort",
         "rollout.partial_rollout=true",
     ]
@@ -154,13 +163,22 @@ def run(args) -> int:
         "long_tail_drain": [*tail, "rl.mode=one_step_off"],
         "long_tail_partial": [*tail, "rl.mode=fully_async"],
     }
+    for overrides in plan.values():  # a bad option or override fails now, not after minutes of runs
+        load_config(args.config, overrides)
     repeats = []  # each repeat runs every pair back to back, so both runs of a pair see about the same load
     for r in range(args.repeats):
         where = out if args.repeats == 1 else out / f"repeat{r}"
         runs = {name: _run(args.config, overrides, name, where) for name, overrides in plan.items()}
         repeats.append({"runs": runs, **_ratios(runs)})
     summary = {key: _spread([rep[key] for rep in repeats]) for key in ("balanced", "unbalanced", "long_tail")}
-    results = {"pools": pools, "cores": cores, "repeats": repeats, "summary": summary, "load_average": os.getloadavg()}
+    results = {
+        "pools": pools,
+        "cores": cores,
+        "long_tail_staleness": args.long_tail_staleness,
+        "repeats": repeats,
+        "summary": summary,
+        "load_average": os.getloadavg(),
+    }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(results, indent=2))
     print(
@@ -190,7 +208,8 @@ def run(args) -> int:
         )
     t = summary["long_tail"]
     print(
-        f"partial rollouts over drain-before-sync (long tail): {_show(t, 'steps_per_s')} steps/s "
+        f"partial rollouts (staleness bound {args.long_tail_staleness}) over drain-before-sync (bound 1), "
+        f"long tail: {_show(t, 'steps_per_s')} steps/s "
         f"(ideal {_show(t, 'ideal_steps_per_s')}: no drain wait), {_show(t, 'generated_tokens_per_s')} "
         "generated tokens/s"
     )

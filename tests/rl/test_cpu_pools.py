@@ -60,6 +60,9 @@ def test_pools_against_the_run(tmp_path):
         config, cpu_pools=CpuPoolsConfig(trainer=[first], engines=[[first]], allow_overlap=True)
     )
     assert shared.cpu_pools.trainer_cores(2) == [([first], 1)] * 2
+    assert shared.cpu_pools.driver_cores == [first]  # the driver runs on the trainer's cores
+    per_rank = CpuPoolsConfig(trainer=[[CORES[-1]], [first]], engines=[[first]], allow_overlap=True)
+    assert per_rank.driver_cores == sorted({first, CORES[-1]})  # every rank's
 
 
 @two_cores

@@ -96,7 +96,7 @@ class RLCluster:
         self.restarting: dict[int, ray.ObjectRef] = {}  # engine index -> its restart's URL
         self.restarts = 0
         self.lost: list[str] = []  # found dead by the pool, not yet removed from the weight sender
-        self.driver_cores = sorted(os.sched_getaffinity(0))  # restored by close()
+        self.cores_before_pinning = sorted(os.sched_getaffinity(0))  # the driver's, restored by close()
         if config.cpu_pools is not None:  # before Ray starts: its processes inherit the driver's cores
             pin_process(config.cpu_pools.driver_cores)
         use_gpus = torch.cuda.is_available()
@@ -277,7 +277,7 @@ class RLCluster:
                 ray.get(engine.stop.remote())
             ray.shutdown()
             if self.config.cpu_pools is not None:
-                pin_process(self.driver_cores)
+                pin_process(self.cores_before_pinning)
         return ledger
 
 

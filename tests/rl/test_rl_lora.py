@@ -40,9 +40,10 @@ def test_rl_with_lora(tmp_path):
             },
             "rollout": {
                 "task": "copy_digits_long_tail",
-                # six digits of partial credit: a group's two samples nearly always differ in
-                # reward, so every step has a gradient (one digit often gave four steps of none)
                 "task_options": {"num_stop_tokens": 40, "length": 6},
+                # a group whose samples tie has zero GRPO advantage: regenerate it, so every
+                # step trains on a signal whatever the random rewards
+                "drop_zero_variance_groups": True,
                 "groups_per_step": 4,
                 "n_samples_per_prompt": 2,
                 "max_new_tokens": 12,
@@ -62,7 +63,7 @@ def test_rl_with_lora(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["rollout/continued_requests"] == 0 for r in rows)  # never paused, never cut
     assert all(r["buffer/staleness_max"] <= 1 for r in rows)
-    assert sum(r["train/grad_norm"] > 0 for r in rows) >= STEPS - 1
+    assert all(r["train/grad_norm"] > 0 for r in rows)
     left = sorted(p.name for p in (tmp_path / "run" / "adapters").iterdir())
     assert f"policy-v{STEPS}" in left and len(left) <= 3
 

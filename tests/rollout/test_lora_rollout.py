@@ -92,7 +92,6 @@ def test_adapter_versions_while_generating(model_dirs, tmp_path, route):
     trained_at = [v for v, batch in enumerate(batches) for group in batch for s in group]
     for version, sample in zip(trained_at, samples):
         assert version - STALENESS <= sample.weight_versions[0] <= version
-    assert len({s.weight_versions[0] for s in samples}) >= VERSIONS - STALENESS  # newest ones used
     for loaded_now in on_disk:  # disk: every loaded version's directory exists
         assert all(present for present in loaded_now.values())
     assert len(sync.loaded) == STALENESS + 1
@@ -127,6 +126,8 @@ async def _run(config, client, sync, model_dir, directory):
         await asyncio.gather(task, return_exceptions=True)
     for named, loaded in pool.named:
         assert named in loaded, (named, loaded)
+    # each published adapter served requests (which of them a batch holds is the machine's timing)
+    assert {adapter_name(v) for v in range(VERSIONS)} <= {named for named, _ in pool.named}
     accounting = manager.accounting()
     assert (
         accounting["started"]

@@ -221,6 +221,18 @@ def train_and_resume(hf_dir: str, adapter_dir: str, out_dir: str, tokens: torch.
     )
 
 
+# Gradients under TP/EP sum the same fp32 products in another order (and the CPU's kernels pick
+# the order by its vector width), so they agree element-wise within this bound, not bit for bit.
+ATOL, RTOL = 1e-6, 1e-4
+
+
+def grad_norm_bound(grads: dict[str, np.ndarray]) -> float:
+    """How far two gradient norms may differ when every element agrees within ATOL + RTOL * |g|:
+    | ||p|| - ||g|| | <= ||p - g|| <= ATOL * sqrt(n) + RTOL * ||g|| (triangle inequality)."""
+    flat = np.concatenate([g.ravel() for g in grads.values()]).astype(np.float64)
+    return ATOL * flat.size**0.5 + RTOL * float(np.linalg.norm(flat))
+
+
 @pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[2]], ids=["tp2-ep2-sp", "tp2-ep2-etp2-sp"])
 def test_lora_gradients_checkpoint_and_frozen_base(tmp_path, layout):
     """Adapter gradients under TP/EP/ETP/SP equal those on one rank; the base never changes; the
@@ -238,8 +250,8 @@ def test_lora_gradients_checkpoint_and_frozen_base(tmp_path, layout):
     assert parallel.keys() == single["grads"].keys() and len(parallel) > 0
     assert any(abs(g).max() > 0 for g in parallel.values())
     for name, grad in single["grads"].items():
-        assert np.allclose(parallel[name], grad, atol=1e-6, rtol=1e-4), (name, abs(parallel[name] - grad).max())
-    assert abs(per_rank[0]["grad_norm"] - single["grad_norm"]) < 1e-5 * single["grad_norm"]
+        assert np.allclose(parallel[name], grad, atol=ATOL, rtol=RTOL), (name, abs(parallel[name] - grad).max())
+    assert abs(per_rank[0]["grad_norm"] - single["grad_norm"]) <= grad_norm_bound(single["grads"])
 
 
 def test_convert_peft_megatron_peft_is_bit_exact(tmp_path):

@@ -18,7 +18,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_lora import ALPHA, RANK, peft_model, random_peft_adapter, save_tiny_model, token_logprobs, train_and_resume
+from test_lora import (
+    ALPHA,
+    ATOL,
+    RANK,
+    RTOL,
+    grad_norm_bound,
+    peft_model,
+    random_peft_adapter,
+    save_tiny_model,
+    token_logprobs,
+    train_and_resume,
+)
 
 from parallel.world import spawn
 
@@ -244,5 +255,5 @@ def test_te_lora_gradients_equal_one_rank(tmp_path):
         assert any(abs(g).max() > 0 for g in parallel.values())
         for name, grad in single["grads"].items():
             worst = abs(parallel[name] - grad).max()
-            assert np.allclose(parallel[name], grad, atol=1e-6, rtol=1e-4), (layout, name, worst)
-        assert abs(per_rank[0]["grad_norm"] - single["grad_norm"]) < 1e-5 * single["grad_norm"], layout
+            assert np.allclose(parallel[name], grad, atol=ATOL, rtol=RTOL), (layout, name, worst)
+        assert abs(per_rank[0]["grad_norm"] - single["grad_norm"]) <= grad_norm_bound(single["grads"]), layout

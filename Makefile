@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch first, from the CPU wheel (never let a dependency pull a multi-GB CUDA build)
 TORCH ?= torch==2.13.0
 
-.PHONY: setup test lint demo demo-lora test-mcore-latest clean
+.PHONY: setup test lint demo demo-lora demo-agent test-mcore-latest clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,9 @@ demo: setup
 
 demo-lora: setup
 	$(BIN)/moe-rl train configs/demo_lora_cpu.yaml --overwrite  # adapter-only RL, runs/demo_lora
+
+demo-agent: setup
+	$(BIN)/moe-rl train configs/demo_agent_cpu.yaml --overwrite  # multi-turn tool episodes, runs/demo_agent
 
 # The same suite on Python 3.12 with megatron-core 0.19.x (what clusters run). torch comes
 # from the registry as a CUDA build (~3 GB) and runs on CPU. Not in CI.

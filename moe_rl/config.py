@@ -34,6 +34,9 @@ class ModelConfig:
     """HF model directory (config.json, optionally safetensors weights and a tokenizer)."""
     hf_config: dict[str, Any] | None = None
     """Inline HF config fields (with `model_type` and `architectures`) for a tiny random model."""
+    tokenizer: str | None = None
+    """Directory of the tokenizer (and its chat template) when it is not model.path's, e.g. the
+    tiny chat tokenizer `configs/tokenizers/tiny_chat` for an inline hf_config."""
     mtp: str | None = None
     """Multi-token-prediction layers (DeepSeek-V3, GLM-4.5: num_nextn_predict_layers). Unset: they
     are megatron-core's MTP block on the last pipeline stage, exported and synced with the rest
@@ -48,6 +51,8 @@ class ModelConfig:
             raise ValueError("model: set exactly one of model.path (HF dir) or model.hf_config")
         if self.path is not None and not (Path(self.path) / "config.json").is_file():
             raise ValueError(f"model.path={self.path!r}: no config.json there; point it at an HF model dir")
+        if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
+            raise ValueError(f"model.tokenizer={self.tokenizer!r}: not a directory; point it at a tokenizer directory")
         if self.hf_config is not None:
             for key in ("model_type", "architectures"):
                 if key not in self.hf_config:
@@ -55,6 +60,11 @@ class ModelConfig:
                         f"model.hf_config lacks {key!r} (e.g. model_type: qwen3_moe, "
                         f"architectures: [Qwen3MoeForCausalLM])"
                     )
+
+    @property
+    def tokenizer_dir(self) -> str | None:
+        """Where the tokenizer lives: model.tokenizer, else model.path."""
+        return self.tokenizer or self.path
 
     def load_hf_config(self):
         """The transformers config object (reads config.json; no weights)."""

@@ -7,6 +7,10 @@ token), the loss mask, and the routed experts of every token but the last, int32
 experts as base64 of little-endian int32 in C order; `encode_routed_experts` /
 `decode_routed_experts` are that wire format, used by both engines and by the client.
 `to_dict` / `from_dict` give a JSON-safe form that round-trips exactly (floats included).
+
+A multi-turn episode (`moe_rl.agents.episode`) is one Sample whose response alternates model
+tokens (loss mask 1, logprob, version) and environment tokens (tool results, user turns, chat
+template glue: loss mask 0, logprob 0.0, version None); routed experts cover every position.
 """
 
 from __future__ import annotations
@@ -48,9 +52,9 @@ class Sample:
     """Engine logprob of each response token (raw model log-softmax, see moe_rl.engine)."""
     loss_mask: list[int] = dataclasses.field(default_factory=list)
     """1 where the token is trained on; one entry per response token."""
-    weight_versions: list[int] = dataclasses.field(default_factory=list)
+    weight_versions: list[int | None] = dataclasses.field(default_factory=list)
     """Weight version that produced each response token (an integer; engines label versions with
-    SGLang's strings, which the client parses)."""
+    SGLang's strings, which the client parses); None on an environment token (not sampled)."""
     routed_experts: np.ndarray | None = None
     """int32 [prompt_len + response_len - 1, num_hidden_layers, topk]."""
     reward: float | None = None
@@ -70,11 +74,11 @@ class Sample:
                     f"Sample.{name} has {len(getattr(self, name))} entries but response_ids has {n}: "
                     "give one entry per response token"
                 )
-        bad = [v for v in self.weight_versions if type(v) is not int or v < 0]
+        bad = [v for v in self.weight_versions if v is not None and (type(v) is not int or v < 0)]
         if bad:
             raise ValueError(
                 f"Sample.weight_versions holds {bad[0]!r}: versions are non-negative integers (parse an "
-                "engine's string label with int())"
+                "engine's string label with int()), or None on an environment token"
             )
         if self.status not in STATUSES:
             raise ValueError(f"Sample.status={self.status!r}: use one of {STATUSES}")
@@ -86,6 +90,10 @@ class Sample:
                     f"Sample.routed_experts is {routed.dtype} {tuple(routed.shape)}; expected int32 "
                     f"[{expected} (prompt_len + response_len - 1), num_hidden_layers, topk]"
                 )
+
+    def model_versions(self) -> list[int]:
+        """The versions of the sampled tokens (environment tokens have none)."""
+        return [v for v in self.weight_versions if v is not None]
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict; routed experts in SGLang's base64 form plus their shape."""
@@ -104,7 +112,7 @@ class Sample:
                 raise ValueError("Sample dict has routed_experts but no routed_experts_shape")
             data["routed_experts"] = decode_routed_experts(data["routed_experts"], shape[1], shape[2])
         # rollout.json files written before versions were integers hold them as strings ("3")
-        data["weight_versions"] = [int(v) for v in data.get("weight_versions", [])]
+        data["weight_versions"] = [None if v is None else int(v) for v in data.get("weight_versions", [])]
         return cls(**data)
 
     def __eq__(self, other: object) -> bool:

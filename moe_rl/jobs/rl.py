@@ -42,6 +42,7 @@ def run(config: RunConfig, resume: bool = False) -> dict:
     logger = MetricsLogger(run_dir, wandb_project=config.rl.wandb_project, config=to_dict(config))
     cluster = RLCluster(config, run_dir, restore)
     rewards, trained, ledger = [], [], None
+    row_multiple = config.algorithm.num_mini_batches * config.trainer.micro_batch_size * config.trainer.dp
     try:
         setup_s = time.perf_counter() - start
         generated, active = 0.0, cluster.rollout_metrics()["engines/active_s"]
@@ -50,7 +51,7 @@ def run(config: RunConfig, resume: bool = False) -> dict:
                 metrics, step_start = {}, time.perf_counter()
                 groups = cluster.get_batch(rollout.groups_per_step)
                 metrics["time/trainer_wait_s"] = time.perf_counter() - step_start
-                batch, info = build_batch(groups, config.algorithm, version, rollout.max_staleness)
+                batch, info = build_batch(groups, config.algorithm, version, rollout.max_staleness, row_multiple)
                 trained += info.group_ids
                 released = time.perf_counter()
                 with engines_released(cluster.engines, config.engines.kind, config.rl.colocate, metrics):
@@ -143,15 +144,35 @@ def _update_weights(cluster: RLCluster, config: RunConfig, version: int) -> dict
 
 def _check_task(config: RunConfig) -> None:
     """Build the task once here, so a bad task name or option fails before any process starts."""
-    from moe_rl.tasks import make_task
-
-    if config.rollout.task != "jsonl":
-        task = make_task(config.rollout.task, **config.rollout.task_options)
+    task = config.rollout.make_task(config.model.tokenizer_dir)
+    if config.rollout.agent is None:
         _check_context(config, task)
+    else:
+        _check_agent(config, task)
     if config.engines.kind == "sglang" and not __import__("torch").cuda.is_available():
         raise ValueError(
             "engines.kind='sglang' needs GPUs; use engines.kind: embedded on CPU "
             "(`moe-rl plan` checks GPU configs on any machine)"
+        )
+
+
+def _check_agent(config: RunConfig, task) -> None:
+    """The agent resolves, the tokenizer has a chat template, the task gives chat prompts and an
+    episode's context fits the model."""
+    from moe_rl.agents import ChatFormat, resolve_agent
+
+    rollout = config.rollout
+    resolve_agent(rollout.agent)
+    if config.model.tokenizer_dir is None:
+        raise ValueError("rollout.agent needs a tokenizer with a chat template: set model.tokenizer (or model.path)")
+    ChatFormat.load(config.model.tokenizer_dir, rollout.episode.tool_call_format)
+    if not next(task.prompts(rollout.seed)).messages:
+        raise ValueError(f"rollout.agent: task {rollout.task!r} gives token prompts; agents need chat messages")
+    limit = getattr(config.model.load_hf_config().get_text_config(), "max_position_embeddings", None)
+    if limit is not None and rollout.episode.max_context_tokens > limit:
+        raise ValueError(
+            f"rollout.episode.max_context_tokens={rollout.episode.max_context_tokens} exceeds the model's "
+            f"max_position_embeddings {limit}: lower it to at most {limit}"
         )
 
 

@@ -139,6 +139,7 @@ class RLCluster:
             hf.num_experts_per_tok,
             cfg.lora is not None,
             cfg.cpu_pools.rollout_cores if cfg.cpu_pools else None,
+            cfg.model.tokenizer_dir,
         )
         ray.get(self.rollout.start.remote(self.restore))
         if cfg.cpu_pools is not None:

@@ -143,6 +143,7 @@ class RolloutWorker:
         topk: int,
         adapters: bool = False,
         cpus: list[int] | None = None,
+        tokenizer_dir: str | None = None,
     ):
         if cpus:  # `cpu_pools`: the engines' cores (building requests and scoring is generation's work)
             from moe_rl.cpu_pools import pin_process
@@ -150,6 +151,7 @@ class RolloutWorker:
             pin_process(cpus)
         self.config, self.urls, self.kind, self.layout = config, urls, kind, (layers, topk)
         self.adapters = adapters  # LoRA: requests name the newest adapter, `policy-v{version}`
+        self.tokenizer_dir = tokenizer_dir  # text and chat prompts, agents
         self.manager = self.task = None
 
     async def start(self, restore: RunCheckpoint | None = None) -> None:
@@ -158,7 +160,11 @@ class RolloutWorker:
         clients = [self._client(i, url) for i, url in enumerate(self.urls)]
         self.pool = CountingPool(clients)
         self.manager = RolloutManager(
-            self.config, self.pool, version=restore.step if restore else 0, adapters=self.adapters
+            self.config,
+            self.pool,
+            tokenizer_dir=self.tokenizer_dir,
+            version=restore.step if restore else 0,
+            adapters=self.adapters,
         )
         if restore is not None:
             self.manager.restore(restore.rollout)

@@ -31,10 +31,9 @@ STALE_POLICIES = ("drop", "requeue")
 
 
 def staleness(sample: Sample, version: int) -> int:
-    """Trainer version minus the oldest weight version among the sample's response tokens."""
-    if not sample.weight_versions:
-        return 0
-    return version - min(sample.weight_versions)
+    """Trainer version minus the oldest weight version among the sample's model tokens."""
+    versions = sample.model_versions()
+    return version - min(versions) if versions else 0
 
 
 class RolloutBuffer:

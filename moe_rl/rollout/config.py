@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from moe_rl.agents.config import EpisodeConfig
 from moe_rl.rollout.buffer import STALE_POLICIES
 
 
@@ -19,6 +20,14 @@ class RolloutConfig:
     """JSONL file of prompts (`prompt` or `prompt_ids`, `answer`, `metadata`) when task="jsonl"."""
     reward: str | None = None
     """None: the task's own reward; else "math", a task name, or "package.module:function"."""
+    agent: str | None = None
+    """Multi-turn episodes: "package.module:function", an async function of an
+    `moe_rl.agents.Episode` that returns the reward (docs/agents.md). None: single-turn samples."""
+    episode: EpisodeConfig = field(default_factory=EpisodeConfig)
+    """Limits and the OpenAI endpoint of agent episodes."""
+    apply_chat_template: bool = False
+    """task "jsonl": render text prompts as one user message with the model's chat template and the
+    generation prompt (rows whose prompt is a list of chat messages always are)."""
     n_samples_per_prompt: int = 4
     """Responses per prompt (one GRPO group)."""
     groups_per_step: int = 4
@@ -76,6 +85,21 @@ class RolloutConfig:
             raise ValueError("rollout.drop_zero_variance_groups needs rollout.n_samples_per_prompt >= 2")
         if (self.task == "jsonl") != (self.dataset is not None):
             raise ValueError("rollout.dataset goes with rollout.task='jsonl': set both or neither")
+
+    def make_task(self, tokenizer_dir: str | None = None):
+        """The configured task (for "jsonl": the dataset read and checked, text prompts tokenized
+        with `tokenizer_dir`'s tokenizer)."""
+        from moe_rl.tasks import make_task
+
+        options = dict(self.task_options)
+        if self.task == "jsonl":
+            options.update(
+                path=self.dataset,
+                tokenizer_dir=tokenizer_dir,
+                reward=self.reward or "math",
+                apply_chat_template=self.apply_chat_template,
+            )
+        return make_task(self.task, **options)
 
     def sampling(self) -> dict[str, Any]:
         """Sampling keyword arguments of `EngineClient.generate`."""

@@ -30,12 +30,13 @@ import dataclasses
 import math
 from pathlib import Path
 
+from moe_rl.agents import AgentFailure, AgentRunner, ChatEndpoint, ChatFormat, resolve_agent
 from moe_rl.engine.pool import EnginePool
 from moe_rl.rollout.buffer import Group, RolloutBuffer
 from moe_rl.rollout.config import RolloutConfig
 from moe_rl.rollout.partial import continuation_request, continue_sample, mask_older_tokens
 from moe_rl.sample import Sample
-from moe_rl.tasks import Prompt, Task, get_reward, make_task
+from moe_rl.tasks import Prompt, Task, get_reward
 from sync.lora import adapter_name
 
 
@@ -52,13 +53,24 @@ class RolloutManager:
     ):
         self.config, self.pool = config, pool
         self.adapters = adapters
-        if task is None:
-            options = dict(config.task_options)
-            if config.task == "jsonl":
-                options.update(path=config.dataset, tokenizer_dir=tokenizer_dir, reward=config.reward or "math")
-            task = make_task(config.task, **options)
-        self.task = task
+        self.task = task = task or config.make_task(tokenizer_dir)
         self.reward_fn = get_reward(config.reward) if config.reward else task.reward
+        self.stop_token_ids = list(task.stop_token_ids)
+        self.agents: AgentRunner | None = None
+        if config.agent is not None:
+            if tokenizer_dir is None:
+                raise ValueError("rollout.agent needs the model's tokenizer: set model.tokenizer (or model.path)")
+            chat = ChatFormat.load(tokenizer_dir, config.episode.tool_call_format)
+            self.agents = AgentRunner(
+                resolve_agent(config.agent),
+                chat,
+                config.episode,
+                max_new_tokens=config.max_new_tokens,
+                score=lambda text, answer, sample: float(self.reward_fn(text, answer, sample)),
+                endpoint=ChatEndpoint(config.episode.endpoint_host, config.episode.endpoint_port),
+            )
+            self.stop_token_ids.append(chat.eos_id)
+        self._replays: dict[str, list[list[dict]]] = {}  # restored open episodes: their finished turns
         self.buffer = RolloutBuffer(
             groups_per_step=config.groups_per_step,
             max_staleness=config.max_staleness,
@@ -83,6 +95,8 @@ class RolloutManager:
         cancelled. On the way out,
         every group still generating is aborted on its engine and counted `dropped_stopped`."""
         rounds = []
+        if self.agents is not None:
+            await self.agents.endpoint.start()
         try:
             first = r = self.buffer.version
             while num_rounds is None or r < first + num_rounds:
@@ -95,6 +109,8 @@ class RolloutManager:
                 task.cancel()
             await asyncio.gather(*rounds, *self._fills, return_exceptions=True)
             await self._cancel(list(self._open), "stopped")
+            if self.agents is not None:
+                await self.agents.endpoint.stop()
 
     async def _until(self, waiting, rounds: list[asyncio.Task]) -> None:
         """Await `waiting`, but raise at once the error of a round or fill that failed meanwhile
@@ -114,6 +130,8 @@ class RolloutManager:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False)
+        if self.agents is not None:
+            self.agents.close()
 
     async def _run_round(self, r: int) -> None:
         need = self.config.groups_per_step
@@ -142,7 +160,13 @@ class RolloutManager:
         gid = group[0].group_id
         requeue = gid not in self.buffer.dropped
         meta = group[0].metadata
-        prompt = Prompt(prompt_ids=group[0].prompt_ids, answer=meta.get("answer"), metadata=meta.get("prompt", {}))
+        prompt = Prompt(
+            prompt_ids=[] if meta.get("messages") else group[0].prompt_ids,
+            answer=meta.get("answer"),
+            metadata=meta.get("prompt", {}),
+            messages=meta.get("messages"),
+            tools=meta.get("tools"),
+        )
         self._start_fill((gid, prompt) if requeue else self._new_group())
 
     def _start_fill(self, group: tuple[str, Prompt], samples: list[Sample] | None = None) -> None:
@@ -174,7 +198,9 @@ class RolloutManager:
     def _launch(self, group: tuple[str, Prompt], round_index: int, samples: list[Sample] | None = None) -> asyncio.Task:
         gid, prompt = group
         self.started_ids.add(gid)
-        if samples is None:
+        if self.agents is not None:
+            samples = []  # episodes keep their own state (`AgentRunner.open`)
+        elif samples is None:
             samples = [
                 Sample(
                     prompt_ids=list(prompt.prompt_ids),
@@ -210,6 +236,8 @@ class RolloutManager:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _generate_group(self, gid: str) -> Group | None:
+        if self.agents is not None:
+            return await self._run_episodes(gid)
         try:
             samples = await asyncio.gather(
                 *[self._generate_sample(gid, i) for i in range(self.config.n_samples_per_prompt)]
@@ -217,14 +245,40 @@ class RolloutManager:
         finally:
             self.pool.release_group(gid)
         rewards = await asyncio.get_running_loop().run_in_executor(self._executor, self._score, samples)
-        if self.config.drop_zero_variance_groups and len(set(rewards)) == 1:
-            self.buffer.drop(gid, "zero_variance")
-            return None
         for sample, reward in zip(samples, rewards):
             sample.reward = reward
+        return self._filtered(gid, samples)
+
+    def _filtered(self, gid: str, samples: list[Sample]) -> Group | None:
+        if self.config.drop_zero_variance_groups and len({s.reward for s in samples}) == 1:
+            self.buffer.drop(gid, "zero_variance")
+            return None
         if self.config.mask_stale_tokens:
             samples = [mask_older_tokens(s) for s in samples]
         return samples
+
+    async def _run_episodes(self, gid: str) -> Group | None:
+        """The group's episodes through the agent (`moe_rl.agents.runner`); None when dropped."""
+        prompt = self._inflight[gid][0]
+        if not prompt.messages:
+            raise ValueError(f"rollout.agent needs chat prompts: task {self.task.name!r} gave token ids only")
+
+        async def turn(sample, env_ids, limit, sampling):
+            return await self.generate_turn(gid, sample, env_ids, limit, sampling)
+
+        try:
+            samples = await self.agents.run_group(
+                gid, prompt, self.config.n_samples_per_prompt, turn, self._replays.pop(gid, None)
+            )
+        except AgentFailure as failure:
+            self.buffer.drop(gid, failure.reason)
+            self.agents.check_alive(self.config.groups_per_step)
+            return None
+        finally:
+            self.pool.release_group(gid)
+        for sample in samples:
+            sample.metadata.update(messages=prompt.messages, tools=prompt.tools)
+        return self._filtered(gid, samples)
 
     def _score(self, samples: list[Sample]) -> list[float]:
         return [float(self.reward_fn(self.task.decode(s.response_ids), s.metadata.get("answer"), s)) for s in samples]
@@ -232,44 +286,67 @@ class RolloutManager:
     async def _generate_sample(self, gid: str, index: int) -> Sample:
         """Sample `index` of group `gid`, continued from its state in `_inflight` (which every
         returned segment updates, so a run checkpoint sees the tokens made so far)."""
-        cfg = self.config
         progress = self._inflight[gid][1]
-        sample = progress[index]
-        if is_finished(sample):  # restored from a run checkpoint already complete
-            return sample
+        if is_finished(progress[index]):  # restored from a run checkpoint already complete
+            return progress[index]
+
+        def keep(sample: Sample) -> None:
+            progress[index] = sample
+
+        return await self.generate_turn(gid, progress[index], [], self.config.max_new_tokens, {}, keep)
+
+    async def generate_turn(
+        self, gid: str, sample: Sample, env_ids: list[int], limit: int, sampling: dict, keep=None
+    ) -> Sample:
+        """`sample` after `env_ids` and one engine turn that ends at stop or when the response
+        reaches `limit` tokens; a request cut by an abort-mode weight swap continues under the new
+        weights (or restarts the turn without `rollout.partial_rollout`). `sampling` overrides
+        the rollout's sampling parameters; `keep(sample)` sees every returned segment."""
+        cfg = self.config
+        start, pending = sample, list(env_ids)
+        params = {"stop_token_ids": self.stop_token_ids or None, **cfg.sampling(), **sampling}
         while True:
-            input_ids, start = continuation_request(sample)
+            input_ids, start_len = continuation_request(sample, pending)
             version = self.buffer.version  # LoRA: the newest adapter, loaded before the buffer heard of it
             lora = {"lora_path": adapter_name(version)} if self.adapters else {}
             result = await self.pool.generate(
                 input_ids,
                 group_id=gid,
-                max_new_tokens=cfg.max_new_tokens - len(sample.response_ids),
-                stop_token_ids=self.task.stop_token_ids or None,
+                max_new_tokens=limit - len(sample.response_ids) - len(pending),
                 return_logprob=True,
                 return_routed_experts=cfg.return_routed_experts,
-                routed_experts_start_len=start,
+                routed_experts_start_len=start_len,
                 **lora,
-                **cfg.sampling(),
+                **params,
             )
             if self.adapters:  # the engine's base never changes: the adapter's version is the policy's
                 result = dataclasses.replace(
                     result, weight_version=version, weight_versions=[version] * len(result.output_ids)
                 )
-            sample = progress[index] = continue_sample(sample, result, routed_experts=cfg.return_routed_experts)
-            if result.finish_reason != "abort" or len(sample.response_ids) >= cfg.max_new_tokens:
+            sample = continue_sample(sample, result, routed_experts=cfg.return_routed_experts, env_ids=pending)
+            if result.output_ids:
+                pending = []
+            if keep is not None:
+                keep(sample)
+            if result.finish_reason != "abort" or len(sample.response_ids) >= limit:
                 if sample.status == "aborted":  # the abort came exactly at the end of the budget
                     sample.status = "truncated"
                 return sample
             self.continued_requests += 1
             if not cfg.partial_rollout:
-                self.discarded_tokens += len(sample.response_ids)
+                self.discarded_tokens += len(sample.response_ids) - len(start.response_ids)
                 restarts = sample.metadata.get("restarts", 0) + 1
-                sample = progress[index] = Sample(
-                    prompt_ids=sample.prompt_ids,
-                    group_id=gid,
-                    metadata={**sample.metadata, "num_segments": 0, "rids": [], "restarts": restarts},
-                )
+                if start.response_ids:  # a later turn of an episode: redo this turn
+                    sample = dataclasses.replace(start, metadata={**start.metadata, "restarts": restarts})
+                    pending = list(env_ids)
+                else:
+                    sample = Sample(
+                        prompt_ids=sample.prompt_ids,
+                        group_id=gid,
+                        metadata={**sample.metadata, "num_segments": 0, "rids": [], "restarts": restarts},
+                    )
+                if keep is not None:
+                    keep(sample)
 
     # -- run checkpoints -----------------------------------------------------------------------------
 
@@ -280,7 +357,12 @@ class RolloutManager:
         routing and versions of their returned segments (a segment still running is redone)."""
         settled = self.buffer.settled_ids()
         open_groups = [
-            {"group_id": gid, "prompt": dataclasses.asdict(prompt), "samples": [s.to_dict() for s in samples]}
+            {
+                "group_id": gid,
+                "prompt": dataclasses.asdict(prompt),
+                "samples": [s.to_dict() for s in samples],
+                "episodes": self.agents.snapshot(gid) if self.agents is not None else [],
+            }
             for gid, (prompt, samples) in sorted(self._inflight.items())
             if gid not in settled
         ]
@@ -301,6 +383,8 @@ class RolloutManager:
         self._next_group = state["next_group"]
         for group in state["open"]:
             samples = [Sample.from_dict(s) for s in group["samples"]]
+            if group.get("episodes"):  # agents re-run; their finished turns replay from the record
+                self._replays[group["group_id"]] = group["episodes"]
             self._start_fill((group["group_id"], Prompt(**group["prompt"])), samples)
 
     # -- reporting ---------------------------------------------------------------------------------
@@ -317,6 +401,7 @@ class RolloutManager:
 
     def metrics(self) -> dict[str, float]:
         return {
+            **(self.agents.metrics() if self.agents is not None else {}),
             **self.buffer.metrics(),
             "rollout/continued_requests": self.continued_requests,
             "rollout/discarded_tokens": self.discarded_tokens,

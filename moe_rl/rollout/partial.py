@@ -7,6 +7,10 @@ for the positions the partial sample lacks. `continue_sample` concatenates the t
 tokens, logprobs, loss mask and per-token versions append; routed-expert rows append (the
 partial's rows cover positions [0, P + n - 1), the continuation's [P + n - 1, P + n + m - 1)).
 `metadata["num_segments"]` counts the engine requests behind a sample, `metadata["rids"]` names them.
+
+Episodes (`moe_rl.agents.episode`) use the same two calls with environment ids: the request is
+the record + the new environment ids, and the result appends those ids (loss mask 0, logprob 0.0,
+version None) before the sampled ones; the engine's rows then cover the environment tokens too.
 """
 
 from __future__ import annotations
@@ -21,16 +25,19 @@ from moe_rl.sample import Sample
 STATUS_OF_FINISH = {"stop": "completed", "length": "truncated", "abort": "aborted"}
 
 
-def continuation_request(sample: Sample) -> tuple[list[int], int]:
-    """(input ids, routed_experts_start_len) that continue `sample` on an engine."""
+def continuation_request(sample: Sample, env_ids: list[int] = ()) -> tuple[list[int], int]:
+    """(input ids, routed_experts_start_len) that continue `sample` (after `env_ids`) on an engine."""
     generated = len(sample.response_ids)
     start = len(sample.prompt_ids) + generated - 1 if generated else 0
-    return sample.prompt_ids + sample.response_ids, start
+    return sample.prompt_ids + sample.response_ids + list(env_ids), start
 
 
-def continue_sample(partial: Sample, result: GenerateResult, *, routed_experts: bool) -> Sample:
-    """`partial` extended by `result`, the engine's answer to `continuation_request(partial)`;
-    `routed_experts`: whether the request asked for them (`return_routed_experts`).
+def continue_sample(
+    partial: Sample, result: GenerateResult, *, routed_experts: bool, env_ids: list[int] = ()
+) -> Sample:
+    """`partial` extended by `env_ids` and `result`, the engine's answer to
+    `continuation_request(partial, env_ids)`; `routed_experts`: whether the request asked for
+    them (`return_routed_experts`). A result with no tokens appends nothing, `env_ids` included.
 
     A partial with no response yet takes the result as its first segment. With `routed_experts`,
     every segment that made tokens must bring exactly the rows its tokens need, so a sample's
@@ -53,7 +60,7 @@ def continue_sample(partial: Sample, result: GenerateResult, *, routed_experts: 
             f"(engine request {result.rid})"
         )
         _, start = continuation_request(partial)
-        expected = len(partial.prompt_ids) + len(partial.response_ids) + n_new - 1 - start
+        expected = len(partial.prompt_ids) + len(partial.response_ids) + len(env_ids) + n_new - 1 - start
         if routed is None and partial.response_ids:
             raise ValueError(
                 f"{segment}: the earlier segments' {len(partial.response_ids)} tokens have no routed "
@@ -71,15 +78,16 @@ def continue_sample(partial: Sample, result: GenerateResult, *, routed_experts: 
                 "routed_experts_start_len?"
             )
         routed = result.routed_experts if routed is None else np.concatenate([routed, result.routed_experts])
+    env = list(env_ids) if n_new else []
     metadata = dict(partial.metadata)
     metadata["num_segments"] = metadata.get("num_segments", 0) + 1
     metadata["rids"] = [*metadata.get("rids", []), result.rid]  # the engine requests behind the sample
     return dataclasses.replace(
         partial,
-        response_ids=partial.response_ids + list(result.output_ids),
-        rollout_logprobs=partial.rollout_logprobs + list(logprobs),
-        loss_mask=partial.loss_mask + [1] * n_new,
-        weight_versions=partial.weight_versions + list(result.weight_versions),
+        response_ids=partial.response_ids + env + list(result.output_ids),
+        rollout_logprobs=partial.rollout_logprobs + [0.0] * len(env) + list(logprobs),
+        loss_mask=partial.loss_mask + [0] * len(env) + [1] * n_new,
+        weight_versions=partial.weight_versions + [None] * len(env) + list(result.weight_versions),
         routed_experts=routed,
         status=STATUS_OF_FINISH.get(result.finish_reason, "aborted"),
         metadata=metadata,
@@ -88,8 +96,9 @@ def continue_sample(partial: Sample, result: GenerateResult, *, routed_experts: 
 
 def mask_older_tokens(sample: Sample) -> Sample:
     """loss_mask 0 on tokens whose weight version is older than the sample's newest one."""
-    if not sample.weight_versions:
+    versions = sample.model_versions()
+    if not versions:
         return sample
-    newest = max(sample.weight_versions)
+    newest = max(versions)
     mask = [m if v == newest else 0 for m, v in zip(sample.loss_mask, sample.weight_versions)]
     return dataclasses.replace(sample, loss_mask=mask)

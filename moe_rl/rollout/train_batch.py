@@ -11,6 +11,11 @@ the prediction of token t + 1):
   experts token t was routed to; rows without routing (the last token, padding) hold the distinct
   experts 0..topk-1, so a replayed router never sees a duplicate index.
 
+An agent episode is a row like any sample: its environment tokens carry loss mask 0 (they are
+context, not actions) and routed experts like the rest. An episode forked by a history edit
+brings one row per sequence; the batch is then padded with empty rows (loss mask 0) to a
+multiple of `row_multiple` (mini-batches x micro_batch_size x dp), which the trainer accepts.
+
 Filtering is the rollout's: the buffer delivers only groups whose stalest token is at most
 `rollout.max_staleness` versions behind, and `rollout.drop_zero_variance_groups` drops groups
 with all-equal rewards at generation. Every sample given here is a row with its own loss mask.
@@ -39,6 +44,11 @@ class BatchInfo:
     """Per sample: trainer version minus its oldest token's version."""
     segments: list[int]
     """Per sample: engine requests behind it (> 1 = continued across a weight swap)."""
+    trained_tokens: int = 0
+    """Response tokens with loss mask 1."""
+    masked_tokens: int = 0
+    """Response tokens with loss mask 0 (environment tokens, masked stale tokens)."""
+    padding_rows: int = 0
 
     def metrics(self) -> dict[str, float]:
         n = max(len(self.rewards), 1)
@@ -51,14 +61,22 @@ class BatchInfo:
             "rollout/staleness_mean": sum(self.staleness) / n,
             "rollout/staleness_max": max(self.staleness, default=0),
             "rollout/partial_samples": sum(s > 1 for s in self.segments),
+            "rollout/trained_tokens": self.trained_tokens,
+            "rollout/masked_tokens": self.masked_tokens,
+            "rollout/padding_rows": self.padding_rows,
             **{f"rollout/staleness_count/{k}": v for k, v in sorted(counts.items())},
         }
 
 
 def build_batch(
-    groups: list[list[Sample]], algorithm: AlgorithmConfig, version: int, max_staleness: int | None = None
+    groups: list[list[Sample]],
+    algorithm: AlgorithmConfig,
+    version: int,
+    max_staleness: int | None = None,
+    row_multiple: int = 1,
 ) -> tuple[dict[str, torch.Tensor], BatchInfo]:
-    """The trainer batch of `groups` consumed at trainer `version`, and what to log about it.
+    """The trainer batch of `groups` consumed at trainer `version`, and what to log about it;
+    rows padded (loss mask 0) to a multiple of `row_multiple`.
 
     `max_staleness`: the bound the buffer delivered `groups` under. A sample past it means
     `version` is not the version they were delivered at (the logged staleness would be wrong),
@@ -73,7 +91,8 @@ def build_batch(
             "only groups within the bound; pass the version the batch was delivered at"
         )
     advantages = sample_advantages(samples, algorithm)
-    rows, seq = len(samples), max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    seq = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    rows = -(-len(samples) // row_multiple) * row_multiple
     tokens = torch.zeros(rows, seq, dtype=torch.long)
     loss_mask = torch.zeros(rows, seq, dtype=torch.long)
     adv = torch.zeros(rows, seq)
@@ -99,6 +118,9 @@ def build_batch(
         response_lengths=[len(s.response_ids) for s in samples],
         staleness=ages,
         segments=[int(s.metadata.get("num_segments", 1)) for s in samples],
+        trained_tokens=sum(sum(s.loss_mask) for s in samples),
+        masked_tokens=sum(len(s.loss_mask) - sum(s.loss_mask) for s in samples),
+        padding_rows=rows - len(samples),
     )
     return batch, info
 

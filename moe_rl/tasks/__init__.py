@@ -8,9 +8,10 @@
 - `dataset`: the `"jsonl"` task for user data (text or token-id prompts, answer, metadata).
 - `long_tail`: `copy_digits_long_tail`, copy_digits with long-tailed response lengths (`moe-rl
   bench async`).
+- `lookup`: the multi-turn tool task of the agent demo, with its two agents.
 """
 
-from moe_rl.tasks import dataset, digits, long_tail, math  # noqa: F401  (registers the built-ins)
+from moe_rl.tasks import dataset, digits, long_tail, lookup, math  # noqa: F401  (registers the built-ins)
 from moe_rl.tasks.registry import Prompt, Task, get_reward, make_task, register_reward, register_task, task_names
 
 __all__ = ["Prompt", "Task", "get_reward", "make_task", "register_reward", "register_task", "task_names"]

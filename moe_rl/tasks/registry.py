@@ -22,11 +22,20 @@ RewardFn = Callable[[str, Any, Sample], float]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Prompt:
-    """One prompt: its token ids, the reference answer and free-form metadata."""
+    """One prompt: its token ids (or, for agents, its chat messages and tools), the reference
+    answer and free-form metadata."""
 
-    prompt_ids: list[int]
+    prompt_ids: list[int] = dataclasses.field(default_factory=list)
     answer: Any = None
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    messages: list[dict] | None = None
+    """Chat messages an agent episode starts from (rendered with the model's chat template)."""
+    tools: list[dict] | None = None
+    """OpenAI-style tool definitions given to the chat template."""
+
+    def __post_init__(self):
+        if not self.prompt_ids and not self.messages:
+            raise ValueError("Prompt: give prompt_ids or chat messages")
 
 
 class Task:

@@ -215,12 +215,10 @@ class MegatronTrainer:
     def train_step(self, batch: Batch, loss_fn: LossFn = next_token_loss, mini_batches: int = 1) -> StepResult:
         """Optimizer steps on a global batch (every rank passes the same whole batch): one, or one
         per block of rows with `mini_batches` (PPO mini-batches), each normalised by its own
-        tokens. The result sums the blocks' reports; `grad_norm` is their mean."""
-        if batch["tokens"].shape[0] != self.config.global_batch_size:
-            raise ValueError(
-                f"batch has {batch['tokens'].shape[0]} sequences but trainer.global_batch_size="
-                f"{self.config.global_batch_size}: make them equal"
-            )
+        tokens. The result sums the blocks' reports; `grad_norm` is their mean. The batch holds
+        trainer.global_batch_size sequences, or more in whole multiples of the mini-batches'
+        microbatches (agent episodes forked by history edits add rows; see rollout.train_batch)."""
+        rows = self._check_rows(batch, mini_batches)
         sums: dict[str, float] = {}
         norms, skipped = [], False
         for index in range(mini_batches):
@@ -233,7 +231,7 @@ class MegatronTrainer:
                 partial(self._forward_step, loss_fn, self.routing),
                 forward_only=False,
                 routing=self._routing_mode(block, None),
-                rows=self.config.global_batch_size // mini_batches,
+                rows=rows // mini_batches,
             )
             updated, grad_norm, _ = self.optimizer.step()
             self.step += 1
@@ -334,11 +332,10 @@ class MegatronTrainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         check_batch(batch)
-        if batch["tokens"].shape[0] != (rows or self.config.global_batch_size):
-            raise ValueError(
-                f"batch has {batch['tokens'].shape[0]} sequences but trainer.global_batch_size="
-                f"{self.config.global_batch_size}: make them equal"
-            )
+        if rows is None:
+            rows = self._check_rows(batch, 1)
+        if batch["tokens"].shape[0] != rows:
+            raise ValueError(f"batch has {batch['tokens'].shape[0]} sequences where {rows} are expected")
         if routing is not None:
             replay.check(batch)
         batch = pad_sequence_dim(batch, self.config.tp if self.config.sequence_parallel else 1)
@@ -354,6 +351,19 @@ class MegatronTrainer:
                 micro_batch_size=self.config.micro_batch_size,
                 forward_only=forward_only,
             )
+
+    def _check_rows(self, batch: Batch, mini_batches: int) -> int:
+        """The batch's sequences: trainer.global_batch_size, or more in whole multiples of the
+        mini-batches' microbatches (micro_batch_size x dp)."""
+        rows = batch["tokens"].shape[0]
+        _, dp_size = self.dp_rank_and_size()
+        unit = mini_batches * self.config.micro_batch_size * dp_size
+        if rows < self.config.global_batch_size or rows % unit:
+            raise ValueError(
+                f"batch has {rows} sequences but trainer.global_batch_size={self.config.global_batch_size}: "
+                f"give that many (or more, in multiples of {unit} = mini-batches x micro_batch_size x dp)"
+            )
+        return rows
 
     def _forward_step(self, loss_fn: LossFn, routing: RoutingReplay | None, data_iterator, model):
         microbatch = next(data_iterator)

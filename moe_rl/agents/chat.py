@@ -1,0 +1,169 @@
+"""`ChatFormat`: a model's chat template and tool-call format, as token ids that extend a record.
+
+Owns the token-in-token-out contract of episodes:
+- `prompt_ids(messages, tools)`: the first prompt, rendered with the tokenizer's own chat
+  template (`apply_chat_template` with `tools` and the generation prompt; local files only).
+- `extension_ids(history, messages, tools, turn_ended)`: what a new call adds. `history` is the
+  conversation the record already holds, ending with the assistant turn the model sampled. If
+  `messages` starts with `history` (same roles, contents and tool calls) and the template's
+  rendering of `messages` starts with its rendering of `history`, only the new text is tokenized:
+  the template's glue after the sampled end-of-turn token (plus that token when the turn was cut
+  by its budget), the new messages, and the generation prompt. Sampled tokens are never
+  re-tokenized. Otherwise it returns None: the agent rewrote its history and the episode starts
+  a new sequence (`moe_rl.agents.episode`).
+- `parse(ids)`: the assistant message of a sampled turn: its text, content and tool calls in the
+  family's format.
+
+Tool-call formats (`TOOL_CALL_FORMATS`): "hermes", `<tool_call>{"name": ..., "arguments":
+{...}}</tool_call>` (Qwen2.5, Qwen3, Hermes, and the tiny tokenizer). Any other name is refused
+with the list; a turn whose call text is not valid JSON keeps it as content and counts a tool
+error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+from pathlib import Path
+from typing import Any
+
+TOOL_CALL_FORMATS = ("hermes",)
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: the tool's name and its arguments (a JSON object)."""
+
+    name: str
+    arguments: dict[str, Any]
+    id: str = dataclasses.field(default_factory=lambda: f"call_{uuid.uuid4().hex[:16]}")
+
+    def openai(self) -> dict:
+        """OpenAI's `tool_calls[]` entry (arguments as a JSON string)."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": json.dumps(self.arguments)},
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedTurn:
+    text: str
+    """The sampled text, end-of-turn token removed."""
+    content: str
+    """The text outside tool calls, stripped."""
+    tool_calls: list[ToolCall]
+    tool_errors: int
+    """Call blocks that were not a JSON object with a name and arguments."""
+
+    def message(self) -> dict:
+        """The assistant message in OpenAI's form (what the agent sends back next turn)."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.openai() for call in self.tool_calls]
+        return message
+
+
+class ChatFormat:
+    def __init__(self, tokenizer, tool_call_format: str = "hermes"):
+        if tool_call_format not in TOOL_CALL_FORMATS:
+            raise ValueError(
+                f"rollout.episode.tool_call_format={tool_call_format!r} is not supported; use one of "
+                f"{TOOL_CALL_FORMATS} (Qwen2.5/Qwen3/Hermes <tool_call> JSON)"
+            )
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                f"the tokenizer {tokenizer.name_or_path!r} has no chat template: agents and chat-format "
+                "datasets need one (tokenizer_config.json 'chat_template' or chat_template.jinja)"
+            )
+        if tokenizer.eos_token is None:
+            raise ValueError(f"the tokenizer {tokenizer.name_or_path!r} has no eos_token (the end of a turn)")
+        self.tokenizer = tokenizer
+        self.eos_text, self.eos_id = tokenizer.eos_token, tokenizer.eos_token_id
+
+    @classmethod
+    def load(cls, directory: str | Path, tool_call_format: str = "hermes") -> "ChatFormat":
+        return cls(load_tokenizer(directory), tool_call_format)
+
+    def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return self.encode(self.render(messages, tools, True))
+
+    def extension_ids(
+        self, history: list[dict], messages: list[dict], tools: list[dict] | None, turn_ended: bool
+    ) -> list[int] | None:
+        """Ids that make a record of `history` read as `messages` + the generation prompt, or None
+        when `messages` does not extend `history` (see the module docstring)."""
+        if len(messages) <= len(history) or not all(map(same_message, history, messages)):
+            return None
+        before = self.render(history, tools, False)
+        after = self.render(messages, tools, True)
+        if not after.startswith(before):
+            return None
+        end = before.rfind(self.eos_text)
+        if end < 0:
+            raise ValueError(
+                f"the chat template does not end an assistant turn with the eos token {self.eos_text!r}: "
+                "a sampled turn cannot be joined to the next message"
+            )
+        glue = before[end + len(self.eos_text) :]
+        return self.encode(("" if turn_ended else self.eos_text) + glue + after[len(before) :])
+
+    def parse(self, ids: list[int]) -> ParsedTurn:
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        if ids and ids[-1] == self.eos_id:
+            text = text[: -len(self.eos_text)] if text.endswith(self.eos_text) else text
+        calls, errors = [], 0
+        for block in _HERMES.findall(text):
+            try:
+                call = json.loads(block)
+                if not isinstance(call.get("name"), str) or not isinstance(call.get("arguments", {}), dict):
+                    raise ValueError(block)
+                calls.append(ToolCall(call["name"], call.get("arguments", {})))
+            except (ValueError, AttributeError):
+                errors += 1
+        content = _HERMES.sub("", text).strip() if calls else text.strip()
+        return ParsedTurn(text=text, content=content, tool_calls=calls, tool_errors=errors)
+
+
+def load_tokenizer(directory: str | Path):
+    """The HF tokenizer of a model (or tokenizer) directory, local files only."""
+    from transformers import AutoTokenizer  # heavy: only where prompts are rendered
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            f"no tokenizer in {str(directory)!r} ({error}): set model.tokenizer to a directory with "
+            "tokenizer.json / tokenizer_config.json"
+        ) from error
+
+
+def same_message(a: dict, b: dict) -> bool:
+    """Equal as a chat turn: role, content (None = ""), tool calls by name and parsed arguments."""
+    return _key(a) == _key(b)
+
+
+def _key(message: dict) -> tuple:
+    calls = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", call)
+        arguments = fn.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                pass
+        calls.append((fn.get("name"), json.dumps(arguments, sort_keys=True)))
+    return message.get("role"), message.get("content") or "", tuple(calls)

@@ -1,0 +1,175 @@
+"""`AgentRunner`: runs one group's episodes through an agent function, with limits and outcomes.
+
+An agent is a plain async function, named `package.module:function` in `rollout.agent`:
+
+    async def agent(episode: Episode) -> float | None
+
+called once per episode with its handle (`moe_rl.agents.episode`). It returns the reward, or sets
+`episode.reward` and returns None. A group is `rollout.n_samples_per_prompt` episodes of one
+prompt, run concurrently on the rollout loop; each ends one of four ways:
+- completed: the agent returned a reward (a finite number);
+- truncated: a limit (`max_turns`, `max_context_tokens`) ended it: the episode keeps its tokens
+  and is scored by the task's reward on its last turn's text (`Task.reward`);
+- `agent_error`: the agent raised or returned something that is not a reward;
+- `agent_timeout`: it ran past `rollout.episode.timeout_s` (the agent is cancelled).
+A group with an `agent_error` or `agent_timeout` episode is dropped with that reason (its round
+starts a fresh prompt in its place); the message is logged and kept in `failures`. The run stops
+only when every episode so far failed (`check_alive`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import importlib
+import logging
+import math
+import time
+from typing import Any, Awaitable, Callable
+
+from moe_rl.agents.chat import ChatFormat
+from moe_rl.agents.config import EpisodeConfig
+from moe_rl.agents.episode import Episode, EpisodeLimit, TurnFn
+from moe_rl.sample import Sample
+
+log = logging.getLogger(__name__)
+AgentFn = Callable[[Episode], Awaitable[Any]]
+STATS = ("turns", "tool_calls", "tool_errors", "forks", "replayed_turns", "generate_s", "env_s", "truncated")
+
+
+def resolve_agent(name: str) -> AgentFn:
+    """`package.module:function` -> the async agent function (ValueError naming the fix)."""
+    module_name, sep, attr = name.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"rollout.agent={name!r}: use 'package.module:function' (an async function of an Episode)")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"rollout.agent={name!r}: cannot import {module_name!r} ({error})") from error
+    fn = getattr(module, attr, None)
+    if not asyncio.iscoroutinefunction(fn):
+        raise ValueError(f"rollout.agent={name!r}: {module_name}.{attr} is not an async function (async def)")
+    return fn
+
+
+class AgentFailure(Exception):
+    def __init__(self, reason: str, message: str):
+        super().__init__(f"{reason}: {message}")
+        self.reason, self.message = reason, message
+
+
+class AgentRunner:
+    def __init__(
+        self,
+        agent: AgentFn,
+        chat: ChatFormat,
+        config: EpisodeConfig,
+        *,
+        max_new_tokens: int,
+        score: Callable[[str, Any, Sample], float],
+        endpoint=None,
+    ):
+        self.agent, self.chat, self.config = agent, chat, config
+        self.max_new_tokens, self.score, self.endpoint = max_new_tokens, score, endpoint
+        self.tool_pool = concurrent.futures.ThreadPoolExecutor(config.tool_workers, thread_name_prefix="tool")
+        self.open: dict[str, list[Episode]] = {}  # group id -> its running episodes (run checkpoints)
+        self.totals = collections.Counter()
+        self.failures: list[str] = []  # the latest failure messages
+        self.succeeded = self.failed = 0
+
+    def close(self) -> None:
+        self.tool_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def run_group(
+        self, gid: str, prompt, n: int, turn: TurnFn, replay: list[list[dict]] | None = None
+    ) -> list[Sample]:
+        """The group's samples (every sequence of its `n` episodes), or AgentFailure."""
+        episodes = [
+            Episode(
+                group_id=gid,
+                index=i,
+                messages=prompt.messages,
+                tools=prompt.tools,
+                answer=prompt.answer,
+                metadata={"prompt": prompt.metadata},
+                chat=self.chat,
+                turn=turn,
+                config=self.config,
+                max_new_tokens=self.max_new_tokens,
+                tool_pool=self.tool_pool,
+                replay=replay[i] if replay else None,
+            )
+            for i in range(n)
+        ]
+        self.open[gid] = episodes
+        try:
+            results = await asyncio.gather(*(self._run(e) for e in episodes), return_exceptions=True)
+        finally:
+            self.open.pop(gid, None)
+        failures = [r for r in results if isinstance(r, AgentFailure)]
+        errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, AgentFailure)]
+        if errors:  # the engine or the rollout itself failed: not the agent's fault
+            raise errors[0]
+        if failures:
+            self.failed += len(failures)
+            self.failures = (self.failures + [f"group {gid}: {f}" for f in failures])[-8:]
+            self.totals[f"dropped_{failures[0].reason}"] += 1
+            raise failures[0]
+        self.succeeded += n
+        return [s for samples in results for s in samples]
+
+    async def _run(self, episode: Episode) -> list[Sample]:
+        if self.endpoint is not None:
+            episode.base_url = self.endpoint.open(episode)
+        start = time.perf_counter()
+        try:
+            try:
+                result = await asyncio.wait_for(self.agent(episode), self.config.timeout_s)
+            except EpisodeLimit:
+                result = None
+            except asyncio.TimeoutError:
+                raise AgentFailure("agent_timeout", f"episode {episode.index} ran past {self.config.timeout_s} s")
+            except Exception as error:
+                if not episode.truncated:
+                    log.warning("agent error in group %s: %r", episode.group_id, error, exc_info=error)
+                    raise AgentFailure("agent_error", f"episode {episode.index} raised {error!r}") from error
+                result = None  # the agent met a limit (e.g. through the endpoint) and gave up
+        finally:
+            if self.endpoint is not None:
+                self.endpoint.close(episode)
+        if episode.current is None:
+            raise AgentFailure("agent_error", f"episode {episode.index} ended without a model turn")
+        if episode.truncated and result is None and episode.reward is None:
+            episode.reward = float(self.score(episode.last_text, episode.answer, episode.current))
+        reward = result if result is not None else episode.reward
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            raise AgentFailure(
+                "agent_error", f"episode {episode.index} returned {result!r} and set reward={episode.reward!r}"
+            )
+        episode.reward = float(reward)
+        for key, value in episode.stats(time.perf_counter() - start).items():
+            self.totals[key] += value
+        self.totals["episodes"] += 1
+        return episode.samples()
+
+    def check_alive(self, groups_per_step: int) -> None:
+        """Raise once every episode so far failed, over at least a round's worth of groups."""
+        if self.succeeded == 0 and self.failed >= groups_per_step:
+            raise RuntimeError(
+                f"every agent episode failed ({self.failed} so far); the latest: " + " | ".join(self.failures[-3:])
+            )
+
+    def snapshot(self, gid: str) -> list[list[dict]]:
+        """Per episode of an open group: its finished turns (see `Episode.log`)."""
+        return [list(e.log) for e in self.open.get(gid, [])]
+
+    def metrics(self) -> dict[str, float]:
+        n = max(self.totals["episodes"], 1)
+        out = {f"agents/{key}_per_episode": self.totals[key] / n for key in STATS if key != "truncated"}
+        out["agents/episodes"] = self.totals["episodes"]
+        out["agents/truncated_episodes"] = self.totals["truncated"]
+        out["agents/forked_sequences"] = self.totals["forks"]
+        out["agents/dropped_agent_error"] = self.totals["dropped_agent_error"]
+        out["agents/dropped_agent_timeout"] = self.totals["dropped_agent_timeout"]
+        return out

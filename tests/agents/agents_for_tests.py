@@ -1,0 +1,134 @@
+"""Agent functions the episode tests run (named `tests.agents.agents_for_tests:NAME`)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from moe_rl.agents import Episode
+
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+
+
+async def three_turns(episode: Episode) -> float:
+    """Three model turns with a tool result and a user turn between them (plain agent API)."""
+    await episode.generate(max_tokens=4)
+    episode.add([{"role": "tool", "content": "value 7"}])
+    await episode.generate(max_tokens=4)
+    episode.add([{"role": "user", "content": "and now?"}])
+    last = await episode.generate(max_tokens=4)
+    return float(len(last.token_ids) + episode.index)  # rewards that differ within a group
+
+
+async def in_tokens(episode: Episode) -> float:
+    """Two turns joined by raw environment token ids."""
+    await episode.generate(max_tokens=3)
+    episode.add(token_ids=[40, 41, 42])
+    await episode.generate(max_tokens=3)
+    return float(episode.index)
+
+
+async def until_limit(episode: Episode) -> float:
+    """Turns forever: a limit ends it."""
+    while True:
+        await episode.generate(max_tokens=8)
+        episode.add([{"role": "user", "content": "go on"}])
+
+
+async def long_turns(episode: Episode) -> float:
+    """Two long turns (a weight swap cuts them)."""
+    await episode.generate(max_tokens=48)
+    episode.add([{"role": "tool", "content": "ok"}])
+    await episode.generate(max_tokens=48)
+    return float(episode.index)
+
+
+async def fails_by_group(episode: Episode) -> float:
+    """Group g0-0 raises, g0-1 hangs, g0-2 returns garbage, later groups behave."""
+    group = int(episode.group_id.rsplit("-", 1)[1])
+    await episode.generate(max_tokens=2)
+    if group == 0:
+        raise RuntimeError("the tool server is down")
+    if group == 1:
+        await asyncio.sleep(3600)
+    if group == 2:
+        return "not a reward"
+    return float(episode.index)
+
+
+async def always_raises(episode: Episode) -> float:
+    raise RuntimeError("broken agent")
+
+
+async def openai_tools(episode: Episode) -> float:
+    """An OpenAI-SDK agent: three calls, answering each tool call with a tool message and a
+    plain reply with a user message; rewards from the episode index."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=episode.base_url, api_key="-", max_retries=0)
+    messages = list(episode.messages)
+    try:
+        for _ in range(3):
+            reply = await client.chat.completions.create(
+                model="policy", messages=messages, tools=[TOOL], max_tokens=2, temperature=1.0
+            )
+            message = reply.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            if message.tool_calls:
+                messages += [{"role": "tool", "tool_call_id": c.id, "content": "7"} for c in message.tool_calls]
+            else:
+                messages.append({"role": "user", "content": "again"})
+    finally:
+        await client.close()
+    episode.metadata["finish_reasons"] = [reply.choices[0].finish_reason]
+    return float(episode.index)
+
+
+async def openai_rewrites_history(episode: Episode) -> float:
+    """An OpenAI-SDK agent that rewrites its first message before the second call (a fork)."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=episode.base_url, api_key="-", max_retries=0)
+    try:
+        first = await client.chat.completions.create(model="p", messages=episode.messages, max_tokens=2)
+        edited = [
+            {"role": "user", "content": "a shorter prompt"},
+            first.choices[0].message.model_dump(exclude_none=True),
+        ]
+        edited.append({"role": "user", "content": "next"})
+        await client.chat.completions.create(model="p", messages=edited, max_tokens=2)
+    finally:
+        await client.close()
+    return float(episode.index)
+
+
+FINISHED_URLS: list[str] = []
+PROBES: dict[str, int] = {}
+
+
+async def probes_the_endpoint(episode: Episode) -> float:
+    """Episode 0 makes one call and ends; episode 1 then probes: episode 0's URL (finished), an
+    unknown token, and bad requests on its own URL; then makes one good call."""
+    import aiohttp
+
+    if episode.index == 0:
+        await episode.generate(max_tokens=2)
+        FINISHED_URLS.append(episode.base_url)
+        return 0.0
+    while not FINISHED_URLS:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)  # episode 0's function has returned: its runner closes its URL
+    body = {"model": "p", "messages": episode.messages, "max_tokens": 2}
+    unknown = episode.base_url.rsplit("/episodes/", 1)[0] + "/episodes/not-a-token/v1"
+    async with aiohttp.ClientSession() as session:
+        for name, url, extra in [
+            ("finished", FINISHED_URLS[-1], {}),
+            ("unknown", unknown, {}),
+            ("n2", episode.base_url, {"n": 2}),
+            ("stream", episode.base_url, {"stream": True}),
+            ("required", episode.base_url, {"tool_choice": "required"}),
+            ("stop", episode.base_url, {"stop": ["two tokens"]}),
+            ("good", episode.base_url, {"stop": ["k"]}),
+        ]:
+            async with session.post(f"{url}/chat/completions", json={**body, **extra}) as response:
+                PROBES[name] = response.status
+    return 1.0

@@ -1,0 +1,81 @@
+"""The OpenAI-compatible endpoint driven by the real `openai` package: every call of an episode
+lands in its own record, tool calls come back in OpenAI's schema, the record keeps the sampled
+ids even where decoding and re-encoding the text gives other ids, a rewritten history forks a new
+sequence, and finished or unknown episodes answer 404."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from moe_rl.agents import ChatFormat
+from moe_rl.agents.tiny_tokenizer import lookup_call
+from moe_rl.engine.process import launch_embedded
+from tests.agents import agents_for_tests
+from tests.agents.conftest import CHAT_DIR, agent_config, rounds, save_chat_model
+from tests.agents.test_episode_record import check_record
+
+CHAT = ChatFormat.load(CHAT_DIR)
+CALL_C = CHAT.encode(lookup_call("C"))[0]
+LETTER_O = CHAT.encode("o")[0]
+
+
+@pytest.fixture(scope="module")
+def emitting_engines(tmp_path_factory):
+    """Engines whose model emits one token every step: a whole lookup call, or "o"."""
+    root = tmp_path_factory.mktemp("emitting")
+    with (
+        launch_embedded(save_chat_model(root / "call", emits=CALL_C), threads=1) as calls,
+        launch_embedded(save_chat_model(root / "o", emits=LETTER_O), threads=1) as o,
+    ):
+        yield {"call": calls.url, "o": o.url}
+
+
+def test_openai_sdk_agent_with_tool_calls(emitting_engines):
+    (batch,), manager, pool = asyncio.run(rounds(agent_config("openai_tools"), emitting_engines["call"]))
+    for sample in batch[0]:
+        counts = check_record(sample, pool.calls)
+        assert len(counts) == 3 and all(sampled == 2 for _, sampled in counts)
+        assert sample.metadata["tool_calls"] == 6  # two calls a turn, parsed from the sampled text
+        sampled = [t for t, m in zip(sample.response_ids, sample.loss_mask) if m]
+        assert sampled == [CALL_C] * 6
+        assert "<|im_start|>tool\n7<|im_end|>" in CHAT.tokenizer.decode(sample.response_ids)
+    assert manager.agents.endpoint.calls == 6
+
+
+def test_sampled_ids_are_kept_where_text_would_retokenize_differently(emitting_engines):
+    (batch,), _, pool = asyncio.run(rounds(agent_config("openai_tools"), emitting_engines["o"]))
+    assert CHAT.encode("oo") != [LETTER_O, LETTER_O]  # "oo" is one token: re-tokenizing the reply would drift
+    for sample in batch[0]:
+        check_record(sample, pool.calls)
+        sampled = [t for t, m in zip(sample.response_ids, sample.loss_mask) if m]
+        assert sampled == [LETTER_O] * 6
+        text = CHAT.tokenizer.decode(sample.prompt_ids + sample.response_ids)
+        assert CHAT.encode(text) != sample.prompt_ids + sample.response_ids  # what re-tokenizing would train on
+
+
+def test_rewritten_history_forks_a_new_sequence(chat_engine):
+    (batch,), manager, pool = asyncio.run(rounds(agent_config("openai_rewrites_history"), chat_engine.url))
+    samples = batch[0]
+    assert len(samples) == 4  # two sequences per episode
+    for episode in (0, 1):
+        first, second = [s for s in samples if s.metadata["episode"] == episode]
+        assert first.metadata["sequences"] == 2 and (first.metadata["sequence"], second.metadata["sequence"]) == (0, 1)
+        assert first.reward == second.reward == float(episode)
+        assert CHAT.tokenizer.decode(second.prompt_ids).startswith("<|im_start|>user\na shorter prompt")
+        check_record(first, pool.calls), check_record(second, pool.calls)
+    assert manager.metrics()["agents/forked_sequences"] == 2
+
+
+def test_unknown_finished_and_bad_requests(chat_engine):
+    asyncio.run(rounds(agent_config("probes_the_endpoint"), chat_engine.url))
+    assert agents_for_tests.PROBES == {
+        "finished": 404,
+        "unknown": 404,
+        "n2": 400,
+        "stream": 400,
+        "required": 400,
+        "stop": 400,
+        "good": 200,
+    }

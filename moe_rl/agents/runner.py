@@ -14,7 +14,7 @@ prompt, run concurrently on the rollout loop; each ends one of four ways:
 - `agent_timeout`: it ran past `rollout.episode.timeout_s` (the agent is cancelled).
 A group with an `agent_error` or `agent_timeout` episode is dropped with that reason (its round
 starts a fresh prompt in its place); the message is logged and kept in `failures`. The run stops
-only when every episode so far failed (`check_alive`).
+only when every episode so far failed, over two rounds' worth of groups (`check_alive`).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class AgentRunner:
         self.open: dict[str, list[Episode]] = {}  # group id -> its running episodes (run checkpoints)
         self.totals = collections.Counter()
         self.failures: list[str] = []  # the latest failure messages
-        self.succeeded = self.failed = 0
+        self.succeeded = self.failed_groups = 0
 
     def close(self) -> None:
         self.tool_pool.shutdown(wait=False, cancel_futures=True)
@@ -112,7 +112,7 @@ class AgentRunner:
         if errors:  # the engine or the rollout itself failed: not the agent's fault
             raise errors[0]
         if failures:
-            self.failed += len(failures)
+            self.failed_groups += 1
             self.failures = (self.failures + [f"group {gid}: {f}" for f in failures])[-8:]
             self.totals[f"dropped_{failures[0].reason}"] += 1
             raise failures[0]
@@ -154,10 +154,11 @@ class AgentRunner:
         return episode.samples()
 
     def check_alive(self, groups_per_step: int) -> None:
-        """Raise once every episode so far failed, over at least a round's worth of groups."""
-        if self.succeeded == 0 and self.failed >= groups_per_step:
+        """Raise once every episode so far failed, over two rounds' worth of groups."""
+        if self.succeeded == 0 and self.failed_groups >= 2 * groups_per_step:
             raise RuntimeError(
-                f"every agent episode failed ({self.failed} so far); the latest: " + " | ".join(self.failures[-3:])
+                f"every agent episode failed ({self.failed_groups} groups so far); the latest: "
+                + " | ".join(self.failures[-3:])
             )
 
     def snapshot(self, gid: str) -> list[list[dict]]:

@@ -67,7 +67,12 @@ async def rounds(config: RolloutConfig, url: str, n_batches: int = 1, manager_ho
     batches = []
     try:
         for version in range(n_batches):
-            batches.append(await manager.buffer.get_batch(config.groups_per_step))
+            batch = asyncio.ensure_future(manager.buffer.get_batch(config.groups_per_step))
+            await asyncio.wait({batch, task}, return_when=asyncio.FIRST_COMPLETED)
+            if not batch.done():  # generation failed: its error
+                batch.cancel()
+                task.result()
+            batches.append(batch.result())
             await manager.buffer.set_version(version + 1)
     finally:
         task.cancel()

@@ -17,6 +17,7 @@ code `episode_limit` (the episode ends truncated). Errors use OpenAI's `{"error"
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import socket
 import time
@@ -39,31 +40,38 @@ class ChatEndpoint:
         self.episodes: dict[str, Episode] = {}
         self._tokens: dict[int, str] = {}  # id(episode) -> token
         self._runner: web.AppRunner | None = None
+        self._started: asyncio.Event | None = None
         self.calls = 0
 
     async def start(self) -> None:
         app = web.Application(client_max_size=64 << 20)
         app.router.add_post("/episodes/{token}/v1/chat/completions", self._chat)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
+        self._runner = runner
+        self._ready().set()
+
+    def _ready(self) -> asyncio.Event:
+        if self._started is None:
+            self._started = asyncio.Event()
+        return self._started
 
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
-            self._runner = None
+            self._runner, self._started = None, None
 
     @property
     def address(self) -> str:
         host = socket.gethostname() if self.host in ("0.0.0.0", "::") else self.host
         return f"http://{host}:{self.port}"
 
-    def open(self, episode: Episode) -> str:
-        """Register a running episode; returns its base URL."""
-        if self._runner is None:
-            raise RuntimeError("ChatEndpoint.open before start()")
+    async def open(self, episode: Episode) -> str:
+        """Register a running episode (once the server listens); returns its base URL."""
+        await self._ready().wait()
         token = secrets.token_urlsafe(24)
         self.episodes[token], self._tokens[id(episode)] = episode, token
         return f"{self.address}/episodes/{token}/v1"

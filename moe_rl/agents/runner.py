@@ -121,7 +121,7 @@ class AgentRunner:
 
     async def _run(self, episode: Episode) -> list[Sample]:
         if self.endpoint is not None:
-            episode.base_url = self.endpoint.open(episode)
+            episode.base_url = await self.endpoint.open(episode)
         start = time.perf_counter()
         try:
             try:

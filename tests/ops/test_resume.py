@@ -1,6 +1,8 @@
 """Full resume: SIGKILL the RL driver mid-run, `moe-rl train --resume RUN_DIR`, and the run finishes
 with every completed group trained exactly once (or dropped with a reason), versions continuing,
-and the metrics continuing from the checkpoint's step. Real Ray, Megatron (EP2, gloo), embedded engine."""
+and the metrics continuing from the checkpoint's step. Real Ray, Megatron (EP2, gloo), embedded engine.
+Twice: single-turn samples, and multi-turn episodes of an OpenAI-SDK agent (the lookup task with a
+tool that takes time), whose open episodes replay their finished turns after the resume."""
 
 from __future__ import annotations
 
@@ -12,19 +14,38 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.tiny_models import QWEN3_MOE_SMALL, hf_fields
 
 STEPS, GROUPS = 8, 4
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+CHAT_DIR = Path(__file__).resolve().parents[2] / "configs" / "tokenizers" / "tiny_chat"
+SINGLE_TURN = {
+    "model": {"hf_config": hf_fields(QWEN3_MOE_SMALL, max_position_embeddings=64)},
+    "rollout": {"task": "copy_digits_long_tail", "task_options": {"num_stop_tokens": 40}, "max_new_tokens": 12},
+}
+EPISODES = {
+    "model": {
+        "hf_config": hf_fields(QWEN3_MOE_SMALL, vocab_size=128, eos_token_id=2, max_position_embeddings=128),
+        "tokenizer": str(CHAT_DIR),
+    },
+    "rollout": {
+        "task": "lookup",
+        "task_options": {"latency_s": 0.05},
+        "agent": "moe_rl.tasks.lookup:lookup_openai_agent",
+        "max_new_tokens": 2,
+        "episode": {"max_context_tokens": 128},
+    },
+}
 
 
-def write_config(path: Path, run_dir: Path) -> None:
+def write_config(path: Path, run_dir: Path, kind: dict) -> None:
     path.write_text(
         yaml.safe_dump(
             {
-                "model": {"hf_config": hf_fields(QWEN3_MOE_SMALL, max_position_embeddings=64)},
+                "model": kind["model"],
                 "trainer": {
                     "world_size": 2,
                     "ep": 2,
@@ -34,11 +55,9 @@ def write_config(path: Path, run_dir: Path) -> None:
                 },
                 "algorithm": {"num_mini_batches": 2},  # two optimizer steps per weight version, across the resume too
                 "rollout": {
-                    "task": "copy_digits_long_tail",
-                    "task_options": {"num_stop_tokens": 40},
+                    **kind["rollout"],
                     "groups_per_step": GROUPS,
                     "n_samples_per_prompt": 2,
-                    "max_new_tokens": 12,
                     "max_staleness": 2,
                 },
                 "sync": {"pause_mode": "abort", "bucket_bytes": 1 << 20},
@@ -60,9 +79,10 @@ def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
-def test_sigkill_then_resume_loses_nothing_and_trains_nothing_twice(tmp_path):
+@pytest.mark.parametrize("kind", [SINGLE_TURN, EPISODES], ids=["single_turn", "agent_episodes"])
+def test_sigkill_then_resume_loses_nothing_and_trains_nothing_twice(tmp_path, kind):
     config, run_dir = tmp_path / "run.yaml", tmp_path / "run"
-    write_config(config, run_dir)
+    write_config(config, run_dir, kind)
     driver = subprocess.Popen(
         [sys.executable, "-m", "moe_rl.cli", "train", str(config)],
         env=ENV,
@@ -122,5 +142,7 @@ def test_sigkill_then_resume_loses_nothing_and_trains_nothing_twice(tmp_path):
     # versions continue: k > max_staleness, so had the engines restarted at version 0 every fresh
     # sample would be stale forever and the run could not finish; it did, from step k + 1
     assert k > 2 and len(metrics) == STEPS
-    assert all(why in {"stale", "stopped", "unused", "oversampled"} for why in final["dropped"].values())
+    assert set(final["dropped"].values()) <= {"stale", "stopped", "unused", "oversampled"}, final["dropped"]
     assert len(list((run_dir / "checkpoints").glob("step_*"))) == 2  # keep-last-2
+    if kind is EPISODES:
+        assert all(r["agents/episodes"] > 0 and r["agents/turns_per_episode"] >= 1 for r in metrics[k:])

@@ -5,8 +5,10 @@ Writes into `RUN_DIR/plots/`: `reward.png` (mean reward per step and a moving av
 routing agreement between trainer and engine without replay, and the logprob gap with and
 without replay), `time.png` (per-step time breakdown: trainer wait, old logprobs, train step,
 drain, weight sync), `utilization.png` (per step, the fraction of wall time each pool was busy,
-and the engines' paused and idle time: `perf/*`). A plot whose metrics the run did not log is
-skipped. Returns the paths.
+and the engines' paused and idle time: `perf/*`), and for agent runs `agents.png` (turns, tool
+calls, tool errors, forked sequences and dropped groups per episode and step) and
+`agent_time.png` (environment vs generation seconds per episode; trained vs masked tokens). A
+plot whose metrics the run did not log is skipped. Returns the paths.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def write_report(run_dir: str | Path) -> list[Path]:
         ("routing_agreement", _routing),
         ("time", _time),
         ("utilization", _utilization),
+        ("agents", _agents),
+        ("agent_time", _agent_time),
     ):
         fig, ax = plt.subplots(figsize=(7, 4))
         if plot(ax, rows):
@@ -148,4 +152,47 @@ def _utilization(ax, rows) -> bool:
         title="Utilization: busy vs idle per pool",
     )
     ax.legend(fontsize=8, loc="lower right")
+    return True
+
+
+def _agents(ax, rows) -> bool:
+    keys = {
+        "agents/turns_per_episode": "turns / episode",
+        "agents/tool_calls_per_episode": "tool calls / episode",
+        "agents/tool_errors_per_episode": "tool errors / episode",
+        "agents/forked_sequences": "forked sequences",
+        "agents/truncated_episodes": "truncated episodes",
+        "agents/dropped_agent_error": "groups dropped: agent_error",
+        "agents/dropped_agent_timeout": "groups dropped: agent_timeout",
+    }
+    plotted = False
+    for key, label in keys.items():
+        steps, values = _series(rows, key)
+        if steps and (key.endswith("_per_episode") or any(values)):
+            ax.plot(steps, values, label=label)
+            plotted = True
+    if plotted:
+        ax.set(xlabel="step", ylabel="count", title="Agent episodes")
+        ax.legend(fontsize=8)
+    return plotted
+
+
+def _agent_time(ax, rows) -> bool:
+    steps, env = _series(rows, "agents/env_s_per_episode")
+    if not steps:
+        return False
+    _, generate = _series(rows, "agents/generate_s_per_episode")
+    ax.plot(steps, env, label="environment s / episode")
+    ax.plot(steps, generate, label="generation s / episode")
+    ax.set(xlabel="step", ylabel="seconds", title="Episode time; tokens trained vs masked")
+    tokens = ax.twinx()
+    for key, label, style in (
+        ("rollout/trained_tokens", "trained tokens", ":"),
+        ("rollout/masked_tokens", "masked tokens", "--"),
+    ):
+        t_steps, values = _series(rows, key)
+        tokens.plot(t_steps, values, style, label=label, color="grey" if style == ":" else "black")
+    tokens.set_ylabel("tokens per batch")
+    lines = ax.get_legend_handles_labels(), tokens.get_legend_handles_labels()
+    ax.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], fontsize=8)
     return True

@@ -125,15 +125,20 @@ class ChatFormat:
         if ids and ids[-1] == self.eos_id:
             text = text[: -len(self.eos_text)] if text.endswith(self.eos_text) else text
         calls, errors = [], 0
-        for block in _HERMES.findall(text):
+
+        def take(match: re.Match) -> str:  # a parsed call leaves the content; a broken one stays in it
+            nonlocal errors
             try:
-                call = json.loads(block)
+                call = json.loads(match.group(1))
                 if not isinstance(call.get("name"), str) or not isinstance(call.get("arguments", {}), dict):
-                    raise ValueError(block)
-                calls.append(ToolCall(call["name"], call.get("arguments", {})))
+                    raise ValueError(match.group(1))
             except (ValueError, AttributeError):
                 errors += 1
-        content = _HERMES.sub("", text).strip() if calls else text.strip()
+                return match.group(0)
+            calls.append(ToolCall(call["name"], call.get("arguments", {})))
+            return ""
+
+        content = _HERMES.sub(take, text).strip()
         return ParsedTurn(text=text, content=content, tool_calls=calls, tool_errors=errors)
 
 

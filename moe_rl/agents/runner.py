@@ -75,6 +75,7 @@ class AgentRunner:
         self.tool_pool = concurrent.futures.ThreadPoolExecutor(config.tool_workers, thread_name_prefix="tool")
         self.open: dict[str, list[Episode]] = {}  # group id -> its running episodes (run checkpoints)
         self.totals = collections.Counter()
+        self._reported = collections.Counter()  # totals at the previous `metrics()`
         self.failures: list[str] = []  # the latest failure messages
         self.succeeded = self.failed_groups = 0
 
@@ -166,11 +167,16 @@ class AgentRunner:
         return [list(e.log) for e in self.open.get(gid, [])]
 
     def metrics(self) -> dict[str, float]:
-        n = max(self.totals["episodes"], 1)
-        out = {f"agents/{key}_per_episode": self.totals[key] / n for key in STATS if key != "truncated"}
-        out["agents/episodes"] = self.totals["episodes"]
-        out["agents/truncated_episodes"] = self.totals["truncated"]
-        out["agents/forked_sequences"] = self.totals["forks"]
-        out["agents/dropped_agent_error"] = self.totals["dropped_agent_error"]
-        out["agents/dropped_agent_timeout"] = self.totals["dropped_agent_timeout"]
+        """The episodes finished since the previous call (the RL job calls it once a step): their
+        count, means per episode, truncations, forks and dropped groups."""
+        window = self.totals - self._reported
+        window.update({key: 0 for key in self.totals if key not in window})  # Counter subtraction drops zeros
+        self._reported = collections.Counter(self.totals)
+        n = max(window["episodes"], 1)
+        out = {f"agents/{key}_per_episode": window[key] / n for key in STATS if key != "truncated"}
+        out["agents/episodes"] = window["episodes"]
+        out["agents/truncated_episodes"] = window["truncated"]
+        out["agents/forked_sequences"] = window["forks"]
+        out["agents/dropped_agent_error"] = window["dropped_agent_error"]
+        out["agents/dropped_agent_timeout"] = window["dropped_agent_timeout"]
         return out

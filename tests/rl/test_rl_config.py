@@ -77,6 +77,16 @@ def test_report_writes_every_plot(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     names = {p.name for p in write_report(tmp_path)}
     assert names == {"reward.png", "staleness.png", "routing_agreement.png", "time.png", "utilization.png"}
+    agents = {
+        "agents/turns_per_episode": 2.0,
+        "agents/tool_calls_per_episode": 1.0,
+        "agents/env_s_per_episode": 0.1,
+        "agents/generate_s_per_episode": 0.2,
+        "rollout/trained_tokens": 10,
+        "rollout/masked_tokens": 30,
+    }
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps({**r, **agents}) for r in rows))
+    assert {"agents.png", "agent_time.png"} <= {p.name for p in write_report(tmp_path)}
     with pytest.raises(ValueError, match="metrics.jsonl"):
         write_report(tmp_path / "missing")
 

@@ -1,0 +1,129 @@
+"""The chat template path, without an engine: the shipped tiny tokenizer, token-in-token-out
+extensions of a record, Hermes tool calls, chat-format JSONL prompts, and the checks a run makes
+before any process starts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moe_rl.agents import ChatFormat
+from moe_rl.agents.tiny_tokenizer import build, lookup_call
+from moe_rl.config import RunConfig, from_dict
+from moe_rl.tasks import make_task
+from tests.agents.conftest import CHAT_DIR
+from tests.tiny_models import QWEN3_MOE_SMALL, hf_fields
+
+CHAT = ChatFormat.load(CHAT_DIR)
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+
+
+def test_shipped_tokenizer_is_what_the_builder_writes(tmp_path):
+    build(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (tmp_path / name).read_text() == (CHAT_DIR / name).read_text(), name
+    assert len(CHAT.tokenizer) == 128 and CHAT.eos_text == "<|im_end|>"
+
+
+def test_extension_adds_only_the_new_messages_and_the_template_glue():
+    user = [{"role": "user", "content": "key C"}]
+    prompt = CHAT.prompt_ids(user, TOOLS)
+    sampled = CHAT.encode(lookup_call("C")) + [CHAT.eos_id]
+    reply = CHAT.parse(sampled).message()
+    tool = {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"], "content": "7"}
+    env = CHAT.extension_ids([*user, reply], [*user, reply, tool], TOOLS, turn_ended=True)
+    whole = CHAT.render([*user, reply, tool], TOOLS, generation_prompt=True)
+    assert CHAT.tokenizer.decode(prompt + sampled + env) == whole  # the same text, the sampled ids kept
+    assert CHAT.tokenizer.decode(env) == "\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
+    cut = CHAT.extension_ids([*user, reply], [*user, reply, tool], TOOLS, turn_ended=False)
+    assert cut == [CHAT.eos_id] + env  # a turn cut by its budget gets its end-of-turn token as glue
+    rewritten = [{"role": "user", "content": "key D"}, reply, tool]
+    assert CHAT.extension_ids([*user, reply], rewritten, TOOLS, turn_ended=True) is None
+    assert CHAT.extension_ids([*user, reply], [*user, reply], TOOLS, turn_ended=True) is None  # nothing new
+
+
+def test_hermes_tool_calls():
+    text = 'x <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call> <tool_call>{bad}</tool_call>'
+    parsed = CHAT.parse(CHAT.encode(text) + [CHAT.eos_id])
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("f", {"a": 1})]
+    assert parsed.tool_errors == 1 and parsed.content == "x  <tool_call>{bad}</tool_call>"
+    message = parsed.message()
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"a": 1}
+    plain = CHAT.parse(CHAT.encode("hello"))
+    assert plain.tool_calls == [] and plain.content == "hello" and "tool_calls" not in plain.message()
+    with pytest.raises(ValueError, match="tool_call_format='mistral' is not supported.*hermes"):
+        ChatFormat(CHAT.tokenizer, "mistral")
+
+
+def test_jsonl_chat_prompts_render_with_the_template(tmp_path):
+    data = tmp_path / "data.jsonl"
+    rows = [
+        {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}], "answer": "4"},
+        {"prompt": "3+3?", "answer": "6"},
+    ]
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    chat = make_task("jsonl", path=data, tokenizer_dir=CHAT_DIR, apply_chat_template=True).prompt_list
+    assert chat[0].prompt_ids == CHAT.prompt_ids(rows[0]["prompt"])
+    assert CHAT.tokenizer.decode(chat[1].prompt_ids) == "<|im_start|>user\n3+3?<|im_end|>\n<|im_start|>assistant\n"
+    raw = make_task("jsonl", path=data, tokenizer_dir=CHAT_DIR).prompt_list
+    assert raw[0].prompt_ids == chat[0].prompt_ids and raw[1].prompt_ids == CHAT.encode("3+3?")
+    with pytest.raises(ValueError, match="set model.tokenizer"):
+        make_task("jsonl", path=data)
+    data.write_text(json.dumps({"prompt": [{"content": "no role"}], "answer": 1}))
+    with pytest.raises(ValueError, match="list of .*'role'"):
+        make_task("jsonl", path=data, tokenizer_dir=CHAT_DIR)
+
+
+def run_config(tmp_path, rollout: dict, model: dict | None = None) -> RunConfig:
+    fields = hf_fields(QWEN3_MOE_SMALL, vocab_size=128, max_position_embeddings=128)
+    return from_dict(
+        RunConfig,
+        {
+            "model": {"hf_config": fields, **(model or {})},
+            "trainer": {"global_batch_size": 4, "micro_batch_size": 4},
+            "rollout": {"groups_per_step": 2, "n_samples_per_prompt": 2, **rollout},
+            "output_dir": str(tmp_path / "run"),
+        },
+    )
+
+
+@pytest.mark.parametrize(
+    "rollout, model, message",
+    [
+        ({"task": "lookup", "agent": "moe_rl.tasks.lookup:nope"}, {"tokenizer": str(CHAT_DIR)}, "has no|not an async"),
+        ({"task": "lookup", "agent": "no_such_module:f"}, {"tokenizer": str(CHAT_DIR)}, "cannot import"),
+        ({"task": "lookup", "agent": "moe_rl.tasks.lookup:lookup_agent"}, {}, "set model.tokenizer"),
+        (
+            {"task": "copy_digits", "agent": "moe_rl.tasks.lookup:lookup_agent"},
+            {"tokenizer": str(CHAT_DIR)},
+            "agents need chat messages",
+        ),
+        (
+            {"task": "lookup", "agent": "moe_rl.tasks.lookup:lookup_agent", "episode": {"max_context_tokens": 4096}},
+            {"tokenizer": str(CHAT_DIR)},
+            "max_context_tokens=4096 exceeds",
+        ),
+    ],
+)
+def test_agent_runs_are_checked_before_any_process_starts(tmp_path, rollout, model, message):
+    from moe_rl.jobs.rl import _check_task
+
+    with pytest.raises(ValueError, match=message):
+        _check_task(run_config(tmp_path, rollout, model))
+
+
+def test_episode_options_name_the_field():
+    from moe_rl.agents import EpisodeConfig
+
+    for bad, field in [
+        ({"max_turns": 0}, "max_turns"),
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"endpoint_port": -1}, "endpoint_port"),
+    ]:
+        with pytest.raises(ValueError, match=f"rollout.episode.{field}"):
+            EpisodeConfig(**bad)
+    with pytest.raises(ValueError, match="model.tokenizer='/nowhere'"):
+        from moe_rl.config import ModelConfig
+
+        ModelConfig(hf_config=hf_fields(QWEN3_MOE_SMALL), tokenizer="/nowhere")

@@ -18,6 +18,10 @@ each process reports are printed. `--no-pools` keeps CONFIG's layout, unpinned.
    the trainer take the next round's finished groups and carry stragglers over into the next step
    (APRIL's setting). Reports generated tokens/s and step throughput, and the ideal (no drain wait:
    the drain run's step without its drain seconds).
+3. agents (when CONFIG sets `rollout.agent`, instead of 1 and 2): `sync` vs `fully_async` on
+   CONFIG's agent task with tools that take `--tool-latency-s` seconds a call (the task option
+   `latency_s`, e.g. `lookup`): environment waits are where synchronous RL idles. Same report and
+   ideal as 1.
 Runs follow one another, so a ratio also measures how the machine's load moved between its two
 runs; `--repeats N` runs every pair N times and reports the median ratio with its range.
 Writes every number to `output` (JSON) and prints a table.
@@ -72,6 +76,12 @@ def add_arguments(parser) -> None:
         type=int,
         default=1,
         help="run every pair this many times; ratios are then medians with their range",
+    )
+    parser.add_argument(
+        "--tool-latency-s",
+        type=float,
+        default=0.05,
+        help="agent configs: seconds each tool call takes (the task option latency_s)",
     )
     parser.add_argument("--output", default="runs/bench_async/results.json")
 
@@ -163,6 +173,9 @@ def run(args) -> int:
         "long_tail_drain": [*tail, "rl.mode=one_step_off"],
         "long_tail_partial": [*tail, "rl.mode=fully_async"],
     }
+    if load_config(args.config, args.overrides).rollout.agent is not None:
+        tools = [*base, f"rollout.task_options={{latency_s: {args.tool_latency_s}}}"]
+        plan = {"agent_sync": [*tools, *sync], "agent_fully_async": [*tools, *fully_async]}
     for overrides in plan.values():  # a bad option or override fails now, not after minutes of runs
         load_config(args.config, overrides)
     repeats = []  # each repeat runs every pair back to back, so both runs of a pair see about the same load
@@ -170,7 +183,7 @@ def run(args) -> int:
         where = out if args.repeats == 1 else out / f"repeat{r}"
         runs = {name: _run(args.config, overrides, name, where) for name, overrides in plan.items()}
         repeats.append({"runs": runs, **_ratios(runs)})
-    summary = {key: _spread([rep[key] for rep in repeats]) for key in ("balanced", "unbalanced", "long_tail")}
+    summary = {key: _spread([rep[key] for rep in repeats]) for key in repeats[0] if key != "runs"}
     results = {
         "pools": pools,
         "cores": cores,
@@ -193,26 +206,30 @@ def run(args) -> int:
                 f"{run_['mean_step_s']:7.3f} {run_['mean_trainer_wait_s']:7.3f} {run_['mean_drain_s']:8.3f} "
                 f"{run_['continued_requests']:8.0f} {run_['trainer_busy_frac']:13.0%} {run_['engine_busy_frac']:12.0%}"
             )
-    reported = repeats[0]["runs"]["balanced_sync"]["cores"]
+    first = next(iter(plan))
+    reported = repeats[0]["runs"][first]["cores"]
     if reported:
         print(
-            f"cores the processes reported (balanced_sync/cpu_pools.json): trainer ranks "
+            f"cores the processes reported ({first}/cpu_pools.json): trainer ranks "
             f"{[r['cores'] for r in reported['trainer_ranks']]}, engines {reported['engines']}, "
             f"rollout worker {reported['rollout_worker']}"
         )
-    for name in ("balanced", "unbalanced"):
+    for name in ("balanced", "unbalanced", "agent"):
+        if name not in summary:
+            continue
         w = summary[name]
         print(
             f"fully_async over sync, {name}: {_show(w, 'speedup')} (ideal {_show(w, 'ideal')}: gen {w['gen_s']:.3f} s, "
             f"train {w['train_s']:.3f} s per sync step)"
         )
-    t = summary["long_tail"]
-    print(
-        f"partial rollouts (staleness bound {args.long_tail_staleness}) over drain-before-sync (bound 1), "
-        f"long tail: {_show(t, 'steps_per_s')} steps/s "
-        f"(ideal {_show(t, 'ideal_steps_per_s')}: no drain wait), {_show(t, 'generated_tokens_per_s')} "
-        "generated tokens/s"
-    )
+    if "long_tail" in summary:
+        t = summary["long_tail"]
+        print(
+            f"partial rollouts (staleness bound {args.long_tail_staleness}) over drain-before-sync (bound 1), "
+            f"long tail: {_show(t, 'steps_per_s')} steps/s "
+            f"(ideal {_show(t, 'ideal_steps_per_s')}: no drain wait), {_show(t, 'generated_tokens_per_s')} "
+            "generated tokens/s"
+        )
     print(f"load average during the bench: {results['load_average'][1]:.2f} (5 min); {args.output}")
     return 0
 
@@ -220,9 +237,12 @@ def run(args) -> int:
 def _ratios(runs: dict) -> dict:
     """One repeat's ratios: fully_async over sync per workload (with its ideal), partial over drain."""
     ratios = {}
-    for name in ("balanced", "unbalanced"):
-        sync_run, async_run = runs[f"{name}_sync"], runs[f"{name}_fully_async"]
-        ratios[name] = {"speedup": sync_run["train_s"] / async_run["train_s"], **overlap_ideal(sync_run)}
+    for name in ("balanced", "unbalanced", "agent"):
+        if f"{name}_sync" in runs:
+            sync_run, async_run = runs[f"{name}_sync"], runs[f"{name}_fully_async"]
+            ratios[name] = {"speedup": sync_run["train_s"] / async_run["train_s"], **overlap_ideal(sync_run)}
+    if "long_tail_drain" not in runs:
+        return ratios
     drain, partial = runs["long_tail_drain"], runs["long_tail_partial"]
     ratios["long_tail"] = {
         "generated_tokens_per_s": partial["generated_tokens_per_s"] / drain["generated_tokens_per_s"],

@@ -95,6 +95,7 @@ class Episode:
         self.turns = self.tool_calls = self.tool_errors = self.forks = self.replayed = 0
         self.truncated = False
         self.last_text = ""  # the latest turn's text (a truncated episode is scored on it)
+        self.engine_error: Exception | None = None  # a failed turn: the rollout's fault, not the agent's
         self.generate_s = 0.0
         self.log: list[dict] = []  # per finished turn: the sequence after it (run checkpoints)
         self._replay = list(replay or [])
@@ -164,7 +165,11 @@ class Episode:
         if stop_token_ids:
             sampling["stop_token_ids"] = stop_token_ids
         start = time.perf_counter()
-        after = self._replayed(sample, env) or await self._turn(sample, env, before + budget, sampling)
+        try:
+            after = self._replayed(sample, env) or await self._turn(sample, env, before + budget, sampling)
+        except Exception as error:
+            self.engine_error = error
+            raise
         self.generate_s += time.perf_counter() - start
         self.current, self.pending = after, []
         ids = after.response_ids[before:]

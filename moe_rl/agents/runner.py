@@ -132,6 +132,8 @@ class AgentRunner:
             except asyncio.TimeoutError:
                 raise AgentFailure("agent_timeout", f"episode {episode.index} ran past {self.config.timeout_s} s")
             except Exception as error:
+                if episode.engine_error is not None:  # an engine failed the turn: the run's error
+                    raise episode.engine_error from error
                 if not episode.truncated:
                     log.warning("agent error in group %s: %r", episode.group_id, error, exc_info=error)
                     raise AgentFailure("agent_error", f"episode {episode.index} raised {error!r}") from error

@@ -19,6 +19,7 @@ import copy
 import re
 import warnings
 from dataclasses import dataclass
+from importlib.metadata import version
 from typing import Any, Protocol
 
 import torch
@@ -112,6 +113,17 @@ def _fill(template: str, indices: tuple[int, ...]) -> str:
     return template
 
 
+def _mtp_inner_layer() -> str:
+    """The attribute megatron-core gives the MTP block's decoder layer: `transformer_layer` up to
+    0.16, `mtp_model_layer` from 0.17 (checked in the 0.17.0, 0.18.0 and 0.19.2 wheels). Read from
+    the installed distribution's version, without importing megatron-core."""
+    major, minor = (int(part) for part in version("megatron-core").split(".")[:2])
+    return "transformer_layer" if (major, minor) < (0, 17) else "mtp_model_layer"
+
+
+MTP_INNER_LAYER = _mtp_inner_layer()
+
+
 class Mapping:
     """Base kind: a Megatron name pattern, HF name patterns, and export/import of one tensor.
 
@@ -128,11 +140,11 @@ class Mapping:
 
     def for_mtp(self, first_layer: int) -> "Mapping":
         """This decoder-layer mapping for the MTP block's transformer layers: Megatron
-        `mtp.layers.{k}.transformer_layer.*`, HF layer `first_layer + k`."""
+        `mtp.layers.{k}.{MTP_INNER_LAYER}.*`, HF layer `first_layer + k`."""
         if not self.megatron.startswith("decoder.layers.*."):
             raise ValueError(f"{self}: only decoder-layer mappings have an MTP counterpart")
         clone = copy.copy(self)
-        clone.megatron = self.megatron.replace("decoder.layers.*.", "mtp.layers.*.transformer_layer.", 1)
+        clone.megatron = self.megatron.replace("decoder.layers.*.", f"mtp.layers.*.{MTP_INNER_LAYER}.", 1)
         clone.regex, clone.layer_base = _pattern(clone.megatron), first_layer
         return clone
 

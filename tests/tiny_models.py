@@ -166,3 +166,16 @@ def with_mtp_layer(tensors: dict, config: dict) -> dict:
         }
     )
     return {**tensors, **layer}
+
+
+def megatron_refusal(config) -> str | None:
+    """Why the bridge refuses HF `config` under the installed megatron-core (e.g. DeepSeek-V3
+    without q LoRA on 0.19), or None when it builds. Tests of such a combination skip with it."""
+    from parallel.bridges import bridge_for
+    from parallel.layout import ParallelLayout
+
+    try:
+        bridge_for(config).transformer_config(ParallelLayout(world_size=1))
+    except ValueError as error:
+        return str(error)
+    return None

@@ -67,11 +67,17 @@ def _taken_mtp_losses(microbatches: int) -> list[dict]:
     layer, the sum over microbatches of each one's token-mean cross entropy."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    values = MTPLossLoggingHelper.tracker.get("values")
+    # megatron-core <= 0.18 keeps the losses under "values"; 0.19 under "loss_values", beside
+    # acceptance counts, cleaned by clean_metrics_in_tracker
+    tracker = MTPLossLoggingHelper.tracker
+    values = tracker.get("loss_values", tracker.get("values"))
     if values is None:
         return []
     taken = {"mtp_loss": float(values.mean()), "mtp_microbatches": float(microbatches)}
-    MTPLossLoggingHelper.clean_loss_in_tracker()
+    clean = (
+        getattr(MTPLossLoggingHelper, "clean_metrics_in_tracker", None) or MTPLossLoggingHelper.clean_loss_in_tracker
+    )
+    clean()
     return [taken]
 
 

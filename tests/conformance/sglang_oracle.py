@@ -4,9 +4,11 @@ SGLang cannot be installed here (it pins a CUDA torch and GPU kernels), but the 
 its HTTP contract and its weight-sync behaviour are plain Python. This module:
 
 1. `ensure()`: downloads the wheel once (`pip download --no-deps sglang==0.5.23`), unzips it into a
-   cache (`.cache/sglang-0.5.23/` in the repository, or `$MOE_RL_SGLANG_CACHE`), and installs the
-   few small pure-Python (or self-contained) packages SGLang's modules import at module level with
-   `pip install --no-deps --target` beside it. Nothing goes into the project's `.venv`.
+   cache (`.cache/sglang-0.5.23-{SOABI}/` in the repository, or under `$MOE_RL_SGLANG_CACHE`), and
+   installs the few small packages SGLang's modules import at module level with
+   `pip install --no-deps --target` beside it. Some are compiled (msgspec, orjson, pydantic-core),
+   so the site is one per interpreter: keyed by its ABI tag (`cpython-311-x86_64-linux-gnu`), and
+   rebuilt when the tag it records differs. Nothing goes into the project's `.venv`.
 2. `install()`: makes `import sglang.srt...` work in *this* process without running
    `sglang/__init__.py`: a package object whose `__path__` points into the unzipped wheel, a lazy
    `sglang.srt.configs` (its `__init__` imports every multimodal config), and stand-ins for the GPU
@@ -29,6 +31,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import types
 import zipfile
 from pathlib import Path
@@ -62,14 +65,21 @@ STUBBED = ("triton", "torchvision", "IPython")
 _REPO = Path(__file__).resolve().parents[2]
 
 
+def abi_tag() -> str:
+    """This interpreter's extension-module ABI (compiled packages built for it load only here)."""
+    return sysconfig.get_config_var("SOABI") or f"{sys.implementation.cache_tag}-{sys.platform}"
+
+
 def cache_dir() -> Path:
-    return Path(os.environ.get("MOE_RL_SGLANG_CACHE", _REPO / ".cache" / f"sglang-{SGLANG_VERSION}"))
+    base = Path(os.environ.get("MOE_RL_SGLANG_CACHE", _REPO / ".cache"))
+    return base / f"sglang-{SGLANG_VERSION}-{abi_tag()}"
 
 
 def ensure() -> Path:
-    """Download and unpack SGLang's wheel and its import-time dependencies (once); returns the cache."""
+    """Download and unpack SGLang's wheel and its import-time dependencies for this interpreter
+    (once); returns the cache."""
     root = cache_dir()
-    done, wanted = root / ".complete", "\n".join([SGLANG_VERSION, *DEPENDENCIES])
+    done, wanted = root / ".complete", "\n".join([SGLANG_VERSION, abi_tag(), *DEPENDENCIES])
     if done.exists() and done.read_text() == wanted:
         return root
     shutil.rmtree(root, ignore_errors=True)

@@ -50,6 +50,7 @@ import pytest
 import torch
 
 from parallel.world import spawn
+from tests.tiny_models import megatron_refusal
 
 LAYOUTS = [
     dict(world_size=4, tp=2, ep=2, sequence_parallel=True),  # experts ETP2
@@ -284,9 +285,11 @@ def results(tmp_path_factory) -> dict:
     from test_bridge_harness import save_tiny_hf_model
 
     root = tmp_path_factory.mktemp("te_import")
-    hf_dirs = {arch: str(save_tiny_hf_model(config, root / arch)) for arch, config in hf_configs().items()}
+    configs = hf_configs()
+    refused = {arch: why for arch, config in configs.items() if (why := megatron_refusal(config))}
+    hf_dirs = {arch: str(save_tiny_hf_model(c, root / arch)) for arch, c in configs.items() if arch not in refused}
     per_rank = spawn(import_and_compare, 4, hf_dirs, LAYOUTS, fresh=True)
-    by_arch: dict = {arch: [] for arch in ARCHS}
+    by_arch: dict = {arch: refused.get(arch, []) for arch in ARCHS}  # a refused arch: the refusal
     for rank_results in per_rank:
         for result in rank_results:
             by_arch[result["arch"]].append(result)
@@ -298,6 +301,8 @@ def test_te_import_equals_independent_slices(results, arch):
     """Every local tensor of the TE-spec model after import equals the oracle's slice, bit for
     bit, on every rank, layout and expert kind; every tensor is checked; all HF tensors are read."""
     cases = results[arch]
+    if isinstance(cases, str):
+        pytest.skip(f"refused on this megatron-core: {cases}")
     assert len(cases) == 4 * len(LAYOUTS) * 2
     for case in cases:
         where = (arch, case["layout"], "grouped" if case["grouped"] else "sequential", f"rank {case['rank']}")

@@ -68,7 +68,10 @@ def install() -> None:
         DotProductAttention=DotProductAttention,
     )
     fp8 = _module(
-        "transformer_engine.pytorch.fp8", FP8GlobalStateManager=FP8GlobalStateManager, fp8_autocast=fp8_autocast
+        "transformer_engine.pytorch.fp8",
+        FP8GlobalStateManager=FP8GlobalStateManager,
+        fp8_autocast=fp8_autocast,
+        fp8_model_init=fp8_model_init,
     )
     distributed = _module(
         "transformer_engine.pytorch.distributed",
@@ -143,6 +146,14 @@ class FP8GlobalStateManager:
 
 @contextlib.contextmanager
 def fp8_autocast(enabled: bool = False, **kwargs):
+    if enabled:
+        raise NotImplementedError("FP8 is not in the CPU stand-in for Transformer Engine")
+    yield
+
+
+@contextlib.contextmanager
+def fp8_model_init(enabled: bool = False, **kwargs):
+    """megatron-core 0.19 imports it with fp8_autocast (its HAVE_TE test): FP8 weights at init."""
     if enabled:
         raise NotImplementedError("FP8 is not in the CPU stand-in for Transformer Engine")
     yield

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import yaml
 
 from moe_rl.algorithms.config import AlgorithmConfig
+from moe_rl.converted import HF_FILES_DIR, is_converted, read_meta
 from moe_rl.cpu_pools import CpuPoolsConfig
 from moe_rl.rollout.config import RolloutConfig
 from parallel.layout import ParallelLayout
@@ -31,7 +32,8 @@ class ModelConfig:
     """Which model to train: an HF directory, or an inline HF config for a random-init model."""
 
     path: str | None = None
-    """HF model directory (config.json, optionally safetensors weights and a tokenizer)."""
+    """HF model directory (config.json, optionally safetensors weights and a tokenizer), or a
+    checkpoint `moe-rl convert hf-to-megatron` wrote (loaded at any layout, `moe_rl.converted`)."""
     hf_config: dict[str, Any] | None = None
     """Inline HF config fields (with `model_type` and `architectures`) for a tiny random model."""
     tokenizer: str | None = None
@@ -49,8 +51,13 @@ class ModelConfig:
             raise ValueError(f"model.mtp={self.mtp!r}: the only choice is 'drop' (or leave it unset)")
         if (self.path is None) == (self.hf_config is None):
             raise ValueError("model: set exactly one of model.path (HF dir) or model.hf_config")
-        if self.path is not None and not (Path(self.path) / "config.json").is_file():
-            raise ValueError(f"model.path={self.path!r}: no config.json there; point it at an HF model dir")
+        if self.path is not None and is_converted(self.path):
+            read_meta(self.path)  # weights present, a model (not adapters)
+        elif self.path is not None and not (Path(self.path) / "config.json").is_file():
+            raise ValueError(
+                f"model.path={self.path!r}: no config.json there; point it at an HF model dir or a "
+                "`moe-rl convert hf-to-megatron` checkpoint"
+            )
         if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
             raise ValueError(f"model.tokenizer={self.tokenizer!r}: not a directory; point it at a tokenizer directory")
         if self.hf_config is not None:
@@ -63,19 +70,22 @@ class ModelConfig:
 
     @property
     def tokenizer_dir(self) -> str | None:
-        """Where the tokenizer lives: model.tokenizer, else model.path."""
+        """Where the tokenizer lives: model.tokenizer, else model.path (a converted checkpoint's
+        `hf_files/`)."""
+        if self.tokenizer is None and self.path is not None and is_converted(self.path):
+            return str(Path(self.path) / HF_FILES_DIR)
         return self.tokenizer or self.path
 
     def load_hf_config(self):
         """The transformers config object (reads config.json; no weights)."""
         from transformers import AutoConfig
 
-        if self.path is not None:
+        if self.path is not None and not is_converted(self.path):
             from parallel.hf_checkpoint import as_stored
 
             config = as_stored(AutoConfig.from_pretrained(self.path), self.path)
         else:
-            fields = dict(self.hf_config)
+            fields = dict(self.hf_config if self.path is None else read_meta(self.path)["hf_config"])
             config = AutoConfig.for_model(fields.pop("model_type"), **fields)
         if self.mtp == "drop":
             from parallel.bridges import without_mtp

@@ -30,12 +30,11 @@ import math
 import shutil
 from pathlib import Path
 
+from moe_rl.converted import HF_FILES_DIR, META_FILE
 from parallel.staging import fresh_staging, publish, staging_dir
 
 COMMAND = ("convert",)
 HELP = "convert checkpoints between HF safetensors and Megatron dist_checkpointing"
-META_FILE = "moe_rl_meta.json"
-HF_FILES_DIR = "hf_files"
 
 
 def add_arguments(parser) -> None:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.config import TrainerConfig
+from moe_rl.converted import is_converted, load_model_weights
 from moe_rl.trainer.logprobs import token_entropy, token_logprobs
 from moe_rl.trainer.microbatches import Batch, check_batch, microbatches, pad_sequence_dim, split_rows
 from moe_rl.trainer.reference import FrozenModel, build_reference
@@ -172,10 +173,14 @@ class MegatronTrainer:
 
     # -- weights ------------------------------------------------------------------------------
     def load_hf_weights(self, hf_dir: str) -> None:
-        """Fill this rank's shards from an HF safetensors directory (collective)."""
-        from parallel.hf_import import load_hf_weights
-
-        load_hf_weights(self.model.module, self.bridge, hf_dir)
+        """Fill this rank's shards from an HF safetensors directory, or a checkpoint `moe-rl convert
+        hf-to-megatron` wrote, at any layout (collective; `moe_rl.converted`)."""
+        if self.lora is not None and is_converted(hf_dir):
+            raise ValueError(
+                f"model.path={hf_dir!r} is a converted checkpoint; with lora the base loads from the HF "
+                "model for now: point model.path at it"
+            )
+        load_model_weights(self.model.module, self.bridge, hf_dir)
 
     def export_hf_weights(self, bucket_bytes: int):
         """`(hf_name, tensor)` stream of the current weights on each stage's source rank.

@@ -70,10 +70,10 @@ def build_reference(bridge, config, hf_dir: str | None) -> FrozenModel:
         with _seeded_as_at_init(config.seed):
             model = build_gpt_model(bridge, config, calculate_per_token_loss=True, **replay)
     else:
-        from parallel.hf_import import load_hf_weights
+        from moe_rl.converted import load_model_weights
 
         model = build_gpt_model(bridge, config, calculate_per_token_loss=True, **replay)
-        load_hf_weights(model, bridge, hf_dir)
+        load_model_weights(model, bridge, hf_dir)  # an HF directory or a converted checkpoint
     model.eval()
     model.requires_grad_(False)
     return FrozenModel(model, RoutingReplay(model) if config.routing_replay else None)

@@ -13,8 +13,11 @@ Tensors travel by value: the payload is a plain pickle of CPU tensors (storage b
 SGLang's unpickler loads through `torch.load(weights_only=True)`), so it works across machines.
 (SGLang's own `MultiprocessingSerializer.serialize` shares CPU storage through file descriptors,
 valid only on the same host while the sender lives.) The pickle names SGLang's
-`FlattenedTensorMetadata` class without importing SGLang. Memory: a payload holds the adapter
-once (as bytes) plus its base64 text, once per TP rank in the JSON body.
+`FlattenedTensorMetadata` class without importing SGLang, and storages by torch's own
+`torch.storage._load_from_bytes` even where megatron-core (0.19) has replaced that function with
+its `megatron.core.safe_globals.safe_load_from_bytes`, a name SGLang's unpickler refuses.
+Memory: a payload holds the adapter once (as bytes) plus its base64 text, once per TP rank in the
+JSON body.
 
 The embedded engine decodes with `decode_payload`: a restricted unpickler that admits only what
 `encode_payload` writes (tensors, dtypes, sizes, SGLang's metadata class); anything else is refused.
@@ -75,12 +78,17 @@ def read_adapter_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
 class _Pickler(pickle._Pickler):  # the Python pickler: the C one cannot name a class it cannot import
     def save_global(self, obj, name=None):
         if obj is FlattenedTensorMetadata:
-            self.save(_METADATA[0])
-            self.save(_METADATA[1])
-            self.write(pickle.STACK_GLOBAL)
-            self.memoize(obj)
-            return
-        super().save_global(obj, name)
+            self._save_as(obj, *_METADATA)
+        elif obj is torch.storage._load_from_bytes:  # whatever megatron-core put there: torch's name
+            self._save_as(obj, "torch.storage", "_load_from_bytes")
+        else:
+            super().save_global(obj, name)
+
+    def _save_as(self, obj, module: str, name: str) -> None:
+        self.save(module)
+        self.save(name)
+        self.write(pickle.STACK_GLOBAL)
+        self.memoize(obj)
 
     dispatch = dict(pickle._Pickler.dispatch)
 

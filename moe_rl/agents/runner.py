@@ -170,13 +170,13 @@ class AgentRunner:
 
     def metrics(self) -> dict[str, float]:
         """The episodes finished since the previous call (the RL job calls it once a step): their
-        count, means per episode, truncations, forks and dropped groups."""
+        count, means per episode (absent when none finished), truncations, forks and dropped groups."""
         window = self.totals - self._reported
         window.update({key: 0 for key in self.totals if key not in window})  # Counter subtraction drops zeros
         self._reported = collections.Counter(self.totals)
-        n = max(window["episodes"], 1)
-        out = {f"agents/{key}_per_episode": window[key] / n for key in STATS if key != "truncated"}
-        out["agents/episodes"] = window["episodes"]
+        n = window["episodes"]
+        out = {f"agents/{key}_per_episode": window[key] / n for key in STATS if key != "truncated" and n}
+        out["agents/episodes"] = n
         out["agents/truncated_episodes"] = window["truncated"]
         out["agents/forked_sequences"] = window["forks"]
         out["agents/dropped_agent_error"] = window["dropped_agent_error"]

@@ -145,4 +145,5 @@ def test_sigkill_then_resume_loses_nothing_and_trains_nothing_twice(tmp_path, ki
     assert set(final["dropped"].values()) <= {"stale", "stopped", "unused", "oversampled"}, final["dropped"]
     assert len(list((run_dir / "checkpoints").glob("step_*"))) == 2  # keep-last-2
     if kind is EPISODES:
-        assert all(r["agents/episodes"] > 0 and r["agents/turns_per_episode"] >= 1 for r in metrics[k:])
+        assert sum(r["agents/episodes"] for r in metrics[k:]) > 0  # episodes went on after the resume
+        assert all(r["agents/turns_per_episode"] >= 1 for r in metrics[k:] if r["agents/episodes"])

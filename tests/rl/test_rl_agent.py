@@ -23,7 +23,8 @@ def test_agent_demo_learns_to_call_the_tool(tmp_path):
     mean = lambda part: sum(r["rollout/reward_mean"] for r in part) / len(part)  # noqa: E731
     # a random policy calls the tool with ~10/128 of its first tokens; learning it alone is worth 0.2
     assert mean(rows[-10:]) > mean(rows[:10]) + 0.1, (mean(rows[:10]), mean(rows[-10:]))
-    assert rows[-1]["agents/tool_calls_per_episode"] > rows[0]["agents/tool_calls_per_episode"]
+    calls = [r["agents/tool_calls_per_episode"] for r in rows if r["agents/episodes"]]
+    assert sum(calls[-10:]) > sum(calls[:10])  # the policy calls the tool more
     assert all(r["rollout/masked_tokens"] > 0 for r in rows[-10:])  # tool results are in the batches
     ledger = summary["ledger"]
     assert set(summary["trained_group_ids"]) == set(ledger["delivered"])

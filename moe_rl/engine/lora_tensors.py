@@ -34,6 +34,7 @@ import hashlib
 import io
 import json
 import pickle
+import types
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -91,6 +92,7 @@ class _Pickler(pickle._Pickler):  # the Python pickler: the C one cannot name a 
         self.memoize(obj)
 
     dispatch = dict(pickle._Pickler.dispatch)
+    dispatch[types.FunctionType] = save_global  # the base table holds the base class's save_global
 
 
 def encode_payload(named_tensors: Mapping[str, torch.Tensor], load_format: str | None) -> str:

@@ -7,6 +7,7 @@ two TP ranks) take the client's loads and unloads."""
 from __future__ import annotations
 
 import asyncio
+import io
 
 import pytest
 import torch
@@ -110,10 +111,27 @@ def test_client_lora_bodies_are_sglang_requests():
     assert plain["load_format"] is None and "expected_checksums" not in plain
 
 
+def _megatrons_storage_loader(data: bytes):
+    """What megatron-core 0.19 puts in `torch.storage._load_from_bytes` when it is imported."""
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+_megatrons_storage_loader.__module__, _megatrons_storage_loader.__qualname__ = (
+    "megatron.core.safe_globals",
+    "safe_load_from_bytes",
+)
+
+
 @pytest.mark.parametrize("load_format", ["flattened_bucket", None])
-def test_tensor_payload_decodes_with_sglangs_code_to_the_exact_tensors(load_format):
+@pytest.mark.parametrize("storage_loader", ["torch", "megatron_patched"])
+def test_tensor_payload_decodes_with_sglangs_code_to_the_exact_tensors(load_format, storage_loader, monkeypatch):
+    """Also from a process where megatron-core replaced torch's storage loader (a trainer on 0.19):
+    SGLang's unpickler refuses megatron's name, so the payload must carry torch's."""
     tensors = _tensors()
+    if storage_loader == "megatron_patched":
+        monkeypatch.setattr(torch.storage, "_load_from_bytes", _megatrons_storage_loader)
     body = LoraTensorsBody.build("b", CONFIG, tensors, tp_size=2, load_format=load_format).to_json()
+    monkeypatch.undo()
     want = {n: (str(t.dtype), list(t.shape), tensor_sha256(t)) for n, t in tensors.items()}
     assert sglang_oracle.call(_decode_with_sglang, body, 2) == [want, want]
     wrong = {**body, "expected_checksums": {**body["expected_checksums"], next(iter(tensors)): "0" * 64}}

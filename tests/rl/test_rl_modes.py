@@ -70,7 +70,9 @@ def check_utilization(rows: list[dict]) -> None:
             "perf/engine_paused_s"
         ] == pytest.approx(step)
         assert r["perf/engine_paused_s"] == pytest.approx(min(step, r["time/sync_s"]))
-    assert sum(r["perf/engine_busy_frac"] for r in rows) > 0
+    # the engines did work: tokens were generated (busy time net of the sync pause can round to 0 on a
+    # fast machine, where a tiny round takes less than the pause)
+    assert rows[-1]["rollout/generated_tokens"] > 0
 
 
 def check_ledger(summary: dict) -> None:

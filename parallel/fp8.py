@@ -111,7 +111,9 @@ class BlockFP8:
         each block scaled so that its largest magnitude is 448 (an all-zero block keeps factor 1)."""
         rows, cols = weight.shape[-2:]
         grid = self.scale_shape(tuple(weight.shape))
-        padded = torch.zeros(*weight.shape[:-2], grid[-2] * self.rows, grid[-1] * self.cols, dtype=torch.float32)
+        padded = torch.zeros(
+            *weight.shape[:-2], grid[-2] * self.rows, grid[-1] * self.cols, dtype=torch.float32, device=weight.device
+        )
         padded[..., :rows, :cols] = weight.float()
         blocks = padded.unflatten(-1, (grid[-1], self.cols)).unflatten(-3, (grid[-2], self.rows))
         amax = blocks.abs().amax(dim=(-3, -1))

@@ -6,6 +6,18 @@ from __future__ import annotations
 
 import pytest
 
+from tests.gpu_tiers import TIERS, missing
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test marked with a GPU tier (`tests/gpu_tiers.py`) is skipped, naming what is missing,
+    where the tier cannot run: on a CPU machine every GPU tier skips at once."""
+    reasons = {tier: missing(tier) for tier in TIERS}
+    for item in items:
+        for tier, lacking in reasons.items():
+            if lacking and item.get_closest_marker(tier) is not None:
+                item.add_marker(pytest.mark.skip(reason=f"tier {tier} needs {', '.join(lacking)}"))
+
 
 @pytest.fixture(scope="session")
 def cpu_patches():

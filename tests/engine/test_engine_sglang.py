@@ -45,7 +45,7 @@ def _gpu_and_sglang() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("sglang") is not None
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_sglang
 @pytest.mark.skipif(not _gpu_and_sglang(), reason="needs a CUDA GPU and sglang installed")
 def test_sglang_generates_with_routed_experts_and_versions(tmp_path):
     from tests.engine.engine_helpers import save_tiny_model
@@ -66,7 +66,7 @@ def test_sglang_generates_with_routed_experts_and_versions(tmp_path):
     assert result.routed_experts.shape == (4 + 8 - 1, 3, 2) and np.all(result.routed_experts < 4)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_sglang
 @pytest.mark.skipif(not _gpu_and_sglang(), reason="needs a CUDA GPU and sglang installed")
 def test_nccl_weight_sync_into_a_real_sglang_engine(tmp_path):
     """The broadcast transport over NCCL into SGLang: session, buckets without a version, commit."""

@@ -29,7 +29,7 @@ def test_colocated_sglang_engines_use_their_trainer_ranks_gpus():
         engine_placement(EngineConfig(kind="sglang", count=1, tp=8), colocate=True, trainer_devices=devices)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_sglang
 @pytest.mark.skipif(
     not torch.cuda.is_available() or shutil.which("nvidia-smi") is None, reason="needs a CUDA GPU and sglang installed"
 )

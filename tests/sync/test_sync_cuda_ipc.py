@@ -84,7 +84,7 @@ class IpcEngine:
         return self.conn.recv()
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_sglang
 @pytest.mark.skipif(not GPU_AND_SGLANG, reason="needs a CUDA GPU and sglang installed")
 def test_cuda_ipc_round_trip_exact():
     from sync.sender import SyncConfig, WeightSender

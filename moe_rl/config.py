@@ -24,7 +24,7 @@ from moe_rl.cpu_pools import CpuPoolsConfig
 from moe_rl.rollout.config import RolloutConfig
 from parallel.layout import ParallelLayout
 from parallel.lora import LoRAConfig
-from sync.sender import SyncConfig
+from sync.config import SyncConfig
 
 
 @dataclass(kw_only=True)

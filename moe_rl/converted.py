@@ -10,6 +10,7 @@ to importing the HF original, instead of re-reading (and re-dequantizing) the HF
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -43,6 +44,14 @@ def read_meta(directory: str | Path) -> dict:
             "at the HF model"
         )
     return meta
+
+
+def write_lora_meta(directory: Path, hf_config: dict, lora) -> None:
+    """`moe_rl_meta.json` of an adapter checkpoint (`lora` a `parallel.lora.LoRAConfig`): what
+    `moe-rl convert megatron-to-peft` needs to rebuild it."""
+    (directory / META_FILE).write_text(
+        json.dumps({"hf_config": hf_config, "lora": dataclasses.asdict(lora), "format": "torch_dist"}, indent=2)
+    )
 
 
 def load_model_weights(model, bridge, path: str) -> None:

@@ -31,39 +31,12 @@ from typing import Iterator
 import torch
 
 from parallel.bridges import Bridge
+from parallel.context import parallel_context, uses_transformer_engine
 from parallel.fp8 import BlockFP8
-from parallel.mappings import Axis, Mapping, ParallelContext, resolve
+from parallel.lora import adapter_parameters, adapters
+from parallel.mappings import Mapping, ParallelContext, resolve
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
-
-
-def parallel_context(model, bridge: Bridge) -> ParallelContext:
-    """This rank's place in the Megatron world (after `init_model_parallel`)."""
-    from megatron.core import parallel_state as ps
-
-    layers = model.decoder.layers
-    num_experts = int(getattr(model.config, "num_moe_experts", None) or 0)
-    ep = ps.get_expert_model_parallel_world_size()
-    return ParallelContext(
-        tp=Axis(
-            ps.get_tensor_model_parallel_group(),
-            ps.get_tensor_model_parallel_rank(),
-            ps.get_tensor_model_parallel_world_size(),
-        ),
-        etp=Axis(
-            ps.get_expert_tensor_parallel_group(),
-            ps.get_expert_tensor_parallel_rank(),
-            ps.get_expert_tensor_parallel_world_size(),
-        ),
-        ep=Axis(ps.get_expert_model_parallel_group(), ps.get_expert_model_parallel_rank(), ep),
-        pp_rank=ps.get_pipeline_model_parallel_rank(),
-        pp_size=ps.get_pipeline_model_parallel_world_size(),
-        layer_offset=layers[0].layer_number - 1 if len(layers) else 0,
-        num_local_experts=num_experts // ep,
-        vocab_size=bridge.vocab_size,
-        in_source_replica=ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0,
-        in_expert_source_replica=ps.get_expert_data_parallel_rank() == 0,
-    )
 
 
 def is_export_source() -> bool:
@@ -88,16 +61,9 @@ def export_source_ranks() -> dict[int, int]:
     return dict(sorted(item for item in everyone if item is not None))
 
 
-def uses_transformer_engine(model) -> bool:
-    """True when the model was built from the TE spec (its table has TE's fused names)."""
-    return any(type(m).__module__.startswith("megatron.core.extensions.transformer_engine") for m in model.modules())
-
-
 def model_tensors(model) -> dict[str, torch.Tensor]:
     """Parameters plus persistent buffers (e.g. the router's `expert_bias`): what an HF checkpoint
     holds. LoRA adapters are not among them (parallel.peft exports them; merged exports add them)."""
-    from parallel.lora import adapter_parameters
-
     persistent = model.state_dict(keep_vars=True)
     adapter = adapter_parameters(model)
     tensors = {name: p for name, p in model.named_parameters() if name not in adapter}
@@ -168,8 +134,6 @@ def export_hf_weights(
 
 
 def _export_chunk(model, bridge: Bridge, bucket_bytes: int, merge_adapters: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    from parallel.lora import adapters
-
     ctx = parallel_context(model, bridge)
     params = model_tensors(model)
     lora = adapters(model) if merge_adapters else {}

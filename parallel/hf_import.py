@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from parallel.bridges import Bridge
-from parallel.export import model_chunks, model_tensors, parallel_context, uses_transformer_engine
+from parallel.context import parallel_context, uses_transformer_engine
+from parallel.export import model_chunks, model_tensors
 from parallel.hf_checkpoint import HFCheckpointReader
 from parallel.mappings import resolve
 

@@ -41,6 +41,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from parallel.context import parallel_context, uses_transformer_engine
+from parallel.mappings import resolve
+
 MLA_TARGETS = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
 """Multi-Latent Attention's input projections (DeepSeek-V3): q_proj (no q LoRA) or q_a_proj and
 q_b_proj, kv_a_proj_with_mqa, kv_b_proj; MLA models have these instead of `linear_qkv`."""
@@ -376,9 +379,6 @@ def add_lora(model, bridge, config: LoRAConfig, seed: int) -> dict[str, LoRAAdap
 
     Works on the local and the Transformer Engine layer spec alike. Call before wrapping the model
     in DDP (which then only sees the adapters' gradients)."""
-    from parallel.export import parallel_context, uses_transformer_engine
-    from parallel.mappings import resolve
-
     te = uses_transformer_engine(model)
     kinds = _linear_kinds(te)
     ctx = parallel_context(model, bridge)

@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 
 from parallel.bridges import Bridge
+from parallel.context import parallel_context, uses_transformer_engine
+from parallel.export import model_chunks
 from parallel.hf_checkpoint import HFCheckpointReader
 from parallel.lora import LoRAAdapter, LoRAConfig, adapters
 from parallel.mappings import ColumnParallel, GatedColumn, Mapping, Replicated, resolve
@@ -88,8 +90,6 @@ def _renamed(mapping: Mapping, half: str) -> Mapping:
 
 
 def _tasks(model, bridge: Bridge):
-    from parallel.export import uses_transformer_engine
-
     table = bridge.mappings(te=uses_transformer_engine(model))  # TE's grouped experts: `weight{j}` names
     for base_name, adapter in adapters(model).items():
         mapping, indices = resolve(table, base_name)
@@ -101,8 +101,6 @@ def export_adapter(model, bridge: Bridge) -> Iterator[tuple[str, torch.Tensor]]:
     """`(PEFT name, tensor)` of every adapter of this stage, on the stage's export source rank
     (TP0 / DP0 / CP0; see parallel.export). Collective like `export_hf_weights`: every rank
     iterates it to the end. Adapters are small: one is gathered at a time."""
-    from parallel.export import model_chunks, parallel_context
-
     with torch.no_grad():
         for chunk in model_chunks(model):
             ctx = parallel_context(chunk, bridge)
@@ -207,8 +205,6 @@ def load_adapter(model, bridge: Bridge, directory: str | os.PathLike) -> None:
     """Fill this rank's adapters from a PEFT adapter directory (collective: checks that every
     tensor of the file was used by some rank). The model's LoRAConfig must match the file's
     rank and scaling (`lora_config_of`)."""
-    from parallel.export import model_chunks, parallel_context
-
     expected = lora_config_of(directory)
     for adapter in (a for chunk in model_chunks(model) for a in adapters(chunk).values()):
         if adapter.lora_A.shape[0] != expected.rank or not math.isclose(adapter.scale, expected.scale):

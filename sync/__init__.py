@@ -3,6 +3,7 @@
 No engine serves a version it did not fully receive: the version is committed last, and an engine
 left with a partly loaded version (SGLang loads in place) stays paused until a full resend.
 
+- `sync.config`: `SyncConfig`, `AdapterSyncConfig` (their options and checks) and `SyncStats`.
 - `sync.bucket`: flat uint8 buckets (SGLang's flattened-bucket layout) + CRC-32 checksums.
 - `sync.group`: the weight-update process group (own TCPStore; gloo on CPU, NCCL on GPU).
 - `sync.engine_api`: `EngineEndpoint`, the protocol an engine client implements.

@@ -95,3 +95,10 @@ class EngineSet:
 
 def describe(errors: dict[str, BaseException]) -> str:
     return "; ".join(f"{name}: {type(e).__name__}: {e}" for name, e in errors.items())
+
+
+async def require_health(engine: EngineEndpoint) -> None:
+    """Raises ConnectionError when `engine` does not answer `/health`: how a failed call is told
+    from a dead engine."""
+    if not await engine.health():
+        raise ConnectionError(f"{engine.name} does not answer /health")

@@ -28,16 +28,13 @@ import shutil
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
 import torch
 
-from sync.engine_set import SyncError, describe
-from sync.sender import SyncStats, require_health
-
-ADAPTER_ROUTES = ("disk", "tensors")
+from sync.config import AdapterSyncConfig, SyncStats
+from sync.engine_set import EngineSet, SyncError, describe, require_health
 
 
 def adapter_name(version: int) -> str:
@@ -63,26 +60,6 @@ class AdapterEndpoint(Protocol):
     async def health(self) -> bool: ...
 
 
-@dataclass(kw_only=True)
-class AdapterSyncConfig:
-    route: str = "tensors"
-    """"tensors": `/load_lora_adapter_from_tensors` over HTTP; "disk": a PEFT directory on storage
-    the engines share (`directory`), loaded with `/load_lora_adapter`."""
-    directory: str | None = None
-    """Where the disk route writes `policy-v{N}/` (must be readable by every engine)."""
-    keep: int = 2
-    """Versions loaded at once: max_staleness + 1 (the oldest request may still use the oldest)."""
-    timeout_s: float = 300.0
-
-    def __post_init__(self):
-        if self.route not in ADAPTER_ROUTES:
-            raise ValueError(f"lora route: {self.route!r} is not one of {ADAPTER_ROUTES}")
-        if self.route == "disk" and not self.directory:
-            raise ValueError("the disk adapter route needs a directory the engines can read")
-        if self.keep < 1:
-            raise ValueError(f"keep={self.keep}: at least one adapter must stay loaded")
-
-
 AdapterWriter = Callable[[Path, dict, dict[str, torch.Tensor]], Path]
 """Writes a PEFT adapter directory atomically and returns it (`parallel.peft.write_adapter`; the
 caller passes it, since `sync` does not import `parallel`)."""
@@ -90,8 +67,6 @@ caller passes it, since `sync` does not import `parallel`)."""
 
 class AdapterSync:
     def __init__(self, engines: list[AdapterEndpoint], config: AdapterSyncConfig, write: AdapterWriter | None = None):
-        from sync.engine_set import EngineSet
-
         if not engines:
             raise ValueError("engines: need at least one engine to load adapters on")
         if config.route == "disk" and write is None:

@@ -52,60 +52,15 @@ only after that. (The disk transport catches up from the version already publish
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
 
+from sync.config import SyncConfig, SyncStats
 from sync.engine_api import EngineEndpoint
-from sync.engine_set import EngineSet, SyncError, describe
-from sync.transports import TransportConfig, make_transport
+from sync.engine_set import EngineSet, SyncError, describe, require_health
+from sync.transports import make_transport
 from sync.transports.base import exhaust
-
-PAUSE_MODES = ("abort", "retract", "in_place")
-
-
-@dataclass(kw_only=True)
-class SyncConfig(TransportConfig):
-    transport: str = "broadcast"
-    """How bytes move: "broadcast" (process group), "disk" (safetensors on shared storage),
-    "cuda_ipc" (colocated engines: CUDA-IPC handles via /update_weights_from_tensor)."""
-    pause_mode: str = "retract"
-    """`/pause_generation` mode: abort | retract | in_place (SGLang's)."""
-    fp8_blocks: int | None = None
-    """Send decoder linear weights as FP8 e4m3 in N x N blocks with their `weight_scale_inv`
-    (DeepSeek-V3's format, N=128: half the bytes of bf16), for engines that serve FP8; the engines
-    then start from an FP8 checkpoint too. None: the trainer's dtype."""
-    lora_route: str = "tensors"
-    """With `lora:`, only adapters move and generation never pauses (`sync.lora`): "tensors"
-    (`/load_lora_adapter_from_tensors`) or "disk" (PEFT directories `policy-v{N}/` in `disk_dir`,
-    default `<output_dir>/adapters`, for engines that share only storage with the trainer)."""
-
-    def __post_init__(self):
-        from sync.lora import ADAPTER_ROUTES
-
-        super().__post_init__()
-        if self.pause_mode not in PAUSE_MODES:
-            raise ValueError(f"pause_mode: {self.pause_mode!r} is not one of {PAUSE_MODES}")
-        if self.fp8_blocks is not None and (not isinstance(self.fp8_blocks, int) or self.fp8_blocks < 1):
-            raise ValueError(f"fp8_blocks: {self.fp8_blocks!r} is not a block size; use e.g. 128, or null")
-        if self.lora_route not in ADAPTER_ROUTES:
-            raise ValueError(f"lora_route: {self.lora_route!r} is not one of {ADAPTER_ROUTES}")
-
-
-@dataclass
-class SyncStats:
-    version: int
-    bytes: int
-    seconds: float
-    engines: list[str] = field(default_factory=list)
-    """The engines that committed `version`."""
-    dropped: list[str] = field(default_factory=list)
-    """Engines found dead (they could not resume) and dropped during this update."""
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
 
 
 class WeightSender:
@@ -216,8 +171,3 @@ class WeightSender:
         """Engines and this rank leave the group; the sender cannot be used afterwards."""
         self.transport.close(self._group or self.engines)
         self.engines.close()
-
-
-async def require_health(engine: EngineEndpoint) -> None:
-    if not await engine.health():
-        raise ConnectionError(f"{engine.name} does not answer /health")

@@ -1,20 +1,18 @@
 """Joining Ray: start a private local Ray, or connect to a running cluster when RAY_ADDRESS is set.
 
-`scripts/slurm/train.sbatch` asks this module for the node's address (`address`: never a
-loopback one when the node has another) and for the run's logical CPUs (`demand`), starts a head
-on the first node and workers on the others, waits for every node (`wait --nodes N`), exports
-RAY_ADDRESS and runs `moe-rl train`, whose driver then joins that cluster instead of starting one
-(`init_ray`).
+`scripts/slurm/train.sbatch` asks `moe-rl ray` (`moe_rl.commands.ray_cluster`) for the node's
+address (`node_address`: never a loopback one when the node has another) and for the run's
+logical CPUs (`demand`), starts a head on the first node and workers on the others, waits for
+every node (`wait_for_nodes`), exports RAY_ADDRESS and runs `moe-rl train`, whose driver then
+joins that cluster instead of starting one (`init_ray`).
 """
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import os
 import shutil
 import socket
-import sys
 import tempfile
 import time
 
@@ -90,36 +88,3 @@ def node_address() -> tuple[str, str]:
         routable = [a for a in interfaces if not ipaddress.ip_address(a).is_loopback]
         chosen = routable[0] if routable else "127.0.0.1"
     return chosen, interfaces.get(chosen, "lo")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moe_rl.rl.ray_init")
-    sub = parser.add_subparsers(dest="command", required=True)
-    wait = sub.add_parser("wait", help="wait until N nodes joined the Ray cluster at RAY_ADDRESS")
-    wait.add_argument("--nodes", type=int, required=True)
-    wait.add_argument("--address", default=os.environ.get("RAY_ADDRESS"))
-    wait.add_argument("--timeout", type=float, default=600.0)
-    sub.add_parser("address", help="print this node's address for other nodes and its interface: IP IFACE")
-    demand = sub.add_parser("demand", help="print the logical CPUs and GPUs an RL run asks Ray for: CPUS GPUS")
-    demand.add_argument("config")
-    demand.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
-    if args.command == "address":
-        print(*node_address())
-    elif args.command == "demand":
-        import torch
-
-        from moe_rl.config import load_config
-        from moe_rl.rl.cluster import ray_demand
-
-        need = ray_demand(load_config(args.config, args.overrides), torch.cuda.is_available())
-        print(need.cpus, need.gpus)
-    else:
-        if not args.address:
-            parser.error("--address or RAY_ADDRESS is required")
-        print(f"ray: {wait_for_nodes(args.address, args.nodes, args.timeout)} nodes alive at {args.address}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moe_rl.converted import write_lora_meta
 from parallel.lora import adapter_parameters, adapter_sharded_state_dict
 from parallel.staging import fresh_staging, publish, staging_dir
 
@@ -87,8 +88,6 @@ def save_checkpoint(trainer, directory: str | Path) -> Path:
     if dist.get_rank() == 0:
         (staging / LAYOUT_FILE).write_text(json.dumps(_layout_record(trainer)))
         if trainer.lora is not None:  # `moe-rl convert megatron-to-peft` reads the adapters from here
-            from moe_rl.commands.convert import write_lora_meta
-
             hf = trainer.bridge.hf
             write_lora_meta(staging, hf if isinstance(hf, dict) else hf.to_dict(), trainer.lora)
     dist.barrier()

@@ -26,7 +26,7 @@ def test_script_is_valid_bash(script):
 
 def test_sbatch_waits_for_every_node_before_training():
     text = Path("scripts/slurm/train.sbatch").read_text()
-    wait = text.index('ray_init wait --nodes "$NNODES"')
+    wait = text.index('moe-rl ray wait --nodes "$NNODES"')
     assert text.index('--address="$RAY_ADDRESS"') < wait < text.rindex("moe-rl train")
     for var in ("NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG"):
         assert var in text
@@ -72,7 +72,7 @@ def ray_head():
 def test_driver_joins_the_cluster_at_ray_address(ray_head, monkeypatch):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     waited = subprocess.run(
-        [sys.executable, "-m", "moe_rl.rl.ray_init", "wait", "--nodes", "1", "--address", ray_head, "--timeout", "60"],
+        [sys.executable, "-m", "moe_rl.cli", "ray", "wait", "--nodes", "1", "--address", ray_head, "--timeout", "60"],
         env=env,
         capture_output=True,
         text=True,
@@ -81,7 +81,7 @@ def test_driver_joins_the_cluster_at_ray_address(ray_head, monkeypatch):
     assert waited.returncode == 0, waited.stderr
     assert "1 nodes alive" in waited.stdout
     short = subprocess.run(
-        [sys.executable, "-m", "moe_rl.rl.ray_init", "wait", "--nodes", "2", "--address", ray_head, "--timeout", "3"],
+        [sys.executable, "-m", "moe_rl.cli", "ray", "wait", "--nodes", "2", "--address", ray_head, "--timeout", "3"],
         env=env,
         capture_output=True,
         text=True,

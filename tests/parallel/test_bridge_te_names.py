@@ -169,7 +169,8 @@ def test_te_names_map_to_the_same_shards_as_the_local_spec(tmp_path, make_config
 
 def te_roundtrip(hf_dir: str) -> list[str]:
     """Rank function: build the TE-spec model, import, export; returns mismatched HF names."""
-    from parallel.export import export_hf_weights, uses_transformer_engine
+    from parallel.context import uses_transformer_engine
+    from parallel.export import export_hf_weights
     from parallel.hf_import import load_hf_weights
     from parallel.layout import ParallelLayout
     from parallel.model import build_gpt_model, init_model_parallel
@@ -186,7 +187,7 @@ def te_roundtrip(hf_dir: str) -> list[str]:
     return [n for n, t in exported.items() if not torch.equal(t.cpu(), reader.read(n))]
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_te
 @pytest.mark.parametrize(
     "make_config", [qwen3_moe_config, glm4_moe_config, deepseek_v3_config], ids=["qwen3_moe", "glm4_moe", "deepseek_v3"]
 )

@@ -94,7 +94,7 @@ def _family_side(family: str, root: str, out: str, tokens: torch.Tensor, layout:
 
     from moe_rl.config import TrainerConfig
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
-    from parallel.export import uses_transformer_engine
+    from parallel.context import uses_transformer_engine
     from parallel.hf_checkpoint import load_hf_config
     from parallel.lora import LoRAConfig, adapters
 

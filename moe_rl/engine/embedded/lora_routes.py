@@ -12,27 +12,34 @@ loaded name fails with SGLang's message); loads and unloads run one at a time; `
 `lora_path` takes a use of the adapter (`acquire`) or fails that request alone when the name is not
 registered; an unload first unregisters the name (new requests naming it fail), then waits until
 every request still using it has finished (they are never failed), then drops its weights.
-Everything here runs on the server's event loop; the model changes on the scheduler thread.
+Everything here runs on the server's event loop; the model changes on the scheduler thread: the
+server hands in how it reads a checked body (`read_body`) and how it runs a call there
+(`on_scheduler`), so this module does not import the server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-from typing import TYPE_CHECKING
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
 from moe_rl.engine.embedded.lora import TENSOR_PATH, LoraAdapter
+from moe_rl.engine.embedded.runner import ModelRunner
 from moe_rl.engine.lora_tensors import LOAD_FORMATS, check_checksums, decode_payload
-
-if TYPE_CHECKING:
-    from moe_rl.engine.embedded.server import EmbeddedServer
 
 
 class LoraRoutes:
-    def __init__(self, server: "EmbeddedServer"):
-        self.server = server
+    def __init__(
+        self,
+        runner: ModelRunner,
+        read_body: Callable[[web.Request], Awaitable[dict]],
+        on_scheduler: Callable[[Callable[[], Any]], Awaitable[Any]],
+    ):
+        """`read_body`: the server's parse-and-check of a request body; `on_scheduler(fn)`: runs
+        `fn` on the scheduler thread (between two decode steps) and returns its result."""
+        self.runner, self._read_body, self._on_scheduler = runner, read_body, on_scheduler
         self.paths: dict[str, str] = {}
         """Registered adapters (name -> lora_path): what `/generate` may name."""
         self._users: collections.Counter[str] = collections.Counter()
@@ -50,9 +57,7 @@ class LoraRoutes:
     @property
     def max_tensor_body_bytes(self) -> int:
         """A tensor load's body: an adapter is smaller than the model; base64 adds a third."""
-        return (1 << 20) + 2 * sum(
-            shape.numel() * dtype.itemsize for shape, dtype in self.server.runner._layout.values()
-        )
+        return (1 << 20) + 2 * sum(shape.numel() * dtype.itemsize for shape, dtype in self.runner._layout.values())
 
     # -- uses by /generate -------------------------------------------------------------------------
 
@@ -101,21 +106,21 @@ class LoraRoutes:
                 return self._answer(f"Failed to load LoRA adapter {name} because it is already loaded")
             try:
                 adapter = await asyncio.to_thread(make)
-                await self.server._on_scheduler(lambda: self.server.runner.add_lora(adapter))
+                await self._on_scheduler(lambda: self.runner.add_lora(adapter))
             except (ValueError, RuntimeError) as error:
                 return self._answer(str(error))
             self.paths[name] = path
             return self._answer()
 
     async def load(self, http: web.Request) -> web.Response:
-        body = await self.server._body(http)
+        body = await self._read_body(http)
         name, path = self._name(body), body["lora_path"]
         if not isinstance(path, str) or not path:
             raise ValueError(f"lora_path must be a non-empty string (a PEFT adapter directory), got {path!r}")
         return await self._load(name, path, lambda: LoraAdapter.from_dir(name, path))
 
     async def load_from_tensors(self, http: web.Request) -> web.Response:
-        body = await self.server._body(http.clone(client_max_size=self.max_tensor_body_bytes))
+        body = await self._read_body(http.clone(client_max_size=self.max_tensor_body_bytes))
         name, payloads = self._name(body), body["serialized_named_tensors"]
         load_format, checksums = body.get("load_format"), body.get("expected_checksums")
         if not isinstance(payloads, list) or not payloads or not all(isinstance(p, str) for p in payloads):
@@ -137,7 +142,7 @@ class LoraRoutes:
         return await self._load(name, TENSOR_PATH, make)
 
     async def unload(self, http: web.Request) -> web.Response:
-        name = self._name(await self.server._body(http))
+        name = self._name(await self._read_body(http))
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
@@ -147,6 +152,6 @@ class LoraRoutes:
             self._pending.add(name)  # until its weights are dropped (a cancelled unload is retried)
             if name in self._idle:  # requests still using it finish first (SGLang's wait_for_unload)
                 await self._idle[name].wait()
-            await self.server._on_scheduler(lambda: self.server.runner.remove_lora(name))
+            await self._on_scheduler(lambda: self.runner.remove_lora(name))
             self._pending.discard(name)
             return self._answer()

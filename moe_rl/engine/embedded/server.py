@@ -85,7 +85,7 @@ class EmbeddedServer:
         self._rids: set[str] = set()
         self._session = False  # a /begin_weight_update ... /end_weight_update session is open
         self.released: set[str] = set()  # memory tags released by /release_memory_occupation
-        self.lora = LoraRoutes(self)
+        self.lora = LoraRoutes(self.runner, self._body, self._on_scheduler)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors])

@@ -1,0 +1,77 @@
+"""The weight sync's options and results: `SyncConfig` (full weights, `sync.sender`),
+`AdapterSyncConfig` (LoRA adapters only, `sync.lora`), the names each option accepts, and
+`SyncStats`, what one update of either kind reports. Each config checks its fields when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sync.transports.base import TransportConfig
+
+ADAPTER_ROUTES = ("disk", "tensors")
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass(kw_only=True)
+class SyncConfig(TransportConfig):
+    transport: str = "broadcast"
+    """How bytes move: "broadcast" (process group), "disk" (safetensors on shared storage),
+    "cuda_ipc" (colocated engines: CUDA-IPC handles via /update_weights_from_tensor)."""
+    pause_mode: str = "retract"
+    """`/pause_generation` mode: abort | retract | in_place (SGLang's)."""
+    fp8_blocks: int | None = None
+    """Send decoder linear weights as FP8 e4m3 in N x N blocks with their `weight_scale_inv`
+    (DeepSeek-V3's format, N=128: half the bytes of bf16), for engines that serve FP8; the engines
+    then start from an FP8 checkpoint too. None: the trainer's dtype."""
+    lora_route: str = "tensors"
+    """With `lora:`, only adapters move and generation never pauses (`sync.lora`): "tensors"
+    (`/load_lora_adapter_from_tensors`) or "disk" (PEFT directories `policy-v{N}/` in `disk_dir`,
+    default `<output_dir>/adapters`, for engines that share only storage with the trainer)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode: {self.pause_mode!r} is not one of {PAUSE_MODES}")
+        if self.fp8_blocks is not None and (not isinstance(self.fp8_blocks, int) or self.fp8_blocks < 1):
+            raise ValueError(f"fp8_blocks: {self.fp8_blocks!r} is not a block size; use e.g. 128, or null")
+        if self.lora_route not in ADAPTER_ROUTES:
+            raise ValueError(f"lora_route: {self.lora_route!r} is not one of {ADAPTER_ROUTES}")
+
+
+@dataclass(kw_only=True)
+class AdapterSyncConfig:
+    route: str = "tensors"
+    """"tensors": `/load_lora_adapter_from_tensors` over HTTP; "disk": a PEFT directory on storage
+    the engines share (`directory`), loaded with `/load_lora_adapter`."""
+    directory: str | None = None
+    """Where the disk route writes `policy-v{N}/` (must be readable by every engine)."""
+    keep: int = 2
+    """Versions loaded at once: max_staleness + 1 (the oldest request may still use the oldest)."""
+    timeout_s: float = 300.0
+    """Bound on each engine call."""
+
+    def __post_init__(self):
+        if self.route not in ADAPTER_ROUTES:
+            raise ValueError(f"lora route: {self.route!r} is not one of {ADAPTER_ROUTES}")
+        if self.route == "disk" and not self.directory:
+            raise ValueError("the disk adapter route needs a directory the engines can read")
+        if self.keep < 1:
+            raise ValueError(f"keep={self.keep}: at least one adapter must stay loaded")
+
+
+@dataclass
+class SyncStats:
+    """What one update (`WeightSender.update`, `AdapterSync.publish`) moved and to whom."""
+
+    version: int
+    bytes: int
+    seconds: float
+    engines: list[str] = field(default_factory=list)
+    """The engines that committed `version`."""
+    dropped: list[str] = field(default_factory=list)
+    """Engines found dead (they could not resume) and dropped during this update."""
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0

@@ -9,6 +9,7 @@ SGLang route (see `sync.engine_api` for the whole sequence):
     /begin_weight_update          -> receiver.begin()   (a new version starts staging)
     /update_weights_from_distributed -> receiver.receive_bucket(names, dtypes, shapes,
                                                    weight_version, checksum, group_name)
+    /update_weights_from_tensor   -> receiver.stage_tensors(decoded payload, weight_version)
     /update_weights_from_disk     -> receiver.stage_from_disk(model_path, weight_version)
     /update_weight_version        -> tensors = receiver.commit(new_version); load them into
                                      the model under the lock that guards generation
@@ -168,6 +169,14 @@ class WeightReceiver:
                 raise ValueError(f"version {version} was dropped ({self._rejected or 'aborted'}); resend it")
             self._staged.update(tensors)
         return tensors
+
+    def stage_tensors(self, tensors: dict[str, torch.Tensor], weight_version: str | int | None = None) -> list[str]:
+        """Stage copies of `tensors`: a bucket handed over in memory (`/update_weights_from_tensor`,
+        CUDA-IPC views of the sender's buffer, which it packs again once this returns)."""
+        with self._state:
+            self._begin(weight_version)
+            self._staged.update((name, t.to(self.device, copy=True)) for name, t in tensors.items())
+            return sorted(tensors)
 
     def stage_from_disk(self, model_path: str | Path, weight_version: str | int) -> list[str]:
         """Stage every tensor of the `*.safetensors` files in `model_path`; returns their names."""

@@ -15,6 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--weight-version", default="0", help="initial weight version (integer string)")
     parser.add_argument("--max-batch", type=int, default=64, help="most requests decoded together")
+    parser.add_argument("--device", default="cpu", help="where the model runs: cpu, or cuda / cuda:N")
     parser.add_argument(
         "--cpus",
         type=_core_list,
@@ -41,5 +42,5 @@ def run(args: argparse.Namespace) -> int:
         pin_process(args.cpus)
     from moe_rl.engine.embedded.server import serve
 
-    serve(args.model_dir, args.host, args.port, args.weight_version, args.max_batch)
+    serve(args.model_dir, args.host, args.port, args.weight_version, args.max_batch, args.device)
     return 0

@@ -9,52 +9,34 @@ decoding: a missing, extra or different tensor fails the load). With `load_forma
 [FlattenedTensorMetadata(name, shape, dtype, start_idx, end_idx, numel)]}` (one tensor for the
 whole adapter); with `load_format` None it is `{name: tensor}`.
 
-Tensors travel by value: the payload is a plain pickle of CPU tensors (storage bytes inline, what
-SGLang's unpickler loads through `torch.load(weights_only=True)`), so it works across machines.
-(SGLang's own `MultiprocessingSerializer.serialize` shares CPU storage through file descriptors,
-valid only on the same host while the sender lives.) The pickle names SGLang's
-`FlattenedTensorMetadata` class without importing SGLang, and storages by torch's own
-`torch.storage._load_from_bytes` even where megatron-core (0.19) has replaced that function with
-its `megatron.core.safe_globals.safe_load_from_bytes`, a name SGLang's unpickler refuses.
+Tensors travel by value (`sync.flattened_payload`, `share=False`): the payload is a plain pickle
+of CPU tensors (storage bytes inline, what SGLang's unpickler loads through
+`torch.load(weights_only=True)`), so it works across machines. (SGLang's own
+`MultiprocessingSerializer.serialize` shares CPU storage through file descriptors, valid only on
+the same host while the sender lives.) The pickle names SGLang's `FlattenedTensorMetadata` class
+without importing SGLang, and storages by torch's own `torch.storage._load_from_bytes` even where
+megatron-core (0.19) has replaced that function with its
+`megatron.core.safe_globals.safe_load_from_bytes`, a name SGLang's unpickler refuses.
 Memory: a payload holds the adapter once (as bytes) plus its base64 text, once per TP rank in the
 JSON body.
 
-The embedded engine decodes with `decode_payload`: a restricted unpickler that admits only what
-`encode_payload` writes (tensors, dtypes, sizes, SGLang's metadata class); anything else is refused.
+The embedded engine decodes with `decode_payload` (`sync.flattened_payload.decode`: a restricted
+unpickler; anything but tensors, dtypes, sizes and SGLang's metadata class is refused).
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import collections
-import copyreg
 import dataclasses
 import hashlib
-import io
 import json
-import pickle
-import types
 from pathlib import Path
 from typing import Iterable, Mapping
 
 import torch
 
+from sync.flattened_payload import decode, flatten, serialize
+
 LOAD_FORMATS = ("flattened_bucket", None)
-_METADATA = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
-_ALIGN = 16  # every tensor starts at a multiple of this in the bucket: `.view(dtype)` needs it
-
-
-@dataclasses.dataclass
-class FlattenedTensorMetadata:
-    """Stand-in for SGLang's class of the same name (same fields); pickled under SGLang's name."""
-
-    name: str
-    shape: torch.Size
-    dtype: torch.dtype
-    start_idx: int
-    end_idx: int
-    numel: int
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:
@@ -76,25 +58,6 @@ def read_adapter_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
 # -- encoding --------------------------------------------------------------------------------------
 
 
-class _Pickler(pickle._Pickler):  # the Python pickler: the C one cannot name a class it cannot import
-    def save_global(self, obj, name=None):
-        if obj is FlattenedTensorMetadata:
-            self._save_as(obj, *_METADATA)
-        elif obj is torch.storage._load_from_bytes:  # whatever megatron-core put there: torch's name
-            self._save_as(obj, "torch.storage", "_load_from_bytes")
-        else:
-            super().save_global(obj, name)
-
-    def _save_as(self, obj, module: str, name: str) -> None:
-        self.save(module)
-        self.save(name)
-        self.write(pickle.STACK_GLOBAL)
-        self.memoize(obj)
-
-    dispatch = dict(pickle._Pickler.dispatch)
-    dispatch[types.FunctionType] = save_global  # the base table holds the base class's save_global
-
-
 def encode_payload(named_tensors: Mapping[str, torch.Tensor], load_format: str | None) -> str:
     """One rank's `serialized_named_tensors` entry (base64) for `named_tensors`."""
     if load_format not in LOAD_FORMATS:
@@ -102,25 +65,7 @@ def encode_payload(named_tensors: Mapping[str, torch.Tensor], load_format: str |
     if not named_tensors:
         raise ValueError("an adapter needs at least one tensor")
     tensors = {name: t.detach().cpu().contiguous() for name, t in named_tensors.items()}
-    if load_format is None:
-        obj: object = tensors
-    else:
-        metadata, pieces, offset = [], [], 0
-        for name, t in tensors.items():
-            pad = -offset % _ALIGN
-            if pad:
-                pieces.append(torch.zeros(pad, dtype=torch.uint8))
-                offset += pad
-            flat = t.flatten().view(torch.uint8)
-            metadata.append(
-                FlattenedTensorMetadata(name, t.shape, t.dtype, offset, offset + flat.numel(), flat.numel())
-            )
-            pieces.append(flat)
-            offset += flat.numel()
-        obj = {"flattened_tensor": torch.cat(pieces), "metadata": metadata}
-    buffer = io.BytesIO()
-    _Pickler(buffer, protocol=4).dump(obj)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+    return serialize(tensors if load_format is None else flatten(tensors), share=False)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -178,60 +123,11 @@ class LoraTensorsBody:
 # -- decoding (the embedded engine) ----------------------------------------------------------------
 
 
-def _load_storage(data: bytes):
-    storage = torch.load(io.BytesIO(data), weights_only=True)
-    if not isinstance(storage, (torch.storage.TypedStorage, torch.UntypedStorage)):
-        raise pickle.UnpicklingError(f"expected a torch storage, got {type(storage).__name__}")
-    return storage
-
-
-class _Unpickler(pickle.Unpickler):
-    _ALLOWED = {
-        ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
-        ("torch.storage", "_load_from_bytes"): _load_storage,
-        ("torch", "Size"): torch.Size,
-        ("collections", "OrderedDict"): collections.OrderedDict,
-        ("copyreg", "__newobj__"): copyreg.__newobj__,
-        _METADATA: FlattenedTensorMetadata,
-    }
-
-    def find_class(self, module, name):
-        if (module, name) in self._ALLOWED:
-            return self._ALLOWED[(module, name)]
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(
-            f"{module}.{name} is not allowed in a tensor payload (the embedded engine takes "
-            "by-value CPU tensors, as EngineClient.load_lora_adapter_from_tensors sends)"
-        )
-
-
 def decode_payload(payload: str, load_format: str | None) -> dict[str, torch.Tensor]:
     """The named tensors of one `serialized_named_tensors` entry (ValueError when malformed)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r}: use one of {LOAD_FORMATS}")
-    try:
-        data = _Unpickler(io.BytesIO(base64.b64decode(payload, validate=True))).load()
-    except (binascii.Error, pickle.UnpicklingError, EOFError, TypeError, ValueError, RuntimeError) as error:
-        raise ValueError(f"serialized_named_tensors: not a tensor payload ({type(error).__name__}: {error})") from None
-    if load_format is None:
-        if not isinstance(data, dict) or not all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in data.items()
-        ):
-            raise ValueError("serialized_named_tensors: with load_format null a payload is {name: tensor}")
-        return dict(data)
-    if (
-        not isinstance(data, dict)
-        or not isinstance(data.get("flattened_tensor"), torch.Tensor)
-        or not all(isinstance(m, FlattenedTensorMetadata) for m in data.get("metadata") or [None])
-    ):
-        raise ValueError("serialized_named_tensors: a flattened_bucket payload is {flattened_tensor, metadata}")
-    flat, tensors = data["flattened_tensor"], {}
-    for meta in data["metadata"]:
-        if not 0 <= meta.start_idx <= meta.end_idx <= flat.numel():
-            raise ValueError(f"serialized_named_tensors: {meta.name} lies outside the flattened tensor")
-        tensors[meta.name] = flat[meta.start_idx : meta.end_idx].view(meta.dtype).reshape(meta.shape)
-    return tensors
+    return decode(payload, flattened=load_format is not None)
 
 
 def check_checksums(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, str] | None) -> None:

@@ -97,6 +97,7 @@ def launch_embedded(
     timeout_s: float = 120.0,
     threads: int | None = None,
     cpus: list[int] | None = None,
+    device: str = "cpu",
 ) -> EngineProcess:
     """Start the embedded engine as a subprocess on a free port and wait until it is healthy.
     `cpus`: pin it to these cores (`serve --cpus`, one thread per core unless `threads` says)."""
@@ -115,6 +116,8 @@ def launch_embedded(
         str(weight_version),
         "--max-batch",
         str(max_batch),
+        "--device",
+        device,
     ]
     if cpus:
         command += ["--cpus", ",".join(map(str, cpus))]

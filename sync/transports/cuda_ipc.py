@@ -22,9 +22,11 @@ resolves the IPC handle by device UUID and its scheduler dies on a GPU it cannot
 device_uuid", `sglang/srt/utils/patch_torch.py`). The RL config therefore allows cuda_ipc with
 one colocated engine only (engines on other GPUs use `broadcast`).
 
-Requirements: CUDA, and sglang importable on the trainer (SGLang's unpickler accepts exactly
-its own `FlattenedTensorMetadata` class, so the payload must be built from it). Asking for this
-transport without them raises ValueError naming what is missing. Engines must implement
+Requirements: CUDA (asking for this transport without it raises ValueError). Where sglang is
+importable the payload is built with SGLang's own serializer and metadata class (its device named
+by UUID); without it, `sync.flattened_payload` writes the same payload (CUDA-IPC handles, SGLang's
+metadata name), which the embedded engine's `/update_weights_from_tensor` reads (the GPU check
+runs that path without SGLang). Engines must implement
 `sync.engine_api.ColocatedEngineEndpoint`. Memory on the source rank: 2 x bucket_bytes of GPU
 memory (plus a tensor larger than a bucket, shared from its own memory); no checksum (the bytes
 never leave the GPU's memory).
@@ -41,6 +43,7 @@ import torch
 from sync.bucket import Bucket, BucketPacker
 from sync.engine_api import ColocatedEngineEndpoint
 from sync.engine_set import EngineSet, SyncError, describe
+from sync.flattened_payload import FlattenedTensorMetadata, serialize
 from sync.transports.base import Transport, exhaust
 
 
@@ -48,9 +51,11 @@ def missing_requirements() -> list[str]:
     missing = []
     if not torch.cuda.is_available():
         missing.append("CUDA (torch.cuda.is_available() is False: no GPU or a CPU-only torch)")
-    if importlib.util.find_spec("sglang") is None:
-        missing.append("sglang (pip install 'moe-rl[sglang]')")
     return missing
+
+
+def _with_sglang() -> bool:
+    return importlib.util.find_spec("sglang") is not None
 
 
 class CudaIpcTransport(Transport):
@@ -76,9 +81,10 @@ class CudaIpcTransport(Transport):
                     f"transport needs sync.engine_api.ColocatedEngineEndpoint"
                 )
         self.ranks = engines.results(lambda e: e.num_group_ranks(), "server_info")
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+        if _with_sglang():  # SGLang resolves the IPC handle's GPU by UUID
+            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
-        monkey_patch_torch_reductions()
+            monkey_patch_torch_reductions()
         self.packer = BucketPacker(self.config.bucket_bytes, torch.device("cuda", torch.cuda.current_device()))
         self._worker = cf.ThreadPoolExecutor(1, thread_name_prefix="sync-cuda-ipc")
         self.broken = False
@@ -129,6 +135,14 @@ class CudaIpcTransport(Transport):
 
 def serialize_bucket(bucket: Bucket, num_ranks: int) -> list[str]:
     """SGLang's flattened-bucket payload for one bucket, serialized once per engine TP rank."""
+    if not _with_sglang():
+        metadata = [
+            FlattenedTensorMetadata(m.name, torch.Size(m.shape), m.dtype, m.offset, m.offset + m.nbytes, m.nbytes)
+            for m in bucket.metas
+        ]
+        return [
+            serialize({"flattened_tensor": bucket.data, "metadata": metadata}, share=True) for _ in range(num_ranks)
+        ]
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 

@@ -4,6 +4,9 @@ driven by `sync.sender.WeightSender` through `EngineClient` (the real protocol e
 from __future__ import annotations
 
 import asyncio
+import base64
+import os
+import pickle
 
 import numpy as np
 import pytest
@@ -11,6 +14,7 @@ import pytest
 from moe_rl.engine.client import EngineClient, EngineError
 from moe_rl.engine.embedded.runner import load_checkpoint_state
 from moe_rl.engine.process import launch_embedded
+from sync.flattened_payload import flatten, serialize
 from sync.sender import SyncConfig, WeightSender
 from tests.engine.engine_helpers import (
     load_reference,
@@ -138,6 +142,34 @@ def test_fp8_weights_start_and_update_an_engine(qwen3_dir, new_dir, tmp_path):
     assert matches(start, before) and matches(update, after) and not matches(update, before)
     full = sum(t.numel() * t.element_size() for t in load_checkpoint_state(new_dir).values())
     assert stats.bytes == sum(t.numel() * t.element_size() for _, t in stream) < full / 2  # fp32 -> FP8
+
+
+def test_update_from_tensor_payload(engine, qwen3_dir, new_dir):
+    """`/update_weights_from_tensor` (the `cuda_ipc` transport's route): a flattened-bucket payload is
+    staged in the session and served from the commit on; here by value (CPU tensors), on a GPU by
+    CUDA-IPC handles (tests/gpu/test_sync_ipc.py). A payload naming any other global is refused."""
+    state = load_checkpoint_state(new_dir)
+    names = sorted(state)
+    halves = [names[: len(names) // 2], names[len(names) // 2 :]]
+    payloads = [serialize(flatten({n: state[n] for n in half}), share=False) for half in halves]
+    evil = base64.b64encode(pickle.dumps(os.system)).decode()
+
+    async def go(client):
+        with pytest.raises(EngineError, match="between begin_weight_update"):
+            await client.update_weights_from_tensor([payloads[0]], "flattened_bucket", None)
+        await client.begin_weight_update()
+        with pytest.raises(EngineError, match="system is not allowed in a tensor payload"):
+            await client.update_weights_from_tensor([evil], "flattened_bucket", None)
+        for payload in payloads:
+            await client.update_weights_from_tensor([payload], "flattened_bucket", None)
+        await client.end_weight_update()
+        assert (await client.model_info())["weight_version"] == "0"  # staged, not served yet
+        await client.update_weight_version("1")
+        return await generate(client)
+
+    results = run(with_client(engine.url, go))
+    assert all(r.weight_version == 1 for r in results)
+    assert matches(new_dir, results) and not matches(qwen3_dir, results)
 
 
 def test_weight_update_session_rules_are_sglangs(engine):

@@ -1,4 +1,4 @@
-"""CUDA-IPC transport: a clear error where CUDA or sglang is missing; on a GPU with sglang, a
+"""CUDA-IPC transport: a clear error where CUDA is missing; on a GPU with sglang, a
 round trip through SGLang's own serializer into another process (an SGLang-side FAKE engine:
 it deserializes and rebuilds the flattened bucket exactly as SGLang's weight updater does)."""
 
@@ -20,9 +20,9 @@ GPU_AND_SGLANG = torch.cuda.is_available() and importlib.util.find_spec("sglang"
 
 def test_registry_lists_cuda_ipc_and_names_what_is_missing():
     assert "cuda_ipc" in available_transports()
-    if GPU_AND_SGLANG:
-        pytest.skip("CUDA and sglang are present here")
-    with pytest.raises(ValueError, match="transport 'cuda_ipc' needs .*(CUDA|sglang)") as info:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present here")
+    with pytest.raises(ValueError, match="transport 'cuda_ipc' needs CUDA") as info:
         make_transport("cuda_ipc", TransportConfig())
     for requirement in missing_requirements():
         assert requirement in str(info.value)

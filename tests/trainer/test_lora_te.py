@@ -218,7 +218,7 @@ def check_te_results(results: list, expected: torch.Tensor, original: dict, loca
         assert te_checkpoint == local_checkpoint and te_checkpoint, case
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_te
 def test_te_lora_matches_peft_with_the_real_transformer_engine(tmp_path):
     """The same checks with the real Transformer Engine on one GPU: what the stand-in stands for."""
     pytest.importorskip("transformer_engine")

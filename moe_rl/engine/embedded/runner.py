@@ -64,8 +64,9 @@ class ModelRunner:
     Not thread-safe: only the scheduler thread calls `forward` and `swap`.
     """
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, device: str = "cpu"):
         self.model_dir = str(model_dir)
+        self.device = torch.device(device)  # the live model's; the checkpoint tensors stay in host memory
         self.config = AutoConfig.from_pretrained(self.model_dir)
         architectures = getattr(self.config, "architectures", None) or []
         if not architectures or not hasattr(transformers, architectures[0]):
@@ -91,9 +92,7 @@ class ModelRunner:
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks: list = []
         self.lora = LoraSet()
-        self.model = self._install(
-            self.model_class.from_pretrained(None, config=self.config, state_dict=self.checkpoint, dtype=torch.float32)
-        )
+        self.model = self._install(self._build(self.checkpoint))
         self._layout = {name: (tensor.shape, tensor.dtype) for name, tensor in self.checkpoint.items()}
         self.weights_state = "loaded"
         """"loaded" | "released" (no tensors) | "reallocated" (allocated, waiting for a full update)."""
@@ -127,8 +126,11 @@ class ModelRunner:
                 )
         # copy: the receiver reuses its storage two versions later, the checkpoint must not alias it
         merged = {**self.checkpoint, **{k: v.to(self.checkpoint[k].dtype, copy=True) for k, v in tensors.items()}}
-        model = self.model_class.from_pretrained(None, config=self.config, state_dict=merged, dtype=torch.float32)
-        return model, merged
+        return self._build(merged), merged
+
+    def _build(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+        model = self.model_class.from_pretrained(None, config=self.config, state_dict=state, dtype=torch.float32)
+        return model.to(self.device)
 
     def swap(self, model: torch.nn.Module, checkpoint: dict[str, torch.Tensor]) -> None:
         """Make a staged model live (scheduler thread, between forwards)."""
@@ -226,6 +228,7 @@ class ModelRunner:
         """
         self.require_weights()
         batch, seq = input_ids.shape
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -seq:]
         self._captured.clear()
         self.lora.row_adapters = adapters
@@ -237,10 +240,10 @@ class ModelRunner:
             use_cache=True,
             logits_to_keep=1,
         )
-        logprobs = torch.log_softmax(out.logits[:, -1, :].float(), dim=-1)
+        logprobs = torch.log_softmax(out.logits[:, -1, :].float(), dim=-1).cpu()
         routed = np.zeros((batch, seq, self.num_layers, self.topk), dtype=np.int32)
         for layer, indices in self._captured.items():
-            routed[:, :, layer, :] = indices.reshape(batch, seq, self.topk).numpy()
+            routed[:, :, layer, :] = indices.reshape(batch, seq, self.topk).cpu().numpy()
         return logprobs, routed
 
     def describe(self) -> dict:

@@ -6,7 +6,8 @@ Long blocking work (loading weights, joining the weight-update group, receiving 
 worker threads; only the final swap runs on the scheduler thread, between two decode steps.
 
 Weight updates (`sync.receiver.WeightReceiver` does the group and the staging), with SGLang
-0.5.23's session rules: `/update_weights_from_distributed` is refused outside a
+0.5.23's session rules: `/update_weights_from_distributed` and `/update_weights_from_tensor` (a
+bucket by CUDA-IPC handles, `sync.flattened_payload`; the model on `--device cuda`) are refused outside a
 `/begin_weight_update` ... `/end_weight_update` session, and a begin while one is open is refused.
 `/update_weights_from_disk` loads, swaps and sets the version at once (SGLang's behaviour, no
 session). `/update_weights_from_distributed` stages one bucket; `/update_weight_version` commits
@@ -43,6 +44,7 @@ from moe_rl.engine.embedded.lora_routes import LoraRoutes
 from moe_rl.engine.embedded.request import Request, SamplingParams
 from moe_rl.engine.embedded.runner import ModelRunner, load_checkpoint_state
 from moe_rl.engine.embedded.scheduler import Scheduler
+from sync.flattened_payload import decode
 from sync.receiver import WeightReceiver
 
 
@@ -75,8 +77,8 @@ def _int(value: object, name: str, low: int | None = None) -> int:
 
 
 class EmbeddedServer:
-    def __init__(self, model_dir: str, weight_version: str = "0", max_batch: int = 64):
-        self.runner = ModelRunner(model_dir)
+    def __init__(self, model_dir: str, weight_version: str = "0", max_batch: int = 64, device: str = "cpu"):
+        self.runner = ModelRunner(model_dir, device)
         self.scheduler = Scheduler(self.runner, weight_version, max_batch)
         self.receiver = WeightReceiver(version=int(weight_version) if weight_version.isdigit() else 0)
         eos = getattr(self.runner.config.get_text_config(), "eos_token_id", None)
@@ -98,6 +100,7 @@ class EmbeddedServer:
             "/init_weights_update_group": self.init_group,
             "/destroy_weights_update_group": self.destroy_group,
             "/update_weights_from_distributed": self.update_from_distributed,
+            "/update_weights_from_tensor": self.update_from_tensor,
             "/update_weight_version": self.update_version,
             "/begin_weight_update": self.begin_update,
             "/end_weight_update": self.end_update,
@@ -479,6 +482,22 @@ class EmbeddedServer:
         )
         return web.json_response({"success": True, "message": f"Staged {len(body['names'])} tensors."})
 
+    async def update_from_tensor(self, http: web.Request) -> web.Response:
+        """A bucket by CUDA-IPC handles (the `cuda_ipc` transport): staged like a broadcast bucket."""
+        body = await self._body(http)
+        if not self._session:
+            raise RuntimeError(
+                "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+            )
+        if body.get("load_format") != "flattened_bucket":
+            raise BadRequest(f"load_format={body.get('load_format')!r}: the embedded engine takes 'flattened_bucket'")
+        payloads = body["serialized_named_tensors"]
+        if not isinstance(payloads, list) or not payloads or not all(isinstance(p, str) for p in payloads):
+            raise BadRequest("serialized_named_tensors: a non-empty list of base64 payloads, one per TP rank")
+        tensors = await asyncio.to_thread(decode, payloads[0], True)  # one TP rank: SGLang's rank 0 takes entry 0
+        names = await asyncio.to_thread(self.receiver.stage_tensors, tensors, body.get("weight_version"))
+        return web.json_response({"success": True, "message": f"Staged {len(names)} tensors."})
+
     async def update_version(self, http: web.Request) -> web.Response:
         body = await self._body(http)
         abort_all = body.get("abort_all_requests", True)
@@ -501,8 +520,8 @@ def _resolve(future: asyncio.Future, result) -> None:
         future.set_result(result)
 
 
-def serve(model_dir: str, host: str, port: int, weight_version: str, max_batch: int = 64) -> None:
+def serve(model_dir: str, host: str, port: int, weight_version: str, max_batch: int = 64, device: str = "cpu") -> None:
     """Blocking: load the model and serve until SIGINT/SIGTERM."""
-    server = EmbeddedServer(model_dir, weight_version, max_batch)
+    server = EmbeddedServer(model_dir, weight_version, max_batch, device)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request
     web.run_app(server.app(), host=host, port=port, print=None, handle_signals=True, handler_cancellation=True)

@@ -67,6 +67,8 @@ class ModelRunner:
     def __init__(self, model_dir: str | Path, device: str = "cpu"):
         self.model_dir = str(model_dir)
         self.device = torch.device(device)  # the live model's; the checkpoint tensors stay in host memory
+        if self.device.type == "cuda":  # an NCCL weight-update group uses the current device
+            torch.cuda.set_device(self.device)
         self.config = AutoConfig.from_pretrained(self.model_dir)
         architectures = getattr(self.config, "architectures", None) or []
         if not architectures or not hasattr(transformers, architectures[0]):

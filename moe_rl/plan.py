@@ -44,7 +44,9 @@ A = r x (in + out) per adapted linear (fused q/k/v and gate/up share one A; ever
 its own), and each sync sends B x A bytes: the adapter, not the model.
 
 Seconds per sync: bytes x 8 / (`cluster.link_gbps` x 1e9 x SYNC_EFFICIENCY), printed beside the
-published sync time of the same model (SYNC_ANCHORS) where there is one.
+published sync time of the same model (SYNC_ANCHORS) where there is one. Where the GPU check has
+measured figures (`benchmarks/gpu_metrics.json`, written by `scripts/gpu_check.sh`), the plan lists
+them and adds the FP8 quantization of `sync.fp8_blocks` at the measured rate (on the source GPU).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ import functools
 import itertools
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from moe_rl.config import PARAM_DTYPES, RunConfig
 
@@ -63,6 +66,8 @@ SYNC_EFFICIENCY = 0.35
 """Fraction of the link a full sync achieves: the raw/full ratio of `moe-rl bench sync
 configs/bench/sync_1g.yaml` (a raw broadcast of the same bytes over the full export + pack +
 broadcast + commit), best-of-3 0.31-0.43, measured on 2 CPU cores over gloo; not yet measured on NCCL."""
+GPU_METRICS = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_metrics.json"
+"""What the `gpu` tier measured on a real GPU (tests/gpu/metrics.py); absent until a GPU check ran."""
 SYNC_ANCHORS: dict[tuple[str, float], str] = {
     ("Qwen3MoeForCausalLM", 30.5): "verl Qwen3-30B-A3B ~7 s",
     ("Qwen3MoeForCausalLM", 235.1): "Miles Qwen3-235B-A22B 10.75 s",
@@ -155,7 +160,12 @@ class Plan:
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
-def make_plan(config: RunConfig) -> Plan:
+def load_gpu_metrics(path: Path = GPU_METRICS) -> dict[str, dict]:
+    """{name: {value, unit, gpu, date, ...}} measured by the GPU check, or {} where none ran."""
+    return json.loads(path.read_text()).get("measured", {}) if path.is_file() else {}
+
+
+def make_plan(config: RunConfig, gpu_metrics: Path = GPU_METRICS) -> Plan:
     """Validate `config` against its cluster and return the plan; ValueError when it cannot run."""
     if config.cluster is None:
         raise ValueError(
@@ -195,6 +205,18 @@ def make_plan(config: RunConfig) -> Plan:
             f"sync.fp8_blocks={config.sync.fp8_blocks}: decoder linears as FP8 blocks, about "
             f"{sync_bytes / GB:.2f} GB per sync instead of {counts.total * dtype_bytes / GB:.2f} GB"
         )
+    measured = load_gpu_metrics(gpu_metrics)
+    if adapter is None and config.sync.fp8_blocks and "fp8_quantize_gb_per_s" in measured:
+        rate = measured["fp8_quantize_gb_per_s"]
+        seconds = counts.total * dtype_bytes / (rate["value"] * GB)  # every weight read once at the source
+        plan.sync_seconds += seconds
+        plan.notes.append(
+            f"FP8 quantization: +{seconds:.1f} s per sync at {rate['value']:.0f} GB/s "
+            f"(measured on {rate['gpu']}, {rate['date']})"
+        )
+    if measured:
+        shown = ", ".join(f"{name} {m['value']:.3g} {m['unit'].split(' ')[0]}" for name, m in sorted(measured.items()))
+        plan.notes.append(f"measured on GPU ({gpu_metrics.name}): {shown}")
     if adapter is not None:
         plan.notes.append(
             f"lora: {sum(adapter) / 1e6:.1f} M adapter parameters ({adapter[1] / 1e6:.1f} M in routed "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -231,3 +232,18 @@ def test_sync_anchor_matches_architecture_and_size():
     assert anchor("Glm4MoeForCausalLM", 352) == "slime GLM-4.5-355B 48 s"
     assert anchor("Glm4MoeForCausalLM", 106.9) is None  # GLM-4.5-Air
     assert anchor("MixtralForCausalLM", 30.5) is None
+
+
+def test_gpu_measurements_add_fp8_quantization_and_are_listed(tmp_path):
+    """Figures from the GPU check (tests/gpu/metrics.py's file) enter the plan; without them nothing changes."""
+    config = load_config("configs/models/deepseek_v3.yaml", ["sync.fp8_blocks=128"])
+    without = make_plan(config, gpu_metrics=tmp_path / "absent.json")
+    metrics = tmp_path / "gpu_metrics.json"
+    rate = {"value": 500.0, "unit": "GB/s of bf16 input", "gpu": "NVIDIA H200", "date": "2026-12-02"}
+    metrics.write_text(json.dumps({"measured": {"fp8_quantize_gb_per_s": rate}}))
+    measured = make_plan(config, gpu_metrics=metrics)
+    expected = measured.params.total * 2 / (500.0 * 1e9)  # bf16 weights read once at 500 GB/s
+    assert measured.sync_seconds == pytest.approx(without.sync_seconds + expected)
+    assert any("measured on NVIDIA H200" in note for note in measured.notes)
+    assert any("fp8_quantize_gb_per_s 500" in note for note in measured.notes)
+    assert not any("measured" in note for note in without.notes)

@@ -21,6 +21,8 @@ from moe_rl.progress import StepProgress
 from moe_rl.rl import resume as resume_state
 from moe_rl.rl.cluster import RLCluster
 from moe_rl.rl.colocate import engines_released
+from moe_rl.rl.step_clock import StepClock
+from moe_rl.rl.trainer_group import SaveHFRequest
 from moe_rl.rollout.train_batch import build_batch
 
 
@@ -45,34 +47,37 @@ def run(config: RunConfig, resume: bool = False) -> dict:
     row_multiple = config.algorithm.num_mini_batches * config.trainer.micro_batch_size * config.trainer.dp
     try:
         setup_s = time.perf_counter() - start
-        generated, active = 0.0, cluster.rollout_metrics()["engines/active_s"]
+        clock = StepClock(
+            cluster.rollout_metrics()["engines/active_s"],
+            colocate=config.rl.colocate,
+            full_weight_sync=config.lora is None,
+        )
         with StepProgress("rl", config.steps - first) as progress:
             for version in range(first, config.steps):
-                metrics, step_start = {}, time.perf_counter()
+                # 1. batch: the next groups the staleness bound admits
+                clock.start()
                 groups = cluster.get_batch(rollout.groups_per_step)
-                metrics["time/trainer_wait_s"] = time.perf_counter() - step_start
+                metrics = clock.waited()
                 batch, info = build_batch(groups, config.algorithm, version, rollout.max_staleness, row_multiple)
                 trained += info.group_ids
-                released = time.perf_counter()
-                with engines_released(cluster.engines, config.engines.kind, config.rl.colocate, metrics):
+                # 2. train (colocated engines give their memory back meanwhile)
+                with (
+                    clock.training(),
+                    engines_released(cluster.engines, config.engines.kind, config.rl.colocate, metrics),
+                ):
                     metrics.update(cluster.trainer.step(batch, config.algorithm))
-                released = time.perf_counter() - released if config.rl.colocate else 0.0
+                # 3. update the engines' weights to version + 1
                 metrics.update(_update_weights(cluster, config, version + 1))
                 # read before admitting the next round: the worker answers after starting its requests
                 rollout_metrics = cluster.rollout_metrics()
-                # the engines serve version + 1: admit the rounds it allows (the staleness bound)
+                # 4. admit: the engines serve version + 1, so the rounds it allows may start
                 cluster.set_rollout_version(version + 1)
+                # 5. log
                 metrics.update({**info.metrics(), **rollout_metrics})
-                metrics["time/step_s"] = time.perf_counter() - step_start
-                # engines pause for a full-weight sync (LoRA adapters load beside generation)
-                paused = released + (metrics["time/sync_s"] if config.lora is None else 0.0)
-                metrics.update(utilization(metrics, rollout_metrics["engines/active_s"] - active, paused))
-                active = rollout_metrics["engines/active_s"]
-                new_tokens = rollout_metrics["rollout/generated_tokens"] - generated
-                generated = rollout_metrics["rollout/generated_tokens"]
-                metrics["rollout/step_generated_tokens_per_s"] = new_tokens / metrics["time/step_s"]
+                metrics.update(clock.finish(metrics, rollout_metrics))
                 logger.log(version + 1, metrics)
                 resume_state.record_trained(run_dir, version + 1, info.group_ids)
+                # 6. checkpoint the run every `rl.checkpoint_every` steps and at the last
                 every = config.rl.checkpoint_every
                 if every and ((version + 1) % every == 0 or version + 1 == config.steps):
                     resume_state.save_run_checkpoint(cluster, run_dir, version + 1, config.rl.keep_checkpoints)
@@ -83,7 +88,7 @@ def run(config: RunConfig, resume: bool = False) -> dict:
                 )
         train_s = time.perf_counter() - start - setup_s
         if config.rl.save_hf:  # with LoRA: merged (base + adapter), for engines without LoRA
-            cluster.trainer.save_hf(str(run_dir / "final_hf"))
+            cluster.trainer.save_hf(SaveHFRequest(str(run_dir / "final_hf")))
         if config.lora is not None:
             cluster.trainer.save_adapter(str(run_dir / "final_adapter"))
     finally:
@@ -104,28 +109,6 @@ def run(config: RunConfig, resume: bool = False) -> dict:
         "trained_group_ids": trained,
         "ledger": ledger,
         "run_dir": str(run_dir),
-    }
-
-
-def utilization(metrics: dict[str, float], engine_active_s: float, engine_paused_s: float) -> dict[str, float]:
-    """Where one step's wall time went, per pool: what async RL exists to keep busy.
-
-    Trainer: waiting for data (the batch, or a drain before the sync) or busy (everything else:
-    old logprobs, the train step, the weight export and sync); busy + wait = the step. Engines
-    (the mean engine): paused (a full-weight sync pauses generation; colocated engines are
-    released for the train step too), busy (at least one request in flight outside the pause:
-    `EnginePool.active_seconds`), or idle; busy + paused + idle = the step.
-    """
-    step = metrics["time/step_s"]
-    wait = min(step, metrics["time/trainer_wait_s"] + metrics.get("time/drain_s", 0.0))
-    paused = min(step, engine_paused_s)
-    busy = min(step - paused, max(0.0, engine_active_s - paused))
-    return {
-        "perf/trainer_busy_frac": (step - wait) / step,
-        "perf/trainer_wait_s": wait,
-        "perf/engine_busy_frac": busy / step,
-        "perf/engine_paused_s": paused,
-        "perf/engine_idle_frac": (step - busy - paused) / step,
     }
 
 

@@ -43,7 +43,8 @@ from moe_rl.engine.client import engine_index, engine_name
 from moe_rl.rl.ray_init import init_ray
 from moe_rl.rl.resume import RunCheckpoint
 from moe_rl.rl.rollout_actor import EngineServer, RolloutWorker, engine_placement
-from moe_rl.rl.trainer_group import TrainerGroup
+from moe_rl.rl.trainer_group import SaveHFRequest, TrainerGroup
+from moe_rl.trainer.weight_sync import ConnectRequest, SyncRequest
 
 
 @dataclass(frozen=True)
@@ -124,10 +125,10 @@ class RLCluster:
             version = self.restore.weight_version
         initial = str(self.run_dir / ("initial_hf" if version == 0 else f"resumed_hf_v{version}"))
         # LoRA: the engines serve the frozen base and adapter `policy-v{version}` on top of it
-        self.trainer.save_hf(initial, merged=cfg.lora is None, fp8_blocks=cfg.sync.fp8_blocks)
+        self.trainer.save_hf(SaveHFRequest(initial, merged=cfg.lora is None, fp8_blocks=cfg.sync.fp8_blocks))
         self.engines = self._start_engines(initial, version)
         urls = ray.get([engine.url.remote() for engine in self.engines])
-        self.trainer.connect(urls, cfg.sync, cfg.engines.kind, version, self._adapter_sync())
+        self.trainer.connect(ConnectRequest(tuple(urls), cfg.sync, cfg.engines.kind, version, self._adapter_sync()))
         self.version = self.initial_version = version
         hf = cfg.model.load_hf_config()
         worker = ray.remote(RolloutWorker).options(num_cpus=1, max_concurrency=16)
@@ -199,7 +200,7 @@ class RLCluster:
         """Weight update to `version` on every live engine (dead ones are dropped and restarted);
         returns its seconds."""
         lost, self.lost = self.lost, []
-        result = self.trainer.sync_weights(version, self.config.sync.bucket_bytes, lost=lost)
+        result = self.trainer.sync_weights(SyncRequest(version, self.config.sync.bucket_bytes, lost=tuple(lost)))
         self.version = version
         for name in result["dropped"]:
             ray.get(self.rollout.mark_dead.remote(engine_index(name)))
@@ -220,9 +221,10 @@ class RLCluster:
             url, name = ray.get(restarted), engine_name(index)
             if name in self.lost:  # the sender replaces the dead member with the restarted one
                 self.lost.remove(name)
-            result = self.trainer.sync_weights(
+            catch_up = SyncRequest(
                 self.version, self.config.sync.bucket_bytes, joined={name: url}, served_version=self.initial_version
             )
+            result = self.trainer.sync_weights(catch_up)
             del self.restarting[index]
             if name in result["dropped"]:  # died again while catching up: restarted next time
                 continue

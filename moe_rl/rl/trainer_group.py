@@ -10,13 +10,27 @@ thread that runs Megatron (the CPU patches are per thread for the device-literal
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 import torch
 
 from moe_rl.algorithms import AlgorithmConfig
-from moe_rl.trainer.weight_sync import WeightSync, fp8_format
+from moe_rl.trainer.weight_sync import ConnectRequest, SyncRequest, WeightSync, fp8_format
+
+
+@dataclass(frozen=True)
+class SaveHFRequest:
+    """`TrainerRank.save_hf`: the policy's weights as an HF checkpoint."""
+
+    out_dir: str
+    """Where the checkpoint is written (staged, renamed when complete)."""
+    merged: bool = True
+    """With LoRA: True = base + adapters merged (engines without LoRA), False = the frozen base
+    alone (what adapter engines serve). Without LoRA: the weights either way."""
+    fp8_blocks: int | None = None
+    """Decoder linear weights as FP8 blocks of this size (engines that serve FP8); None: as trained."""
 
 
 class TrainerRank:
@@ -77,11 +91,12 @@ class TrainerRank:
 
             cpu_compat.apply()  # idempotent; Ray may run a method on another thread
 
-    def save_hf(self, out_dir: str, merged: bool = True, fp8_blocks: int | None = None) -> None:
-        """The weights as an HF checkpoint; with LoRA, `merged=False` writes the frozen base alone
-        (what adapter engines serve); `fp8_blocks`: as FP8 blocks (engines that serve FP8)."""
+    def save_hf(self, request: SaveHFRequest) -> None:
+        """The weights as an HF checkpoint (`SaveHFRequest` says which and how; collective)."""
         self._enter()
-        self.trainer.save_hf_checkpoint(out_dir, self.hf_config.to_dict(), merged=merged, fp8=fp8_format(fp8_blocks))
+        self.trainer.save_hf_checkpoint(
+            request.out_dir, self.hf_config.to_dict(), merged=request.merged, fp8=fp8_format(request.fp8_blocks)
+        )
 
     def save_adapter(self, out_dir: str) -> None:
         """LoRA: the adapters as a PEFT directory (collective)."""
@@ -103,23 +118,15 @@ class TrainerRank:
         load_checkpoint(self.trainer, directory)
         return self.trainer.step
 
-    def connect(self, urls: list[str], sync_config, kind: str, version: int = 0, adapters=None) -> None:
+    def connect(self, request: ConnectRequest) -> None:
         """`WeightSync.connect` on this rank (collective)."""
         self._enter()
-        self.weight_sync.connect(urls, sync_config, kind, version, adapters)
+        self.weight_sync.connect(request)
 
-    def sync_weights(
-        self,
-        version: int,
-        bucket_bytes: int,
-        *,
-        joined: dict[str, str] | None = None,
-        served_version: int = 0,
-        lost: list[str] = (),
-    ) -> dict:
+    def sync_weights(self, request: SyncRequest) -> dict:
         """`WeightSync.sync` on this rank (collective)."""
         self._enter()
-        return self.weight_sync.sync(version, bucket_bytes, joined=joined, served_version=served_version, lost=lost)
+        return self.weight_sync.sync(request)
 
     def step(self, batch: dict[str, torch.Tensor], algorithm: AlgorithmConfig) -> dict[str, float]:
         """`moe_rl.trainer.rl_step.rl_step` on this rank (collective)."""
@@ -167,24 +174,14 @@ class TrainerGroup:
     def step(self, batch: dict[str, torch.Tensor], algorithm: AlgorithmConfig) -> dict[str, float]:
         return self._all(TrainerRank.step, batch, algorithm)
 
-    def sync_weights(
-        self,
-        version: int,
-        bucket_bytes: int,
-        *,
-        joined: dict[str, str] | None = None,
-        served_version: int = 0,
-        lost: list[str] = (),
-    ) -> dict:
-        return self._all(
-            TrainerRank.sync_weights, version, bucket_bytes, joined=joined, served_version=served_version, lost=lost
-        )
+    def sync_weights(self, request: SyncRequest) -> dict:
+        return self._all(TrainerRank.sync_weights, request)
 
-    def connect(self, urls: list[str], sync_config, kind: str, version: int = 0, adapters=None) -> None:
-        self._all(TrainerRank.connect, urls, sync_config, kind, version, adapters)
+    def connect(self, request: ConnectRequest) -> None:
+        self._all(TrainerRank.connect, request)
 
-    def save_hf(self, out_dir: str, merged: bool = True, fp8_blocks: int | None = None) -> None:
-        self._all(TrainerRank.save_hf, out_dir, merged, fp8_blocks)
+    def save_hf(self, request: SaveHFRequest) -> None:
+        self._all(TrainerRank.save_hf, request)
 
     def save_adapter(self, out_dir: str) -> None:
         self._all(TrainerRank.save_adapter, out_dir)

@@ -5,17 +5,55 @@
 (full weights) or, with LoRA, rank 0 builds the `sync.lora.AdapterSync`. `sync` is collective:
 every rank exports (the stages funnel their tensors to the sync source), the source streams them.
 An engine that dies mid-sync is dropped and the version resent to the live ones (a fresh export)
-until they commit; the ranks agree on each retry through `_agree`. The Ray actor
-(`moe_rl.rl.trainer_group.TrainerRank`) only forwards calls here.
+until they commit; the ranks agree on each retry through `_agree`.
+
+Each call takes one request (`ConnectRequest`, `SyncRequest`), built once by the driver
+(`moe_rl.rl.cluster.RLCluster`) and passed unchanged through `TrainerGroup` and every rank's Ray
+actor (`moe_rl.rl.trainer_group.TrainerRank`), which only forward it here.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Mapping
+
+from sync.config import AdapterSyncConfig, SyncConfig
 
 if TYPE_CHECKING:  # megatron-core loads only where a trainer runs, not in the driver
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
+
+
+@dataclass(frozen=True)
+class ConnectRequest:
+    """`WeightSync.connect`: the engines to sync to and how."""
+
+    urls: tuple[str, ...]
+    """The engines' base URLs, in engine order (`engine_name(i)` names the i-th)."""
+    sync: SyncConfig
+    """The run's `sync:` section (transport, bucket size, pause mode, FP8)."""
+    kind: str
+    """The engines' `engines.kind` ("embedded" or "sglang")."""
+    version: int = 0
+    """The version the engines serve now (0, or the run checkpoint's on a resume)."""
+    adapters: AdapterSyncConfig | None = None
+    """With LoRA: how adapters reach the engines (then only adapters move); None: full weights."""
+
+
+@dataclass(frozen=True)
+class SyncRequest:
+    """`WeightSync.sync`: one weight update, or a catch-up of restarted engines."""
+
+    version: int
+    """The version to commit; the committed one again: only the engines behind receive it."""
+    bucket_bytes: int
+    """The export's gather bucket (`sync.bucket_bytes`)."""
+    joined: Mapping[str, str] = field(default_factory=dict)
+    """Restarted engines (name -> url) the sender takes back first."""
+    served_version: int = 0
+    """The version the `joined` engines serve (what they were restarted from)."""
+    lost: tuple[str, ...] = ()
+    """Engines known dead, removed from the sender first."""
 
 
 class WeightSync:
@@ -25,10 +63,10 @@ class WeightSync:
         self.sources: dict[int, int] = {}
         self.kind, self.fp8 = "embedded", None
 
-    def connect(self, urls: list[str], sync_config, kind: str, version: int = 0, adapters=None) -> None:
+    def connect(self, request: ConnectRequest) -> None:
         """Find each pipeline stage's export source; the sync source builds the WeightSender
-        (the engines serve `version`), or with LoRA rank 0 the AdapterSync (`adapters`: its
-        sync.lora.AdapterSyncConfig), and loads the adapter of `version`."""
+        (the engines serve `request.version`), or with LoRA rank 0 the AdapterSync
+        (`request.adapters`), and loads the adapter of that version. Collective."""
         import dataclasses
         from urllib.parse import urlsplit
 
@@ -38,17 +76,18 @@ class WeightSync:
         from sync.pipeline import sync_source
         from sync.sender import WeightSender
 
-        self.sources, self.kind = export_source_ranks(), kind
+        urls, sync_config, version = list(request.urls), request.sync, request.version
+        self.sources, self.kind = export_source_ranks(), request.kind
         self.fp8 = fp8_format(sync_config.fp8_blocks)
-        if adapters is not None:
-            self._connect_adapters(urls, adapters, version)
+        if request.adapters is not None:
+            self._connect_adapters(urls, request.adapters, version)
             return
         if sync_config.master_address is None:  # engines on other nodes must reach this rank
             hosts = [urlsplit(url).hostname or "127.0.0.1" for url in urls]
             sync_config = dataclasses.replace(sync_config, master_address=address_for(hosts))
         if self.rank == sync_source(self.sources):
             # one retry: a dead engine is found (and dropped) in ~0.25 s instead of ~1.75 s
-            clients = [EngineClient(url, kind=kind, name=engine_name(i), retries=1) for i, url in enumerate(urls)]
+            clients = [EngineClient(url, kind=self.kind, name=engine_name(i), retries=1) for i, url in enumerate(urls)]
             self.sender = WeightSender(clients, sync_config, version)
 
     def _connect_adapters(self, urls: list[str], config, version: int) -> None:
@@ -69,39 +108,31 @@ class WeightSync:
         stats = self.sender.publish(version, *collected)
         return {"engines": stats.engines, "dropped": stats.dropped, "bytes": stats.bytes}
 
-    def sync(
-        self,
-        version: int,
-        bucket_bytes: int,
-        *,
-        joined: dict[str, str] | None = None,
-        served_version: int = 0,
-        lost: list[str] = (),
-    ) -> dict:
-        """Stream the weights to the engines as `version` (collective: every rank calls it).
+    def sync(self, request: SyncRequest) -> dict:
+        """Stream the weights to the engines as `request.version` (collective: every rank calls it).
 
-        `lost`: engines known dead, removed from the sender first. `joined`: restarted engines
-        (name -> url, serving `served_version`) the sender takes back; with `version` = the
-        committed one only they receive it (catch-up). An engine that dies mid-sync is dropped
-        and the sync retried (a fresh export) until the live engines commit. Returns seconds,
-        the engines that committed, and those dropped as dead."""
+        `request.lost` are removed from the sender first, `request.joined` taken back (serving
+        `request.served_version`); with the committed version only they receive it (catch-up).
+        An engine that dies mid-sync is dropped and the sync retried (a fresh export) until the
+        live engines commit. Returns seconds, the engines that committed, and those dropped as dead."""
         from moe_rl.engine.client import EngineClient
         from sync.engine_set import SyncError
         from sync.pipeline import stage_stream
         from sync.sender import exhaust
 
+        version = request.version
         if self.trainer.lora is not None:
-            return self._sync_adapters(version, joined or {}, lost)
+            return self._sync_adapters(version, request.joined, request.lost)
         start, result, error = time.perf_counter(), {"engines": [], "dropped": []}, None
         if self.sender is not None:
-            for name in lost:
+            for name in request.lost:
                 self.sender.remove(name)
-            for name, url in (joined or {}).items():
-                self.sender.add(EngineClient(url, kind=self.kind, name=name, retries=1), served_version)
+            for name, url in request.joined.items():
+                self.sender.add(EngineClient(url, kind=self.kind, name=name, retries=1), request.served_version)
         while self._agree(
             self.sender is not None and error is None and (version > self.sender.version or bool(self.sender.behind))
         ):
-            stream = stage_stream(self.trainer.export_hf_weights(bucket_bytes), self.sources)
+            stream = stage_stream(self.trainer.export_hf_weights(request.bucket_bytes), self.sources)
             if self.fp8 is not None:
                 stream = self.fp8.quantize_stream(stream)
             if self.sender is None:
@@ -119,7 +150,7 @@ class WeightSync:
             raise error
         return {**result, "seconds": time.perf_counter() - start}
 
-    def _sync_adapters(self, version: int, joined: dict[str, str], lost) -> dict:
+    def _sync_adapters(self, version: int, joined: Mapping[str, str], lost: tuple[str, ...]) -> dict:
         """LoRA: the new version's adapter to every engine (no pause); a restarted engine loads the
         kept versions instead (a catch-up: `version` is the one already loaded)."""
         from moe_rl.engine.client import EngineClient

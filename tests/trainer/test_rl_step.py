@@ -66,15 +66,15 @@ def test_rl_step_on_two_ranks():
 def _sync_rank(url: str):
     import torch.distributed as dist
 
-    from moe_rl.trainer.weight_sync import WeightSync
-    from sync.sender import SyncConfig
+    from moe_rl.trainer.weight_sync import ConnectRequest, SyncRequest, WeightSync
+    from sync.config import SyncConfig
 
     trainer = _trainer()
     weight_sync = WeightSync(trainer, dist.get_rank(), 2)
-    weight_sync.connect([url], SyncConfig(bucket_bytes=64 << 10, timeout_s=60), "embedded", version=0)
+    weight_sync.connect(ConnectRequest((url,), SyncConfig(bucket_bytes=64 << 10, timeout_s=60), "embedded", version=0))
     try:
-        result = weight_sync.sync(1, 16 << 10)
-        again = weight_sync.sync(1, 16 << 10)  # the committed version again: nothing to send
+        result = weight_sync.sync(SyncRequest(1, 16 << 10))
+        again = weight_sync.sync(SyncRequest(1, 16 << 10))  # the committed version again: nothing to send
     finally:
         weight_sync.close()
     return result["engines"], again["engines"]

@@ -1,0 +1,75 @@
+"""`StepClock`: the RL loop's timers and counters, so the loop reads as its steps.
+
+One step of `moe_rl.jobs.rl`: `start()`, wait for the batch (`waited()` -> `time/trainer_wait_s`),
+train inside `training()` (timed: colocated engines are released for it), update the weights, read
+the rollout worker's counters, then `finish(metrics, rollout_metrics)` -> `time/step_s`, the
+utilization of both pools (`utilization`, `perf/*`) and `rollout/step_generated_tokens_per_s`.
+The engines' counters are cumulative; the clock keeps their previous values to take differences.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+
+class StepClock:
+    def __init__(self, engine_active_s: float, *, colocate: bool, full_weight_sync: bool):
+        """`engine_active_s`: the engines' active seconds before the first step (the rollout
+        worker's `engines/active_s`). `colocate`: engines are released for the train step (those
+        seconds count as paused). `full_weight_sync`: a sync pauses generation (not with LoRA,
+        whose adapters load beside it)."""
+        self.colocate, self.full_weight_sync = colocate, full_weight_sync
+        self.active_s = engine_active_s
+        self.generated_tokens = 0.0
+        self._start = self._released_s = 0.0
+
+    def start(self) -> None:
+        self._start, self._released_s = time.perf_counter(), 0.0
+
+    def waited(self) -> dict[str, float]:
+        """Right after the batch arrived: how long the trainer waited for it."""
+        return {"time/trainer_wait_s": time.perf_counter() - self._start}
+
+    @contextmanager
+    def training(self) -> Iterator[None]:
+        """Around the train step; colocated, its seconds are engine pause."""
+        start = time.perf_counter()
+        yield
+        self._released_s = time.perf_counter() - start if self.colocate else 0.0
+
+    def finish(self, metrics: dict[str, float], rollout_metrics: dict[str, float]) -> dict[str, float]:
+        """The step's end: its wall time, the pools' utilization and the step's generation rate.
+        `metrics` holds this step's `time/trainer_wait_s`, `time/sync_s` (and `time/drain_s`)."""
+        step_s = time.perf_counter() - self._start
+        paused = self._released_s + (metrics["time/sync_s"] if self.full_weight_sync else 0.0)
+        timed = {**metrics, "time/step_s": step_s}
+        out = {"time/step_s": step_s, **utilization(timed, rollout_metrics["engines/active_s"] - self.active_s, paused)}
+        self.active_s = rollout_metrics["engines/active_s"]
+        new_tokens = rollout_metrics["rollout/generated_tokens"] - self.generated_tokens
+        self.generated_tokens = rollout_metrics["rollout/generated_tokens"]
+        out["rollout/step_generated_tokens_per_s"] = new_tokens / step_s
+        return out
+
+
+def utilization(metrics: dict[str, float], engine_active_s: float, engine_paused_s: float) -> dict[str, float]:
+    """Where one step's wall time went, per pool: what async RL exists to keep busy.
+
+    Trainer: waiting for data (the batch, or a drain before the sync) or busy (everything else:
+    old logprobs, the train step, the weight export and sync); busy + wait = the step. Engines
+    (the mean engine): paused (a full-weight sync pauses generation; colocated engines are
+    released for the train step too), busy (at least one request in flight outside the pause:
+    `EnginePool.active_seconds`), or idle; busy + paused + idle = the step.
+    """
+    step = metrics["time/step_s"]
+    wait = min(step, metrics["time/trainer_wait_s"] + metrics.get("time/drain_s", 0.0))
+    paused = min(step, engine_paused_s)
+    busy = min(step - paused, max(0.0, engine_active_s - paused))
+    return {
+        "perf/trainer_busy_frac": (step - wait) / step,
+        "perf/trainer_wait_s": wait,
+        "perf/engine_busy_frac": busy / step,
+        "perf/engine_paused_s": paused,
+        "perf/engine_idle_frac": (step - busy - paused) / step,
+    }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU tiers on one CUDA machine (docs/testing.md, "GPU check"): install, then every tier whose
+# The GPU tiers on one CUDA machine (docs/gpu-check.md): install, then every tier whose
 # packages are present (tests/gpu_tiers.py), within PYTEST_TOTAL_S (540) s, PYTEST_TEST_S (300) s a test.
 #
 #   scripts/gpu_check.sh                 fresh venv (.venv-gpu, or GPU_CHECK_VENV) from the package

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a connected machine: download the wheel set that `scripts/gpu_check.sh --wheels DIR` installs
-# on an air-gapped GPU node (docs/testing.md, "GPU check").
+# on an air-gapped GPU node (docs/gpu-check.md).
 #
 #   scripts/gpu_wheels.sh DIR [--python-version 3.12] [--platform manylinux_2_28_x86_64]
 #                             [--torch 'torch==2.13.0'] [--with sglang,te]
@@ -9,7 +9,7 @@
 # dependencies with the `dev` extra (pytest, the oracle packages), setuptools (moe-rl is installed
 # editable from the checkout, with no build isolation), and with --with the optional SGLang and
 # Transformer Engine stacks. Only binary wheels for the target Python and platform: this machine's
-# own Python and OS do not matter. About 4 GB without the extras. Copy DIR with the checkout.
+# own Python and OS do not matter. Several GB (CUDA torch and its nvidia-* wheels). Copy DIR with the checkout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -398,6 +398,12 @@ class RunConfig:
                 "lora with rl.colocate: adapter sync keeps engines generating while the trainer "
                 "trains; colocated engines release their GPUs instead. Set rl.colocate: false"
             )
+        if self.lora is not None and self.algorithm.ref_model_path is not None:
+            raise ValueError(
+                f"algorithm.ref_model_path={self.algorithm.ref_model_path!r} with lora: the KL reference of a "
+                "LoRA run is the frozen base, the policy with its adapters off (no second model); remove "
+                "ref_model_path"
+            )
         if self.sync.pause_mode == "in_place" and self.sync.transport == "disk":
             # SGLang flushes the cache after a disk load and refuses while paused requests run
             raise ValueError(

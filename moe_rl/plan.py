@@ -18,7 +18,8 @@ D, X = dense and routed-expert parameters of the stage):
   gradients      4 * (Pd + Pe)                 fp32 main-grad buffers (Megatron DDP)
   optimizer      12 * (Pd / dp + Pe / edp)     fp32 master + Adam m, v; distributed optimizer
                  12 * (Pd + Pe)                without it
-  reference      B * (Pd + Pe)                 the frozen KL reference (algorithm.kl_coef > 0)
+  reference      B * (Pd + Pe)                 the frozen KL reference (algorithm.kl_coef > 0; none with
+                                                lora: the reference is the base with its adapters off)
   activations    per microbatch and layer, s = data.seq_length, b = micro_batch_size, h = hidden,
                  sequence parallel dividing by tp (Korthikanti et al. 2022, flash attention: no
                  s^2 term, SwiGLU MLPs):
@@ -396,7 +397,7 @@ def trainer_memory(
             "optimizer": optimizer / GB,
             "activations": acts / GB,
         }
-        if config.is_rl and config.algorithm.needs_reference:
+        if config.is_rl and config.algorithm.needs_reference and adapter is None:  # LoRA: the base, adapters off
             memory["reference"] = dtype_bytes * (pd + pe) / GB
         memory["total"] = sum(memory.values())
         if memory["total"] > worst[2]:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -185,6 +186,8 @@ class LoRAAdapter(torch.nn.Module):
         else:
             set_tensor_model_parallel_attributes(replicated, False, 1 if column else 0, 1)
 
+    enabled = True  # False inside `adapters_disabled`: the hook adds nothing
+
     def delta(self) -> torch.Tensor:
         """`scale * B @ A` on this rank's shard: what merging adds to the base weight's shard."""
         return self.scale * (self.lora_B @ self.lora_A)
@@ -241,6 +244,8 @@ class GroupedLoRA(torch.nn.ModuleList):
     """The adapters of a TE grouped linear (TEGroupedMLP's `linear_fc1` / `linear_fc2`): adapter j
     belongs to `weight{j}`, local expert j, as SequentialMLP's expert j has its own."""
 
+    enabled = True  # False inside `adapters_disabled`
+
     def forward(self, x: torch.Tensor, m_splits: list[int]) -> torch.Tensor:
         # The grouped GEMM's tokens come sorted by local expert, m_splits[j] of them for expert j.
         return torch.cat([adapter(tokens) for adapter, tokens in zip(self, torch.split(x, list(m_splits)))])
@@ -270,7 +275,7 @@ def _hook(adapter: LoRAAdapter):
 
     def hook(module, args, output):
         out, bias = output
-        return out + adapter(args[0]), bias
+        return (out + adapter(args[0]), bias) if adapter.enabled else output
 
     return hook
 
@@ -285,7 +290,7 @@ def _normed_input_hook(adapter: LoRAAdapter):
             out, bias, normed = output
         else:
             (out, normed), bias = output
-        return out + adapter(normed), bias
+        return (out + adapter(normed), bias) if adapter.enabled else (out, bias)
 
     return hook
 
@@ -295,7 +300,7 @@ def _grouped_hook(adapter: GroupedLoRA):
 
     def hook(module, args, output):
         out, bias = output
-        return out + adapter(args[0], args[1]), bias
+        return (out + adapter(args[0], args[1]), bias) if adapter.enabled else output
 
     return hook
 
@@ -360,6 +365,20 @@ def adapters(model) -> dict[str, LoRAAdapter]:
         elif isinstance(module, LoRAAdapter) and name.endswith(SUFFIX):
             found[name[: -len(SUFFIX)] + ".weight"] = module
     return found
+
+
+@contextmanager
+def adapters_disabled(model):
+    """Run `model` as its frozen base: every adapter's hook adds nothing until the block ends
+    (PEFT's `disable_adapter`). The KL reference of a LoRA run is this: no second model."""
+    modules = [m for m in model.modules() if isinstance(m, (LoRAAdapter, GroupedLoRA))]
+    for module in modules:
+        module.enabled = False
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.enabled = True
 
 
 def adapter_parameters(model) -> dict[str, torch.nn.Parameter]:

@@ -26,7 +26,7 @@ from moe_rl.trainer.microbatches import Batch, check_batch, microbatches, pad_se
 from moe_rl.trainer.reference import FrozenModel, build_reference
 from moe_rl.trainer.routing_replay import RoutingReplay
 from parallel.bridges import bridge_for
-from parallel.lora import LoRAConfig, add_lora
+from parallel.lora import LoRAConfig, adapters_disabled, add_lora
 from parallel.model import build_gpt_model, forward, init_model_parallel
 
 LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
@@ -282,8 +282,12 @@ class MegatronTrainer:
     # -- frozen reference (KL) ----------------------------------------------------------------
     def build_reference(self, hf_dir: str | None = None) -> None:
         """Build the frozen reference on this rank: the HF checkpoint `hf_dir` if given, else the
-        policy as initialised from trainer.seed (collective; see moe_rl.trainer.reference)."""
-        self.reference = build_reference(self.bridge, self.config, hf_dir)
+        policy as initialised from trainer.seed (collective; see moe_rl.trainer.reference). With
+        LoRA: the policy with its adapters off (`hf_dir` unused), no second model."""
+        if self.lora is not None:
+            self.reference = FrozenModel(self.model, self.routing, adapters_off=True)
+        else:
+            self.reference = build_reference(self.bridge, self.config, hf_dir)
 
     @torch.no_grad()
     def reference_logprobs(self, batch: Batch, replay: bool | None = None) -> torch.Tensor:
@@ -292,14 +296,18 @@ class MegatronTrainer:
         if self.reference is None:
             raise RuntimeError("reference_logprobs before build_reference: build the reference model first")
         frozen = self.reference
-        reports = self._run_schedule(
-            batch,
-            partial(self._forward_step, _keep_logprobs, frozen.routing),
-            forward_only=True,
-            routing=self._routing_mode(batch, replay, frozen.routing),
-            model=frozen.model,
-            replay=frozen.routing,
-        )
+        frozen.model.eval()
+        with adapters_disabled(frozen.model) if frozen.adapters_off else nullcontext():
+            reports = self._run_schedule(
+                batch,
+                partial(self._forward_step, _keep_logprobs, frozen.routing),
+                forward_only=True,
+                routing=self._routing_mode(batch, replay, frozen.routing),
+                model=frozen.model,
+                replay=frozen.routing,
+            )
+        if frozen.adapters_off:
+            frozen.model.train()  # the policy itself
         return self._gather_rows(reports, "logprobs", batch["tokens"].shape[1] - 1)
 
     @torch.no_grad()

@@ -10,6 +10,9 @@ trainer's layout (same TP/PP/EP/ETP shards on the same ranks), in eval mode, eve
   so the reference equals the policy as initialised, bit for bit, even when it is built after a
   resume (the trainer's RNG state is saved and restored around it).
 Either way the reference is the policy of step 0, and a resumed run gets the same reference.
+With LoRA the base never changes, so there is no second model: the reference is the policy run
+with its adapters off (`parallel.lora.adapters_disabled`, `FrozenModel.adapters_off`), which costs
+no memory; `algorithm.ref_model_path` is refused with `lora:` (moe_rl.config).
 
 Routing: with `trainer.routing_replay` the reference's routers are built for replay and get their
 own `RoutingReplay`, which drives only the reference's RouterReplay objects. megatron-core keeps
@@ -17,7 +20,7 @@ every RouterReplay in one process-global list, but `RoutingReplay` never goes th
 reference forward (replaying the rollout's routing like the policy does) leaves the policy's
 replay actions and FIFOs untouched.
 
-Memory: one more copy of the parameters per rank (the policy's share of the model, in the
+Memory (without LoRA): one more copy of the parameters per rank (the policy's share of the model, in the
 training dtype), no gradients or optimizer state: with Adam in fp32 that is about 1/4 more than
 the policy's parameters + grads + optimizer states (4 + 4 + 8 bytes per parameter, + 4 for the
 reference). Collective: every rank of the trainer world calls `build_reference`.
@@ -40,6 +43,8 @@ class FrozenModel:
 
     model: torch.nn.Module
     routing: RoutingReplay | None
+    adapters_off: bool = False
+    """True for a LoRA run's reference: `model` is the policy itself, run with its adapters off."""
 
 
 @contextmanager

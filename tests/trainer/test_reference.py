@@ -114,3 +114,46 @@ def test_reference_is_the_frozen_initial_policy(tmp_path):
         assert initial.keys() == reference.keys() == policy.keys()
         assert all(torch.equal(initial[name], reference[name]) for name in initial), layout
         assert not all(torch.equal(initial[name], policy[name]) for name in initial), layout
+
+
+def run_lora(_):
+    """A LoRA run's reference: the policy with its adapters off, no second model."""
+    from moe_rl.algorithms import AlgorithmConfig, make_policy_loss
+    from moe_rl.config import OptimizerConfig, TrainerConfig
+    from moe_rl.trainer.megatron_trainer import MegatronTrainer
+    from parallel.lora import LoRAConfig
+
+    batch = make_batch()
+    loss_fn = make_policy_loss(AlgorithmConfig(kl_coef=0.5, kl_estimator="k3"))
+    config = TrainerConfig(
+        world_size=2,
+        tp=2,
+        sequence_parallel=True,
+        routing_replay=True,
+        micro_batch_size=2,
+        global_batch_size=ROWS,
+        optimizer=OptimizerConfig(lr=1e-2),
+    )
+    trainer = MegatronTrainer(config, hf_config(), lora=LoRAConfig(rank=4))
+    trainer.build_reference("/nowhere")  # with LoRA the path is not read: the base is in the policy
+    initial = trainer.reference_logprobs(batch)
+    result = {
+        "same_model": trainer.reference.model is trainer.model,
+        "step0": torch.equal(initial, trainer.forward_logprobs(batch)),
+    }
+    kls = []
+    for _ in range(3):
+        old, ref = trainer.forward_logprobs(batch), trainer.reference_logprobs(batch)
+        step = {**batch, "old_logprobs": shifted(old), "ref_logprobs": shifted(ref), "rollout_logprobs": shifted(old)}
+        kls.append(trainer.train_step(step, loss_fn).sums["kl"])
+    result["kls"] = kls
+    result["reference_unchanged"] = torch.equal(trainer.reference_logprobs(batch), initial)
+    result["policy_moved"] = not torch.equal(trainer.forward_logprobs(batch), initial)
+    return result
+
+
+def test_lora_reference_is_the_policy_with_adapters_off():
+    for result in spawn(run_lora, 2, None):
+        assert result["same_model"] and result["step0"]
+        assert result["kls"][0] == 0.0 and all(kl > 0 for kl in result["kls"][1:]), result["kls"]
+        assert result["reference_unchanged"] and result["policy_moved"]

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch first, from the CPU wheel (never let a dependency pull a multi-GB CUDA build)
 TORCH ?= torch==2.13.0
 
-.PHONY: setup test lint demo demo-lora demo-agent test-mcore-latest clean
+.PHONY: setup test test-fast lint demo demo-lora demo-agent test-mcore-latest clean
 
 setup: $(VENV)/.installed
 
@@ -18,6 +18,9 @@ $(VENV)/.installed: pyproject.toml
 
 test: setup
 	$(BIN)/python -m pytest -q --durations=25  # the slowest tests, to keep the suite fast
+
+test-fast: setup  # everything that starts no process (no `world` marker): a broken import fails in minutes
+	$(BIN)/python -m pytest -q -m "not world" --durations=10
 
 lint: setup  # ruff, configured in pyproject.toml: lint rules and the formatter (120 columns)
 	$(BIN)/ruff check .

@@ -4,6 +4,9 @@ other conftests use them too)."""
 
 from __future__ import annotations
 
+import multiprocessing.process
+import subprocess
+
 import pytest
 
 from tests.gpu_tiers import TIERS, missing
@@ -38,3 +41,23 @@ def qwen3_dir(tmp_path_factory):
     from tests.engine.engine_helpers import save_tiny_model
 
     return save_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test marked neither `world` nor with a GPU tier may not start a process (a gloo world, an
+    engine, Ray, a subprocess), in its fixtures either: it belongs to `make test-fast`, which must
+    stay fast. Starting one fails the test, naming the marker to add."""
+    if any(item.get_closest_marker(name) for name in ("world", *TIERS)):
+        yield
+        return
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"{item.nodeid} starts a process: mark it (or its module) pytest.mark.world")
+
+    saved = multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__
+    multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__ = refuse, refuse
+    try:
+        yield
+    finally:
+        multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__ = saved

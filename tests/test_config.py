@@ -7,6 +7,8 @@ from moe_rl import cli
 from moe_rl.config import RunConfig, load_config
 from tests.tiny_models import QWEN3_MOE, hf_fields
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 TINY_MODEL = {"hf_config": hf_fields(QWEN3_MOE, norm_topk_prob=False)}
 
 

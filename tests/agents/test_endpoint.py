@@ -16,6 +16,8 @@ from tests.agents import agents_for_tests
 from tests.agents.conftest import CHAT_DIR, agent_config, rounds, save_chat_model
 from tests.agents.test_episode_record import check_record
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 CHAT = ChatFormat.load(CHAT_DIR)
 CALL_C = CHAT.encode(lookup_call("C"))[0]
 LETTER_O = CHAT.encode("o")[0]

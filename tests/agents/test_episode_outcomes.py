@@ -12,6 +12,8 @@ from moe_rl.agents import EpisodeConfig
 from tests.agents.conftest import agent_config, rounds
 from tests.agents.test_episode_record import check_record
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 
 def test_failing_agents_drop_their_groups_and_the_round_goes_on(chat_engine):
     config = agent_config("fails_by_group", groups_per_step=2, episode=EpisodeConfig(timeout_s=2.0))

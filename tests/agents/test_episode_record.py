@@ -8,10 +8,13 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 
 from moe_rl.agents import ChatFormat
 from moe_rl.sample import Sample
 from tests.agents.conftest import CHAT_DIR, agent_config, rounds
+
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
 
 def engine_calls_of(sample: Sample, calls) -> list:

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from moe_rl.algorithms import AlgorithmConfig
 from moe_rl.rollout.train_batch import build_batch
 from parallel.world import spawn
 from tests.agents.conftest import agent_config, rounds
 from tests.tiny_models import QWEN3_MOE_SMALL, hf_config
+
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
 ROWS = 4
 

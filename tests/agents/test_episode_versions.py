@@ -11,10 +11,14 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from moe_rl.rollout import RolloutManager
 from tests.agents.conftest import CHAT_DIR, agent_config, save_chat_model
 from tests.engine.engine_helpers import wait_until_decoding
 from tests.rollout.rollout_helpers import cancel, make_pool, swap_weights
+
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
 
 def test_a_turn_cut_by_a_weight_swap_continues_under_the_new_version(chat_engine, tmp_path):

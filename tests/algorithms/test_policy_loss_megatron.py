@@ -3,10 +3,13 @@ estimator returns adds up to the documented global value and the report sums arr
 
 import math
 
+import pytest
 import torch
 
 from parallel.world import spawn
 from tests import tiny_models
+
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
 ROWS, SEQ, PROMPT, VOCAB = 4, 9, 3, 256
 

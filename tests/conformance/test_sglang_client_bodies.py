@@ -6,11 +6,15 @@ sampling params verified by SGLang's `SamplingParams`."""
 
 from __future__ import annotations
 
+import pytest
+
 from moe_rl.engine.client import EngineClient
 from tests.conformance import sglang_oracle
 from tests.conformance.test_sglang_requests import REQUEST_CLASSES
 from tests.engine.engine_helpers import run
 from tests.engine.test_engine_requests import RecordingEngine
+
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
 VOCAB = 64
 

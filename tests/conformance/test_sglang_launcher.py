@@ -14,6 +14,8 @@ from moe_rl.engine import sglang_launcher
 from moe_rl.engine.sglang_launcher import SERVER_ENV, SGLangConfig, SGLangLoRA, sglang_command
 from tests.conformance import sglang_oracle
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 CHECKED = (
     "model_path",
     "host",

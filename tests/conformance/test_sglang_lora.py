@@ -22,6 +22,8 @@ from tests.conformance.test_sglang_requests import REQUEST_CLASSES
 from tests.engine.test_engine_requests import RecordingEngine
 from tests.tiny_models import QWEN3_MOE_SMALL, hf_config, save_random_model
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "gate_proj"]}
 
 

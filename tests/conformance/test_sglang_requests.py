@@ -20,6 +20,8 @@ from tests.conformance import sglang_oracle
 from tests.engine.engine_helpers import save_tiny_model
 from tests.engine.test_engine_requests import post
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 REQUEST_CLASSES = {
     "/generate": "GenerateReqInput",
     "/pause_generation": "PauseGenerationReqInput",

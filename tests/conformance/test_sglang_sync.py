@@ -17,7 +17,7 @@ from sync.sender import SyncConfig, WeightSender
 from tests.conformance.sglang_twin import SGLangTwin
 from tests.tiny_models import QWEN3_MOE_SMALL, hf_config, save_random_model
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.world]
 
 
 def _digest(tensor: torch.Tensor) -> str:

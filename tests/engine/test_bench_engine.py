@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from moe_rl import cli
+
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
 
 def test_bench_engine_prints_generate_baseline_with_equal_tokens(capsys):

@@ -9,7 +9,11 @@ import concurrent.futures as cf
 import json
 import random
 
+import pytest
+
 from tests.engine.test_engine_requests import post
+
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
 GOOD = {"input_ids": [3, 1, 4, 1, 5], "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
 VALUES = [

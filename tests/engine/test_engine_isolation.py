@@ -15,6 +15,8 @@ from moe_rl.engine.embedded.scheduler import Scheduler
 from tests.engine.engine_helpers import run
 from tests.engine.test_engine_requests import post
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 PROMPT = [5, 6, 7, 8]
 
 

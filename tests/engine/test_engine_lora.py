@@ -24,6 +24,8 @@ from moe_rl.engine.process import launch_embedded
 from tests.engine.engine_helpers import load_reference, reference, run, wait_for_load, with_client
 from tests.tiny_models import DEEPSEEK_V3, hf_config, save_random_model
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 PROMPTS = [[5, 17, 3, 99, 42], [7, 7, 120, 1], [200, 31, 8, 64, 12, 90]]
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 

@@ -14,6 +14,8 @@ from moe_rl.engine.process import launch_embedded
 from tests.engine.engine_helpers import run, save_tiny_model, wait_for_load, with_client
 from tests.engine.test_engine_weights import generate, matches
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 
 def test_release_resume_and_reload(qwen3_dir, tmp_path):
     new_dir = save_tiny_model("qwen3_moe", tmp_path / "new", seed=1)

@@ -6,6 +6,7 @@ import asyncio
 from unittest.mock import ANY
 
 import numpy as np
+import pytest
 
 from tests.engine.engine_helpers import (
     engine_load,
@@ -16,6 +17,8 @@ from tests.engine.engine_helpers import (
     wait_until_decoding,
     with_client,
 )
+
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
 PROMPTS = [[(5 * i + 11 * j) % 256 for j in range(2 + i)] for i in range(8)]
 

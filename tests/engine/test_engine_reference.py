@@ -19,6 +19,8 @@ from moe_rl.engine.client import EngineClient
 from moe_rl.engine.process import launch_embedded
 from tests.engine.engine_helpers import load_reference, reference, run, with_client
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 PROMPTS = [[(7 * i + 3 * j) % 256 for j in range(3 + 2 * i)] for i in range(8)]
 
 

@@ -17,6 +17,8 @@ from moe_rl.engine.pool import EnginePool
 from moe_rl.engine.process import free_port
 from tests.engine.engine_helpers import run
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 
 def post(url: str, body) -> tuple[int, str]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()

@@ -11,6 +11,8 @@ from moe_rl.engine.client import EngineClient
 from moe_rl.engine.sglang_launcher import SGLangConfig, launch_sglang, sglang_command
 from tests.engine.engine_helpers import run
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 
 def test_command_line_has_what_rl_needs():
     command = sglang_command(

@@ -25,6 +25,8 @@ from tests.engine.engine_helpers import (
     with_client,
 )
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 PROMPTS = [[(3 * i + 7 * j) % 256 for j in range(4 + i)] for i in range(4)]
 
 

@@ -9,9 +9,13 @@ import os
 import signal
 import time
 
+import pytest
+
 from moe_rl.engine.client import EngineClient
 from moe_rl.engine.pool import EnginePool
 from moe_rl.engine.process import launch_embedded
+
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
 TOKENS = 96
 

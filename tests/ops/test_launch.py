@@ -16,6 +16,8 @@ import ray
 
 from moe_rl.rl.ray_init import init_ray
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 SCRIPTS = sorted(Path("scripts").glob("*.sh")) + [Path("scripts/slurm/train.sbatch")]
 
 

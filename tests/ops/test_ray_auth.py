@@ -7,6 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 PROBE = "import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False, logging_level='ERROR'); print('joined')"
 
 

@@ -19,6 +19,8 @@ import yaml
 
 from tests.tiny_models import QWEN3_MOE_SMALL, hf_fields
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 STEPS, GROUPS = 8, 4
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
 CHAT_DIR = Path(__file__).resolve().parents[2] / "configs" / "tokenizers" / "tiny_chat"

@@ -19,6 +19,8 @@ import pytest
 import torch
 from slurm_cluster import SlurmCluster, install_reason
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[2]
 RAY_ADDRESS_FILE = Path("/tmp/ray/ray_current_cluster")
 

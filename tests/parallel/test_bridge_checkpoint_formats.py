@@ -29,6 +29,8 @@ from parallel.layout import ParallelLayout
 from parallel.world import spawn
 from tests.tiny_models import GLM4_MOE, hf_config, with_mtp_layer
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 LAYOUTS = [
     ParallelLayout(world_size=4, tp=2, ep=2, sequence_parallel=True),
     ParallelLayout(world_size=4, pp=2, ep=2, etp=1),

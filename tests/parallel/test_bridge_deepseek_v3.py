@@ -15,6 +15,8 @@ from parallel.layout import ParallelLayout
 from parallel.world import spawn
 from tests.tiny_models import DEEPSEEK_V3, hf_config
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 
 def deepseek_v3_config(**overrides):
     return hf_config(DEEPSEEK_V3, **overrides)

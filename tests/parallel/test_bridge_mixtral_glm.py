@@ -14,6 +14,8 @@ from parallel.layout import ParallelLayout
 from parallel.world import spawn
 from tests.tiny_models import GLM4_MOE, MIXTRAL, hf_config
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 LAYOUTS = FOUR_RANK_LAYOUTS + [ParallelLayout(world_size=4, tp=2, pp=2, ep=2, etp=1, sequence_parallel=True)]
 
 

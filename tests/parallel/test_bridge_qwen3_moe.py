@@ -11,6 +11,8 @@ from parallel.layout import ParallelLayout
 from parallel.world import spawn
 from tests.tiny_models import QWEN3_MOE, hf_config
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 
 def qwen3_moe_config(**overrides):
     """The shared tiny Qwen3-MoE (tests/tiny_models.py) with a dense first layer."""

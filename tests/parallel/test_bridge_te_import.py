@@ -52,6 +52,8 @@ import torch
 from parallel.world import spawn
 from tests.tiny_models import megatron_refusal
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 LAYOUTS = [
     dict(world_size=4, tp=2, ep=2, sequence_parallel=True),  # experts ETP2
     dict(world_size=4, pp=2, ep=2, etp=1),

@@ -29,6 +29,8 @@ from parallel.hf_checkpoint import HFCheckpointReader
 from parallel.mappings import Axis, ParallelContext, Replicated, resolve
 from parallel.world import spawn
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 TP, EP = 2, 2
 
 

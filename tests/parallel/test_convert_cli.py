@@ -15,6 +15,8 @@ from test_bridge_qwen3_moe import qwen3_moe_config
 from moe_rl.cli import main
 from parallel.hf_checkpoint import HFCheckpointReader
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 
 @pytest.mark.parametrize("make_config", [qwen3_moe_config, deepseek_v3_config], ids=["qwen3_moe", "deepseek_v3"])
 def test_hf_megatron_hf_roundtrip_across_layouts(tmp_path, make_config):

@@ -14,6 +14,7 @@ from parallel.world import spawn
 pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="the patches apply only without CUDA"),
     pytest.mark.usefixtures("cpu_patches"),  # tests/conftest.py: applied here, in pytest's process
+    pytest.mark.world,
 ]
 
 

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 from test_bridge_qwen3_moe import qwen3_moe_config
 
 from parallel.layout import ParallelLayout
 from parallel.world import spawn
+
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
 MiB = 2**20
 

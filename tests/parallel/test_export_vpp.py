@@ -12,11 +12,14 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 import torch
 from test_bridge_harness import BATCH, SEQ, hf_reference, save_tiny_hf_model
 from test_bridge_qwen3_moe import qwen3_moe_config
 
 from parallel.world import spawn
+
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
 VPP = 2
 

@@ -13,6 +13,8 @@ import pytest
 from moe_rl.config import from_dict
 from moe_rl.cpu_pools import CpuPoolsConfig, process_cores
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 CORES = sorted(os.sched_getaffinity(0))
 two_cores = pytest.mark.skipif(len(CORES) < 2, reason="pinning to disjoint pools needs >= 2 cores")
 

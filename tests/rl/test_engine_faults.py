@@ -18,12 +18,15 @@ import signal
 import threading
 import time
 
+import pytest
 import ray
 
 from moe_rl.config import EngineConfig
 from moe_rl.engine.client import EngineClient
 from moe_rl.rl.cluster import RLCluster
 from tests.rl.test_rl_modes import tiny_config
+
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 STEPS, GROUPS, SYNC_KILL_AT = 8, 4, 2

@@ -12,6 +12,8 @@ import torch
 from moe_rl.config import EngineConfig
 from moe_rl.rl.rollout_actor import engine_placement
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 
 def test_embedded_and_disaggregated_sglang_engines():
     assert engine_placement(EngineConfig(count=2), colocate=False) == [({"num_cpus": 1, "num_gpus": 0}, None)] * 2

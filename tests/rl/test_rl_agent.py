@@ -7,7 +7,11 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from moe_rl.config import load_config
+
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 STEPS = 120

@@ -11,6 +11,8 @@ import pytest
 
 from tests.rl.test_rl_modes import check_ledger, run, tiny_config
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 

@@ -9,6 +9,8 @@ import pytest
 from moe_rl.config import load_config
 from moe_rl.report import write_report
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 DEMO = "configs/demo_cpu.yaml"
 
 

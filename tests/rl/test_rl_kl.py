@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from tests.rl.test_rl_modes import STEPS, check_ledger, run, tiny_config
+
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 

@@ -17,6 +17,8 @@ import pytest
 from moe_rl.config import RunConfig, from_dict
 from tests.tiny_models import QWEN3_MOE_SMALL, hf_fields
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 STEPS = 4
 

@@ -22,6 +22,8 @@ from moe_rl.rollout import RolloutConfig, RolloutManager
 from parallel.peft import write_adapter
 from sync.lora import AdapterSync, AdapterSyncConfig, adapter_name
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 STALENESS, VERSIONS = 1, 5
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

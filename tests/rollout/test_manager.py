@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from moe_rl.rollout import RolloutConfig, RolloutManager, staleness
 from tests.rollout.conftest import LAYERS, TOPK
 from tests.rollout.rollout_helpers import cancel, make_pool, swap_weights
+
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
 
 async def train(manager, pool, model_dir, steps: int, step_s: float) -> list[int]:

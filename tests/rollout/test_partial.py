@@ -14,6 +14,8 @@ from moe_rl.sample import Sample
 from tests.engine.engine_helpers import wait_until_decoding
 from tests.rollout.rollout_helpers import cancel, make_pool, reference, swap_weights
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 
 def result(tokens, version, routed_rows, finish="length", layers=2, topk=2, first=0):
     routed = None

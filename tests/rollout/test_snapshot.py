@@ -8,12 +8,15 @@ import asyncio
 import json
 
 import numpy as np
+import pytest
 
 from moe_rl.rollout import RolloutConfig, RolloutManager
 from moe_rl.rollout.manager import is_finished
 from moe_rl.sample import Sample
 from tests.engine.engine_helpers import wait_until_decoding
 from tests.rollout.rollout_helpers import cancel, make_pool, swap_weights
+
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
 CONFIG = RolloutConfig(
     groups_per_step=2, n_samples_per_prompt=4, max_new_tokens=600, max_staleness=0, task_options={"length": 3}

@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import yaml
 
 from moe_rl.cli import main
 from tests.tiny_models import QWEN3_MOE, config_kwargs
+
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
 MODEL = config_kwargs(QWEN3_MOE, vocab_size=1024, num_hidden_layers=2)
 

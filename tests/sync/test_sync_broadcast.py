@@ -8,6 +8,8 @@ from safetensors.torch import load_file
 
 from sync.sender import SyncConfig, WeightSender
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 
 def served(engine, tmp_path) -> dict[str, torch.Tensor]:
     path = tmp_path / f"{engine.name}.safetensors"

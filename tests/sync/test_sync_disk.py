@@ -9,6 +9,8 @@ from sync.transports import available_transports, make_transport
 from sync.transports.base import TransportConfig
 from tests.sync.test_sync_broadcast import assert_same, served
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 
 def test_disk_sync_exact(engines, qwen3_moe_state, tmp_path):
     clients, _ = engines

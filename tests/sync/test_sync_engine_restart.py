@@ -20,6 +20,8 @@ from sync.sender import SyncConfig, WeightSender
 from tests.sync.fake_engine import FakeEngineClient, start_engine
 from tests.sync.test_sync_broadcast import assert_same, served
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 TIMEOUT_S = 60  # the collective timeout: every failure below must be detected far sooner
 
 

@@ -15,6 +15,8 @@ from parallel.world import spawn
 from tests.sync.conftest import tiny_qwen3_moe_config
 from tests.sync.test_sync_broadcast import assert_same
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 LAYOUTS = [ParallelLayout(world_size=4, tp=2, ep=2, sequence_parallel=True), ParallelLayout(world_size=4, ep=4)]
 
 

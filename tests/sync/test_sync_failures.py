@@ -13,6 +13,8 @@ from sync.sender import SyncConfig, WeightSender
 from sync.transports.broadcast import BroadcastTransport
 from tests.sync.test_sync_broadcast import assert_same, served
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 
 class CorruptingBroadcast(BroadcastTransport):
     """FAULT INJECTION: flips one byte of bucket `corrupt_bucket` after its checksum was taken."""

@@ -15,6 +15,8 @@ from parallel.world import spawn
 from tests.sync.conftest import tiny_qwen3_moe_config
 from tests.sync.test_sync_broadcast import assert_same
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 
 def pp_export_and_sync(hf_dir: str, ports: list[int], out_dir: str, layout: ParallelLayout) -> int | None:
     """Rank function: import the HF weights into `layout`, scale by the version, funnel every

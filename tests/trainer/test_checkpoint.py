@@ -6,6 +6,8 @@ from tiny_qwen3 import hf_config
 
 from parallel.world import spawn
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 TP2_EP2 = dict(world_size=4, tp=2, ep=2, sequence_parallel=True)
 PP2 = dict(world_size=2, pp=2)
 

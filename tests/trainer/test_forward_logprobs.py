@@ -2,10 +2,13 @@
 every row of the global batch (DP shards and microbatches put back in order), and the entropy a
 train step reports equals transformers' entropy over the trained tokens."""
 
+import pytest
 import torch
 from tiny_qwen3 import hf_config
 
 from parallel.world import spawn
+
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
 LAYOUTS = [
     dict(world_size=4, tp=2, ep=2, sequence_parallel=True),  # DP2 over rows

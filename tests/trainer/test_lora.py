@@ -20,6 +20,8 @@ from parallel.lora import TARGETS, LoRAConfig
 from parallel.world import spawn
 from tests.tiny_models import DEEPSEEK_V3, GLM4_MOE, hf_config, megatron_refusal
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 LAYOUTS = [
     dict(world_size=4, tp=2, ep=2, etp=1, sequence_parallel=True),
     dict(world_size=4, pp=2, ep=2),

@@ -19,6 +19,8 @@ import torch
 from parallel.world import spawn
 from tests.tiny_models import DEEPSEEK_V3, MIXTRAL, hf_config, megatron_refusal, save_random_model
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 RANK, ALPHA = 2, 3.0
 LAYOUT = dict(world_size=4, tp=2, ep=2, etp=1, sequence_parallel=True)
 MLA = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]

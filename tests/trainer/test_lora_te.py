@@ -33,6 +33,8 @@ from test_lora import (
 
 from parallel.world import spawn
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 LAYOUTS = [
     dict(world_size=2, ep=2),
     dict(world_size=2, tp=2, sequence_parallel=True),  # experts ETP2: the dispatcher does their TP

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from parallel.world import spawn
 from tests.tiny_models import DEEPSEEK_V3, hf_config, save_random_model, with_mtp_layer
+
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
 ROWS, SEQ, PROMPT, MTP = 4, 10, 3, "model.layers.4."
 

@@ -9,11 +9,14 @@
     that export (the `ref_model_path` route) gives the same logprobs bit for bit.
 """
 
+import pytest
 import torch
 from tiny_qwen3 import TINY_QWEN3_MOE, hf_config
 
 from moe_rl.engine.embedded.runner import load_checkpoint_state
 from parallel.world import spawn
+
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
 ROWS, SEQ, LAYERS = 8, 16, TINY_QWEN3_MOE["num_hidden_layers"]
 EXPERTS, TOPK = TINY_QWEN3_MOE["num_experts"], TINY_QWEN3_MOE["num_experts_per_tok"]

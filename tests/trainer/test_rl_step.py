@@ -7,10 +7,13 @@ from __future__ import annotations
 import asyncio
 import math
 
+import pytest
 import torch
 
 from parallel.world import spawn
 from tests.tiny_models import QWEN3_MOE_SMALL, hf_config
+
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
 ROWS, SEQ, PROMPT = 4, 10, 3
 

@@ -16,6 +16,8 @@ from tiny_qwen3 import TINY_QWEN3_MOE, hf_config
 
 from parallel.world import spawn
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 NUM_EXPERTS, TOPK, LAYERS = TINY_QWEN3_MOE["num_experts"], TINY_QWEN3_MOE["num_experts_per_tok"], 4
 ROWS, SEQ = 8, 16  # S - 1 = 15 inputs: padded to 16 under TP2 sequence parallel
 PADDED_ROW, PADDED_FROM = 1, 11  # sample 1 ends at token 10: later rows are padding

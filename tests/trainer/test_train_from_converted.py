@@ -15,6 +15,8 @@ from moe_rl.config import ModelConfig
 from parallel.world import spawn
 from tests.tiny_models import QWEN3_MOE, hf_config, save_random_model
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 
 def loaded_tensors(hf_dir: str, converted_dir: str) -> bool:
     """Rank function (EP2): the model imported from HF and the one loaded from the conversion."""

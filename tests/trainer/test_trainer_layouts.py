@@ -12,6 +12,8 @@ from tiny_qwen3 import hf_config
 
 from parallel.world import spawn
 
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
 STEPS = 10
 LAYOUTS = {
     1: [dict(world_size=1)],

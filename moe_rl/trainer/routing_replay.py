@@ -21,7 +21,7 @@ How rows are aligned (`routed_experts` is int [B, S, num_hidden_layers, topk]):
   contiguous chunk [r * S'/tp, (r + 1) * S'/tp) of the S' = S - 1 inputs (S' is padded to a
   multiple of tp by the trainer). Expert ids are global (EP needs no mapping).
 
-megatron-core 0.16.1 quirks handled here (docs/architecture.md section 6): 0.16.1 never switches to
+megatron-core 0.16.1 quirks handled here (docs/algorithm.md, "Routing replay (R3)"): 0.16.1 never switches to
 REPLAY_BACKWARD itself, so `running("replay")` wraps the schedules' `backward_step`; activation
 recompute then pops each microbatch's own indices from the per-router FIFO that
 `set_target_indices` fills (forward order = 1F1B backward order). Nothing checks shapes or ids,

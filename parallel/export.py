@@ -9,8 +9,12 @@ and yields them on the *source rank* of each stage: TP rank 0 / DP rank 0 / CP r
 
 Only the source needs the tensors, so only the replica that holds it gathers: a parameter is
 gathered by the TP group of DP rank 0 / CP rank 0 (experts: the ETP and EP groups of expert-DP
-rank 0), point-to-point into the group's first member (`mappings.gather_to_first`); the other
-data-parallel replicas skip it. The source is the first member of each of its groups.
+rank 0), into the group's first member (TP/ETP point-to-point, `mappings.gather_to_first`; EP
+one `gather` collective per parameter, `mappings.gather_members`); the other data-parallel
+replicas skip it. The source is the first member of each of its groups.
+
+FP8 rollout weights (`fp8`): quantized where each weight lives, before any gather crosses a link
+(`mappings.Mapping.export`); nothing after the export (funnel, buckets, broadcast) quantizes.
 
 Lockstep: the collectives of a task run inside TP, ETP and EP groups, whose members all sit in
 the same pipeline stage and hold the same list of local parameters (same chunks and layers,
@@ -117,7 +121,11 @@ def model_chunks(model) -> list:
 
 
 def export_hf_weights(
-    model, bridge: Bridge, bucket_bytes: int = DEFAULT_BUCKET_BYTES, merge_adapters: bool = True
+    model,
+    bridge: Bridge,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    merge_adapters: bool = True,
+    fp8: BlockFP8 | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, tensor)` for this stage's parameters on the source rank. `model` is
     a GPTModel or the list of virtual-pipeline chunks (each numbers its layers globally, so
@@ -126,14 +134,18 @@ def export_hf_weights(
     Collective: every rank of the world iterates it to the end (see the module docstring).
     LoRA adapters (parallel.lora) are merged into their base weights (`merge_adapters`), so
     engines without LoRA serve the policy; `merge_adapters=False` exports the frozen base.
+    `fp8`: decoder linear weights as FP8 blocks + `*_scale_inv`, quantized on the owner's device
+    (the bytes of `fp8.quantize_stream` over the full-precision export).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes}: must be positive")
     for chunk in model_chunks(model):
-        yield from _export_chunk(chunk, bridge, bucket_bytes, merge_adapters)
+        yield from _export_chunk(chunk, bridge, bucket_bytes, merge_adapters, fp8)
 
 
-def _export_chunk(model, bridge: Bridge, bucket_bytes: int, merge_adapters: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _export_chunk(
+    model, bridge: Bridge, bucket_bytes: int, merge_adapters: bool, fp8: BlockFP8 | None
+) -> Iterator[tuple[str, torch.Tensor]]:
     ctx = parallel_context(model, bridge)
     params = model_tensors(model)
     lora = adapters(model) if merge_adapters else {}
@@ -145,7 +157,7 @@ def _export_chunk(model, bridge: Bridge, bucket_bytes: int, merge_adapters: bool
                     local = params[task.name]
                     if task.name in lora:  # this rank's shard of base + scale * B A
                         local = local + lora[task.name].delta()
-                    gathered.extend(task.mapping.export(local, ctx, task.indices))
+                    gathered.extend(task.mapping.export(local, ctx, task.indices, fp8))
             gathered.reverse()
             while gathered:  # empty except on the source (the first member of all its groups)
                 yield gathered.pop()
@@ -182,9 +194,7 @@ def save_hf_checkpoint(
         fresh_staging(out_dir)
     dist.barrier()
     prefix = f"stage{ps.get_pipeline_model_parallel_rank():03d}"
-    items = export_hf_weights(model, bridge, bucket_bytes=bucket_bytes, merge_adapters=merge_adapters)
-    if fp8 is not None:
-        items = fp8.quantize_stream(items)
+    items = export_hf_weights(model, bridge, bucket_bytes=bucket_bytes, merge_adapters=merge_adapters, fp8=fp8)
     weight_map = write_shards(items, tmp, prefix, max_shard_bytes, progress=progress)
     maps: list = [None] * dist.get_world_size()
     dist.all_gather_object(maps, weight_map)

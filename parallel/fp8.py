@@ -21,6 +21,8 @@ import torch
 
 SCALE_SUFFIX = "_scale_inv"
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+FULL = (".gate.weight", ".embed_tokens.weight", ".shared_head.head.weight")
+"""Decoder-layer weights that stay in full precision: routers and the MTP layers' embedding/head copies."""
 
 
 @dataclass(frozen=True)
@@ -62,19 +64,18 @@ class BlockFP8:
         `*_scale_inv`, as DeepSeek's checkpoints hold them; norms, biases, routers (`*.gate.weight`),
         embeddings and the LM head (the MTP layers' copies of both included) stay as they are. One
         tensor at a time."""
-        full_precision = (".gate.weight", ".embed_tokens.weight", ".shared_head.head.weight")
         for name, tensor in items:
-            if (
-                name.startswith("model.layers.")
-                and name.endswith(".weight")
-                and tensor.ndim == 2
-                and not name.endswith(full_precision)
-            ):
+            if self.quantizes(name, tensor.ndim):
                 quantized, scale_inv = self.quantize(tensor)
                 yield name, quantized
                 yield name + SCALE_SUFFIX, scale_inv
             else:
                 yield name, tensor
+
+    @staticmethod
+    def quantizes(name: str, ndim: int) -> bool:
+        """True for the HF tensors `quantize_stream` turns into FP8 blocks (decoder linear weights)."""
+        return name.startswith("model.layers.") and name.endswith(".weight") and ndim == 2 and not name.endswith(FULL)
 
     def dequantize_named(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """{name: tensor} with each FP8 `X` and its `X_scale_inv` replaced by the float32 `X`; a
@@ -108,7 +109,9 @@ class BlockFP8:
 
     def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(float8_e4m3fn weight, float32 scale_inv) the way DeepSeek's checkpoints are made:
-        each block scaled so that its largest magnitude is 448 (an all-zero block keeps factor 1)."""
+        each block scaled so that its largest magnitude is 448 (an all-zero block keeps factor 1).
+        Everything is allocated on `weight.device` (a GPU weight is quantized on its GPU, never
+        copied to the host); peak extra memory about 3x the weight in fp32."""
         rows, cols = weight.shape[-2:]
         grid = self.scale_shape(tuple(weight.shape))
         padded = torch.zeros(

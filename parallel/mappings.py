@@ -25,6 +25,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from parallel.fp8 import SCALE_SUFFIX, BlockFP8
+
 
 @dataclass(frozen=True)
 class Axis:
@@ -60,36 +62,72 @@ class ShardReader(Protocol):
         """The HF tensor `name`, or its rows/columns [start, stop) along `dim`."""
 
 
-# Gathers go point-to-point to the group's first member, not all-gathers: only the export's
-# source needs the full tensor, and gloo's collectives copy through a flat buffer of their own
-# (2x the tensor at the peak).
+# TP/ETP gathers go point-to-point to the group's first member, not all-gathers: only the
+# export's source needs the full tensor, and gloo's collectives copy through a flat buffer of
+# their own (2x the tensor at the peak). EP gathers (many members, many tensors per parameter)
+# are one `gather` collective per parameter instead (`gather_members`).
+
+GATHER_BYTES = {"sent": 0, "received": 0}
+"""Bytes this process handed to / got from the export's TP/ETP/EP gathers (both counted where the
+call is made; `moe-rl bench sync` reads them per rank)."""
+
+_ALIGN = 16  # byte offset of each tensor in a flat gather buffer: any dtype views it in place
+
+
+def _wire(tensor: torch.Tensor) -> torch.Tensor:
+    """What goes over the link: FP8 tensors as their bytes (gloo has no float8 types)."""
+    return tensor.view(torch.uint8) if tensor.is_floating_point() and tensor.element_size() == 1 else tensor
 
 
 def gather_to_first(tensor: torch.Tensor, axis: Axis) -> torch.Tensor | None:
     """Every member of `axis.group` calls it; member 0 gets one (axis.size, *shape) tensor of
     all members' tensors, received in place; the others get None."""
     tensor = tensor.contiguous()
+    nbytes = tensor.numel() * tensor.element_size()
     if axis.rank != 0:
-        dist.send(tensor, group=axis.group, group_dst=0)
+        dist.send(_wire(tensor), group=axis.group, group_dst=0)
+        GATHER_BYTES["sent"] += nbytes
         return None
     out = tensor.new_empty((axis.size, *tensor.shape))
     out[0].copy_(tensor)
     for member in range(1, axis.size):
-        dist.recv(out[member], group=axis.group, group_src=member)
+        dist.recv(_wire(out[member]), group=axis.group, group_src=member)
+    GATHER_BYTES["received"] += nbytes * (axis.size - 1)
     return out
 
 
-def gather_parts(tensor: torch.Tensor, axis: Axis) -> list[torch.Tensor] | None:
-    """Like `gather_to_first`, as separate tensors: member 0 gets [its own tensor (no copy),
-    member 1's, ...]; the others None."""
-    tensor = tensor.contiguous()
+def gather_members(tensors: list[torch.Tensor], axis: Axis) -> list[list[torch.Tensor]] | None:
+    """One `gather` collective for all of a parameter's tensors (any dtypes, the same shapes on
+    every member): every member of `axis.group` calls it; member 0 gets [its own tensors (no copy),
+    member 1's, ...], views into one received buffer per member; the others None.
+
+    Memory: every member packs its tensors into one flat buffer (1x their bytes); member 0 holds
+    axis.size of them, and gloo adds a transient flat copy of the same size (NCCL does not)."""
+    offsets, total = [], 0
+    for tensor in tensors:
+        offsets.append(total)
+        total += -(-(tensor.numel() * tensor.element_size()) // _ALIGN) * _ALIGN
+    flat = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
+    for tensor, offset in zip(tensors, offsets):
+        flat[offset : offset + tensor.numel() * tensor.element_size()].copy_(
+            tensor.detach().contiguous().view(-1).view(torch.uint8)
+        )
     if axis.rank != 0:
-        dist.send(tensor, group=axis.group, group_dst=0)
+        dist.gather(flat, None, group=axis.group, group_dst=0)
+        GATHER_BYTES["sent"] += total
         return None
-    parts = [tensor] + [torch.empty_like(tensor) for _ in range(1, axis.size)]
-    for member in range(1, axis.size):
-        dist.recv(parts[member], group=axis.group, group_src=member)
-    return parts
+    buffers = [flat] + [torch.empty_like(flat) for _ in range(1, axis.size)]
+    dist.gather(flat, buffers, group=axis.group, group_dst=0)
+    GATHER_BYTES["received"] += total * (axis.size - 1)
+    members = [list(tensors)]
+    for buffer in buffers[1:]:
+        members.append(
+            [
+                buffer[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                for t, offset in zip(tensors, offsets)
+            ]
+        )
+    return members
 
 
 def gather_along(tensor: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor | None:
@@ -169,27 +207,58 @@ class Mapping:
         return ctx.etp if self.expert else ctx.tp
 
     # -- export: collective over the TP/ETP group, then (experts) the EP group -------------
+    shard_block_dim: int | None = None
+    """The weight dim (-2 rows, -1 cols) along which this kind's TP shards concatenate into the
+    HF tensor unchanged; None where `to_hf` reorders rows (QKV, rope rows), so FP8 blocks can
+    only be formed after the gather."""
+    halves = 1
+    """Runs of rows per TP shard (GatedColumn: [gate_r; up_r])."""
+
     def export(
-        self, local: torch.Tensor, ctx: ParallelContext, indices: tuple[int, ...]
+        self, local: torch.Tensor, ctx: ParallelContext, indices: tuple[int, ...], fp8: BlockFP8 | None = None
     ) -> list[tuple[str, torch.Tensor]]:
         """All ranks of the param's TP/ETP group call it in lockstep, then (experts) the ETP
         rank-0 members of the EP group; the first member of each gets every HF tensor of the
-        param (experts: of all EP ranks), the others []. Memory: the full tensors, there."""
+        param (experts: of all EP ranks), the others []. Memory: the full tensors, there.
+
+        `fp8`: decoder linear weights (`BlockFP8.quantizes`) leave as FP8 blocks + `*_scale_inv`,
+        quantized where the weight lives, before any link: each TP shard on its own device when
+        the shard is whole blocks (`shard_block_dim`), else right after the TP gather, on the
+        gathering rank; the EP gather and everything after it carry FP8 bytes. The bytes equal
+        `fp8.quantize_stream` of the full-precision export."""
         axis = self.axis(ctx)
-        full = self.gather(local.detach(), axis)
-        if axis.rank != 0:
-            return []
-        tensors = self.to_hf(full, ctx)
+        names = self.hf_names(ctx, indices)
+        targets = fp8 is not None and all(fp8.quantizes(name, local.ndim) for name in names)
+        pieces: list[tuple[int, str, torch.Tensor]] = []  # (HF name index, suffix, tensor)
+        if targets and self._whole_blocks(local, axis, fp8):
+            quantized, scale_inv = (self.gather(t, axis) for t in fp8.quantize(local.detach()))
+            if axis.rank != 0:
+                return []
+            for i, (q, s) in enumerate(zip(self.to_hf(quantized, ctx), self.to_hf(scale_inv, ctx))):
+                pieces += [(i, "", q), (i, SCALE_SUFFIX, s)]
+        else:
+            full = self.gather(local.detach(), axis)
+            if axis.rank != 0:
+                return []
+            for i, tensor in enumerate(self.to_hf(full, ctx)):
+                pieces += zip([i, i], ["", SCALE_SUFFIX], fp8.quantize(tensor)) if targets else [(i, "", tensor)]
         if not self.expert:
-            return list(zip(self.hf_names(ctx, indices), tensors))
-        per_rank = [gather_parts(t, ctx.ep) for t in tensors]
-        if ctx.ep.rank != 0:
+            return [(names[i] + suffix, tensor) for i, suffix, tensor in pieces]
+        members = gather_members([tensor for _, _, tensor in pieces], ctx.ep)
+        if members is None:
             return []
         out: list[tuple[str, torch.Tensor]] = []
-        for ep_rank in range(ctx.ep.size):
+        for ep_rank, tensors in enumerate(members):
             names = self.hf_names(ctx, indices, ep_rank)
-            out.extend((name, parts[ep_rank]) for name, parts in zip(names, per_rank))
+            out.extend((names[i] + suffix, tensor) for (i, suffix, _), tensor in zip(pieces, tensors))
         return out
+
+    def _whole_blocks(self, local: torch.Tensor, axis: Axis, fp8: BlockFP8) -> bool:
+        """True when each TP shard quantizes alone into the blocks of the gathered weight."""
+        if self.shard_block_dim is None or axis.size == 1 or local.ndim != 2:
+            return False
+        block = fp8.rows if self.shard_block_dim == -2 else fp8.cols
+        return (local.shape[self.shard_block_dim] // self.halves) % block == 0
 
     # -- import: no collective; reads only this rank's slices ------------------------------
     def load(
@@ -228,6 +297,7 @@ class ColumnParallel(Mapping):
     """Split along dim 0 (output features) over TP (ETP for experts)."""
 
     dim = 0
+    shard_block_dim = -2
 
     def gather(self, local, axis):
         return gather_along(local, axis, self.dim)
@@ -241,11 +311,14 @@ class RowParallel(ColumnParallel):
     """Split along dim 1 (input features) over TP (ETP for experts)."""
 
     dim = 1
+    shard_block_dim = -1
 
 
 class VocabParallel(ColumnParallel):
     """Embedding / output layer: rows split over TP, padded to Megatron's padded vocab.
     Padded rows are zero after import and dropped on export."""
+
+    shard_block_dim = None  # never FP8 (embedding, head)
 
     def to_hf(self, full, ctx):
         return [full[: ctx.vocab_size]]
@@ -294,6 +367,8 @@ class GatedColumn(Mapping):
     """SwiGLU fc1 = [gate; up]. Each TP rank holds [gate_r; up_r], so the halves are gathered
     separately. HF names: (gate, up)."""
 
+    shard_block_dim, halves = -2, 2
+
     def gather(self, local, axis):
         if axis.size == 1:
             return local
@@ -313,6 +388,8 @@ class QKV(ColumnParallel):
     """Fused attention input projection, laid out per query group as
     [q (heads_per_group * head_dim); k (head_dim); v (head_dim)] and split over TP by groups.
     HF names: (q, k, v)."""
+
+    shard_block_dim = None  # to_hf regroups rows across shards
 
     def __init__(self, megatron: str, q: str, k: str, v: str, *, num_query_groups: int, head_dim: int):
         super().__init__(megatron, q, k, v)
@@ -344,6 +421,8 @@ class RopeRows(ColumnParallel):
     (`rope_interleave=true`). A checkpoint with `rope_interleave=false` rotates halves directly,
     so its rotary rows are re-interleaved on import (HF row i -> Megatron row [even; odd][i]),
     and export undoes it; q.k only sees rows after rotation, so logits are unchanged."""
+
+    shard_block_dim = None  # to_hf may reorder rotary rows
 
     def __init__(self, megatron: str, hf: str, *, block: int, rope: int, hf_interleaved: bool, split: bool = True):
         super().__init__(megatron, hf)

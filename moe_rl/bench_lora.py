@@ -18,11 +18,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
+from moe_rl.engine.client import EngineClient
+from moe_rl.engine.process import launch_embedded
+from parallel.bridges import bridge_for
+from parallel.export import export_hf_weights, save_hf_checkpoint
+from parallel.layout import ParallelLayout
+from parallel.lora import LoRAConfig, add_lora
+from parallel.model import build_gpt_model, init_model_parallel
+from parallel.peft import collect_adapter, write_adapter
+from parallel.world import spawn
+from sync.lora import AdapterSync, AdapterSyncConfig, adapter_name
+from sync.sender import SyncConfig, WeightSender, exhaust
 
 
 class LongTail:
@@ -38,7 +52,6 @@ class LongTail:
         self._thread.start()
 
     async def _main(self) -> None:
-        from moe_rl.engine.client import EngineClient
 
         client = EngineClient(self.url, name="long-tail")
         await asyncio.gather(*(self._worker(client, i) for i in range(self.concurrency)))
@@ -63,19 +76,8 @@ class LongTail:
 
 def rank_main(cfg: dict, work_dir: str) -> dict | None:
     """Rank function: every rank runs the collectives; rank 0 owns the engine and both syncs."""
-    import torch.distributed as dist
+    # heavy: transformers, only where an HF config, model or tokenizer is read
     from transformers import Qwen3MoeConfig
-
-    from moe_rl.engine.client import EngineClient
-    from moe_rl.engine.process import launch_embedded
-    from parallel.bridges import bridge_for
-    from parallel.export import export_hf_weights, save_hf_checkpoint
-    from parallel.layout import ParallelLayout
-    from parallel.lora import LoRAConfig, add_lora
-    from parallel.model import build_gpt_model, init_model_parallel
-    from parallel.peft import collect_adapter, write_adapter
-    from sync.lora import AdapterSync, AdapterSyncConfig, adapter_name
-    from sync.sender import SyncConfig, WeightSender, exhaust
 
     layout, hf_config = ParallelLayout(**cfg["layout"]), Qwen3MoeConfig(**cfg["model"])
     bridge, lora = bridge_for(hf_config), LoRAConfig(**cfg["lora"])
@@ -149,10 +151,6 @@ def rank_main(cfg: dict, work_dir: str) -> dict | None:
 
 
 def run(cfg: dict) -> int:
-    import tempfile
-
-    from parallel.layout import ParallelLayout
-    from parallel.world import spawn
 
     layout = ParallelLayout(**cfg["layout"])
     with tempfile.TemporaryDirectory() as work_dir:

@@ -12,6 +12,7 @@ import difflib
 import json
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -22,6 +23,8 @@ from moe_rl.algorithms.config import AlgorithmConfig
 from moe_rl.converted import HF_FILES_DIR, is_converted, read_meta
 from moe_rl.cpu_pools import CpuPoolsConfig
 from moe_rl.rollout.config import RolloutConfig
+from parallel.bridges import bridge_for, without_mtp
+from parallel.hf_checkpoint import as_stored
 from parallel.layout import ParallelLayout
 from parallel.lora import LoRAConfig
 from sync.config import SyncConfig
@@ -78,18 +81,15 @@ class ModelConfig:
 
     def load_hf_config(self):
         """The transformers config object (reads config.json; no weights)."""
+        # heavy: transformers, only where an HF config, model or tokenizer is read
         from transformers import AutoConfig
 
         if self.path is not None and not is_converted(self.path):
-            from parallel.hf_checkpoint import as_stored
-
             config = as_stored(AutoConfig.from_pretrained(self.path), self.path)
         else:
             fields = dict(self.hf_config if self.path is None else read_meta(self.path)["hf_config"])
             config = AutoConfig.for_model(fields.pop("model_type"), **fields)
         if self.mtp == "drop":
-            from parallel.bridges import without_mtp
-
             config = without_mtp(config)
         return config
 
@@ -342,7 +342,6 @@ class RunConfig:
     def __post_init__(self):
         if self.steps < 1:
             raise ValueError(f"steps={self.steps}: must be >= 1")
-        from parallel.bridges import bridge_for
 
         self.trainer.check_model(bridge_for(self.model.load_hf_config()).model_shape())
         if self.rollout is not None:
@@ -436,8 +435,6 @@ class RunConfig:
         """The rollout section with the staleness bound the mode implies."""
         staleness = self.rl.staleness(self.rollout)
         if staleness != self.rollout.max_staleness and self.rl.mode != "fully_async":
-            import warnings
-
             warnings.warn(
                 f"rl.mode={self.rl.mode!r} trains with staleness {staleness}; "
                 f"rollout.max_staleness={self.rollout.max_staleness} is ignored"

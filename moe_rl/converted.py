@@ -58,10 +58,12 @@ def load_model_weights(model, bridge, path: str) -> None:
     """Fill this rank's shards of `model` from `path`: a converted checkpoint (Megatron's resharding
     load, any layout) or an HF safetensors directory (through the bridge). Collective."""
     if is_converted(path):
+        # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
         from megatron.core import dist_checkpointing
 
         model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), path))
     else:
+        # heavy: torch and the bridges; this module stays light (`moe-rl convert` reads META_FILE here)
         from parallel.hf_import import load_hf_weights
 
         load_hf_weights(model, bridge, path)

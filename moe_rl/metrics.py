@@ -36,6 +36,7 @@ class MetricsLogger:
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
         self._tb = None
         if tensorboard:
+            # heavy: tensorboard, only when metrics are logged
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 import time
 
+from rich.progress import Progress
+
 
 class StepProgress:
     """`with StepProgress("rl", total) as progress: progress.advance("reward 0.5")` once per step."""
@@ -18,8 +20,6 @@ class StepProgress:
         self.done, self.every = 0, max(1, total // 20)
         self.bar = None
         if enabled and sys.stdout.isatty():
-            from rich.progress import Progress
-
             self.bar = Progress(*Progress.get_default_columns(), "{task.fields[status]}")
 
     def __enter__(self) -> StepProgress:

@@ -20,9 +20,11 @@ from moe_rl.metrics import read_metrics
 
 
 def write_report(run_dir: str | Path) -> list[Path]:
+    # heavy: matplotlib, only when plots are written
     import matplotlib
 
     matplotlib.use("Agg")
+    # heavy: matplotlib, only when plots are written
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)

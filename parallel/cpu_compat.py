@@ -168,6 +168,7 @@ def _cuda_rng_on_cpu_generator() -> None:
     used for dropout and TP-sharded init) reads and writes the CUDA generator; on CPU those
     calls raise or silently do nothing (all versions). The CPU generator plays its role, so
     forked streams and their checkpointed states behave as on GPU."""
+    # megatron-core is patched here: imported inside each patch, after patch 0 (see apply)
     from megatron.core.tensor_parallel import random as mrandom
 
     def get_state(device="cuda", clone=False, graph_safe=False):
@@ -235,6 +236,7 @@ def _sequence_parallel_torch_norm() -> None:
     when Apex is absent) asserts `not config.sequence_parallel` (all versions). Its torch
     norm is correct under SP as long as the weight's grads are summed over TP, which Megatron
     does for params marked `.sequence_parallel = True` (as TE's norms are)."""
+    # megatron-core is patched here: imported inside each patch, after patch 0 (see apply)
     from megatron.core.transformer import torch_norm
 
     def new(
@@ -265,6 +267,7 @@ def _alltoall_split_sizes_as_lists() -> None:
     `maybe_move_tensor_to_cpu(..., as_numpy=True)`, but only for CUDA tensors; on CPU they stay
     tensors, and gloo's `all_to_all_single` accepts neither tensors nor arrays as split sizes,
     only lists (all versions)."""
+    # megatron-core is patched here: imported inside each patch, after patch 0 (see apply)
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     def to_host(tensor, as_numpy=False, record_stream=False):
@@ -282,6 +285,7 @@ def _uneven_gather_and_reduce_scatter() -> None:
     sizes; gloo implements neither uneven `all_gather` nor `reduce_scatter` (all versions).
     Gather pads every rank to the largest split; reduce-scatter all-reduces and keeps this
     rank's slice (more bytes moved, same result). Equal splits keep Megatron's path."""
+    # megatron-core is patched here: imported inside each patch, after patch 0 (see apply)
     from megatron.core.tensor_parallel import mappings
 
     original_gather = mappings._gather_along_first_dim
@@ -317,6 +321,7 @@ def _router_gating_without_te() -> None:
     """0.16.1's `RouterGatingLinearFunction` tests `te_general_gemm is not None`, but the name is
     only defined when Transformer Engine imports: NameError on the first MoE forward without
     TE. Defining it as None selects the plain torch matmul. Fixed upstream in 0.17."""
+    # megatron-core is patched here: imported inside each patch, after patch 0 (see apply)
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
@@ -337,6 +342,7 @@ def _distributed_optimizer_checkpoint_without_te() -> None:
       increments in place once per parameter: every update after a resume uses a wrong bias
       correction. Each parameter gets its own copy.
     """
+    # megatron-core is patched here: imported inside each patch, after patch 0 (see apply)
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     describe = DistributedOptimizer.sharded_state_dict
@@ -368,6 +374,7 @@ def _distributed_optimizer_checkpoint_without_te() -> None:
 
 
 def _has_fused_adam() -> bool:
+    # megatron-core is patched here: imported inside each patch, after patch 0 (see apply)
     from megatron.core.optimizer import distrib_optimizer
 
     return bool(getattr(distrib_optimizer, "HAVE_APEX_OR_TE", False))
@@ -386,6 +393,7 @@ def _mla_without_te() -> None:
         return
     except ImportError:
         pass
+    # megatron-core is patched here: imported inside each patch, after patch 0 (see apply)
     from megatron.core.transformer import multi_latent_attention
 
     multi_latent_attention.HAVE_TE = False
@@ -398,6 +406,7 @@ def _device_mode_in_recompute() -> None:
     `device="cuda"` literal of `get_default_causal_mask` without patch 3: "Torch not compiled
     with CUDA enabled" with `recompute_granularity="full"` (all versions). The recompute runs
     inside the device mode."""
+    # megatron-core is patched here: imported inside each patch, after patch 0 (see apply)
     from megatron.core.tensor_parallel.random import CheckpointFunction
 
     backward = CheckpointFunction.backward

@@ -33,18 +33,22 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 
 from parallel.bridges import Bridge
 from parallel.context import parallel_context, uses_transformer_engine
 from parallel.fp8 import BlockFP8
+from parallel.hf_checkpoint import finalize_hf_checkpoint, write_shards
 from parallel.lora import adapter_parameters, adapters
 from parallel.mappings import Mapping, ParallelContext, resolve
+from parallel.staging import fresh_staging, staging_dir
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 
 
 def is_export_source() -> bool:
     """True on the rank that receives this stage's exported tensors (TP0 / DP0 / CP0)."""
+    # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
     from megatron.core import parallel_state as ps
 
     return (
@@ -56,7 +60,7 @@ def is_export_source() -> bool:
 
 def export_source_ranks() -> dict[int, int]:
     """{pipeline stage: global rank that yields its tensors}. Collective: every rank calls it."""
-    import torch.distributed as dist
+    # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
     from megatron.core import parallel_state as ps
 
     mine = (ps.get_pipeline_model_parallel_rank(), dist.get_rank()) if is_export_source() else None
@@ -183,11 +187,8 @@ def save_hf_checkpoint(
     Collective: every rank calls it. Each stage's source rank writes its own shards into
     `<out_dir>.tmp`; global rank 0 merges the index and renames the directory when complete.
     """
-    import torch.distributed as dist
+    # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
     from megatron.core import parallel_state as ps
-
-    from parallel.hf_checkpoint import finalize_hf_checkpoint, write_shards
-    from parallel.staging import fresh_staging, staging_dir
 
     tmp = staging_dir(out_dir)
     if dist.get_rank() == 0:

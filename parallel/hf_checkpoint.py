@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from parallel.bridges import without_mtp
 from parallel.fp8 import SCALE_SUFFIX, BlockFP8
 from parallel.staging import publish
 
@@ -200,8 +201,6 @@ def declares_absent_mtp(hf_dir: str | os.PathLike) -> bool:
 def as_stored(hf_config: Any, hf_dir: str | os.PathLike) -> Any:
     """`hf_config` (a dict or a transformers config) without the MTP layers it declares when the
     checkpoint at `hf_dir` holds none (`declares_absent_mtp`): the model is built as stored."""
-    from parallel.bridges import without_mtp
-
     return without_mtp(hf_config) if declares_absent_mtp(hf_dir) else hf_config
 
 

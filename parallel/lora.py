@@ -152,6 +152,7 @@ class LoRAAdapter(torch.nn.Module):
         replicated: bool = False,
     ):
         super().__init__()
+        # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
@@ -193,6 +194,7 @@ class LoRAAdapter(torch.nn.Module):
         return self.scale * (self.lora_B @ self.lora_A)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
         from megatron.core.tensor_parallel import mappings
 
         group, size = self.group, self.group_size
@@ -220,6 +222,7 @@ class LoRAAdapter(torch.nn.Module):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """Checkpoint tensors by global shape, like the base weight (fc1's B as gate and up halves)."""
+        # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
         from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
         from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
@@ -253,6 +256,7 @@ class GroupedLoRA(torch.nn.ModuleList):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """Keys and global expert offsets of SequentialMLP's per-expert adapters (as TEGroupedMLP
         does for its weights), so checkpoints move between the two."""
+        # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
         from megatron.core import parallel_state as ps
         from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 
@@ -316,10 +320,12 @@ class _Kind:
 
 
 def _linear_kinds(te: bool) -> dict[type, _Kind]:
+    # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     kinds = {ColumnParallelLinear: _Kind(column=True), RowParallelLinear: _Kind(column=False)}
     if te:  # without transformer_engine these names are placeholders, so only TE-spec models look
+        # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
         from megatron.core.extensions import transformer_engine as te_ext
 
         te_kinds = {

@@ -6,6 +6,7 @@ import functools
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from parallel import cpu_compat
 from parallel.bridges import Bridge
@@ -28,9 +29,8 @@ def init_model_parallel(layout: ParallelLayout, seed: int) -> None:
 
     Every rank of the world must call it; the world size must equal `layout.world_size`.
     """
-    import torch.distributed as dist
-
     cpu_compat.apply()
+    # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -56,6 +56,7 @@ def build_gpt_model(bridge: Bridge, layout: ParallelLayout, use_te: bool | None 
     Call after `init_model_parallel`. `use_te`: the Transformer Engine spec (None: where TE is
     available, see `use_transformer_engine`). Returns the bare GPTModel (no DDP wrapper).
     """
+    # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
     from megatron.core import parallel_state
 
     if use_te is None:
@@ -76,6 +77,7 @@ def build_gpt_model(bridge: Bridge, layout: ParallelLayout, use_te: bool | None 
 
 @functools.cache
 def _gpt_model_class():
+    # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
     from megatron.core.models.gpt import GPTModel
 
     class LogitsGPTModel(GPTModel):
@@ -98,6 +100,7 @@ def _gpt_model_class():
             return super().compute_language_model_loss(labels, logits)
 
         def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+            # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
             from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
             return super().sharded_state_dict(prefix, sharded_offsets, ensure_metadata_has_dp_cp_group(metadata))

@@ -31,6 +31,7 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 
 from parallel.bridges import Bridge
 from parallel.context import parallel_context, uses_transformer_engine
@@ -151,8 +152,6 @@ def collect_adapter(model, bridge: Bridge, lora: LoRAConfig) -> tuple[dict, dict
 
 def write_adapter(directory: str | os.PathLike, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
     """Write a PEFT adapter directory atomically: `.tmp-<name>` beside it, then renamed into place."""
-    from safetensors.torch import save_file
-
     staging = fresh_staging(directory, hidden=True)
     save_file({name: t.contiguous() for name, t in sorted(tensors.items())}, str(staging / WEIGHTS_FILE))
     (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")

@@ -49,6 +49,7 @@ import threading
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from sync.bucket import TensorMeta, layout, unpack
 from sync.bucket import checksum as bucket_checksum
@@ -180,8 +181,6 @@ class WeightReceiver:
 
     def stage_from_disk(self, model_path: str | Path, weight_version: str | int) -> list[str]:
         """Stage every tensor of the `*.safetensors` files in `model_path`; returns their names."""
-        from safetensors.torch import load_file
-
         files = sorted(Path(model_path).glob("*.safetensors"))
         if not files:
             raise ValueError(f"model_path: no *.safetensors files in {model_path}")

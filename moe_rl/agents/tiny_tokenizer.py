@@ -57,6 +57,7 @@ CHAT_TEMPLATE = (  # no whitespace control: every newline below is part of the r
 
 def build(out_dir: str | Path) -> Path:
     """Write tokenizer.json and tokenizer_config.json (with the chat template) to `out_dir`."""
+    # heavy: transformers, only where an HF config, model or tokenizer is read
     from transformers import PreTrainedTokenizerFast
 
     chars = [chr(c) for c in range(32, 127)] + ["\n"]

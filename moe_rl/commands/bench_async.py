@@ -32,7 +32,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 from pathlib import Path
+
+from moe_rl.cpu_pools import available_cores
 
 COMMAND = ("bench", "async")
 HELP = (
@@ -99,6 +102,7 @@ def pool_overrides(cores: list[int]) -> list[str]:
 
 
 def _run(config_path: str, overrides: list[str], name: str, out: Path) -> dict:
+    # heavy: torch and Ray (the RL job); the CLI imports every command module to build its parser
     from moe_rl.config import load_config
     from moe_rl.jobs import rl
 
@@ -142,8 +146,8 @@ def overlap_ideal(sync_run: dict) -> dict:
 
 
 def run(args) -> int:
+    # heavy: torch (through moe_rl.config); the CLI imports every command module to build its parser
     from moe_rl.config import load_config
-    from moe_rl.cpu_pools import available_cores
 
     out = Path(args.output).parent
     cores = sorted(available_cores())
@@ -254,8 +258,6 @@ def _ratios(runs: dict) -> dict:
 
 def _spread(values: list[dict]) -> dict:
     """Per key: the median over repeats, and every repeat's value (`<key>_all`)."""
-    import statistics
-
     return {
         **{key: statistics.median(v[key] for v in values) for key in values[0]},
         **{f"{key}_all": [v[key] for v in values] for key in values[0]},

@@ -22,6 +22,8 @@ import tempfile
 import time
 from typing import Callable
 
+from moe_rl.engine.process import launch_embedded
+
 COMMAND = ("bench", "engine")
 HELP = (
     "measure an engine's continuous batching: N concurrent requests vs the same N serially and vs "
@@ -43,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def tiny_model_dir() -> str:
+    # heavy: torch and transformers, only to write the tiny model (the CLI's parser imports this module)
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -73,6 +76,7 @@ def make_prompts(requests: int, prompt_len: int) -> list[list[int]]:
 def generate_baseline(model_dir: str, requests: int, prompt_len: int, max_new_tokens: int) -> tuple[str, Baseline]:
     """Load the model for transformers' batched `generate()` on the prompts `measure` sends, warm it
     up with one row; returns the device and the timing function."""
+    # heavy: torch and transformers, only for the baseline (the CLI's parser imports this module)
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -119,6 +123,7 @@ def generate_baseline(model_dir: str, requests: int, prompt_len: int, max_new_to
 async def measure(
     url: str, requests: int, prompt_len: int, max_new_tokens: int, repeats: int = 1, baseline: Baseline | None = None
 ) -> dict:
+    # heavy: torch (through the engine client); the CLI imports every command module to build its parser
     from moe_rl.engine.client import EngineClient
 
     client = EngineClient(url)
@@ -182,8 +187,6 @@ def run(args: argparse.Namespace) -> int:
             device, baseline = generate_baseline(args.model_dir, *shape)
         report = asyncio.run(measure(args.url, *shape, args.repeats, baseline))
     else:
-        from moe_rl.engine.process import launch_embedded
-
         model_dir = args.model_dir or tiny_model_dir()
         with launch_embedded(model_dir, max_batch=max(64, args.requests)) as engine:
             device, baseline = generate_baseline(model_dir, *shape)

@@ -38,6 +38,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
+import statistics
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,8 +47,18 @@ from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
+
+from parallel.bridges import bridge_for
+from parallel.export import export_hf_weights
+from parallel.layout import ParallelLayout
+from parallel.model import build_gpt_model, init_model_parallel
+from parallel.world import spawn
+from sync.bucket import checksum
+from sync.receiver import WeightReceiver
+from sync.sender import SyncConfig, WeightSender, exhaust
 
 COMMAND = ("bench", "sync")
 HELP = "Benchmark the weight sync of a Megatron export against a raw broadcast of the same bytes."
@@ -60,8 +72,6 @@ def add_arguments(parser) -> None:
 
 def _receiver_main(addresses) -> None:
     """Bench engine process: serves WeightReceiver calls over a socket, one thread per call."""
-    from sync.receiver import WeightReceiver
-
     torch.set_num_threads(1)
     receiver, raw = WeightReceiver("cpu"), {}
     cpu_seconds = time.process_time  # the "cpu" call: this process's CPU time so far
@@ -192,15 +202,8 @@ def _memory_kb(field: str) -> int:
 
 def _trainer(cfg: dict, addresses: list) -> dict | None:
     """Rank function: build this rank's Megatron stage; rank 0 syncs, the others exhaust the exports."""
-    import torch.distributed as dist
+    # heavy: transformers, only where an HF config, model or tokenizer is read
     from transformers import Qwen3MoeConfig
-
-    from parallel.bridges import bridge_for
-    from parallel.export import export_hf_weights
-    from parallel.layout import ParallelLayout
-    from parallel.model import build_gpt_model, init_model_parallel
-    from sync.bucket import checksum
-    from sync.sender import SyncConfig, WeightSender, exhaust
 
     layout = ParallelLayout(**cfg["layout"])
     bridge = bridge_for(Qwen3MoeConfig(**cfg["model"]))
@@ -349,9 +352,6 @@ def _measured(work, engines: list[SocketEngine]) -> tuple[float, int, tuple[floa
 def cpu_breakdown(source: dict, others: list[dict]) -> dict[str, dict[str, float]]:
     """{stage: wall s, CPU s over every process, cpu_busy} (medians over the repeats) from the
     source rank's result and the other trainer ranks' per-stage CPU seconds."""
-    import os
-    import statistics
-
     cores = len(os.sched_getaffinity(0))
     rows = {stage: [] for stage in ("export", "pack", "hash", "broadcast", "receive", "full")}
     for repeat, (wall, spent) in enumerate(zip(source["walls"], source["cpu"])):
@@ -396,8 +396,6 @@ def _raw_broadcast(sender, engines: list[SocketEngine], flat: torch.Tensor) -> f
 
 
 def run(args) -> int:
-    from parallel.layout import ParallelLayout
-    from parallel.world import spawn
 
     cfg = yaml.safe_load(Path(args.config).read_text()) or {}
     if unknown := set(cfg) - FIELDS:
@@ -406,6 +404,7 @@ def run(args) -> int:
         if not isinstance(cfg.get(field), dict):
             raise ValueError(f"{args.config}: `{field}` must be a mapping (see configs/bench/sync_1g.yaml)")
     if "lora" in cfg:  # adapter vs full sync on a real engine (configs/bench/sync_lora.yaml)
+        # heavy: the engine client and the LoRA bench, only for a lora: config
         from moe_rl import bench_lora
 
         return bench_lora.run(cfg)

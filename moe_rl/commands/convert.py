@@ -31,6 +31,7 @@ import math
 from pathlib import Path
 
 from moe_rl.converted import META_FILE
+from parallel.layout import ParallelLayout
 from parallel.staging import staging_dir
 
 COMMAND = ("convert",)
@@ -85,8 +86,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    # heavy: torch (the conversion ranks); the CLI imports every command module to build its parser
     from moe_rl.conversion import hf_to_megatron, megatron_to_hf, megatron_to_peft, peft_to_megatron
-    from parallel.layout import ParallelLayout
     from parallel.world import init_distributed, is_first_process, launched_by_torchrun, spawn
 
     for axis in ("tp", "pp", "ep", "etp", "world_size"):
@@ -120,6 +121,7 @@ def run(args) -> int:
     check_output(source, args.out, args.overwrite)
     _check_before_launch(args.direction, source, layout, drop_mtp=getattr(args, "mtp", None) == "drop")
     if launched_by_torchrun():  # every rank checked before rank 0 creates <out>.tmp
+        # heavy: torch, as above
         import torch.distributed as dist
 
         dist.barrier()
@@ -149,6 +151,7 @@ def check_output(source: str, out: str, overwrite: bool) -> None:
 
 def _check_before_launch(direction: str, source: str, layout, drop_mtp: bool) -> None:
     """Unknown architecture or a layout that cannot split the model: ValueError, no ranks started."""
+    # heavy: torch (the bridges); the CLI imports every command module to build its parser
     from moe_rl.conversion import source_hf_config
     from parallel.bridges import bridge_for
     from parallel.checkpoint_trust import check_dist_checkpoint
@@ -156,6 +159,7 @@ def _check_before_launch(direction: str, source: str, layout, drop_mtp: bool) ->
     if direction == "hf-to-megatron":
         hf_config = source_hf_config(source, drop_mtp)
     elif direction == "peft-to-megatron":
+        # heavy: torch, as above
         from parallel.peft import lora_config_of
 
         lora_config_of(source)  # a bad adapter config fails here, before any rank starts

@@ -14,6 +14,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    # heavy: torch (through moe_rl.config); the CLI imports every command module to build its parser
     from moe_rl.config import load_config
     from moe_rl.plan import make_plan
 

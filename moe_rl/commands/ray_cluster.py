@@ -29,16 +29,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # heavy: Ray (and torch), only when the command runs; the CLI's parser imports every command module
+    # heavy: Ray; the CLI imports every command module to build its parser
     from moe_rl.rl.ray_init import node_address, wait_for_nodes
 
     if args.action == "address":
         print(*node_address())
     elif args.action == "demand":
-        import torch  # heavy, as above
+        # heavy: torch, and the RL cluster's actors, as above
+        import torch
 
         from moe_rl.config import load_config
-        from moe_rl.rl.cluster import ray_demand  # heavy: Ray actors and the trainer group, as above
+        from moe_rl.rl.cluster import ray_demand
 
         need = ray_demand(load_config(args.config, args.overrides), torch.cuda.is_available())
         print(need.cpus, need.gpus)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from moe_rl.report import write_report
+
 COMMAND = ("report",)
 HELP = "write PNG plots of a run directory's metrics into RUN_DIR/plots"
 
@@ -11,7 +13,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from moe_rl.report import write_report
 
     for path in write_report(args.run_dir):
         print(path)

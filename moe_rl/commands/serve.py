@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from moe_rl.cpu_pools import pin_process
+
 COMMAND = ("serve",)
 HELP = "serve an HF MoE model directory with the embedded CPU engine (SGLang's HTTP API)"
 
@@ -37,9 +39,8 @@ def run(args: argparse.Namespace) -> int:
     if args.max_batch < 1:
         raise ValueError("--max-batch must be >= 1")
     if args.cpus:  # before torch starts its thread pool, so every thread inherits the pinning
-        from moe_rl.cpu_pools import pin_process
-
         pin_process(args.cpus)
+    # heavy: torch and transformers (the engine); the CLI imports every command module to build its parser
     from moe_rl.engine.embedded.server import serve
 
     serve(args.model_dir, args.host, args.port, args.weight_version, args.max_batch, args.device)

@@ -8,6 +8,13 @@ validated (layout vs model included) before any process starts.
 
 from __future__ import annotations
 
+import json
+import os
+import secrets
+import shutil
+import sys
+from pathlib import Path
+
 COMMAND = ("train",)
 HELP = "train a model from a YAML config (dotted overrides: trainer.tp=2); RL when it has a rollout section"
 
@@ -28,8 +35,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from pathlib import Path
 
+    # heavy: torch (through moe_rl.config); the CLI imports every command module to build its parser
     from moe_rl.config import load_config
     from parallel.world import is_first_process
 
@@ -51,6 +58,7 @@ def run(args) -> int:
         fresh_run_dir(Path(config.output_dir), args.overwrite)
     if config.is_rl:
         protect_local_ray()
+        # heavy: Ray, and torch; imported after protect_local_ray set Ray's auth
         from moe_rl.jobs import rl
 
         summary = rl.run(config, resume=args.resume is not None)
@@ -60,6 +68,7 @@ def run(args) -> int:
             f"run dir: {config.output_dir}"
         )
         return 0
+    # heavy: torch (megatron-core once a trainer is built); the CLI imports every command module to build its parser
     from moe_rl.jobs import supervised
     from parallel.world import init_distributed, launched_by_torchrun, spawn
 
@@ -78,10 +87,6 @@ def protect_local_ray() -> None:
     interface): a random per-run token in the environment only, inherited by every Ray process.
     Ray reads the mode when it is imported, so this runs before; an explicit RAY_AUTH_MODE, a
     cluster to join (RAY_ADDRESS) or an already imported Ray leave things as they are."""
-    import os
-    import secrets
-    import sys
-
     if "RAY_AUTH_MODE" in os.environ or os.environ.get("RAY_ADDRESS") or "ray" in sys.modules:
         return
     os.environ["RAY_AUTH_MODE"], os.environ["RAY_AUTH_TOKEN"] = "token", secrets.token_hex(32)
@@ -95,8 +100,6 @@ def fresh_run_dir(run_dir, overwrite: bool) -> None:
     """A fresh run must not mix with an earlier one (its metrics would be appended to, its
     checkpoints picked up by a later --resume): refuse a used output_dir unless `overwrite`, and
     never delete a directory that is not a run's."""
-    import shutil
-
     if not run_dir.exists() or (run_dir.is_dir() and not any(run_dir.iterdir())):
         return
     if not run_dir.is_dir() or not any((run_dir / name).is_file() for name in RUN_FILES):
@@ -112,8 +115,8 @@ def fresh_run_dir(run_dir, overwrite: bool) -> None:
 
 
 def _load_run_config(path, overrides: list[str]):
-    import json
 
+    # heavy: torch (through moe_rl.config); the CLI imports every command module to build its parser
     from moe_rl.config import RunConfig, apply_override, from_dict
 
     if not path.is_file():

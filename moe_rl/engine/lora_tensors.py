@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 import torch
+from safetensors.torch import load_file
 
 from sync.flattened_payload import decode, flatten, serialize
 
@@ -46,8 +47,6 @@ def tensor_sha256(tensor: torch.Tensor) -> str:
 
 def read_adapter_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(adapter_config.json, {PEFT name: tensor}) of a PEFT `save_pretrained` directory."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
     if not config_file.is_file() or not weights_file.is_file():

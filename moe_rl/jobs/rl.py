@@ -12,12 +12,15 @@ next to the merged `final_hf/`. With `rl.checkpoint_every`, run checkpoints (`mo
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 
+from moe_rl.agents import ChatFormat, resolve_agent
 from moe_rl.config import RunConfig, dump_config, to_dict
 from moe_rl.metrics import MetricsLogger
 from moe_rl.progress import StepProgress
+from moe_rl.report import write_report
 from moe_rl.rl import resume as resume_state
 from moe_rl.rl.cluster import RLCluster
 from moe_rl.rl.colocate import engines_released
@@ -95,8 +98,6 @@ def run(config: RunConfig, resume: bool = False) -> dict:
         ledger = cluster.close()
         logger.close()
     if config.rl.report:
-        from moe_rl.report import write_report
-
         write_report(run_dir)
     window = max(1, min(10, len(rewards) // 4))
     return {
@@ -142,8 +143,6 @@ def _check_task(config: RunConfig) -> None:
 def _check_agent(config: RunConfig, task) -> None:
     """The agent resolves, the tokenizer has a chat template, the task gives chat prompts and an
     episode's context fits the model."""
-    from moe_rl.agents import ChatFormat, resolve_agent
-
     rollout = config.rollout
     resolve_agent(rollout.agent)
     if config.model.tokenizer_dir is None:
@@ -165,8 +164,6 @@ CONTEXT_PROBE_PROMPTS = 256  # prompts looked at to bound the prompt length (tas
 def _check_context(config: RunConfig, task) -> None:
     """The longest of the first prompts + rollout.max_new_tokens must fit the model's context,
     else every request would be refused by the engine."""
-    import itertools
-
     limit = getattr(config.model.load_hf_config().get_text_config(), "max_position_embeddings", None)
     prompts = itertools.islice(task.prompts(config.rollout.seed), CONTEXT_PROBE_PROMPTS)
     longest = max((len(p.prompt_ids) for p in prompts), default=0)

@@ -13,7 +13,10 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.config import DataConfig, RunConfig, dump_config
+from moe_rl.metrics import MetricsLogger
 from moe_rl.progress import StepProgress
+from moe_rl.trainer.checkpoint import save_checkpoint
+from moe_rl.trainer.megatron_trainer import MegatronTrainer
 
 
 def load_batch(data: DataConfig, rows: int, vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
@@ -40,10 +43,6 @@ def load_batch(data: DataConfig, rows: int, vocab_size: int, seed: int) -> dict[
 
 def run(config: RunConfig) -> list[float]:
     """Train `config.steps` steps on one fixed batch; returns the loss curve (every rank)."""
-    from moe_rl.metrics import MetricsLogger
-    from moe_rl.trainer.checkpoint import save_checkpoint
-    from moe_rl.trainer.megatron_trainer import MegatronTrainer
-
     is_logger = dist.get_rank() == 0
     trainer = MegatronTrainer(config.trainer, config.model.load_hf_config(), lora=config.lora)
     batch = load_batch(config.data, config.trainer.global_batch_size, trainer.bridge.vocab_size, config.trainer.seed)

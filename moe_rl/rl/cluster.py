@@ -29,6 +29,7 @@ bookkeeping; the driver calls it while it waits for a batch and after each sync.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,13 +39,17 @@ import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from moe_rl.config import RunConfig
-from moe_rl.cpu_pools import pin_process
+from moe_rl.cpu_pools import pin_process, process_cores
 from moe_rl.engine.client import engine_index, engine_name
+from moe_rl.engine.sglang_launcher import SGLangLoRA
 from moe_rl.rl.ray_init import init_ray
 from moe_rl.rl.resume import RunCheckpoint
 from moe_rl.rl.rollout_actor import EngineServer, RolloutWorker, engine_placement
 from moe_rl.rl.trainer_group import SaveHFRequest, TrainerGroup
 from moe_rl.trainer.weight_sync import ConnectRequest, SyncRequest
+from parallel.bridges import bridge_for
+from parallel.peft import hf_lora_targets
+from sync.lora import AdapterSyncConfig
 
 
 @dataclass(frozen=True)
@@ -149,10 +154,6 @@ class RLCluster:
     def _record_cores(self) -> None:
         """`cpu_pools.json` in the run directory: the cores each pinned process reports it runs on
         (read back from the processes, not copied from the config)."""
-        import json
-
-        from moe_rl.cpu_pools import process_cores
-
         engines = [process_cores(pid) for pid in ray.get([engine.pid.remote() for engine in self.engines])]
         cores = {
             "trainer_ranks": self.trainer.cpus(),
@@ -163,8 +164,6 @@ class RLCluster:
 
     def _adapter_sync(self):
         """With LoRA, how adapters reach the engines (sync.lora); None without."""
-        from sync.lora import AdapterSyncConfig
-
         cfg = self.config
         if cfg.lora is None:
             return None
@@ -255,10 +254,6 @@ class RLCluster:
     def _lora_slots(self):
         """SGLang's LoRA serving flags sized from the config: every kept version, plus one being
         loaded, may be resident and mixed in a batch."""
-        from moe_rl.engine.sglang_launcher import SGLangLoRA
-        from parallel.bridges import bridge_for
-        from parallel.peft import hf_lora_targets
-
         cfg = self.config
         if cfg.lora is None:
             return None

@@ -10,12 +10,14 @@ joins that cluster instead of starting one (`init_ray`).
 from __future__ import annotations
 
 import atexit
+import ipaddress
 import os
 import shutil
 import socket
 import tempfile
 import time
 
+import psutil
 import ray
 
 RUNTIME_ENV = {"env_vars": {"OMP_NUM_THREADS": "1"}}  # workers inherit the auth mode of the cluster
@@ -73,10 +75,6 @@ def node_address() -> tuple[str, str]:
     GLOO_SOCKET_IFNAME, which takes a name, not NCCL's `^lo` exclusions). The address of the
     default route (Ray's choice) unless that is a loopback; then the first non-loopback address;
     loopback only on a node that has nothing else."""
-    import ipaddress
-
-    import psutil
-
     interfaces = {
         addr.address: name
         for name, addrs in psutil.net_if_addrs().items()

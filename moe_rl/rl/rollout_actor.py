@@ -10,10 +10,16 @@ loop and keeps generating while the driver trains; the driver's calls (`get_batc
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
+import ray
+
+from moe_rl.cpu_pools import pin_process
 from moe_rl.engine.client import EngineClient, engine_name
 from moe_rl.engine.pool import EnginePool
+from moe_rl.engine.process import launch_embedded
+from moe_rl.engine.sglang_launcher import SGLangConfig, launch_sglang
 from moe_rl.rl.resume import RunCheckpoint
 from moe_rl.rollout import RolloutConfig, RolloutManager
 
@@ -46,8 +52,6 @@ class EngineServer:
     def _launch(self):
         cfg = self.engines
         if cfg.kind == "embedded":
-            from moe_rl.engine.process import launch_embedded
-
             return launch_embedded(
                 self.model_dir,
                 weight_version=str(self.weight_version),
@@ -56,9 +60,6 @@ class EngineServer:
                 threads=len(self.cpus) if self.cpus else cfg.threads,
                 cpus=self.cpus,
             )
-        import ray
-
-        from moe_rl.engine.sglang_launcher import SGLangConfig, launch_sglang
 
         config = SGLangConfig(
             model_path=self.model_dir,
@@ -146,8 +147,6 @@ class RolloutWorker:
         tokenizer_dir: str | None = None,
     ):
         if cpus:  # `cpu_pools`: the engines' cores (building requests and scoring is generation's work)
-            from moe_rl.cpu_pools import pin_process
-
             pin_process(cpus)
         self.config, self.urls, self.kind, self.layout = config, urls, kind, (layers, topk)
         self.adapters = adapters  # LoRA: requests name the newest adapter, `policy-v{version}`
@@ -173,8 +172,6 @@ class RolloutWorker:
 
     async def cpus(self) -> list[int]:
         """The cores this worker's process may run on."""
-        import os
-
         return sorted(os.sched_getaffinity(0))
 
     async def snapshot(self) -> dict:

@@ -15,9 +15,18 @@ from typing import Any
 
 import ray
 import torch
+import torch.distributed as dist
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from moe_rl.algorithms import AlgorithmConfig
+from moe_rl.cpu_pools import pin_process, process_cores
+from moe_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
+from moe_rl.trainer.megatron_trainer import MegatronTrainer
+from moe_rl.trainer.rl_step import rl_step
 from moe_rl.trainer.weight_sync import ConnectRequest, SyncRequest, WeightSync, fp8_format
+from parallel import cpu_compat
+from parallel.world import free_port, init_distributed
 
 
 @dataclass(frozen=True)
@@ -40,16 +49,12 @@ class TrainerRank:
     def __init__(self, rank: int, world_size: int, threads: int, cpus: list[int] | None = None):
         self.rank, self.world_size = rank, world_size
         if cpus:
-            from moe_rl.cpu_pools import pin_process
-
             pin_process(cpus)
         torch.set_num_threads(threads)
         self.trainer = self.weight_sync = None
 
     def cpus(self) -> dict:
         """The cores this rank's process may run on and its torch threads (what the pools gave it)."""
-        from moe_rl.cpu_pools import process_cores
-
         return {"cores": process_cores(os.getpid()), "threads": torch.get_num_threads()}
 
     def device(self) -> tuple[str, list[str]]:
@@ -58,16 +63,10 @@ class TrainerRank:
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0: the address and a free port for the gloo/NCCL world."""
-        from parallel.world import free_port
-
         return ray.util.get_node_ip_address(), free_port()
 
     def setup(self, master: tuple[str, int], trainer_config, model_config, lora=None) -> None:
         """Join the world and build this rank's model, DDP and optimizer (collective)."""
-        from moe_rl.trainer.megatron_trainer import MegatronTrainer
-        from parallel import cpu_compat
-        from parallel.world import init_distributed
-
         os.environ.update(
             RANK=str(self.rank),
             WORLD_SIZE=str(self.world_size),
@@ -87,8 +86,6 @@ class TrainerRank:
 
     def _enter(self) -> None:
         if not torch.cuda.is_available():
-            from parallel import cpu_compat
-
             cpu_compat.apply()  # idempotent; Ray may run a method on another thread
 
     def save_hf(self, request: SaveHFRequest) -> None:
@@ -105,15 +102,11 @@ class TrainerRank:
 
     def save_checkpoint(self, directory: str) -> None:
         """Megatron dist checkpoint: model, optimizer, RNG, step (collective, atomic)."""
-        from moe_rl.trainer.checkpoint import save_checkpoint
-
         self._enter()
         save_checkpoint(self.trainer, directory)
 
     def load_checkpoint(self, directory: str) -> int:
         """Load a dist checkpoint into the built trainer (collective); returns its optimizer step."""
-        from moe_rl.trainer.checkpoint import load_checkpoint
-
         self._enter()
         load_checkpoint(self.trainer, directory)
         return self.trainer.step
@@ -130,15 +123,12 @@ class TrainerRank:
 
     def step(self, batch: dict[str, torch.Tensor], algorithm: AlgorithmConfig) -> dict[str, float]:
         """`moe_rl.trainer.rl_step.rl_step` on this rank (collective)."""
-        from moe_rl.trainer.rl_step import rl_step
-
         self._enter()
         return rl_step(self.trainer, batch, algorithm, self.model_path)
 
     def close(self) -> None:
         if self.weight_sync is not None:
             self.weight_sync.close()
-        import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -148,8 +138,6 @@ class TrainerGroup:
     """Driver side: the trainer world's actors, every call issued to all ranks at once."""
 
     def __init__(self, world_size: int, trainer_config, model_config, *, use_gpus: bool, lora=None, cpu_pools=None):
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle = {"GPU": 1, "CPU": 1} if use_gpus else {"CPU": 1}
         self.placement = placement_group([bundle] * world_size, strategy="PACK")

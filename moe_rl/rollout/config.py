@@ -8,6 +8,7 @@ from typing import Any
 
 from moe_rl.agents.config import EpisodeConfig
 from moe_rl.rollout.buffer import STALE_POLICIES
+from moe_rl.tasks import make_task
 
 
 @dataclass(kw_only=True)
@@ -89,8 +90,6 @@ class RolloutConfig:
     def make_task(self, tokenizer_dir: str | None = None):
         """The configured task (for "jsonl": the dataset read and checked, text prompts tokenized
         with `tokenizer_dir`'s tokenizer)."""
-        from moe_rl.tasks import make_task
-
         options = dict(self.task_options)
         if self.task == "jsonl":
             options.update(

@@ -49,6 +49,7 @@ def _layout_record(trainer) -> dict:
 
 
 def _rng_object(rank: int, world_size: int, state=None):
+    # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -99,6 +100,7 @@ def save_checkpoint(trainer, directory: str | Path) -> Path:
 
 def load_checkpoint(trainer, directory: str | Path, load_optimizer: bool = True) -> None:
     """Load into an already-built trainer of any layout (collective)."""
+    # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
     from megatron.core import dist_checkpointing
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -142,6 +144,7 @@ def save_sharded(state: dict, directory: str | Path) -> None:
     that exits with this process. megatron-core starts that Manager once per process and stops it
     in an exit handler, which a killed process (a Ray actor, a cancelled job) never runs: its
     Manager would outlive it. Ours watches its parent and exits within a second of it."""
+    # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 

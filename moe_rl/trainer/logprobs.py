@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 
 def _without_vocab_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
     from megatron.core import parallel_state
 
     local_vocab = logits.shape[-1]
@@ -25,6 +26,7 @@ def _without_vocab_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tenso
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """log p(target) [B, L], differentiable."""
+    # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     logits = _without_vocab_padding(logits, vocab_size)
@@ -37,6 +39,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int)
 @torch.no_grad()
 def token_entropy(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Entropy of each next-token distribution [B, L] (a metric: no gradient)."""
+    # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
     from megatron.core import parallel_state
 
     group = parallel_state.get_tensor_model_parallel_group()

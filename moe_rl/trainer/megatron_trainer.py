@@ -26,8 +26,10 @@ from moe_rl.trainer.microbatches import Batch, check_batch, microbatches, pad_se
 from moe_rl.trainer.reference import FrozenModel, build_reference
 from moe_rl.trainer.routing_replay import RoutingReplay
 from parallel.bridges import bridge_for
+from parallel.export import export_hf_weights, save_hf_checkpoint
 from parallel.lora import LoRAConfig, adapters_disabled, add_lora
 from parallel.model import build_gpt_model, forward, init_model_parallel
+from parallel.peft import collect_adapter, load_adapter, save_adapter
 
 LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
 """(logprobs [mb, L], microbatch) -> (loss summed over tokens, number of tokens, sums to report).
@@ -49,6 +51,7 @@ def _expert_params_own_optimizer(model) -> None:
     depends on the layout: an EP2 checkpoint could not load at EP1. At EP=1 the expert
     data-parallel group equals the dense one, so reducing them separately changes nothing.
     """
+    # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     for module in model.modules():
@@ -66,6 +69,7 @@ def _taken_mtp_losses(microbatches: int) -> list[dict]:
     """The MTP losses megatron-core logged for this rank's `microbatches` training microbatches,
     as one more report (none without MTP), its tracker then zeroed. The tracker holds, per MTP
     layer, the sum over microbatches of each one's token-mean cross entropy."""
+    # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     # megatron-core <= 0.18 keeps the losses under "values"; 0.19 under "loss_values", beside
@@ -102,6 +106,7 @@ class StepResult:
 
 class MegatronTrainer:
     def __init__(self, config: TrainerConfig, hf_config: Any, lora: LoRAConfig | None = None):
+        # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -162,11 +167,13 @@ class MegatronTrainer:
     # -- ranks --------------------------------------------------------------------------------
     @property
     def is_last_stage(self) -> bool:
+        # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
         from megatron.core import parallel_state
 
         return parallel_state.is_pipeline_last_stage()
 
     def dp_rank_and_size(self) -> tuple[int, int]:
+        # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
         from megatron.core import parallel_state
 
         return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
@@ -185,27 +192,19 @@ class MegatronTrainer:
     def export_hf_weights(self, bucket_bytes: int):
         """`(hf_name, tensor)` stream of the current weights on each stage's source rank.
         Collective: every rank iterates it to the end (see parallel.export)."""
-        from parallel.export import export_hf_weights
-
         return export_hf_weights(self.model.module, self.bridge, bucket_bytes=bucket_bytes)
 
     def export_adapter(self) -> tuple[dict, dict[str, torch.Tensor]] | None:
         """(PEFT adapter_config, {PEFT name: tensor}) of the adapters on global rank 0, None on the
         other ranks (collective; see parallel.peft)."""
-        from parallel.peft import collect_adapter
-
         return collect_adapter(self.model.module, self.bridge, self._require_lora("export_adapter"))
 
     def save_adapter(self, out_dir: str, base_model: str | None = None) -> None:
         """Write the adapters as a PEFT adapter directory (collective)."""
-        from parallel.peft import save_adapter
-
         save_adapter(self.model.module, self.bridge, self._require_lora("save_adapter"), out_dir, base_model)
 
     def load_adapter(self, adapter_dir: str) -> None:
         """Fill the adapters from a PEFT adapter directory (collective)."""
-        from parallel.peft import load_adapter
-
         self._require_lora("load_adapter")
         load_adapter(self.model.module, self.bridge, adapter_dir)
 
@@ -218,8 +217,6 @@ class MegatronTrainer:
         """Write the current weights as an HF checkpoint the engines can serve (collective); with
         LoRA the adapters are merged in (base + scale * B A) unless `merged=False` (the frozen base).
         `fp8` (a parallel.fp8.BlockFP8): linear weights as FP8 blocks."""
-        from parallel.export import save_hf_checkpoint
-
         save_hf_checkpoint(self.model.module, self.bridge, out_dir, hf_config, merge_adapters=merged, fp8=fp8)
 
     # -- training -----------------------------------------------------------------------------
@@ -348,6 +345,7 @@ class MegatronTrainer:
         the stage to run and its RoutingReplay (default: the policy's). `rows`: the batch's
         expected sequences (default trainer.global_batch_size; a mini-batch has fewer)."""
         model, replay = model or self.model, replay or self.routing
+        # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         check_batch(batch)
@@ -408,6 +406,7 @@ class MegatronTrainer:
     def _gather_rows(self, reports: list[dict], key: str, columns: int) -> torch.Tensor:
         """Reassemble per-row tensors that the last stage's TP0 ranks reported per microbatch
         (their DP shard, in order) into the whole batch, on every rank."""
+        # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
         from megatron.core import parallel_state
 
         mine = None
@@ -420,6 +419,7 @@ class MegatronTrainer:
 
     def _reduce_reports(self, reports: list[dict]) -> dict[str, float]:
         """Sum what the last stage's microbatches reported over DP; every rank gets the sums."""
+        # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
         from megatron.core import parallel_state
 
         local: dict[str, float] = {}

@@ -59,6 +59,7 @@ class RoutingReplay:
     """Drives the RouterReplay objects of one model stage (built with moe_enable_routing_replay)."""
 
     def __init__(self, model):
+        # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
         from megatron.core import parallel_state
         from megatron.core.transformer.moe.router import TopKRouter
 
@@ -166,6 +167,7 @@ class RoutingReplay:
         """Around one schedule. "replay": replay the queued routing in forwards and, inside each
         backward step, in activation recompute. "record": natural routing, recorded per forward
         and tallied against the batch's routing for `agreement`."""
+        # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
         from megatron.core.pipeline_parallel import schedules
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 

@@ -14,11 +14,24 @@ actor (`moe_rl.rl.trainer_group.TrainerRank`), which only forward it here.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
+from urllib.parse import urlsplit
 
+import torch.distributed as dist
+
+from moe_rl.engine.client import EngineClient, engine_name
+from parallel.export import export_source_ranks
+from parallel.fp8 import BlockFP8
+from parallel.peft import write_adapter
 from sync.config import AdapterSyncConfig, SyncConfig
+from sync.engine_set import SyncError
+from sync.group import address_for
+from sync.lora import AdapterSync
+from sync.pipeline import stage_stream, sync_source
+from sync.sender import WeightSender, exhaust
 
 if TYPE_CHECKING:  # megatron-core loads only where a trainer runs, not in the driver
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
@@ -67,15 +80,6 @@ class WeightSync:
         """Find each pipeline stage's export source; the sync source builds the WeightSender
         (the engines serve `request.version`), or with LoRA rank 0 the AdapterSync
         (`request.adapters`), and loads the adapter of that version. Collective."""
-        import dataclasses
-        from urllib.parse import urlsplit
-
-        from moe_rl.engine.client import EngineClient, engine_name
-        from parallel.export import export_source_ranks
-        from sync.group import address_for
-        from sync.pipeline import sync_source
-        from sync.sender import WeightSender
-
         urls, sync_config, version = list(request.urls), request.sync, request.version
         self.sources, self.kind = export_source_ranks(), request.kind
         self.fp8 = fp8_format(sync_config.fp8_blocks)
@@ -91,9 +95,6 @@ class WeightSync:
             self.sender = WeightSender(clients, sync_config, version)
 
     def _connect_adapters(self, urls: list[str], config, version: int) -> None:
-        from moe_rl.engine.client import EngineClient, engine_name
-        from parallel.peft import write_adapter
-        from sync.lora import AdapterSync
 
         if self.rank == 0:
             clients = [EngineClient(url, kind=self.kind, name=engine_name(i), retries=1) for i, url in enumerate(urls)]
@@ -115,11 +116,6 @@ class WeightSync:
         `request.served_version`); with the committed version only they receive it (catch-up).
         An engine that dies mid-sync is dropped and the sync retried (a fresh export) until the
         live engines commit. Returns seconds, the engines that committed, and those dropped as dead."""
-        from moe_rl.engine.client import EngineClient
-        from sync.engine_set import SyncError
-        from sync.pipeline import stage_stream
-        from sync.sender import exhaust
-
         version = request.version
         if self.trainer.lora is not None:
             return self._sync_adapters(version, request.joined, request.lost)
@@ -153,9 +149,6 @@ class WeightSync:
     def _sync_adapters(self, version: int, joined: Mapping[str, str], lost: tuple[str, ...]) -> dict:
         """LoRA: the new version's adapter to every engine (no pause); a restarted engine loads the
         kept versions instead (a catch-up: `version` is the one already loaded)."""
-        from moe_rl.engine.client import EngineClient
-        from sync.engine_set import SyncError
-
         start, dropped = time.perf_counter(), []
         if self.sender is not None:  # rank 0 only: the other ranks hold no sender
             for name in lost:
@@ -171,10 +164,6 @@ class WeightSync:
 
     def _agree(self, decision: bool) -> bool:
         """The sync source's `decision`, on every rank (a collective over the trainer world)."""
-        import torch.distributed as dist
-
-        from sync.pipeline import sync_source
-
         if self.world_size == 1:
             return decision
         box = [decision]
@@ -188,6 +177,4 @@ class WeightSync:
 
 def fp8_format(blocks: int | None):
     """sync.fp8_blocks as the export's FP8 format (None: full precision)."""
-    from parallel.fp8 import BlockFP8
-
     return None if blocks is None else BlockFP8(blocks, blocks)

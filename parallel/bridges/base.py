@@ -10,9 +10,11 @@ import copy
 import math
 from typing import Any, ClassVar
 
+import torch
 import torch.nn.functional as F
 
 from parallel.layout import ModelShape, ParallelLayout
+from parallel.mappings import QKV, ColumnParallel, GatedColumn, Replicated, RowParallel, SharedWithMTP, VocabParallel
 
 VOCAB_DIVISOR = 128
 """Vocab is padded to a multiple of lcm(128, tp): the same padding for tp in {1,2,4,8}, so a
@@ -112,6 +114,7 @@ class Bridge:
         raise NotImplementedError
 
     def megatron_config_class(self):
+        # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
         from megatron.core.transformer import TransformerConfig
 
         return TransformerConfig
@@ -127,6 +130,7 @@ class Bridge:
         them live on the last pipeline stage). Its transformer layer is the decoder's last layer."""
         if not self.mtp_layers:
             return None
+        # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
         return get_gpt_mtp_block_spec(config, self.layer_spec(config, use_te=use_te), use_transformer_engine=use_te)
@@ -137,8 +141,6 @@ class Bridge:
         `shared_head.norm` (Megatron's `final_layernorm`) and a decoder layer (mapped as the
         decoder's, `Mapping.for_mtp`); its `embed_tokens` / `shared_head.head` are the model's own
         (`SharedWithMTP` in `common_mappings`)."""
-        from parallel.mappings import ColumnParallel, Replicated
-
         if not self.mtp_layers:
             return decoder_table
         first = int(self.get("num_hidden_layers"))
@@ -158,8 +160,6 @@ class Bridge:
         """Embedding, final norm, output layer and the attention-block norms (HF Llama naming).
         TE: GQA layers fuse the input norm into `linear_qkv` and dense layers the pre-MLP norm
         into `linear_fc1` (MoE layers and MLA keep separate norm modules)."""
-        from parallel.mappings import Replicated, SharedWithMTP, VocabParallel
-
         te_norms = (
             (
                 Replicated(
@@ -206,8 +206,6 @@ class Bridge:
 
     def attention_mappings(self, *, qk_norm: bool, qkv_bias: bool = False) -> tuple:
         """GQA attention (HF q/k/v/o_proj, optional per-head q/k RMSNorm and q/k/v bias)."""
-        from parallel.mappings import QKV, Replicated, RowParallel
-
         attn = "model.layers.*.self_attn"
         qkv = "decoder.layers.*.self_attention.linear_qkv"
         groups = dict(num_query_groups=self.get("num_key_value_heads"), head_dim=self.head_dim)
@@ -231,8 +229,6 @@ class Bridge:
         and expert): SequentialMLP's `local_experts.{j}` (local spec, and TE without grouped GEMM),
         plus TEGroupedMLP's `linear_fc1.weight{j}` / `linear_fc2.weight{j}` on the TE spec (same
         per-expert layout, [gate_r; up_r] per ETP rank)."""
-        from parallel.mappings import GatedColumn, RowParallel
-
         layouts = ["decoder.layers.*.mlp.experts.local_experts.*.linear_fc{}.weight"]
         if te:
             layouts.append("decoder.layers.*.mlp.experts.linear_fc{}.weight*")
@@ -245,7 +241,6 @@ class Bridge:
         return tuple(table)
 
     def dense_mlp_mappings(self, hf_mlp: str = "mlp") -> tuple:
-        from parallel.mappings import GatedColumn, RowParallel
 
         return (
             GatedColumn(
@@ -285,8 +280,6 @@ class Bridge:
 
     def transformer_config(self, layout: ParallelLayout, **overrides: Any):
         """Megatron TransformerConfig for this model under `layout` (fp32 unless overridden)."""
-        import torch
-
         layout.check_model(self.model_shape())
         kwargs: dict[str, Any] = dict(
             tensor_model_parallel_size=layout.tp,

@@ -20,6 +20,7 @@ from parallel.mappings import ColumnParallel, Replicated, RopeRows, RowParallel
 
 
 def megatron_at_least(major: int, minor: int) -> bool:
+    # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
     from megatron.core import package_info
 
     return tuple(int(part) for part in package_info.__version__.split(".")[:2]) >= (major, minor)
@@ -42,6 +43,7 @@ class DeepseekV3Bridge(Bridge):
         return int(self.get("num_attention_heads"))  # MLA: every head has its own k/v
 
     def megatron_config_class(self):
+        # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
         return MLATransformerConfig
@@ -110,12 +112,14 @@ class DeepseekV3Bridge(Bridge):
         return super().transformer_config(layout, **overrides)
 
     def layer_spec(self, config, use_te: bool, vp_stage: int | None = None):
+        # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
         spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
         )
         if not use_te:  # the local spec's DotProductAttention cannot take MLA's head sizes
+            # heavy: MLA's attention module imports megatron-core at its top
             from parallel.bridges.mla_attention import MLACoreAttention
 
             for layer in spec.layer_specs:

@@ -30,6 +30,7 @@ class MixtralBridge(Bridge):
         )
 
     def layer_spec(self, config, use_te: bool, vp_stage: int | None = None):
+        # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
         return get_gpt_decoder_block_spec(

@@ -82,6 +82,7 @@ class CudaIpcTransport(Transport):
                 )
         self.ranks = engines.results(lambda e: e.num_group_ranks(), "server_info")
         if _with_sglang():  # SGLang resolves the IPC handle's GPU by UUID
+            # optional: SGLang (GPU engines only)
             from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
             monkey_patch_torch_reductions()
@@ -143,6 +144,7 @@ def serialize_bucket(bucket: Bucket, num_ranks: int) -> list[str]:
         return [
             serialize({"flattened_tensor": bucket.data, "metadata": metadata}, share=True) for _ in range(num_ranks)
         ]
+    # optional: SGLang (GPU engines only)
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 

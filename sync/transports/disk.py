@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
+from safetensors.torch import save_file
 
 from sync.engine_set import EngineSet, SyncError, describe
 from sync.transports.base import Transport
@@ -52,7 +53,6 @@ class DiskTransport(Transport):
         return nbytes
 
     def _publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, final: Path) -> int:
-        from safetensors.torch import save_file
 
         self._remove_old(keep=version)
         tmp = Path(tempfile.mkdtemp(prefix=f".v{version}-", dir=self.root))

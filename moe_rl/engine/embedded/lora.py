@@ -27,6 +27,7 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 _PREFIX = "base_model.model."
 TENSOR_PATH = "__tensor__"
@@ -120,7 +121,6 @@ class LoraAdapter:
 
     @classmethod
     def from_dir(cls, name: str, path: str | Path) -> "LoraAdapter":
-        from safetensors.torch import load_file
 
         path = Path(path)
         config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
@@ -241,6 +241,7 @@ def _renamer(model: torch.nn.Module):
     model type, e.g. Mixtral's `.block_sparse_moe.` -> `.mlp.`)."""
     renamings = []
     try:
+        # heavy: transformers, only where an HF config, model or tokenizer is read
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
         from transformers.core_model_loading import WeightRenaming
 

@@ -233,9 +233,15 @@ class ClusterConfig:
     """Memory of one GPU in GB (1e9 bytes), e.g. 80 (H100), 141 (H200)."""
     param_dtype: str = "bfloat16"
     """Dtype of the trained weights on GPUs, of the engines' weights and of the sync buckets."""
-    link_gbps: float = 400.0
-    """Bandwidth in Gb/s of the link a weight sync crosses to each engine (400: InfiniBand NDR);
-    `moe-rl plan` turns the sync bytes into seconds with it."""
+    nic_gbps: float = 400.0
+    """Bandwidth in Gb/s of one GPU's network card (400: InfiniBand NDR); `moe-rl plan` models the
+    weight sync from the bytes each link carries (`moe_rl.sync_links`)."""
+    nics_per_node: int = 8
+    """Network cards per node (one per GPU on H100/H200 nodes)."""
+    nvlink_gbps: float = 3600.0
+    """NVLink bandwidth in Gb/s of one GPU, one direction (3600 = 450 GB/s: H100/H200)."""
+    link_gbps: float | None = None
+    """Replaced by nic_gbps and nics_per_node (kept only to name them when set)."""
 
     def __post_init__(self):
         for name in ("nodes", "gpus_per_node"):
@@ -243,11 +249,19 @@ class ClusterConfig:
                 raise ValueError(f"cluster.{name}={getattr(self, name)!r}: must be an integer >= 1")
         if self.gpu_memory_gb <= 0:
             raise ValueError(f"cluster.gpu_memory_gb={self.gpu_memory_gb}: must be > 0")
-        if self.link_gbps <= 0:
+        if self.link_gbps is not None:
             raise ValueError(
-                f"cluster.link_gbps={self.link_gbps:g}: must be > 0 (Gb/s of the trainer-to-engine link, "
-                "e.g. 400 for InfiniBand NDR)"
+                f"cluster.link_gbps={self.link_gbps:g}: replaced by cluster.nic_gbps (Gb/s of one GPU's "
+                "network card, default 400) and cluster.nics_per_node (default 8); set those instead"
             )
+        for name in ("nic_gbps", "nvlink_gbps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(
+                    f"cluster.{name}={getattr(self, name):g}: must be > 0 (Gb/s, e.g. 400 for an "
+                    "InfiniBand NDR NIC, 3600 for H100 NVLink)"
+                )
+        if not isinstance(self.nics_per_node, int) or self.nics_per_node < 1:
+            raise ValueError(f"cluster.nics_per_node={self.nics_per_node!r}: must be an integer >= 1")
         if self.param_dtype not in PARAM_DTYPES:
             raise ValueError(f"cluster.param_dtype={self.param_dtype!r}: use one of {sorted(PARAM_DTYPES)}")
 

@@ -32,9 +32,12 @@ D, X = dense and routed-expert parameters of the stage):
                  adds fp32 logits (4 s b vocab / tp).
 Not counted: CUDA context, NCCL buffers, allocator fragmentation (keep ~10 GB of headroom).
 
+Sync buffers: the trainer's stage sources hold two buckets (`sync.bucket_bytes`, packed while the
+other is on the wire), each relay one; every engine GPU one receive buffer per bucket.
+
 Engine memory per GPU (SGLang): weights B * (dense / (tp / attn_dp) + experts / tp) (DP attention
-replicates attention over attn_dp groups); the rest of `engines.mem_fraction_static` of the GPU is
-KV cache, which must be positive.
+replicates attention over attn_dp groups), one sync bucket; the rest of
+`engines.mem_fraction_static` of the GPU is KV cache, which must be positive.
 
 Bytes per sync: every engine receives the whole exported HF state dict in `param_dtype`
 (broadcast), i.e. B x the model's unique parameters; with `sync.fp8_blocks` N, decoder linears
@@ -44,10 +47,13 @@ With `lora:` (rank r), the base is frozen: gradients and optimizer state cover o
 A = r x (in + out) per adapted linear (fused q/k/v and gate/up share one A; every routed expert has
 its own), and each sync sends B x A bytes: the adapter, not the model.
 
-Seconds per sync: bytes x 8 / (`cluster.link_gbps` x 1e9 x SYNC_EFFICIENCY), printed beside the
+Seconds per sync: modelled from the bytes each link carries (`moe_rl.sync_links`: per stage turn,
+gathers, broadcast NICs of the root's node, engine nodes' NICs, NVLink), with `cluster.nic_gbps`,
+`cluster.nics_per_node`, `cluster.nvlink_gbps`; printed with the most loaded link, beside the
 published sync time of the same model (SYNC_ANCHORS) where there is one. Where the GPU check has
 measured figures (`benchmarks/gpu_metrics.json`, written by `scripts/gpu_check.sh`), the plan lists
-them and adds the FP8 quantization of `sync.fp8_blocks` at the measured rate (on the source GPU).
+them, takes link efficiencies from them, and models the FP8 quantization of `sync.fp8_blocks` at
+the measured rate on the owners' GPUs.
 """
 
 from __future__ import annotations
@@ -59,19 +65,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_rl.config import PARAM_DTYPES, RunConfig
+from moe_rl.sync_links import StageBytes, SyncLinks, model_sync
 
 GB = 1e9
 HEADROOM_GB = 10.0
 """Memory the estimate leaves out (CUDA context, NCCL buffers, fragmentation): a note below it."""
-SYNC_EFFICIENCY = 0.35
-"""Fraction of the link a full sync achieves: the raw/full ratio of `moe-rl bench sync
-configs/bench/sync_1g.yaml` (a raw broadcast of the same bytes over the full export + pack +
-broadcast + commit), best-of-3 0.31-0.43, measured on 2 CPU cores over gloo; not yet measured on NCCL."""
 GPU_METRICS = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_metrics.json"
 """What the `gpu` tier measured on a real GPU (tests/gpu/metrics.py); absent until a GPU check ran."""
 SYNC_ANCHORS: dict[tuple[str, float], str] = {
-    ("Qwen3MoeForCausalLM", 30.5): "verl Qwen3-30B-A3B ~7 s",
-    ("Qwen3MoeForCausalLM", 235.1): "Miles Qwen3-235B-A22B 10.75 s",
+    ("Qwen3MoeForCausalLM", 30.5): "verl Qwen3-30B-A3B ~7 s; NeMo-RL 0.74-1.0 s",
+    ("Qwen3MoeForCausalLM", 235.1): "Miles Qwen3-235B-A22B 10.75 s NCCL, 3.2 s RDMA; checkpoint-engine 6.2 s",
+    ("DeepseekV3ForCausalLM", 671.0): "NeMo-RL DeepSeek-V3 2.4-2.8 s",
     ("Glm4MoeForCausalLM", 355.0): "slime GLM-4.5-355B 48 s",
 }
 """Published full-weight sync times, keyed by (HF architecture, billions of parameters): a model
@@ -133,8 +137,7 @@ class Plan:
     trainer_stage: int
     engine_memory: dict[str, float]
     sync_bytes: int
-    sync_seconds: float
-    link_gbps: float
+    sync_links: SyncLinks
     params: ParamCounts
     sync_anchor: str | None = None  # a published sync time of this model
     notes: list[str] = field(default_factory=list)
@@ -154,11 +157,23 @@ class Plan:
         )
         lines.append("engine memory per GPU (GB): " + "  ".join(f"{k} {v:.1f}" for k, v in self.engine_memory.items()))
         anchor = f" (public: {self.sync_anchor})" if self.sync_anchor else ""
+        worst = self.sync_links.bottleneck
         lines.append(
-            f"sync: {self.sync_bytes / GB:.2f} GB to each engine per step, ~{self.sync_seconds:.1f} s at "
-            f"{self.link_gbps:g} Gb/s x {SYNC_EFFICIENCY:g}{anchor}"
+            f"sync: {self.sync_bytes / GB:.2f} GB to each engine per step, ~{self.sync_seconds:.1f} s modelled, "
+            f"bottleneck {worst.name} ({worst.bytes / GB:.1f} GB at {worst.gb_per_s:.0f} GB/s){anchor}"
         )
+        links = self.sync_links
+        lines.append(
+            f"sync links (modelled: {len(links.turns)} stage turn(s), {links.nics} NIC(s) of the root's node in "
+            f"the group; efficiency NIC {links.efficiency['NIC']}, NVLink {links.efficiency['NVLink']}):"
+        )
+        for name, (nbytes, seconds) in links.per_link().items():
+            lines.append(f"  {name:42s} {nbytes / GB:8.1f} GB {seconds:7.2f} s")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+    @property
+    def sync_seconds(self) -> float:
+        return self.sync_links.seconds
 
 
 def load_gpu_metrics(path: Path = GPU_METRICS) -> dict[str, dict]:
@@ -188,7 +203,7 @@ def make_plan(config: RunConfig, gpu_metrics: Path = GPU_METRICS) -> Plan:
     sync_bytes = (sum(adapter) if adapter else counts.total) * dtype_bytes
     if adapter is None and config.sync.fp8_blocks:
         sync_bytes = fp8_sync_bytes(counts, config.sync.fp8_blocks, dtype_bytes)
-    link_gbps = config.cluster.link_gbps
+    measured = load_gpu_metrics(gpu_metrics)
     plan = Plan(
         placement=placement,
         groups=parallel_groups(config.trainer),
@@ -196,8 +211,7 @@ def make_plan(config: RunConfig, gpu_metrics: Path = GPU_METRICS) -> Plan:
         trainer_stage=stage,
         engine_memory=engine,
         sync_bytes=sync_bytes,
-        sync_seconds=sync_seconds(sync_bytes, link_gbps),
-        link_gbps=link_gbps,
+        sync_links=sync_model(config, hf, counts, dtype_bytes, adapter, measured),
         params=counts,
         sync_anchor=None if adapter else sync_anchor(hf, counts),
     )  # anchors are full-weight syncs
@@ -206,13 +220,10 @@ def make_plan(config: RunConfig, gpu_metrics: Path = GPU_METRICS) -> Plan:
             f"sync.fp8_blocks={config.sync.fp8_blocks}: decoder linears as FP8 blocks, about "
             f"{sync_bytes / GB:.2f} GB per sync instead of {counts.total * dtype_bytes / GB:.2f} GB"
         )
-    measured = load_gpu_metrics(gpu_metrics)
     if adapter is None and config.sync.fp8_blocks and "fp8_quantize_gb_per_s" in measured:
         rate = measured["fp8_quantize_gb_per_s"]
-        seconds = counts.total * dtype_bytes / (rate["value"] * GB)  # every weight read once at the source
-        plan.sync_seconds += seconds
         plan.notes.append(
-            f"FP8 quantization: +{seconds:.1f} s per sync at {rate['value']:.0f} GB/s "
+            f"FP8 quantization on the owners' GPUs, pipelined with the broadcast, at {rate['value']:.0f} GB/s "
             f"(measured on {rate['gpu']}, {rate['date']})"
         )
     if measured:
@@ -231,9 +242,46 @@ def make_plan(config: RunConfig, gpu_metrics: Path = GPU_METRICS) -> Plan:
     return plan
 
 
-def sync_seconds(nbytes: int, link_gbps: float) -> float:
-    """Seconds to send `nbytes` to each engine over a `link_gbps` link at SYNC_EFFICIENCY."""
-    return nbytes * 8 / (link_gbps * 1e9 * SYNC_EFFICIENCY)
+def sync_model(
+    config: RunConfig, hf, counts: ParamCounts, dtype_bytes: int, adapter, measured: dict[str, dict]
+) -> SyncLinks:
+    """The sync's links for this layout and `sync:` options (`moe_rl.sync_links`); a LoRA sync
+    moves only the adapter, from the source of each stage as a full sync would."""
+    t, sync = config.trainer, config.sync
+    per_stage = hf.num_hidden_layers // t.pp
+    fp8 = sync.fp8_blocks if adapter is None else None
+    layer_bytes = dtype_bytes if fp8 is None else 1 + 4 / fp8**2
+    stages, quantize = [], []
+    for p in range(t.pp):
+        layers = range(p * per_stage, (p + 1) * per_stage)
+        dense = sum(counts.dense_per_layer[i] for i in layers)
+        experts = sum(counts.expert_per_layer[i] for i in layers)
+        ends = (counts.embedding if p == 0 else 0) + (counts.head if p == t.pp - 1 else 0)
+        if adapter is not None:
+            dense, experts, ends = adapter[0] / t.pp, adapter[1] / t.pp, 0
+        stages.append(StageBytes(dense * layer_bytes + ends * dtype_bytes, experts * layer_bytes))
+        quantize.append((dense + experts / t.ep) * dtype_bytes)  # the busiest owner reads these
+    rate = measured.get("fp8_quantize_gb_per_s", {}).get("value") if fp8 else None
+    relays = sync_relays(config)
+    return model_sync(
+        stages=stages,
+        trainer=t,
+        engines=config.engines,
+        cluster=config.cluster,
+        stage_groups=sync.stage_groups,
+        relays=relays,
+        quantize=quantize if rate else None,
+        quantize_gb_per_s=rate,
+        measured=measured,
+    )
+
+
+def sync_relays(config: RunConfig) -> int:
+    """`sync.relays` on GPUs: None = every other GPU of the root's node with a NIC."""
+    c = config.cluster
+    if config.sync.relays is not None:
+        return config.sync.relays
+    return min(c.gpus_per_node, c.nics_per_node, config.trainer.world_size // config.trainer.pp) - 1
 
 
 def sync_anchor(hf, counts: ParamCounts) -> str | None:
@@ -397,6 +445,8 @@ def trainer_memory(
             "optimizer": optimizer / GB,
             "activations": acts / GB,
         }
+        if config.is_rl and adapter is None:  # a stage source's two buckets (a relay holds one)
+            memory["sync buffers"] = 2 * config.sync.bucket_bytes / GB
         if config.is_rl and config.algorithm.needs_reference and adapter is None:  # LoRA: the base, adapters off
             memory["reference"] = dtype_bytes * (pd + pe) / GB
         memory["total"] = sum(memory.values())
@@ -430,14 +480,15 @@ def engine_memory(config: RunConfig, counts: ParamCounts, dtype_bytes: int) -> d
     e, gpu = config.engines, config.cluster.gpu_memory_gb
     dense = counts.total - counts.experts
     weights = dtype_bytes * (dense / (e.tp // e.attn_dp) + counts.experts / e.tp) / GB
-    kv_cache = e.mem_fraction_static * gpu - weights
+    buffer = config.sync.bucket_bytes / GB if config.lora is None else 0.0  # each TP rank receives every bucket
+    kv_cache = e.mem_fraction_static * gpu - weights - buffer
     if kv_cache <= 0:
         raise ValueError(
             f"engines: ~{weights:.0f} GB of weights per GPU exceed engines.mem_fraction_static x "
             f"cluster.gpu_memory_gb = {e.mem_fraction_static * gpu:.0f} GB: raise engines.tp (GPUs per engine) "
             f"or lower engines.attn_dp"
         )
-    return {"weights": weights, "kv_cache": kv_cache}
+    return {"weights": weights, "sync buffer": buffer, "kv_cache": kv_cache}
 
 
 def _check_engine_model(config: RunConfig, hf) -> None:

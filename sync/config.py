@@ -24,6 +24,15 @@ class SyncConfig(TransportConfig):
     """Send decoder linear weights as FP8 e4m3 in N x N blocks with their `weight_scale_inv`
     (DeepSeek-V3's format, N=128: half the bytes of bf16), for engines that serve FP8; the engines
     then start from an FP8 checkpoint too. None: the trainer's dtype."""
+    stage_groups: bool = True
+    """With pipeline parallelism: one weight-update group per stage (`{group_name}_pp{stage}`), each
+    stage's source broadcasting its own layers, stage after stage (`sync.stages`); false: every
+    stage's tensors funnel to the first stage's source, which broadcasts them all (`sync.pipeline`)."""
+    relays: int | None = None
+    """Trainer ranks on the sync root's node that join each weight-update group behind the root
+    (engines then start at rank_offset 1 + relays), so NCCL rings the broadcast through their NICs
+    too (`sync.relay`). None: every other GPU of the root's node with nccl (up to
+    cluster.nics_per_node - 1), none with gloo; 0: none."""
     lora_route: str = "tensors"
     """With `lora:`, only adapters move and generation never pauses (`sync.lora`): "tensors"
     (`/load_lora_adapter_from_tensors`) or "disk" (PEFT directories `policy-v{N}/` in `disk_dir`,
@@ -35,6 +44,8 @@ class SyncConfig(TransportConfig):
             raise ValueError(f"pause_mode: {self.pause_mode!r} is not one of {PAUSE_MODES}")
         if self.fp8_blocks is not None and (not isinstance(self.fp8_blocks, int) or self.fp8_blocks < 1):
             raise ValueError(f"fp8_blocks: {self.fp8_blocks!r} is not a block size; use e.g. 128, or null")
+        if self.relays is not None and (not isinstance(self.relays, int) or self.relays < 0):
+            raise ValueError(f"relays: {self.relays!r} is not a count of ranks; use 0 (none), 7, or null (auto)")
         if self.lora_route not in ADAPTER_ROUTES:
             raise ValueError(f"lora_route: {self.lora_route!r} is not one of {ADAPTER_ROUTES}")
 

@@ -37,6 +37,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from sync import traffic
+
 BACKENDS = ("gloo", "nccl")
 CONNECT_S = 10.0
 """How long a joining rank tries to reach rank 0's store: rank 0 hosts it before any engine is told
@@ -140,6 +142,8 @@ class WeightUpdateGroup:
             raise RuntimeError(f"group {self.group_name!r} was destroyed; create a new one")
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0
+        nbytes = tensor.numel() * tensor.element_size()
+        traffic.count("broadcast", sent=nbytes if self.rank == src else 0, received=0 if self.rank == src else nbytes)
         return self._pg.broadcast([tensor], opts)
 
     def wait(self, work: dist.Work) -> None:

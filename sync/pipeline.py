@@ -8,15 +8,11 @@ point-to-point over the trainer's default world (`torch.distributed`, gloo or NC
 other stage's source sends its tensors there as its export yields them; every other rank only
 runs the export. The sender then packs and broadcasts them like any single-stage stream.
 
-Why a funnel and not one weight-update group per stage: an engine (SGLang or the embedded one)
-handles weight-update calls one at a time, so several stages broadcasting at once to the same
-engines deadlock when two engines take the stages' buckets in different orders; per-stage groups
-therefore need a cross-stage lock (slime serializes its per-PP groups with one), which leaves
-the engines' inbound link, the bottleneck, exactly as busy as the funnel does. The funnel keeps
-one group, one pause/commit/resume and SGLang's single-group protocol unchanged, and the engines
-need nothing new. Its cost: (PP-1)/PP of the bytes cross the trainer network once more into
-the sync source; that receive overlaps the broadcast of the previous bucket (the sender packs
-bucket k+1 while bucket k is on the wire).
+The default is one weight-update group per stage instead (`sync.stages`, `SyncConfig.stage_groups`):
+each stage's source broadcasts its own layers, so no tensor crosses the trainer network only to
+reach another trainer rank. The funnel (`stage_groups: false`) keeps one group, and costs: (PP-1)/PP
+of the bytes cross the trainer network once more, into the sync source's one NIC, as one message
+and a pickled header per tensor; that receive overlaps the broadcast of the previous bucket.
 
 Collective contract: every rank of the trainer world calls `stage_stream` with its own export
 generator and iterates the result to the end (`WeightSender.update` on the sync source,
@@ -32,6 +28,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from sync import traffic
 from sync.bucket import dtype_from_name, dtype_name
 
 
@@ -74,6 +71,7 @@ def _send(named_tensors: Iterable[tuple[str, torch.Tensor]], dst: int) -> None:
         header = [(name, dtype_name(tensor.dtype), tuple(tensor.shape))]
         dist.send_object_list(header, dst=dst, device=device)
         dist.send(tensor.detach().contiguous().to(device), dst=dst)
+        traffic.count("funnel", sent=tensor.numel() * tensor.element_size())
     dist.send_object_list([None], dst=dst, device=device)  # end of this stage
 
 
@@ -87,4 +85,5 @@ def _receive(src: int) -> Iterator[tuple[str, torch.Tensor]]:
         name, dtype, shape = header[0]
         tensor = torch.empty(shape, dtype=dtype_from_name(dtype), device=device)
         dist.recv(tensor, src=src)
+        traffic.count("funnel", received=tensor.numel() * tensor.element_size())
         yield name, tensor

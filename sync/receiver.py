@@ -14,7 +14,11 @@ SGLang route (see `sync.engine_api` for the whole sequence):
     /update_weight_version        -> tensors = receiver.commit(new_version); load them into
                                      the model under the lock that guards generation
     /continue_generation          -> receiver.abort()   (drops an uncommitted version, if any)
-    /destroy_weights_update_group -> receiver.leave()
+    /destroy_weights_update_group -> receiver.leave(group_name)
+
+Groups: an engine may belong to several weight-update groups at once, kept by `group_name` as
+SGLang keeps them (one per pipeline stage of the trainer, `sync.stages`); each bucket names the
+group it arrives on. Bucket indices (the checksum tags) run across the groups of one version.
 
 Versions are integers sent as decimal strings (SGLang's `weight_version` is a string). Buckets
 normally carry none (the sender names the version only at the commit, see `sync.engine_api`);
@@ -62,7 +66,7 @@ class WeightReceiver:
     def __init__(self, device: torch.device | str = "cpu", version: int = 0):
         self.device = torch.device(device)
         self.version = version  # the committed (served) weight version
-        self.group: WeightUpdateGroup | None = None
+        self.groups: dict[str, WeightUpdateGroup] = {}  # by group_name, in join order
         self._sets: list[dict[_Key, torch.Tensor]] = [{}, {}]  # storage: served, staging
         self._staging = 1  # index of the set being staged into
         self._used: set[_Key] = set()  # segments the staged version wrote
@@ -86,19 +90,26 @@ class WeightReceiver:
         backend: str = "gloo",
         timeout_s: float = 300.0,
     ) -> None:
-        """Join the weight-update group as `rank` (blocks until every rank joined)."""
-        if self.group is not None:
-            raise RuntimeError(f"already in group {self.group.group_name!r}; call leave() before joining another")
-        self.group = WeightUpdateGroup.join(
+        """Join the weight-update group `group_name` as `rank` (blocks until every rank joined)."""
+        if group_name in self.groups:
+            raise RuntimeError(f"already in group {group_name!r}; call leave({group_name!r}) before joining it again")
+        self.groups[group_name] = WeightUpdateGroup.join(
             master_address, master_port, rank, world_size, group_name, backend, timeout_s
         )
 
-    def leave(self) -> None:
-        """Leave the group (local, idempotent); staged data of an unfinished version is dropped."""
+    @property
+    def group(self) -> WeightUpdateGroup | None:
+        """The group joined last (the only one without pipeline stages), None if none."""
+        return next(reversed(self.groups.values()), None)
+
+    def leave(self, group_name: str | None = None) -> None:
+        """Leave `group_name`, or every group (local, idempotent); staged data of an unfinished
+        version is dropped."""
         self.abort()
-        if self.group is not None:
-            group, self.group = self.group, None
-            group.destroy()
+        for name in [group_name] if group_name is not None else list(self.groups):
+            group = self.groups.pop(name, None)
+            if group is not None:
+                group.destroy()
 
     # -- one version ---------------------------------------------------------------------
     def begin(self) -> None:
@@ -121,10 +132,12 @@ class WeightReceiver:
         Raises ValueError for a stale version, bad metadata or a checksum mismatch (the group
         stays usable; the version's staged data is dropped), RuntimeError for a failed collective.
         """
-        if self.group is None:
+        if not self.groups:
             raise RuntimeError("receive_bucket before join(): call /init_weights_update_group first")
-        if group_name is not None and group_name != self.group.group_name:
-            raise ValueError(f"group_name: {group_name!r} is not the joined {self.group.group_name!r}")
+        if group_name is None and len(self.groups) == 1:
+            group_name = next(iter(self.groups))
+        if group_name not in self.groups:
+            raise ValueError(f"group_name: {group_name!r} is not a joined group ({sorted(self.groups)})")
         metas = layout(names, dtypes, shapes)
         checksum, index = _split_tag(checksum)
         with self._state:
@@ -140,7 +153,7 @@ class WeightReceiver:
         failure = None
         try:
             with self._state:
-                group = self.group  # None if an earlier bucket's collective failed meanwhile
+                group = self.groups.get(group_name)  # None if an earlier bucket's collective failed meanwhile
                 if group is not None:
                     data, bucket = self._segment(metas), index
             if group is not None:
@@ -252,7 +265,8 @@ class WeightReceiver:
         return self._labelled if self._labelled is not None else "being staged"
 
     def _timeout_s(self) -> float:
-        return self.group.timeout.total_seconds() if self.group is not None else 0.0
+        group = self.group
+        return group.timeout.total_seconds() if group is not None else 0.0
 
     def _segment(self, metas: list[TensorMeta]) -> torch.Tensor:
         """The staging set's storage for this bucket layout (allocated on first use)."""
@@ -260,7 +274,7 @@ class WeightReceiver:
         storage = self._sets[self._staging]
         if key not in storage:
             nbytes = sum(m.nbytes for m in metas)
-            storage[key] = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
+            storage[key] = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)  # all groups: one device
         self._used.add(key)
         return storage[key]
 

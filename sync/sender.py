@@ -9,15 +9,14 @@ streaming export, which runs gathers over TP/EP/ETP on every trainer rank: the s
 (rank 0 of the weight-update group) passes it to `update`, every other trainer rank iterates it
 in lockstep (`exhaust`).
 
-Pipeline parallelism (PP > 1): one weight-update group, fed through a funnel. Each stage's
-export yields its layers on that stage's source rank; wrap the export in
-`sync.pipeline.stage_stream(export, parallel.export.export_source_ranks())` on every rank, and
-the first stage's source (`sync.pipeline.sync_source`) owns the sender and receives the other
-stages' tensors point-to-point while it broadcasts (see `sync.pipeline` for why not one group
-per stage, and the cost: (PP-1)/PP of the bytes cross the trainer network once more).
+Pipeline parallelism (PP > 1): each stage's export yields its layers on that stage's source
+rank. By default every stage broadcasts its own layers over its own weight-update group, stage
+after stage, and the first stage's source owns this sender (`sync.stages.StagedSync`, built on
+every rank); with `stage_groups: false` the other stages' tensors funnel to the first stage's
+source instead (`sync.pipeline.stage_stream`), which broadcasts them all over one group:
 
-    stream = stage_stream(export_hf_weights(model, bridge, bucket_bytes), sources)
-    sender.update(stream, version) if rank == sync_source(sources) else exhaust(stream)
+    sync = StagedSync(engines, config, export_source_ranks())      # every trainer rank
+    sync.update(export_hf_weights(model, bridge, bucket_bytes), version)
 
 `update` is the weight update, as numbered steps (`sync.engine_api` has the engine's side):
   1. refuse a version that does not increase (repeating the committed version only catches up
@@ -60,11 +59,13 @@ from sync.config import SyncConfig, SyncStats
 from sync.engine_api import EngineEndpoint
 from sync.engine_set import EngineSet, SyncError, describe, require_health
 from sync.transports import make_transport
-from sync.transports.base import exhaust
+from sync.transports.base import Transport, exhaust
 
 
 class WeightSender:
-    def __init__(self, engines: list[EngineEndpoint], config: SyncConfig, version: int = 0):
+    def __init__(
+        self, engines: list[EngineEndpoint], config: SyncConfig, version: int = 0, transport: Transport | None = None
+    ):
         if not engines:
             raise ValueError("engines: need at least one engine to sync weights to")
         self.config = config
@@ -72,7 +73,8 @@ class WeightSender:
         self.engines = EngineSet(engines, config.timeout_s)
         self.behind: set[str] = set()  # members serving an older version than `version`
         self.partial: set[str] = set()  # members paused with a partly loaded version (step 8)
-        self.transport = make_transport(config.transport, config)
+        # `transport`: one built by the caller (per-stage groups, `sync.stages`), else config.transport's
+        self.transport = transport or make_transport(config.transport, config)
         self._group: EngineSet | None = None  # the members the transport's group was formed with
 
     def add(self, engine: EngineEndpoint, served_version: int) -> None:

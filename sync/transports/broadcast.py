@@ -54,6 +54,8 @@ class BroadcastTransport(Transport):
         self._store = None  # the hosted rendezvous store (rank 0's server), kept with the group
         self.packer: BucketPacker | None = None
         self._worker: cf.ThreadPoolExecutor | None = None
+        self.first_index = 0  # the index of this send's first bucket in the version (stages: `sync.stages`)
+        self.buckets_sent = 0  # buckets of the last send
 
     def open(self, engines: EngineSet) -> None:
         """Form the group: rank 0 here, each engine's TP ranks from its rank_offset (SGLang's layout).
@@ -135,8 +137,11 @@ class BroadcastTransport(Transport):
         """
         stream = iter(named_tensors)
         sent_bytes, pending, unacked = 0, None, deque()
+        self.buckets_sent = 0
         try:
             for bucket in self.packer.pack(stream):
+                bucket.index += self.first_index
+                self.buckets_sent += 1
                 if pending is not None:
                     unacked.append(pending.result())  # broadcast k-1 done: its buffer is free
                     pending = None

@@ -59,7 +59,7 @@ def _serve(ports, die_at: tuple[int, int] | None, timeout_s: float) -> None:
         )
 
     async def destroy_group(b):
-        await blocking(receiver.leave)
+        await blocking(receiver.leave, b.get("group_name"))
 
     async def begin(b):
         if session["open"]:

@@ -441,8 +441,8 @@ class EmbeddedServer:
         return web.json_response({"success": True, "message": "Joined the weight update group."})
 
     async def destroy_group(self, http: web.Request) -> web.Response:
-        await self._body(http)
-        self.receiver.leave()
+        body = await self._body(http)
+        self.receiver.leave(body.get("group_name"))  # one of the groups (one per trainer pipeline stage)
         return web.json_response({"success": True, "message": "Left the weight update group."})
 
     async def begin_update(self, http: web.Request) -> web.Response:

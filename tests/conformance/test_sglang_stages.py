@@ -1,0 +1,110 @@
+"""Per-stage weight-update groups (`sync.stages`) against SGLang twins (SGLang's own weight code in
+real processes, `sglang_twin.py`): a two-rank trainer world (stage 0's source, the coordinator;
+stage 1's source) and two engines of tp 2, each of whose TP ranks joins both stages' groups
+(SGLang keeps groups by `group_name`, each broadcasting from its own rank 0)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from safetensors.torch import load_file
+
+from parallel.world import spawn
+from tests.conformance.sglang_twin import SGLangTwin
+from tests.conformance.test_sglang_sync import _assert_serves, _version, model_dir  # noqa: F401 - a fixture
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.world]
+
+
+@pytest.fixture
+def twins(model_dir):  # noqa: F811 - the imported fixture
+    pair = [SGLangTwin(model_dir, tp_size=2).start() for _ in range(2)]
+    try:
+        yield [twin.wait_ready() for twin in pair]
+    finally:
+        for twin in pair:
+            twin.stop()
+
+
+def _stage_rank(urls: list[str], weights_dir: str, script: list[tuple[int, int | None]], victim: int | None) -> list:
+    """Rank function: stage `rank` owns half of the tensors (stage 0 the first half by name). For
+    each (version, kill_after) of `script` every rank calls `StagedSync.update`; stage 1's source
+    kills `victim` (a twin TP rank) after `kill_after` of its tensors. Returns the coordinator's
+    outcomes ("ok", engines) / ("error", dropped), nothing elsewhere."""
+    import requests
+    import torch.distributed as dist
+
+    from moe_rl.engine.client import EngineClient
+    from sync.engine_set import SyncError
+    from sync.sender import SyncConfig
+    from sync.stages import StagedSync
+
+    rank = dist.get_rank()
+    base = load_file(os.path.join(weights_dir, "model.safetensors"))
+    names = sorted(base)
+    mine = names[: len(names) // 2] if rank == 0 else names[len(names) // 2 :]
+    clients = [
+        EngineClient(url, kind="sglang", name=f"twin-{i}", retries=1, timeout_s=60) for i, url in enumerate(urls)
+    ]
+    sync = StagedSync(clients, SyncConfig(bucket_bytes=16 << 10, timeout_s=60), {0: 0, 1: 1})
+    outcomes = []
+
+    def stream(weights, kill_after):
+        for i, name in enumerate(mine):
+            if rank == 1 and kill_after is not None and i == kill_after:
+                os.kill(victim, signal.SIGKILL)
+            yield name, weights[name]
+
+    try:
+        for version, kill_after in script:
+            weights = _version(base, version)
+            try:
+                stats = sync.update(stream(weights, kill_after), version)
+                if stats is not None:
+                    outcomes.append(("ok", sorted(stats.engines)))
+            except SyncError as failure:  # and what the survivors look like before the retry
+                survivors = [requests.get(url + "/twin/state", timeout=30).json() for url in urls[1:]]
+                paused = [(s["version"], s["paused"] is not None, s["session"]) for t in survivors for s in t]
+                outcomes.append(("error", failure.dropped, sorted(sync.sender.partial), paused))
+            dist.barrier()
+    finally:
+        sync.close()
+    return outcomes
+
+
+def test_two_stages_reach_both_tp2_twins_bit_exact_and_commit_once(twins, model_dir):  # noqa: F811
+    urls = [t.url for t in twins]
+    outcomes = spawn(_stage_rank, 2, urls, model_dir, [(1, None), (2, None)], None)
+    assert outcomes == [[("ok", ["twin-0", "twin-1"])] * 2, []]
+    base = load_file(os.path.join(model_dir, "model.safetensors"))
+    for twin in twins:
+        _assert_serves(twin, _version(base, 2), "2")  # every tensor of both stages, at every TP rank
+        log = twin.log()
+        assert all(entry["success"] for entry in log), [e for e in log if not e["success"]]
+        routes = [e["route"] for e in log]
+        assert routes.count("/init_weights_update_group") == 2 and routes.count("/begin_weight_update") == 2
+        for entry in log:  # the label moves only at the commit, never with a bucket of either stage
+            if entry["route"] == "/update_weights_from_distributed":
+                assert entry["weight_version"] is None and entry["before"] == entry["after"]
+        commits = [e for e in log if e["route"] == "/update_weight_version"]
+        assert [(c["before"], c["after"]) for c in commits] == [(["0", "0"], ["1", "1"]), (["1", "1"], ["2", "2"])]
+
+
+def test_rank_killed_in_the_second_stage_leaves_the_other_engine_paused(twins, model_dir):  # noqa: F811
+    urls = [t.url for t in twins]
+    victim = twins[0].get("/twin/ranks")[1]
+    script = [(1, None), (2, 3), (2, None), (3, None)]  # v2 fails mid stage 1, is retried, then v3
+    base = load_file(os.path.join(model_dir, "model.safetensors"))
+
+    outcomes = spawn(_stage_rank, 2, urls, model_dir, script, victim)[0]
+    assert outcomes == [
+        ("ok", ["twin-0", "twin-1"]),
+        # partly loaded, still labelled 1, paused, no session open: it must not serve
+        ("error", ["twin-0"], ["twin-1"], [("1", True, False), ("1", True, False)]),
+        ("ok", ["twin-1"]),  # the retry (a fresh export) gives the live engine the full version
+        ("ok", ["twin-1"]),
+    ]
+    assert not twins[0].process.is_alive()  # SGLang's server goes down with a scheduler
+    _assert_serves(twins[1], _version(base, 3), "3")

@@ -1,0 +1,140 @@
+"""Per-stage weight-update groups (`sync.stages`): PP2 trainer worlds, each stage's source broadcasting
+its own layers over its own group, into fake engines that join both groups. Every engine serves
+exactly the HF checkpoint (both stages' layers) after each version, and the byte counters show
+that no trainer rank receives another stage's tensors (the funnel, for contrast, does)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from parallel.layout import ParallelLayout
+from parallel.world import spawn
+from tests.sync.conftest import tiny_qwen3_moe_config
+from tests.sync.test_sync_broadcast import assert_same
+
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
+
+def staged_sync(hf_dir: str, ports: list[int], out_dir: str, layout: ParallelLayout, stage_groups: bool) -> dict:
+    """Rank function: import the HF weights, send versions 1 and 2 (weights x version) per stage
+    (or through the funnel); returns this rank's byte counters and what its own stage exported."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from parallel.bridges import bridge_for
+    from parallel.export import export_hf_weights, export_source_ranks
+    from parallel.hf_import import load_hf_weights
+    from parallel.mappings import GATHER_BYTES
+    from parallel.model import build_gpt_model, init_model_parallel
+    from sync import traffic
+    from sync.pipeline import stage_stream, sync_source
+    from sync.sender import SyncConfig, WeightSender, exhaust
+    from sync.stages import StagedSync
+    from tests.sync.fake_engine import FakeEngineClient
+
+    bridge = bridge_for(json.loads((Path(hf_dir) / "config.json").read_text()))
+    init_model_parallel(layout, seed=1234)
+    model = build_gpt_model(bridge, layout)
+    load_hf_weights(model, bridge, hf_dir)
+    sources = export_source_ranks()
+    clients = [FakeEngineClient(port, name=f"engine-{i}") for i, port in enumerate(ports)]
+    config = SyncConfig(bucket_bytes=16384, timeout_s=60)
+    rank = dist.get_rank()
+    if stage_groups:
+        sync = StagedSync(clients, config, sources)
+    else:
+        sender = WeightSender(clients, config) if rank == sync_source(sources) else None
+    exported = [0]
+
+    def own_stage():  # what this rank's own stage yields here (nothing off the stage sources)
+        for name, tensor in export_hf_weights(model, bridge, bucket_bytes=16384):
+            exported[0] += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    before, gathered = traffic.snapshot(), dict(GATHER_BYTES)
+    for version in (1, 2):
+        exported[0] = 0
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(version / (version - 1) if version > 1 else 1)
+        if stage_groups:
+            stats = sync.update(own_stage(), version)
+        else:
+            stream = stage_stream(own_stage(), sources)
+            stats = sender.update(stream, version) if sender is not None else exhaust(stream)
+        if stats is not None:
+            for i, client in enumerate(clients):
+                client.dump_weights(f"{out_dir}/engine{i}-v{version}.safetensors")
+        dist.barrier()
+    moved = traffic.since(before)
+    if stage_groups:
+        sync.close()
+    elif sender is not None:
+        sender.close()
+    return {
+        "rank": rank,
+        "stage": ps.get_pipeline_model_parallel_rank(),
+        "source": rank in sources.values(),
+        "exported": exported[0],  # the last version's, this rank's own stage
+        "sent": moved["sent"],
+        "received": moved["received"],
+        "gather_received": (GATHER_BYTES["received"] - gathered["received"]) // 2,  # per version
+        "committed": None if stats is None else stats.version,
+    }
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [ParallelLayout(world_size=2, pp=2), ParallelLayout(world_size=4, pp=2, ep=2)],
+    ids=["pp2", "pp2-ep2"],
+)
+def test_each_stage_broadcasts_its_own_layers_exactly(engines, tmp_path, layout):
+    from transformers import Qwen3MoeForCausalLM
+
+    clients, _ = engines
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(tiny_qwen3_moe_config()).save_pretrained(tmp_path / "hf")
+    ports = [int(c.url.rsplit(":", 1)[1]) for c in clients]
+    ranks = spawn(staged_sync, layout.world_size, str(tmp_path / "hf"), ports, str(tmp_path), layout, True)
+    assert [r["committed"] for r in ranks] == [2] + [None] * (layout.world_size - 1)
+    checkpoint = load_file(tmp_path / "hf" / "model.safetensors")
+    for version in (1, 2):
+        want = {name: tensor * version for name, tensor in checkpoint.items()}
+        for i in range(len(clients)):
+            assert_same(load_file(tmp_path / f"engine{i}-v{version}.safetensors"), want)
+    # byte counters: each stage source broadcasts exactly its own stage's bytes (2 versions) and
+    # receives nothing but its own stage's gathers; nobody receives over a funnel
+    sources = [r for r in ranks if r["source"]]
+    assert len(sources) == 2 and {r["stage"] for r in sources} == {0, 1}
+    total = sum(r["exported"] for r in sources)
+    assert total == sum(t.numel() * t.element_size() for t in checkpoint.values())
+    for r in ranks:
+        assert "funnel" not in r["received"] and "funnel" not in r["sent"], r
+        assert r["received"].get("broadcast", 0) == 0, r  # trainer ranks only send over the groups
+        assert r["gather_received"] <= r["exported"], r  # its own stage's gathers, no more
+        if r["source"]:
+            assert r["sent"]["broadcast"] == 2 * r["exported"], r
+            assert r["exported"] < total, r
+    # the largest number of bytes any trainer rank sends: the larger stage, not the model
+    assert max(r["sent"].get("broadcast", 0) for r in ranks) == 2 * max(r["exported"] for r in sources)
+
+
+def test_the_funnel_receives_the_other_stages_bytes(engines, tmp_path):
+    """The contrast, same counters: with `stage_groups: false` the first stage's source receives
+    stage 1's tensors and broadcasts the whole model."""
+    from transformers import Qwen3MoeForCausalLM
+
+    clients, _ = engines
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(tiny_qwen3_moe_config()).save_pretrained(tmp_path / "hf")
+    ports = [int(c.url.rsplit(":", 1)[1]) for c in clients]
+    layout = ParallelLayout(world_size=2, pp=2)
+    ranks = spawn(staged_sync, 2, str(tmp_path / "hf"), ports, str(tmp_path), layout, False)
+    first, second = sorted(ranks, key=lambda r: r["stage"])
+    assert first["received"]["funnel"] == 2 * second["exported"] == second["sent"]["funnel"]
+    assert first["sent"]["broadcast"] == 2 * (first["exported"] + second["exported"])

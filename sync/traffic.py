@@ -25,9 +25,9 @@ def snapshot() -> dict[str, dict[str, int]]:
     return {"sent": dict(SENT), "received": dict(RECEIVED)}
 
 
-def since(before: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-    """What moved since `before` (a `snapshot()`)."""
-    now = snapshot()
+def since(before: dict[str, dict[str, int]], now: dict[str, dict[str, int]] | None = None) -> dict[str, dict[str, int]]:
+    """What moved between `before` and `now` (`snapshot()`s; `now` defaults to this moment)."""
+    now = now or snapshot()
     return {
         way: {link: n - before[way].get(link, 0) for link, n in now[way].items() if n - before[way].get(link, 0)}
         for way in ("sent", "received")

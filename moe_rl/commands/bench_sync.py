@@ -27,8 +27,15 @@ no wall time of its own, it overlaps the broadcast), full (the whole sync).
 `cpu_busy` = CPU seconds / (wall seconds x the machine's cores): near 1, the sync is bound by
 the cores, and no overlap of its stages can shorten it.
 
+Bytes per link (measured: `sync.traffic` and `parallel.mappings.GATHER_BYTES`, counted where each
+transfer starts, over the last full sync): per trainer rank sent and received over the export's
+gathers, the funnel and the weight-update groups, per engine rank received; and the largest number
+of bytes any trainer rank sends, the figure `moe-rl plan`'s link model turns into seconds. With
+`layout.pp` > 1 each stage sends its own layers over its own group (`sync.stages`), or with
+`stage_groups: false` through the funnel (`sync.pipeline`); the raw broadcast stays one group's.
+
 CONFIG (YAML): model, layout (ParallelLayout fields), bucket_mb, export_bucket_mb, num_engines,
-repeats, output (JSON path). Example: configs/bench/sync_1g.yaml. With a `lora:` section
+repeats, stage_groups, output (JSON path). Example: configs/bench/sync_1g.yaml. With a `lora:` section
 (LoRAConfig fields) it compares adapter and full-weight syncs instead (moe_rl.bench_lora,
 configs/bench/sync_lora.yaml).
 """
@@ -52,17 +59,31 @@ import torch.multiprocessing as mp
 import yaml
 
 from parallel.bridges import bridge_for
-from parallel.export import export_hf_weights
+from parallel.export import export_hf_weights, export_source_ranks
 from parallel.layout import ParallelLayout
+from parallel.mappings import GATHER_BYTES
 from parallel.model import build_gpt_model, init_model_parallel
 from parallel.world import spawn
+from sync import traffic
 from sync.bucket import checksum
+from sync.pipeline import stage_stream, sync_source
 from sync.receiver import WeightReceiver
 from sync.sender import SyncConfig, WeightSender, exhaust
+from sync.stages import StagedSync
 
 COMMAND = ("bench", "sync")
 HELP = "Benchmark the weight sync of a Megatron export against a raw broadcast of the same bytes."
-FIELDS = {"model", "layout", "bucket_mb", "export_bucket_mb", "num_engines", "repeats", "output", "lora"}
+FIELDS = {
+    "model",
+    "layout",
+    "bucket_mb",
+    "export_bucket_mb",
+    "num_engines",
+    "repeats",
+    "output",
+    "lora",
+    "stage_groups",
+}
 _AUTH = b"moe-rl-bench-sync"
 
 
@@ -71,23 +92,25 @@ def add_arguments(parser) -> None:
 
 
 def _receiver_main(addresses) -> None:
-    """Bench engine process: serves WeightReceiver calls over a socket, one thread per call."""
+    """Bench engine process: serves WeightReceiver calls over sockets (one connection per trainer
+    stage source), one thread per call; "stop" on any connection ends it."""
     torch.set_num_threads(1)
     receiver, raw = WeightReceiver("cpu"), {}
     cpu_seconds = time.process_time  # the "cpu" call: this process's CPU time so far
-    with Listener(("127.0.0.1", 0), authkey=_AUTH) as listener:
-        addresses.put(listener.address)
-        conn = listener.accept()
-    send_lock, pool = threading.Lock(), ThreadPoolExecutor(4)
+    listener = Listener(("127.0.0.1", 0), authkey=_AUTH)
+    addresses.put(listener.address)
+    pool, stopped = ThreadPoolExecutor(8), threading.Event()
 
-    def execute(call_id, method, kwargs):
+    def execute(conn, send_lock, call_id, method, kwargs):
         try:
             if method == "raw_receive":  # preallocated on the warm-up call: raw's best case
                 buffer = raw.setdefault(kwargs["nbytes"], torch.empty(kwargs["nbytes"], dtype=torch.uint8))
-                receiver.group.broadcast(buffer)
+                receiver.groups[kwargs["group_name"]].broadcast(buffer)
                 result = ("ok", None)
             elif method == "cpu":
                 result = ("ok", cpu_seconds())
+            elif method == "traffic":  # bytes this engine rank received so far, per link
+                result = ("ok", traffic.snapshot())
             else:
                 out = getattr(receiver, method)(**kwargs)
                 result = ("ok", len(out) if method == "commit" else None)
@@ -96,13 +119,30 @@ def _receiver_main(addresses) -> None:
         with send_lock:
             conn.send((call_id, *result))
 
-    while True:
-        call_id, method, kwargs = conn.recv()
-        if method == "stop":
-            receiver.leave()
-            conn.send((call_id, "ok", None))
-            return
-        pool.submit(execute, call_id, method, kwargs)
+    def serve(conn) -> None:
+        send_lock = threading.Lock()
+        while True:
+            try:
+                call_id, method, kwargs = conn.recv()
+            except (EOFError, OSError):
+                return
+            if method == "stop":
+                receiver.leave()
+                conn.send((call_id, "ok", None))
+                stopped.set()
+                return
+            pool.submit(execute, conn, send_lock, call_id, method, kwargs)
+
+    def accept() -> None:
+        while True:
+            try:
+                conn = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    stopped.wait()
 
 
 class SocketEngine:
@@ -162,7 +202,7 @@ class SocketEngine:
         )
 
     async def destroy_weights_update_group(self, group_name):
-        await self._call("leave")
+        await self._call("leave", group_name=group_name)
 
     async def update_weights_from_distributed(
         self, names, dtypes, shapes, group_name, weight_version, load_format, checksum
@@ -201,7 +241,8 @@ def _memory_kb(field: str) -> int:
 
 
 def _trainer(cfg: dict, addresses: list) -> dict | None:
-    """Rank function: build this rank's Megatron stage; rank 0 syncs, the others exhaust the exports."""
+    """Rank function: build this rank's Megatron stage; the first stage's source syncs (each stage's
+    source sends its own layers, or funnels them), the others run their exports."""
     # heavy: transformers, only where an HF config, model or tokenizer is read
     from transformers import Qwen3MoeConfig
 
@@ -210,19 +251,18 @@ def _trainer(cfg: dict, addresses: list) -> dict | None:
     init_model_parallel(layout, seed=0)
     model = build_gpt_model(bridge, layout)
     export_bytes, repeats = int(cfg.get("export_bucket_mb", 64)) << 20, int(cfg.get("repeats", 3))
-    if dist.get_rank() != 0:  # 2 warm-up syncs, then per repeat the exports of STAGES (CPU seconds of each)
-        for _ in range(2):
-            exhaust(export_hf_weights(model, bridge, bucket_bytes=export_bytes))
-        return {
-            "cpu": [
-                {
-                    stage: _cpu(lambda: exhaust(export_hf_weights(model, bridge, bucket_bytes=export_bytes)))
-                    for stage in STAGES
-                }
-                for _ in range(repeats)
-            ]
-        }
-
+    bucket_bytes = int(cfg.get("bucket_mb", 128)) << 20
+    sources, rank = export_source_ranks(), dist.get_rank()
+    config = SyncConfig(bucket_bytes=bucket_bytes, backend="gloo", timeout_s=600)
+    staged = layout.pp > 1 and bool(cfg.get("stage_groups", True))
+    engines = (
+        [SocketEngine(f"bench-engine-{i}", a) for i, a in enumerate(addresses)] if rank in sources.values() else []
+    )
+    if staged:
+        sync = StagedSync(engines, config, sources)
+        sender = sync.sender
+    else:
+        sync, sender = None, WeightSender(engines, config) if rank == sync_source(sources) else None
     largest = [0]
 
     def stream():
@@ -230,15 +270,38 @@ def _trainer(cfg: dict, addresses: list) -> dict | None:
             largest[0] = max(largest[0], tensor.numel() * tensor.element_size())
             yield name, tensor
 
-    bucket_bytes = int(cfg.get("bucket_mb", 128)) << 20
-    engines = [SocketEngine(f"bench-engine-{i}", address) for i, address in enumerate(addresses)]
-    sender = WeightSender(engines, SyncConfig(bucket_bytes=bucket_bytes, backend="gloo", timeout_s=600))
+    def full(version: int):
+        """One full sync, collective over the trainer world; the sender's stats on the coordinator."""
+        if sync is not None:
+            return sync.update(stream(), version)
+        funnel = stage_stream(stream(), sources)
+        return sender.update(funnel, version) if sender is not None else exhaust(funnel)
+
+    if sender is None:  # 2 warm-up syncs, then per repeat the exports of STAGES (CPU seconds of each)
+        for version in (1, 2):
+            full(version)
+        cpu = []
+        for version in range(3, 3 + repeats):
+            spent = {}
+            for stage in STAGES:
+                if stage == "full":
+                    before, gathered = traffic.snapshot(), dict(GATHER_BYTES)
+                spent[stage] = _cpu(lambda: full(version) if stage == "full" else exhaust(stream()))
+                if stage == "full":
+                    links = _link_bytes(before, gathered)
+            cpu.append(spent)
+        if sync is not None:
+            sync.close()
+        # heavy: megatron-core, loaded where a model is built (it is, above)
+        from megatron.core import parallel_state as ps
+
+        return {"cpu": cpu, "links": links, "stage": ps.get_pipeline_model_parallel_rank()}
     times = {key: [] for key in ("export", "export_pack", "full", "raw")}
     transient = {"export_pack": 0, "full": 0}
     walls, cpu = [], []  # per repeat: {stage: wall seconds}, {stage: (this rank's CPU s, the receivers')}
     try:
         for version in (1, 2):  # warm-up: the group, both storage sets of every engine, page faults
-            nbytes = sender.update(stream(), version).bytes
+            nbytes = full(version).bytes
         flat = torch.zeros(nbytes, dtype=torch.uint8)
         _raw_broadcast(sender, engines, flat)
         packer = sender.transport.packer
@@ -258,11 +321,20 @@ def _trainer(cfg: dict, addresses: list) -> dict | None:
             work = {
                 "export": lambda: exhaust(stream()),
                 "pack": pack,
-                "full": lambda: sender.update(stream(), version),
+                "full": lambda: full(version),
                 "raw": lambda: _raw_broadcast(sender, engines, flat),
             }
             for stage in (*STAGES, "raw"):
+                if stage == "full":  # the last full sync's bytes per link, here and at every engine rank
+                    before, gathered = traffic.snapshot(), dict(GATHER_BYTES)
+                    received = [e.request("traffic").result(60) for e in engines]
                 wall[stage], grown[stage], spent[stage] = _measured(work[stage], engines)
+                if stage == "full":
+                    links = _link_bytes(before, gathered)
+                    engine_links = [
+                        traffic.since(was, e.request("traffic").result(60))["received"]
+                        for was, e in zip(received, engines)
+                    ]
             (export_wall, export_cpu), (hash_wall, hash_cpu) = inside["export"], inside["hash"]
             wall["hash"], spent["hash"] = hash_wall, (hash_cpu, 0.0)
             wall["pack"] -= export_wall + hash_wall  # the packer's own copies
@@ -276,7 +348,7 @@ def _trainer(cfg: dict, addresses: list) -> dict | None:
             transient["export_pack"] = max(transient["export_pack"], grown["pack"])
             transient["full"] = max(transient["full"], grown["full"])
     finally:
-        sender.close()
+        (sync or sender).close()
         for engine in engines:
             engine.request("stop").result(60)
     best = {key: min(values) for key, values in times.items()}
@@ -311,6 +383,10 @@ def _trainer(cfg: dict, addresses: list) -> dict | None:
         engines="WeightReceiver processes (no model), a thread per call",
         walls=walls,
         cpu=cpu,
+        links=links,
+        engine_links=engine_links,
+        stage=0,
+        stage_groups=staged,
     )
 
 
@@ -331,6 +407,28 @@ def _clocked(items, clock: list[float]):
             clock[0] += time.perf_counter() - wall
             clock[1] += time.process_time() - cpu
         yield item
+
+
+def _link_bytes(before: dict, gathered: dict) -> dict[str, dict[str, int]]:
+    """{"sent" | "received": {link: bytes}} of this rank since `before` (`sync.traffic`) and
+    `gathered` (`parallel.mappings.GATHER_BYTES`): the weight-update groups, the funnel, the gathers."""
+    moved = traffic.since(before)
+    for way in ("sent", "received"):
+        if n := GATHER_BYTES[way] - gathered[way]:
+            moved[way]["gather"] = n
+    return moved
+
+
+def link_table(ranks: list[dict]) -> dict:
+    """Bytes per link of the last full sync (measured): per trainer rank, per engine rank, and the
+    largest number any trainer rank sends."""
+    trainer = [{"rank": i, "stage": r["stage"], **r["links"]} for i, r in enumerate(ranks)]
+    return {
+        "trainer": trainer,
+        "engines": ranks[0]["engine_links"],
+        "max_sent_by_a_trainer_rank": max(sum(r["sent"].values()) for r in trainer),
+        "max_received_by_a_trainer_rank": max(sum(r["received"].values()) for r in trainer),
+    }
 
 
 def _cpu(work) -> float:
@@ -388,7 +486,8 @@ def _timed(work) -> tuple[float, int]:
 def _raw_broadcast(sender, engines: list[SocketEngine], flat: torch.Tensor) -> float:
     """One broadcast of `flat` over the sender's group; the engines receive it in parallel."""
     start = time.perf_counter()
-    receives = [e.request("raw_receive", nbytes=flat.numel()) for e in engines]
+    name = sender.transport.config.group_name  # the first stage's group, with stage groups
+    receives = [e.request("raw_receive", nbytes=flat.numel(), group_name=name) for e in engines]
     sender.transport.group.broadcast(flat)
     for receive in receives:
         receive.result(600)
@@ -429,8 +528,11 @@ def run(args) -> int:
                 proc.kill()
     result = ranks[0]
     result["cpu_by_stage"] = cpu_breakdown(result, ranks[1:])
+    result["bytes_per_link"] = link_table(ranks)
+    for key in ("links", "engine_links", "stage"):
+        result.pop(key)
     for key, value in result.items():
-        if key in ("walls", "cpu", "cpu_by_stage"):
+        if key in ("walls", "cpu", "cpu_by_stage", "bytes_per_link"):
             continue
         shown = (
             [round(v, 3) for v in value] if isinstance(value, list) and value and isinstance(value[0], float) else value
@@ -439,6 +541,13 @@ def run(args) -> int:
     print(f"{'stage':>10} {'wall s':>8} {'CPU s':>8} {'CPU busy':>9}   (CPU: every process; busy: CPU / wall / cores)")
     for stage, row in result["cpu_by_stage"].items():
         print(f"{stage:>10} {row['wall_s']:8.3f} {row['cpu_s']:8.3f} {row['cpu_busy']:9.2f}")
+    links = result["bytes_per_link"]
+    print("bytes per link, last full sync (measured: counted where each transfer starts):")
+    for row in links["trainer"]:
+        print(f"  trainer rank {row['rank']} (stage {row['stage']}): sent {row['sent']}  received {row['received']}")
+    for i, row in enumerate(links["engines"]):
+        print(f"  engine rank {i}: received {row}")
+    print(f"  largest sent by one trainer rank: {links['max_sent_by_a_trainer_rank']} bytes")
     output = Path(cfg.get("output", "bench_sync.json"))
     output.write_text(json.dumps(result, indent=2))
     print(f"wrote {output}")

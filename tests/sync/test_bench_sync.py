@@ -47,3 +47,39 @@ def test_bench_sync_reports_full_and_raw_of_the_same_bytes(tmp_path):
     assert all(math.isfinite(row["wall_s"]) for stage, row in stages.items() if stage != "receive")  # it overlaps
     # a sync costs CPU on the trainer ranks and on the receiver: the sums see both
     assert stages["full"]["cpu_s"] > 0 and stages["broadcast"]["cpu_s"] > 0
+
+
+def _bench(tmp_path, name: str, **fields) -> dict:
+    config = tmp_path / f"{name}.yaml"
+    output = tmp_path / f"{name}.json"
+    base = dict(model=MODEL, bucket_mb=1, export_bucket_mb=1, num_engines=2, repeats=1, output=str(output))
+    config.write_text(yaml.safe_dump({**base, **fields}))
+    assert main(["bench", "sync", str(config)]) == 0
+    return json.loads(output.read_text())
+
+
+def test_bench_sync_counts_bytes_per_link_and_stage_groups_divide_the_largest_sender(tmp_path):
+    """PP2 (measured by the byte counters): with per-stage groups each stage's source sends its own
+    stage's bytes, so the largest number of bytes any trainer rank sends is the larger stage's, not
+    the whole model's (the funnel's root); every engine rank receives the model once either way."""
+    staged = _bench(tmp_path, "staged", layout=dict(world_size=2, pp=2))
+    funnel = _bench(tmp_path, "funnel", layout=dict(world_size=2, pp=2), stage_groups=False)
+    assert staged["stage_groups"] and not funnel["stage_groups"]
+    total = staged["bytes"]
+    assert funnel["bytes"] == total
+    for result in (staged, funnel):
+        links = result["bytes_per_link"]
+        assert [engine["broadcast"] for engine in links["engines"]] == [total, total]
+        assert all(row["received"].get("broadcast", 0) == 0 for row in links["trainer"])
+    s0, s1 = (row["sent"]["broadcast"] for row in staged["bytes_per_link"]["trainer"])
+    assert s0 + s1 == total and min(s0, s1) > 0
+    assert all(not row["received"] for row in staged["bytes_per_link"]["trainer"])  # nobody receives a stage's tensors
+    root, second = funnel["bytes_per_link"]["trainer"]
+    assert root["sent"] == {"broadcast": total} and root["received"] == {"funnel": s1}
+    assert second["sent"] == {"funnel": s1}
+    # the largest sender: the whole model through the funnel's root, one stage with stage groups;
+    # the drop is PP x (mean stage / largest stage): 2 for equal stages
+    largest_staged = staged["bytes_per_link"]["max_sent_by_a_trainer_rank"]
+    largest_funnel = funnel["bytes_per_link"]["max_sent_by_a_trainer_rank"]
+    assert largest_staged == max(s0, s1) and largest_funnel == total
+    assert largest_funnel / largest_staged == 2 * (total / 2) / max(s0, s1)

@@ -27,6 +27,7 @@ from moe_rl.trainer.reference import FrozenModel, build_reference
 from moe_rl.trainer.routing_replay import RoutingReplay
 from parallel.bridges import bridge_for
 from parallel.export import export_hf_weights, save_hf_checkpoint
+from parallel.fp8 import BlockFP8
 from parallel.lora import LoRAConfig, adapters_disabled, add_lora
 from parallel.model import build_gpt_model, forward, init_model_parallel
 from parallel.peft import collect_adapter, load_adapter, save_adapter
@@ -189,10 +190,11 @@ class MegatronTrainer:
             )
         load_model_weights(self.model.module, self.bridge, hf_dir)
 
-    def export_hf_weights(self, bucket_bytes: int):
-        """`(hf_name, tensor)` stream of the current weights on each stage's source rank.
-        Collective: every rank iterates it to the end (see parallel.export)."""
-        return export_hf_weights(self.model.module, self.bridge, bucket_bytes=bucket_bytes)
+    def export_hf_weights(self, bucket_bytes: int, fp8: BlockFP8 | None = None):
+        """`(hf_name, tensor)` stream of the current weights on each stage's source rank, FP8 blocks
+        quantized where each weight lives (`fp8`). Collective: every rank iterates it to the end
+        (see parallel.export)."""
+        return export_hf_weights(self.model.module, self.bridge, bucket_bytes=bucket_bytes, fp8=fp8)
 
     def export_adapter(self) -> tuple[dict, dict[str, torch.Tensor]] | None:
         """(PEFT adapter_config, {PEFT name: tensor}) of the adapters on global rank 0, None on the

@@ -3,7 +3,10 @@
 `WeightSync` lives on every trainer rank. `connect` finds each pipeline stage's export source
 (`parallel.export.export_source_ranks`); the sync source builds the `sync.sender.WeightSender`
 (full weights) or, with LoRA, rank 0 builds the `sync.lora.AdapterSync`. `sync` is collective:
-every rank exports (the stages funnel their tensors to the sync source), the source streams them.
+every rank exports, FP8 blocks (`sync.fp8_blocks`) quantized where each weight lives; with
+pipeline parallelism each stage's source broadcasts its own layers over its own group, the sync
+source coordinating (`sync.stages.StagedSync`), or with `sync.stage_groups: false` the stages
+funnel their tensors to the sync source (`sync.pipeline`), which streams them all.
 An engine that dies mid-sync is dropped and the version resent to the live ones (a fresh export)
 until they commit; the ranks agree on each retry through `_agree`.
 
@@ -32,6 +35,7 @@ from sync.group import address_for
 from sync.lora import AdapterSync
 from sync.pipeline import stage_stream, sync_source
 from sync.sender import WeightSender, exhaust
+from sync.stages import StagedSync
 
 if TYPE_CHECKING:  # megatron-core loads only where a trainer runs, not in the driver
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
@@ -73,6 +77,7 @@ class WeightSync:
     def __init__(self, trainer: MegatronTrainer, rank: int, world_size: int):
         self.trainer, self.rank, self.world_size = trainer, rank, world_size
         self.sender = None  # the sync source's WeightSender (rank 0's AdapterSync with LoRA)
+        self.staged: StagedSync | None = None  # PP > 1 with stage groups: every rank's part
         self.sources: dict[int, int] = {}
         self.kind, self.fp8 = "embedded", None
 
@@ -89,9 +94,13 @@ class WeightSync:
         if sync_config.master_address is None:  # engines on other nodes must reach this rank
             hosts = [urlsplit(url).hostname or "127.0.0.1" for url in urls]
             sync_config = dataclasses.replace(sync_config, master_address=address_for(hosts))
-        if self.rank == sync_source(self.sources):
-            # one retry: a dead engine is found (and dropped) in ~0.25 s instead of ~1.75 s
-            clients = [EngineClient(url, kind=self.kind, name=engine_name(i), retries=1) for i, url in enumerate(urls)]
+        # one retry: a dead engine is found (and dropped) in ~0.25 s instead of ~1.75 s
+        clients = [EngineClient(url, kind=self.kind, name=engine_name(i), retries=1) for i, url in enumerate(urls)]
+        if len(self.sources) > 1 and sync_config.stage_groups:  # every stage source sends its own layers
+            mine = clients if self.rank in self.sources.values() else []
+            self.staged = StagedSync(mine, sync_config, self.sources, version)
+            self.sender = self.staged.sender
+        elif self.rank == sync_source(self.sources):
             self.sender = WeightSender(clients, sync_config, version)
 
     def _connect_adapters(self, urls: list[str], config, version: int) -> None:
@@ -120,22 +129,26 @@ class WeightSync:
         if self.trainer.lora is not None:
             return self._sync_adapters(version, request.joined, request.lost)
         start, result, error = time.perf_counter(), {"engines": [], "dropped": []}, None
-        if self.sender is not None:
+        members = self.staged or self.sender  # with stage groups, every stage source keeps the members
+        if members is not None:
             for name in request.lost:
-                self.sender.remove(name)
+                members.remove(name)
             for name, url in request.joined.items():
-                self.sender.add(EngineClient(url, kind=self.kind, name=name, retries=1), request.served_version)
+                members.add(EngineClient(url, kind=self.kind, name=name, retries=1), request.served_version)
         while self._agree(
             self.sender is not None and error is None and (version > self.sender.version or bool(self.sender.behind))
         ):
-            stream = stage_stream(self.trainer.export_hf_weights(request.bucket_bytes), self.sources)
-            if self.fp8 is not None:
-                stream = self.fp8.quantize_stream(stream)
+            export = self.trainer.export_hf_weights(request.bucket_bytes, fp8=self.fp8)
+            if self.staged is not None:  # stage sources serve their turns, the coordinator sends
+                update = self.staged.update
+            else:
+                export = stage_stream(export, self.sources)
+                update = self.sender.update if self.sender is not None else lambda stream, _: exhaust(stream)
             if self.sender is None:
-                exhaust(stream)
+                update(export, version)
                 continue
             try:
-                stats = self.sender.update(stream, version)
+                stats = update(export, version)
                 result["engines"], result["dropped"] = stats.engines, result["dropped"] + stats.dropped
             except SyncError as failure:  # retried while it was an engine dying, raised otherwise
                 result["dropped"] += failure.dropped
@@ -171,7 +184,9 @@ class WeightSync:
         return bool(box[0])
 
     def close(self) -> None:
-        if self.sender is not None:
+        if self.staged is not None:
+            self.staged.close()
+        elif self.sender is not None:
             self.sender.close()
 
 

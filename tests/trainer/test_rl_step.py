@@ -22,7 +22,8 @@ def _trainer(**trainer):
     from moe_rl.config import TrainerConfig
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
 
-    config = TrainerConfig(world_size=2, ep=2, global_batch_size=ROWS, micro_batch_size=1, **trainer)
+    trainer = {"ep": 2, **trainer}
+    config = TrainerConfig(world_size=2, global_batch_size=ROWS, micro_batch_size=1, **trainer)
     return MegatronTrainer(config, hf_config(QWEN3_MOE_SMALL))
 
 
@@ -66,13 +67,13 @@ def test_rl_step_on_two_ranks():
     assert metrics["consistency/logprob_diff_mean"] < 0.5  # a fresh tiny model is near uniform
 
 
-def _sync_rank(url: str):
+def _sync_rank(url: str, pp: int = 1):
     import torch.distributed as dist
 
     from moe_rl.trainer.weight_sync import ConnectRequest, SyncRequest, WeightSync
     from sync.config import SyncConfig
 
-    trainer = _trainer()
+    trainer = _trainer(pp=pp, ep=1) if pp > 1 else _trainer()
     weight_sync = WeightSync(trainer, dist.get_rank(), 2)
     weight_sync.connect(ConnectRequest((url,), SyncConfig(bucket_bytes=64 << 10, timeout_s=60), "embedded", version=0))
     try:
@@ -83,7 +84,9 @@ def _sync_rank(url: str):
     return result["engines"], again["engines"]
 
 
-def test_weight_sync_commits_a_version_on_an_embedded_engine(tmp_path):
+@pytest.mark.parametrize("pp", [1, 2], ids=["ep2", "pp2-stage-groups"])
+def test_weight_sync_commits_a_version_on_an_embedded_engine(tmp_path, pp):
+    """PP2: each stage's source sends its layers over its own group, which the engine joins too."""
     from transformers import AutoModelForCausalLM
 
     from moe_rl.engine.client import EngineClient
@@ -92,7 +95,7 @@ def test_weight_sync_commits_a_version_on_an_embedded_engine(tmp_path):
     torch.manual_seed(1)
     AutoModelForCausalLM.from_config(hf_config(QWEN3_MOE_SMALL)).save_pretrained(tmp_path / "hf")
     with launch_embedded(tmp_path / "hf", weight_version="0", threads=1) as engine:
-        per_rank = spawn(_sync_rank, 2, engine.url)
+        per_rank = spawn(_sync_rank, 2, engine.url, pp)
 
         async def info():
             client = EngineClient(engine.url)

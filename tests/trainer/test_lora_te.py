@@ -116,7 +116,7 @@ def te_layouts(hf_dir: str, adapter_dir: str, tokens: torch.Tensor, layouts: lis
     import torch.distributed as dist
     from megatron.core.tensor_parallel import mappings
 
-    from parallel.export import uses_transformer_engine
+    from parallel.context import uses_transformer_engine
     from parallel.layout import ParallelLayout
     from parallel.lora import adapter_parameters, adapters
     from parallel.model import init_model_parallel

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_rl.converted import load_model_weights
 from moe_rl.trainer.routing_replay import RoutingReplay
 from parallel.model import build_gpt_model
 
@@ -51,6 +52,7 @@ class FrozenModel:
 def _seeded_as_at_init(seed: int):
     """Re-seed every RNG Megatron's init draws from as `init_model_parallel(layout, seed)` does;
     restore the current states afterwards (the default generator, CUDA's, the tracker's forks)."""
+    # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
     tracker = get_cuda_rng_tracker()
@@ -75,8 +77,6 @@ def build_reference(bridge, config, hf_dir: str | None) -> FrozenModel:
         with _seeded_as_at_init(config.seed):
             model = build_gpt_model(bridge, config, calculate_per_token_loss=True, **replay)
     else:
-        from moe_rl.converted import load_model_weights
-
         model = build_gpt_model(bridge, config, calculate_per_token_loss=True, **replay)
         load_model_weights(model, bridge, hf_dir)  # an HF directory or a converted checkpoint
     model.eval()

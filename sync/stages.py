@@ -42,6 +42,7 @@ import torch.distributed as dist
 from sync.config import SyncConfig, SyncStats
 from sync.engine_api import EngineEndpoint
 from sync.engine_set import EngineSet, SyncError
+from sync.relay import Relay, RelayLink
 from sync.sender import WeightSender
 from sync.transports.base import exhaust
 from sync.transports.broadcast import BroadcastTransport
@@ -49,8 +50,11 @@ from sync.transports.broadcast import BroadcastTransport
 Stream = Iterable[tuple[str, torch.Tensor]]
 
 
-def stage_config(config: SyncConfig, stage: int) -> SyncConfig:
-    """Stage `stage`'s group: its own name, and its own port where a fixed one was set."""
+def stage_config(config: SyncConfig, stage: int, stages: int) -> SyncConfig:
+    """Stage `stage`'s group: its own name, and its own port where a fixed one was set (one stage:
+    the configured name and port)."""
+    if stages == 1:
+        return config
     port = config.master_port + stage if config.master_port else 0
     return dataclasses.replace(config, group_name=f"{config.group_name}_pp{stage}", master_port=port)
 
@@ -68,7 +72,7 @@ class StageGroupsTransport(BroadcastTransport):
     (`peers` = {stage: global rank}), in stage order."""
 
     def __init__(self, config: SyncConfig, peers: dict[int, int]):
-        super().__init__(stage_config(config, 0))
+        super().__init__(stage_config(config, 0, 1 + len(peers)))
         self.peers = dict(sorted(peers.items()))
         self._waiting: list[int] = []  # stage sources still inside this update's `serve`
 
@@ -116,9 +120,9 @@ class StageGroupsTransport(BroadcastTransport):
 class StageSource:
     """Stage s > 0's source: its own group and transport, driven by the coordinator's turns."""
 
-    def __init__(self, engines: list[EngineEndpoint], config: SyncConfig, stage: int, coordinator: int):
+    def __init__(self, engines: list[EngineEndpoint], config: SyncConfig, stage: int, stages: int, coordinator: int):
         self.engines = EngineSet(engines, config.timeout_s)
-        self.transport = BroadcastTransport(stage_config(config, stage))
+        self.transport = BroadcastTransport(stage_config(config, stage, stages))
         self.coordinator = coordinator
         self._group: EngineSet | None = None
 
@@ -165,13 +169,21 @@ class StageSource:
 
 
 class StagedSync:
-    """A trainer rank's part in a per-stage sync (`stage_sources` = {stage: global rank}).
+    """A trainer rank's part in a per-stage sync (`stage_sources` = {stage: global rank}), with
+    `relays` = {stage: global ranks behind that stage's source in its group} (`sync.relay`).
 
-    Every rank builds one; `engines` only matters on stage sources (a list of endpoints to the
-    same engines, in the same order, on each). `update` is collective over the trainer world."""
+    Every rank builds one (collectively: the relays' control groups are created here);
+    `engines` only matters on stage sources (endpoints to the same engines, in the same order, on
+    each). `update` is collective over the trainer world. One stage with relays is a plain sync
+    whose group has relays."""
 
     def __init__(
-        self, engines: list[EngineEndpoint], config: SyncConfig, stage_sources: dict[int, int], version: int = 0
+        self,
+        engines: list[EngineEndpoint],
+        config: SyncConfig,
+        stage_sources: dict[int, int],
+        version: int = 0,
+        relays: dict[int, list[int]] | None = None,
     ):
         if not stage_sources:
             raise ValueError("stage_sources: empty; pass parallel.export.export_source_ranks()")
@@ -180,12 +192,26 @@ class StagedSync:
         rank = dist.get_rank()
         self.sender: WeightSender | None = None
         self.source: StageSource | None = None
+        self.relay: Relay | None = None
+        links: dict[int, RelayLink] = {}
+        for stage in stages:  # every rank creates every control group, in the same order
+            behind = list((relays or {}).get(stage, []))
+            if set(behind) & set(stage_sources.values()):
+                raise ValueError(f"relays: stage {stage}'s relays {behind} include a stage source; pick other ranks")
+            if behind:
+                control = dist.new_group([stage_sources[stage], *behind], backend="gloo")
+                links[stage_sources[stage]] = RelayLink(control, behind)
+                if rank in behind:
+                    self.relay = Relay(control, stage_sources[stage])
         if rank == self.coordinator:
             peers = {s: stage_sources[s] for s in stages[1:]}
-            self.sender = WeightSender(engines, config, version, transport=StageGroupsTransport(config, peers))
+            transport = StageGroupsTransport(config, peers)
+            transport.relays = links.get(rank)
+            self.sender = WeightSender(engines, config, version, transport=transport)
         elif rank in stage_sources.values():
             stage = next(s for s, r in stage_sources.items() if r == rank)
-            self.source = StageSource(engines, config, stage, self.coordinator)
+            self.source = StageSource(engines, config, stage, len(stages), self.coordinator)
+            self.source.transport.relays = links.get(rank)
 
     def update(self, named_tensors: Stream, version: int) -> SyncStats | None:
         """All trainer ranks: the coordinator returns the sender's stats (or raises its SyncError)."""
@@ -215,8 +241,14 @@ class StagedSync:
             self.source.remove(name)
 
     def close(self) -> None:
-        """Every stage source leaves its own group (local; engines are told to leave each)."""
+        """Every stage source leaves its own group (local; engines are told to leave each), and
+        lets its relays go."""
+        transport = self.sender.transport if self.sender is not None else getattr(self.source, "transport", None)
         if self.sender is not None:
             self.sender.close()
         elif self.source is not None:
             self.source.close()
+        if transport is not None and transport.relays is not None:
+            transport.relays.exit()
+        if self.relay is not None:
+            self.relay.join_thread()

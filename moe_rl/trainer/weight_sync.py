@@ -18,6 +18,7 @@ actor (`moe_rl.rl.trainer_group.TrainerRank`), which only forward it here.
 from __future__ import annotations
 
 import dataclasses
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
@@ -96,9 +97,11 @@ class WeightSync:
             sync_config = dataclasses.replace(sync_config, master_address=address_for(hosts))
         # one retry: a dead engine is found (and dropped) in ~0.25 s instead of ~1.75 s
         clients = [EngineClient(url, kind=self.kind, name=engine_name(i), retries=1) for i, url in enumerate(urls)]
-        if len(self.sources) > 1 and sync_config.stage_groups:  # every stage source sends its own layers
+        relays = relay_ranks(sync_config, self.sources) if self.world_size > 1 else {}
+        if (len(self.sources) > 1 and sync_config.stage_groups) or any(relays.values()):
+            # every stage source sends its own layers, its node-mates relaying
             mine = clients if self.rank in self.sources.values() else []
-            self.staged = StagedSync(mine, sync_config, self.sources, version)
+            self.staged = StagedSync(mine, sync_config, self.sources, version, relays=relays)
             self.sender = self.staged.sender
         elif self.rank == sync_source(self.sources):
             self.sender = WeightSender(clients, sync_config, version)
@@ -188,6 +191,20 @@ class WeightSync:
             self.staged.close()
         elif self.sender is not None:
             self.sender.close()
+
+
+def relay_ranks(config: SyncConfig, sources: dict[int, int]) -> dict[int, list[int]]:
+    """{stage: the trainer ranks on its source's node that join its group as relays}
+    (`sync.relays`; None: every node-mate with nccl, none with gloo). Collective."""
+    hosts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    taken, relays = set(sources.values()), {}
+    for stage, source in sorted(sources.items()):
+        mates = [r for r, host in enumerate(hosts) if host == hosts[source] and r not in taken]
+        count = config.relays if config.relays is not None else (len(mates) if config.backend == "nccl" else 0)
+        relays[stage] = mates[:count]
+        taken |= set(relays[stage])
+    return relays
 
 
 def fp8_format(blocks: int | None):

@@ -1,5 +1,8 @@
 """Process-group broadcast transport (gloo on CPU, NCCL on GPU): SGLang's distributed update.
 
+Group ranks: this root 0, its relays 1..R (`sync.relay`, trainer ranks on the root's node, when
+`relays` is set), then each engine's TP ranks from its rank_offset.
+
 Per bucket, on the trainer source rank (group rank 0):
   - announce it to every engine (`update_weights_from_distributed`, load_format
     "flattened_bucket", names/dtypes/shapes, checksum; no weight_version: the sender commits the
@@ -54,6 +57,7 @@ class BroadcastTransport(Transport):
         self._store = None  # the hosted rendezvous store (rank 0's server), kept with the group
         self.packer: BucketPacker | None = None
         self._worker: cf.ThreadPoolExecutor | None = None
+        self.relays = None  # a sync.relay.RelayLink: trainer ranks 1..R of the group, behind this root
         self.first_index = 0  # the index of this send's first bucket in the version (stages: `sync.stages`)
         self.buckets_sent = 0  # buckets of the last send
 
@@ -68,10 +72,13 @@ class BroadcastTransport(Transport):
         name taken until then, and every later join under that name would fail)."""
         cfg = self.config
         ranks = engines.results(lambda e: e.num_group_ranks(), "server_info")
-        world_size = 1 + sum(ranks.values())
+        relays = len(self.relays) if self.relays is not None else 0
+        world_size = 1 + relays + sum(ranks.values())
         self._store = host_store(cfg.address, world_size, cfg.timeout_s, cfg.master_port)
         port = self._store.port
-        offsets, offset = {}, 1
+        if relays:  # they join on their own threads, as the engines do
+            self.relays.join(cfg.address, port, world_size, cfg.group_name, cfg.backend, cfg.timeout_s)
+        offsets, offset = {}, 1 + relays
         for engine in engines.engines:
             offsets[engine.name], offset = offset, offset + ranks[engine.name]
         joins = engines.submit(
@@ -179,6 +186,8 @@ class BroadcastTransport(Transport):
                 checksum=None if bucket.checksum is None else f"{bucket.checksum}#{bucket.index}",
             )
         )
+        if self.relays is not None:
+            self.relays.bucket(bucket.nbytes)
         work = self.group.broadcast_async(bucket.data)
         try:
             # An engine that fails before joining the collective would leave the broadcast
@@ -218,6 +227,8 @@ class BroadcastTransport(Transport):
         """Engines leave the group (best effort: a dead one cannot), then this rank."""
         if self.group is not None:
             engines.call(lambda e: e.destroy_weights_update_group(self.config.group_name))
+            if self.relays is not None:
+                self.relays.leave()
             self.group.destroy()
             self.group = None
         if self._worker is not None:

@@ -20,9 +20,12 @@ from tests.sync.test_sync_broadcast import assert_same
 pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
 
-def staged_sync(hf_dir: str, ports: list[int], out_dir: str, layout: ParallelLayout, stage_groups: bool) -> dict:
+def staged_sync(
+    hf_dir: str, ports: list[int], out_dir: str, layout: ParallelLayout, stage_groups: bool, relays: int = 0
+) -> dict:
     """Rank function: import the HF weights, send versions 1 and 2 (weights x version) per stage
-    (or through the funnel); returns this rank's byte counters and what its own stage exported."""
+    (or through the funnel), each stage source with `relays` ranks of its stage behind it;
+    returns this rank's byte counters and what its own stage exported."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -46,7 +49,10 @@ def staged_sync(hf_dir: str, ports: list[int], out_dir: str, layout: ParallelLay
     config = SyncConfig(bucket_bytes=16384, timeout_s=60)
     rank = dist.get_rank()
     if stage_groups:
-        sync = StagedSync(clients, config, sources)
+        per_stage = layout.world_size // layout.pp  # ranks of a stage, the source first
+        behind = {stage: list(range(src + 1, src + 1 + relays)) for stage, src in sources.items()}
+        assert all(r < (stage + 1) * per_stage for stage, rs in behind.items() for r in rs)
+        sync = StagedSync(clients, config, sources, relays=behind)
     else:
         sender = WeightSender(clients, config) if rank == sync_source(sources) else None
     exported = [0]
@@ -85,6 +91,7 @@ def staged_sync(hf_dir: str, ports: list[int], out_dir: str, layout: ParallelLay
         "received": moved["received"],
         "gather_received": (GATHER_BYTES["received"] - gathered["received"]) // 2,  # per version
         "committed": None if stats is None else stats.version,
+        "relayed": None if not stage_groups or sync.relay is None else sync.relay.buckets,
     }
 
 
@@ -138,3 +145,28 @@ def test_the_funnel_receives_the_other_stages_bytes(engines, tmp_path):
     first, second = sorted(ranks, key=lambda r: r["stage"])
     assert first["received"]["funnel"] == 2 * second["exported"] == second["sent"]["funnel"]
     assert first["sent"]["broadcast"] == 2 * (first["exported"] + second["exported"])
+
+
+def test_relays_take_every_bucket_behind_each_stage_source(engines, tmp_path):
+    """PP2 x DP2: each stage source with its stage's other rank as relay (group ranks 0, 1; the
+    engines from rank_offset 2): the engines still get every tensor bit for bit, each relay
+    receives exactly what its stage's source sends, and the sources send nothing more."""
+    from transformers import Qwen3MoeForCausalLM
+
+    clients, _ = engines
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(tiny_qwen3_moe_config()).save_pretrained(tmp_path / "hf")
+    ports = [int(c.url.rsplit(":", 1)[1]) for c in clients]
+    layout = ParallelLayout(world_size=4, pp=2)
+    ranks = spawn(staged_sync, 4, str(tmp_path / "hf"), ports, str(tmp_path), layout, True, 1)
+    checkpoint = load_file(tmp_path / "hf" / "model.safetensors")
+    for version in (1, 2):
+        want = {name: tensor * version for name, tensor in checkpoint.items()}
+        for i in range(len(clients)):
+            assert_same(load_file(tmp_path / f"engine{i}-v{version}.safetensors"), want)
+    by_rank = {r["rank"]: r for r in ranks}
+    for source, relay in ((0, 1), (2, 3)):
+        sent = by_rank[source]["sent"]["broadcast"]
+        assert sent == 2 * by_rank[source]["exported"], by_rank[source]
+        assert by_rank[relay]["received"] == {"broadcast": sent} and by_rank[relay]["relayed"] > 0, by_rank[relay]
+        assert by_rank[relay]["sent"] == {}, by_rank[relay]

@@ -67,7 +67,7 @@ def test_rl_step_on_two_ranks():
     assert metrics["consistency/logprob_diff_mean"] < 0.5  # a fresh tiny model is near uniform
 
 
-def _sync_rank(url: str, pp: int = 1):
+def _sync_rank(url: str, pp: int = 1, relays: int = 0):
     import torch.distributed as dist
 
     from moe_rl.trainer.weight_sync import ConnectRequest, SyncRequest, WeightSync
@@ -75,7 +75,9 @@ def _sync_rank(url: str, pp: int = 1):
 
     trainer = _trainer(pp=pp, ep=1) if pp > 1 else _trainer()
     weight_sync = WeightSync(trainer, dist.get_rank(), 2)
-    weight_sync.connect(ConnectRequest((url,), SyncConfig(bucket_bytes=64 << 10, timeout_s=60), "embedded", version=0))
+    weight_sync.connect(
+        ConnectRequest((url,), SyncConfig(bucket_bytes=64 << 10, timeout_s=60, relays=relays), "embedded", version=0)
+    )
     try:
         result = weight_sync.sync(SyncRequest(1, 16 << 10))
         again = weight_sync.sync(SyncRequest(1, 16 << 10))  # the committed version again: nothing to send
@@ -84,9 +86,10 @@ def _sync_rank(url: str, pp: int = 1):
     return result["engines"], again["engines"]
 
 
-@pytest.mark.parametrize("pp", [1, 2], ids=["ep2", "pp2-stage-groups"])
-def test_weight_sync_commits_a_version_on_an_embedded_engine(tmp_path, pp):
-    """PP2: each stage's source sends its layers over its own group, which the engine joins too."""
+@pytest.mark.parametrize("pp, relays", [(1, 0), (2, 0), (1, 1)], ids=["ep2", "pp2-stage-groups", "ep2-relay"])
+def test_weight_sync_commits_a_version_on_an_embedded_engine(tmp_path, pp, relays):
+    """PP2: each stage's source sends its layers over its own group, which the engine joins too;
+    a relay: the other rank joins the group behind the source (the engine at rank_offset 2)."""
     from transformers import AutoModelForCausalLM
 
     from moe_rl.engine.client import EngineClient
@@ -95,7 +98,7 @@ def test_weight_sync_commits_a_version_on_an_embedded_engine(tmp_path, pp):
     torch.manual_seed(1)
     AutoModelForCausalLM.from_config(hf_config(QWEN3_MOE_SMALL)).save_pretrained(tmp_path / "hf")
     with launch_embedded(tmp_path / "hf", weight_version="0", threads=1) as engine:
-        per_rank = spawn(_sync_rank, 2, engine.url, pp)
+        per_rank = spawn(_sync_rank, 2, engine.url, pp, relays)
 
         async def info():
             client = EngineClient(engine.url)

@@ -79,6 +79,7 @@ def test_fp8_export_equals_quantizing_the_full_export_and_gathers_fp8():
             if plain_sent and case[1] == BLOCKS[0]:
                 assert fp8_sent < plain_sent, (rank, case, plain_sent, fp8_sent)
 
+
 def test_fp8_export_stays_on_the_weights_device():
     """Every mapping kind that can hold a decoder linear, on the meta device: the FP8 weight and
     its scales come out on the weight's device (a host allocation would land on the CPU)."""

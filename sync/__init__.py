@@ -9,7 +9,12 @@ left with a partly loaded version (SGLang loads in place) stays paused until a f
 - `sync.engine_api`: `EngineEndpoint`, the protocol an engine client implements.
 - `sync.receiver`: `WeightReceiver`, what an engine server drives.
 - `sync.sender`: `WeightSender`, the trainer side (pause, stream buckets, commit, resume).
-- `sync.pipeline`: `stage_stream`, funnels every pipeline stage's export to the sender's rank.
+- `sync.stages`: `StagedSync`, one weight-update group per pipeline stage, each stage's source
+  sending its own layers in turn (the default with PP > 1).
+- `sync.relay`: relay ranks, the root's node-mates behind it in a group (every NIC of its node).
+- `sync.pipeline`: `stage_stream`, funnels every pipeline stage's export to the sender's rank
+  (`stage_groups: false`).
+- `sync.traffic`: bytes moved per link, counted where each transfer starts.
 - `sync.transports`: how bytes move (broadcast, disk, cuda_ipc), chosen by name, imported lazily.
 
 `sync` imports neither `parallel` nor `moe_rl`: it moves any iterable of `(hf_name, tensor)`.

@@ -14,20 +14,9 @@ import pytest
 from safetensors.torch import load_file
 
 from parallel.world import spawn
-from tests.conformance.sglang_twin import SGLangTwin
-from tests.conformance.test_sglang_sync import _assert_serves, _version, model_dir  # noqa: F401 - a fixture
+from tests.conformance.test_sglang_sync import _assert_serves, _version
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.world]
-
-
-@pytest.fixture
-def twins(model_dir):  # noqa: F811 - the imported fixture
-    pair = [SGLangTwin(model_dir, tp_size=2).start() for _ in range(2)]
-    try:
-        yield [twin.wait_ready() for twin in pair]
-    finally:
-        for twin in pair:
-            twin.stop()
 
 
 def _stage_rank(

@@ -15,7 +15,6 @@ from moe_rl.engine.client import EngineClient
 from sync.engine_set import SyncError
 from sync.sender import SyncConfig, WeightSender
 from tests.conformance.sglang_twin import SGLangTwin
-from tests.tiny_models import QWEN3_MOE_SMALL, hf_config, save_random_model
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.world]
 
@@ -28,25 +27,6 @@ def _version(base: dict[str, torch.Tensor], v: int) -> dict[str, torch.Tensor]:
     """Weights of version v: every tensor differs from every other version's."""
     generator = torch.Generator().manual_seed(v)
     return {name: t + torch.randn(t.shape, generator=generator).to(t.dtype) for name, t in base.items()}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """Initial weights (version 0) of a tiny model, as SGLang's twin loads them."""
-    path = tmp_path_factory.mktemp("sglang_twin")
-    config = hf_config(QWEN3_MOE_SMALL, vocab_size=64, max_position_embeddings=64, norm_topk_prob=False)
-    save_random_model(config, path, seed=0, dtype=torch.bfloat16)  # per-expert HF names on disk
-    return str(path)
-
-
-@pytest.fixture
-def twins(model_dir):
-    pair = [SGLangTwin(model_dir, tp_size=2).start() for _ in range(2)]
-    try:
-        yield [twin.wait_ready() for twin in pair]
-    finally:
-        for twin in pair:
-            twin.stop()
 
 
 def _sender(twins) -> WeightSender:

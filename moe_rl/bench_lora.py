@@ -35,8 +35,9 @@ from parallel.lora import LoRAConfig, add_lora
 from parallel.model import build_gpt_model, init_model_parallel
 from parallel.peft import collect_adapter, write_adapter
 from parallel.world import spawn
-from sync.lora import AdapterSync, AdapterSyncConfig, adapter_name
-from sync.sender import SyncConfig, WeightSender, exhaust
+from sync.config import AdapterSyncConfig, SyncConfig
+from sync.lora import AdapterSync, adapter_name
+from sync.sender import WeightSender, exhaust
 
 
 class LongTail:

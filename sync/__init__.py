@@ -15,6 +15,8 @@ left with a partly loaded version (SGLang loads in place) stays paused until a f
 - `sync.pipeline`: `stage_stream`, funnels every pipeline stage's export to the sender's rank
   (`stage_groups: false`).
 - `sync.traffic`: bytes moved per link, counted where each transfer starts.
+- `sync.flattened_payload`: SGLang's flattened-bucket payload written and read without SGLang
+  (CUDA-IPC handles for `cuda_ipc`, by-value tensors for LoRA adapters).
 - `sync.transports`: how bytes move (broadcast, disk, cuda_ipc), chosen by name, imported lazily.
 
 `sync` imports neither `parallel` nor `moe_rl`: it moves any iterable of `(hf_name, tensor)`.

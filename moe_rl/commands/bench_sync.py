@@ -66,9 +66,10 @@ from parallel.model import build_gpt_model, init_model_parallel
 from parallel.world import spawn
 from sync import traffic
 from sync.bucket import checksum
+from sync.config import SyncConfig
 from sync.pipeline import stage_stream, sync_source
 from sync.receiver import WeightReceiver
-from sync.sender import SyncConfig, WeightSender, exhaust
+from sync.sender import WeightSender, exhaust
 from sync.stages import StagedSync
 
 COMMAND = ("bench", "sync")

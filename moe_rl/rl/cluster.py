@@ -49,7 +49,7 @@ from moe_rl.rl.trainer_group import SaveHFRequest, TrainerGroup
 from moe_rl.trainer.weight_sync import ConnectRequest, SyncRequest
 from parallel.bridges import bridge_for
 from parallel.peft import hf_lora_targets
-from sync.lora import AdapterSyncConfig
+from sync.config import AdapterSyncConfig
 
 
 @dataclass(frozen=True)

@@ -197,7 +197,8 @@ def test_adapter_sync_against_the_twin(model_dir, tmp_path):
     import time
 
     from parallel.peft import write_adapter
-    from sync.lora import AdapterSync, AdapterSyncConfig, adapter_name
+    from sync.config import AdapterSyncConfig
+    from sync.lora import AdapterSync, adapter_name
 
     with SGLangTwin(model_dir, tp_size=2) as twin:
         syncs = {

@@ -31,8 +31,8 @@ def _stage_rank(
     import torch.distributed as dist
 
     from moe_rl.engine.client import EngineClient
+    from sync.config import SyncConfig
     from sync.engine_set import SyncError
-    from sync.sender import SyncConfig
     from sync.stages import StagedSync
 
     rank = dist.get_rank()

@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from moe_rl.engine.client import EngineClient
+from sync.config import SyncConfig
 from sync.engine_set import SyncError
-from sync.sender import SyncConfig, WeightSender
+from sync.sender import WeightSender
 from tests.conformance.sglang_twin import SGLangTwin
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.world]

@@ -75,7 +75,8 @@ def test_nccl_weight_sync_into_a_real_sglang_engine(tmp_path):
     import torch
 
     from moe_rl.engine.embedded.runner import load_checkpoint_state
-    from sync.sender import SyncConfig, WeightSender
+    from sync.config import SyncConfig
+    from sync.sender import WeightSender
     from tests.engine.engine_helpers import save_tiny_model
 
     model_dir = save_tiny_model("qwen3_moe", tmp_path / "m")

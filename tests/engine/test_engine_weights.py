@@ -14,8 +14,9 @@ import pytest
 from moe_rl.engine.client import EngineClient, EngineError
 from moe_rl.engine.embedded.runner import load_checkpoint_state
 from moe_rl.engine.process import launch_embedded
+from sync.config import SyncConfig
 from sync.flattened_payload import flatten, serialize
-from sync.sender import SyncConfig, WeightSender
+from sync.sender import WeightSender
 from tests.engine.engine_helpers import (
     load_reference,
     reference,

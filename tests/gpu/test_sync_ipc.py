@@ -15,7 +15,8 @@ import torch
 from moe_rl.engine.client import EngineClient
 from moe_rl.engine.embedded.runner import load_checkpoint_state
 from moe_rl.engine.process import launch_embedded
-from sync.sender import SyncConfig, WeightSender
+from sync.config import SyncConfig
+from sync.sender import WeightSender
 from tests.engine.engine_helpers import run, save_tiny_model, with_client
 from tests.gpu.metrics import record
 

@@ -20,7 +20,8 @@ from moe_rl.engine.pool import EnginePool
 from moe_rl.engine.process import launch_embedded
 from moe_rl.rollout import RolloutConfig, RolloutManager
 from parallel.peft import write_adapter
-from sync.lora import AdapterSync, AdapterSyncConfig, adapter_name
+from sync.config import AdapterSyncConfig
+from sync.lora import AdapterSync, adapter_name
 
 pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sync.sender import SyncConfig, WeightSender
+from sync.config import SyncConfig
+from sync.sender import WeightSender
 
 pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 

@@ -87,7 +87,8 @@ class IpcEngine:
 @pytest.mark.gpu_sglang
 @pytest.mark.skipif(not GPU_AND_SGLANG, reason="needs a CUDA GPU and sglang installed")
 def test_cuda_ipc_round_trip_exact():
-    from sync.sender import SyncConfig, WeightSender
+    from sync.config import SyncConfig
+    from sync.sender import WeightSender
 
     state = {f"model.layers.{i}.w": torch.randn(256, 64, dtype=torch.bfloat16, device="cuda") for i in range(8)}
     engines = [IpcEngine("ipc-0"), IpcEngine("ipc-1")]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sync.sender import SyncConfig, WeightSender
+from sync.config import SyncConfig
+from sync.sender import WeightSender
 from sync.transports import available_transports, make_transport
 from sync.transports.base import TransportConfig
 from tests.sync.test_sync_broadcast import assert_same, served

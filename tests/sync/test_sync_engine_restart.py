@@ -15,8 +15,9 @@ import time
 
 import pytest
 
+from sync.config import SyncConfig
 from sync.engine_set import SyncError
-from sync.sender import SyncConfig, WeightSender
+from sync.sender import WeightSender
 from tests.sync.fake_engine import FakeEngineClient, start_engine
 from tests.sync.test_sync_broadcast import assert_same, served
 

@@ -29,7 +29,8 @@ def export_and_sync(hf_dir: str, ports: list[int], out_dir: str, bucket_bytes: i
     from parallel.export import export_hf_weights, is_export_source
     from parallel.hf_import import load_hf_weights
     from parallel.model import build_gpt_model, init_model_parallel
-    from sync.sender import SyncConfig, WeightSender, exhaust
+    from sync.config import SyncConfig
+    from sync.sender import WeightSender, exhaust
     from tests.sync.fake_engine import FakeEngineClient
 
     bridge = bridge_for(json.loads((Path(hf_dir) / "config.json").read_text()))

@@ -7,9 +7,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from sync.config import SyncConfig
 from sync.engine_set import SyncError
 from sync.receiver import WeightReceiver
-from sync.sender import SyncConfig, WeightSender
+from sync.sender import WeightSender
 from sync.transports.broadcast import BroadcastTransport
 from tests.sync.test_sync_broadcast import assert_same, served
 

@@ -27,8 +27,9 @@ def pp_export_and_sync(hf_dir: str, ports: list[int], out_dir: str, layout: Para
     from parallel.export import export_hf_weights, export_source_ranks
     from parallel.hf_import import load_hf_weights
     from parallel.model import build_gpt_model, init_model_parallel
+    from sync.config import SyncConfig
     from sync.pipeline import stage_stream, sync_source
-    from sync.sender import SyncConfig, WeightSender, exhaust
+    from sync.sender import WeightSender, exhaust
     from tests.sync.fake_engine import FakeEngineClient
 
     bridge = bridge_for(json.loads((Path(hf_dir) / "config.json").read_text()))

@@ -35,8 +35,9 @@ def staged_sync(
     from parallel.mappings import GATHER_BYTES
     from parallel.model import build_gpt_model, init_model_parallel
     from sync import traffic
+    from sync.config import SyncConfig
     from sync.pipeline import stage_stream, sync_source
-    from sync.sender import SyncConfig, WeightSender, exhaust
+    from sync.sender import WeightSender, exhaust
     from sync.stages import StagedSync
     from tests.sync.fake_engine import FakeEngineClient
 

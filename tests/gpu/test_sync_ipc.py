@@ -76,3 +76,30 @@ def test_nccl_broadcast_sync_into_an_engine_on_another_gpu(tmp_path):
     served, timing = sync_into_engine(old_dir, new_dir, "broadcast", "cuda:1")
     assert served == served_by_fresh_engine(new_dir, "cuda:1")
     record("sync_nccl_gb_per_s", timing["bytes"] / timing["seconds"] / 1e9, "GB/s (tiny model, 64 KiB buckets)")
+
+
+def broadcast_bandwidth(nbytes: int, repeats: int) -> float:
+    """Rank function (NCCL, 2 GPUs): GB/s of a broadcast of `nbytes` from rank 0, after a warm-up."""
+    import torch.distributed as dist
+
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dist.broadcast(buffer, src=0)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dist.broadcast(buffer, src=0)
+    torch.cuda.synchronize()
+    return repeats * nbytes / (time.perf_counter() - start) / 1e9
+
+
+def test_nccl_broadcast_bandwidth_gives_plan_its_nvlink_efficiency():
+    """A raw 1 GiB NCCL broadcast between two GPUs of this node: `moe-rl plan`'s measured NVLink
+    efficiency (GB/s x 8 over `cluster.nvlink_gbps`). 2 GiB of GPU memory, seconds."""
+    from moe_rl.config import ClusterConfig
+    from parallel.world import spawn
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    gb_per_s = spawn(broadcast_bandwidth, 2, 1 << 30, 10)[0]
+    record("nccl_broadcast_gb_per_s", gb_per_s, "GB/s (1 GiB broadcast, 2 GPUs of one node)")
+    record("nvlink_efficiency", gb_per_s * 8 / ClusterConfig().nvlink_gbps, "of cluster.nvlink_gbps")

@@ -135,21 +135,23 @@ class CudaIpcTransport(Transport):
 
 
 def serialize_bucket(bucket: Bucket, num_ranks: int) -> list[str]:
-    """SGLang's flattened-bucket payload for one bucket, serialized once per engine TP rank."""
-    if not _with_sglang():
-        metadata = [
-            FlattenedTensorMetadata(m.name, torch.Size(m.shape), m.dtype, m.offset, m.offset + m.nbytes, m.nbytes)
-            for m in bucket.metas
-        ]
-        return [
-            serialize({"flattened_tensor": bucket.data, "metadata": metadata}, share=True) for _ in range(num_ranks)
-        ]
-    # optional: SGLang (GPU engines only)
-    from sglang.srt.utils import MultiprocessingSerializer
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+    """SGLang's flattened-bucket payload for one bucket, serialized once per engine TP rank: with
+    SGLang's own classes where it is installed, else with `sync.flattened_payload`'s."""
+    if _with_sglang():
+        # optional: SGLang (GPU engines only)
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata as Metadata
+
+        def dump(payload: dict) -> str:
+            return MultiprocessingSerializer.serialize(payload, output_str=True)
+    else:
+        Metadata = FlattenedTensorMetadata
+
+        def dump(payload: dict) -> str:
+            return serialize(payload, share=True)
 
     metadata = [
-        FlattenedTensorMetadata(
+        Metadata(
             name=m.name,
             shape=torch.Size(m.shape),
             dtype=m.dtype,
@@ -160,4 +162,4 @@ def serialize_bucket(bucket: Bucket, num_ranks: int) -> list[str]:
         for m in bucket.metas
     ]
     payload = {"flattened_tensor": bucket.data, "metadata": metadata}
-    return [MultiprocessingSerializer.serialize(payload, output_str=True) for _ in range(num_ranks)]
+    return [dump(payload) for _ in range(num_ranks)]

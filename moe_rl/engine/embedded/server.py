@@ -463,12 +463,14 @@ class EmbeddedServer:
             await self._swap(self.receiver.commit(labelled), str(labelled), abort_all=False)
         return web.json_response({"success": True, "message": "Success"})
 
+    def _require_session(self, route: str) -> None:
+        """SGLang's rule: bucket routes only inside /begin_weight_update ... /end_weight_update."""
+        if not self._session:
+            raise RuntimeError(f"{route} must run between begin_weight_update() and end_weight_update()")
+
     async def update_from_distributed(self, http: web.Request) -> web.Response:
         body = await self._body(http)
-        if not self._session:
-            raise RuntimeError(
-                "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
-            )
+        self._require_session("update_weights_from_distributed")
         if body.get("load_format") not in (None, "flattened_bucket"):
             raise BadRequest(f"load_format={body['load_format']!r}: the embedded engine takes 'flattened_bucket'")
         await asyncio.to_thread(
@@ -485,10 +487,7 @@ class EmbeddedServer:
     async def update_from_tensor(self, http: web.Request) -> web.Response:
         """A bucket by CUDA-IPC handles (the `cuda_ipc` transport): staged like a broadcast bucket."""
         body = await self._body(http)
-        if not self._session:
-            raise RuntimeError(
-                "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
-            )
+        self._require_session("update_weights_from_tensor")
         if body.get("load_format") != "flattened_bucket":
             raise BadRequest(f"load_format={body.get('load_format')!r}: the embedded engine takes 'flattened_bucket'")
         payloads = body["serialized_named_tensors"]

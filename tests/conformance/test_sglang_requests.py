@@ -148,7 +148,7 @@ def test_load_and_server_info_use_sglang_names(sglang, engine):
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    with launch_embedded(save_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"))) as engine:
+    with launch_embedded(save_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe")), threads=1) as engine:
         yield engine
 
 

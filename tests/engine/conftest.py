@@ -16,5 +16,8 @@ def mixtral_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def qwen3_engine(qwen3_dir):
-    with launch_embedded(qwen3_dir, weight_version="0") as engine:
+    # One intra-op thread in every test engine: with two OpenMP threads on two shared cores, a
+    # busy machine deschedules one and each op waits for it (a 507-token request went from 2 s
+    # to over 60 s with a busy loop per core; with one thread it takes 1 s either way).
+    with launch_embedded(qwen3_dir, weight_version="0", threads=1) as engine:
         yield engine

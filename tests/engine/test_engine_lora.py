@@ -211,7 +211,7 @@ def test_dense_mlp_shared_experts_and_mla_match_peft(tmp_path):
             )
             linear.weight += scale * b @ a
     save_adapter(tmp_path / "extended", tensors, adapter_config)
-    with launch_embedded(tmp_path / "model") as engine:
+    with launch_embedded(tmp_path / "model", threads=1) as engine:
 
         async def go(client):
             await client.load_lora_adapter("ds", str(tmp_path / "extended"))

@@ -49,7 +49,7 @@ def test_logprobs_and_routing_match_transformers(arch, qwen3_engine, qwen3_dir, 
         model_dir, results = qwen3_dir, run(with_client(qwen3_engine.url, generate_all, PROMPTS))
     else:
         model_dir = mixtral_dir
-        with launch_embedded(mixtral_dir) as engine:
+        with launch_embedded(mixtral_dir, threads=1) as engine:
             results = run(with_client(engine.url, generate_all, PROMPTS))
     check_against_reference(load_reference(model_dir), PROMPTS, results)
 

@@ -11,9 +11,9 @@ turn's source GPU, R = the NICs of the root's node in the group: 1 + `relays`, a
 `cluster.nics_per_node`):
 
   gather NVLink      into the root from its node: TP shards, the EP members on the root's node
-                     (and with relays the off-node members' bytes they forward)
-  gather NICs        from EP members on other nodes: through the root's NIC (RELAY_GATHERS: spread
-                     over the R rails, each relay receiving its rail's members)
+                     and the off-node members' bytes they forward as rails
+  gather NICs        from EP members on other nodes, spread over the rails (`parallel.mappings.Rails`:
+                     the EP members on the root's node, each receiving its riders over its NIC)
   broadcast NVLink   with relays: the root feeds the ring through its node-mates
   broadcast NICs     the root's node sends the turn's bytes over R NICs (NCCL rings, one per NIC)
   engine node NICs   each engine node receives the turn's bytes once over its NICs
@@ -37,8 +37,6 @@ GB = 1e9
 NIC_EFFICIENCY = 0.8
 """Modelled: NCCL's bus bandwidth on large messages over one 400 Gb/s InfiniBand NIC (nccl-tests
 report ~40-48 GB/s of 50); replaced by the GPU check's `nic_efficiency` where measured."""
-RELAY_GATHERS = False
-"""Whether the export's EP gathers reach the root through the relays' NICs (not yet: one NIC)."""
 NVLINK_EFFICIENCY = 0.8
 """Modelled, likewise, for NVLink inside a node; replaced by a measured `nvlink_efficiency`."""
 
@@ -134,16 +132,18 @@ def model_sync(
         node = root // per_node
         tp, etp, ep = trainer.tp, trainer.expert_tp, trainer.ep
         on_node = nbytes.dense * (tp - 1) / tp if (root + tp - 1) // per_node == node else 0.0
-        off_node = nbytes.dense * (tp - 1) / tp - on_node
+        off_dense = nbytes.dense * (tp - 1) / tp - on_node
         share = nbytes.experts / ep  # each EP member's experts (after its node-local ETP gather)
-        members = [root + i * etp for i in range(1, ep)]
-        on_node += share * sum(m // per_node == node for m in members)
-        off_node += share * sum(m // per_node != node for m in members)
-        rails = nics if RELAY_GATHERS else 1
-        links = [Link("gather, each NIC into the root's node", off_node / rails, nic)]
-        if rails > 1:  # relays forward their rails' bytes to the root over NVLink
-            on_node += off_node
-        return links + [Link("gather, NVLink into the root", on_node, nvlink)]
+        members = [root + i * etp for i in range(ep)]
+        rails = [m for m in members if m // per_node == node]  # parallel.mappings.Rails
+        off = len(members) - len(rails)
+        nic_rails = min(len(rails), cluster.nics_per_node) if off else 1
+        riders = -(-off // nic_rails)  # the busiest rail NIC's off-node members
+        on_node += share * (ep - 1 - (riders if nic_rails > 1 else off))  # node-mates' own + forwarded
+        return [
+            Link("gather, each NIC into the root's node", off_dense + share * riders, nic),
+            Link("gather, NVLink into the root", on_node, nvlink),
+        ]
 
     def broadcast(nbytes: float) -> list[Link]:
         links = [

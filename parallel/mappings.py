@@ -38,6 +38,19 @@ class Axis:
 
 
 @dataclass(frozen=True)
+class Rails:
+    """The EP gather in two hops, so that the members on other nodes reach the root's node through
+    several NICs rather than the root's one (`parallel.context.init_ep_rails`). The rails are the
+    EP members on the root's node (the root included); each off-node member sends to one rail over
+    its NIC (member i of the off-node ones to rail i mod R), then every rail forwards what it holds
+    to the root over NVLink."""
+
+    rail: Axis | None  # [this rail, its off-node members] (the rail is rank 0); None: no such group
+    node: Axis | None  # [root, the other rails] (the root is rank 0); None off the root's node
+    holds: tuple[tuple[int, ...], ...]  # per rail (node rank): the EP ranks it forwards, in order
+
+
+@dataclass(frozen=True)
 class ParallelContext:
     """Where this rank sits in the Megatron world, and the sizes the mappings need."""
 
@@ -51,6 +64,7 @@ class ParallelContext:
     vocab_size: int  # the HF (unpadded) vocab size
     in_source_replica: bool = True  # DP rank 0 and CP rank 0: the replica the export gathers from
     in_expert_source_replica: bool = True  # expert-DP rank 0: likewise for expert parameters
+    ep_rails: Rails | None = None  # the EP gather's two hops when the EP group spans nodes
 
 
 class ShardReader(Protocol):
@@ -67,9 +81,10 @@ class ShardReader(Protocol):
 # their own (2x the tensor at the peak). EP gathers (many members, many tensors per parameter)
 # are one `gather` collective per parameter instead (`gather_members`).
 
-GATHER_BYTES = {"sent": 0, "received": 0}
+GATHER_BYTES = {"sent": 0, "received": 0, "received_across_nodes": 0}
 """Bytes this process handed to / got from the export's TP/ETP/EP gathers (both counted where the
-call is made; `moe-rl bench sync` reads them per rank)."""
+call is made; `moe-rl bench sync` reads them per rank); `received_across_nodes`: the part a rail
+took from other nodes (`Rails`). A rail counts what it forwards as sent again."""
 
 _ALIGN = 16  # byte offset of each tensor in a flat gather buffer: any dtype views it in place
 
@@ -96,13 +111,17 @@ def gather_to_first(tensor: torch.Tensor, axis: Axis) -> torch.Tensor | None:
     return out
 
 
-def gather_members(tensors: list[torch.Tensor], axis: Axis) -> list[list[torch.Tensor]] | None:
+def gather_members(
+    tensors: list[torch.Tensor], axis: Axis, rails: Rails | None = None
+) -> list[list[torch.Tensor]] | None:
     """One `gather` collective for all of a parameter's tensors (any dtypes, the same shapes on
     every member): every member of `axis.group` calls it; member 0 gets [its own tensors (no copy),
-    member 1's, ...], views into one received buffer per member; the others None.
+    member 1's, ...], views into one received buffer per member; the others None. With `rails`,
+    in two hops (`Rails`): a gather into each rail, then the rails' buffers to member 0.
 
     Memory: every member packs its tensors into one flat buffer (1x their bytes); member 0 holds
-    axis.size of them, and gloo adds a transient flat copy of the same size (NCCL does not)."""
+    axis.size of them, a rail its members' too, and gloo adds a transient flat copy of the same
+    size (NCCL does not)."""
     offsets, total = [], 0
     for tensor in tensors:
         offsets.append(total)
@@ -112,13 +131,9 @@ def gather_members(tensors: list[torch.Tensor], axis: Axis) -> list[list[torch.T
         flat[offset : offset + tensor.numel() * tensor.element_size()].copy_(
             tensor.detach().contiguous().view(-1).view(torch.uint8)
         )
-    if axis.rank != 0:
-        dist.gather(flat, None, group=axis.group, group_dst=0)
-        GATHER_BYTES["sent"] += total
+    buffers = _gather_flat(flat, axis) if rails is None else _gather_by_rails(flat, axis.size, rails)
+    if buffers is None:
         return None
-    buffers = [flat] + [torch.empty_like(flat) for _ in range(1, axis.size)]
-    dist.gather(flat, buffers, group=axis.group, group_dst=0)
-    GATHER_BYTES["received"] += total * (axis.size - 1)
     members = [list(tensors)]
     for buffer in buffers[1:]:
         members.append(
@@ -128,6 +143,50 @@ def gather_members(tensors: list[torch.Tensor], axis: Axis) -> list[list[torch.T
             ]
         )
     return members
+
+
+def _gather_flat(flat: torch.Tensor, axis: Axis) -> list[torch.Tensor] | None:
+    """Every member's `flat` on member 0 (one collective); None elsewhere."""
+    if axis.rank != 0:
+        dist.gather(flat, None, group=axis.group, group_dst=0)
+        GATHER_BYTES["sent"] += flat.numel()
+        return None
+    buffers = [flat] + [torch.empty_like(flat) for _ in range(1, axis.size)]
+    dist.gather(flat, buffers, group=axis.group, group_dst=0)
+    GATHER_BYTES["received"] += flat.numel() * (axis.size - 1)
+    return buffers
+
+
+def _gather_by_rails(flat: torch.Tensor, size: int, rails: Rails) -> list[torch.Tensor] | None:
+    """`_gather_flat` in two hops: the off-node members into their rails (across nodes), then
+    each rail's buffers to the root (inside its node), received concurrently."""
+    held = [flat]
+    if rails.rail is not None:
+        if rails.rail.rank != 0:
+            dist.gather(flat, None, group=rails.rail.group, group_dst=0)
+            GATHER_BYTES["sent"] += flat.numel()
+            return None
+        held += [torch.empty_like(flat) for _ in range(1, rails.rail.size)]
+        dist.gather(flat, held, group=rails.rail.group, group_dst=0)
+        GATHER_BYTES["received"] += flat.numel() * (rails.rail.size - 1)
+        GATHER_BYTES["received_across_nodes"] += flat.numel() * (rails.rail.size - 1)
+    if rails.node.rank != 0:
+        for work in [dist.isend(buffer, group=rails.node.group, group_dst=0) for buffer in held]:
+            work.wait()
+        GATHER_BYTES["sent"] += flat.numel() * len(held)
+        return None
+    buffers: list[torch.Tensor | None] = [None] * size
+    for ep_rank, buffer in zip(rails.holds[0], held):
+        buffers[ep_rank] = buffer
+    works = []
+    for rail in range(1, rails.node.size):
+        for ep_rank in rails.holds[rail]:
+            buffers[ep_rank] = torch.empty_like(flat)
+            works.append(dist.irecv(buffers[ep_rank], group=rails.node.group, group_src=rail))
+    for work in works:
+        work.wait()
+    GATHER_BYTES["received"] += flat.numel() * len(works)
+    return buffers
 
 
 def gather_along(tensor: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor | None:
@@ -244,7 +303,7 @@ class Mapping:
                 pieces += zip([i, i], ["", SCALE_SUFFIX], fp8.quantize(tensor)) if targets else [(i, "", tensor)]
         if not self.expert:
             return [(names[i] + suffix, tensor) for i, suffix, tensor in pieces]
-        members = gather_members([tensor for _, _, tensor in pieces], ctx.ep)
+        members = gather_members([tensor for _, _, tensor in pieces], ctx.ep, ctx.ep_rails)
         if members is None:
             return []
         out: list[tuple[str, torch.Tensor]] = []

@@ -10,7 +10,9 @@ import torch.distributed as dist
 
 from parallel import cpu_compat
 from parallel.bridges import Bridge
+from parallel.context import init_ep_rails
 from parallel.layout import ParallelLayout
+from parallel.world import node_names
 
 
 def use_transformer_engine() -> bool:
@@ -46,6 +48,7 @@ def init_model_parallel(layout: ParallelLayout, seed: int) -> None:
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp,
     )
+    init_ep_rails(node_names())  # EP gathers that reach the root's node through several NICs
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
 

@@ -51,6 +51,15 @@ def init_distributed(timeout_s: float = 300) -> tuple[int, int]:
     return rank, world_size
 
 
+def node_names() -> list[str]:
+    """Which node each rank of the world runs on: torchrun's node rank (`GROUP_RANK`) where it is
+    set, else the host name. Collective over the default group."""
+    mine = f"node {os.environ['GROUP_RANK']}" if "GROUP_RANK" in os.environ else socket.gethostname()
+    names: list = [None] * dist.get_world_size()
+    dist.all_gather_object(names, mine)
+    return names
+
+
 # Imported once by the server that forks spawn()'s ranks (the heavy libraries and this package's model
 # code, nothing above it): about 6 CPU seconds a rank saves.
 PRELOAD = [

@@ -197,6 +197,8 @@ def _tiny_run(tmp_path):
 TARGETS = {  # issue 24: modelled seconds per sync on the shipped configs
     "qwen3_235b_a22b": ([], 6.0),
     "qwen3_30b_a3b": ([], 2.0),
+    "glm45_air": ([], 2.0),
+    "deepseek_v3": (["sync.fp8_blocks=128"], 10.0),
 }
 
 
@@ -225,6 +227,17 @@ def test_one_nic_root_is_bytes_over_one_nic():
         assert plan.sync_links.bottleneck.name == "broadcast, each NIC of the root's node"
     relayed = make_plan(load_config("configs/models/qwen3_235b_a22b.yaml"), gpu_metrics=absent)
     assert relayed.sync_links.nics == 8 and relayed.sync_seconds < plan.sync_seconds / 8 * 2
+
+
+def test_off_node_experts_come_in_over_every_rail():
+    """DeepSeek-V3 (EP64, 8 GPUs a node): the root's node holds 8 EP members, the rails; the 56
+    off-node members' experts arrive 7 per rail NIC (parallel.mappings.Rails), not 56 on one."""
+    config = load_config("configs/models/deepseek_v3.yaml")
+    plan = make_plan(config, gpu_metrics=Path("absent.json"))
+    share = plan.params.experts * 2 / config.trainer.ep  # one member's bf16 experts
+    nic_bytes, _ = plan.sync_links.per_link()["gather, each NIC into the root's node"]
+    assert nic_bytes == pytest.approx(7 * share)
+    assert plan.sync_links.bottleneck.name != "gather, each NIC into the root's node"
 
 
 def test_funnel_loads_the_roots_nic_with_the_other_stages():

@@ -12,7 +12,8 @@ stages' sources as turns:
 
   open   forms stage 0's group, then asks each stage source in stage order to form its own;
   send   broadcasts stage 0's buckets, then hands the turn to stage 1's source, which broadcasts
-         its buckets and hands back, and so on. An engine takes one weight-update request at a
+         its buckets and hands back, and so on; every stage source returns from the update only
+         once the coordinator committed it (or gave it up). An engine takes one weight-update request at a
          time (SGLang's scheduler), so stages never broadcast at once: every engine sees stage
          0's buckets, then stage 1's, ..., and no two engines take two stages' buckets in
          different orders (which would deadlock their collectives). Bucket indices run on across
@@ -74,14 +75,16 @@ class StageGroupsTransport(BroadcastTransport):
     def __init__(self, config: SyncConfig, peers: dict[int, int]):
         super().__init__(stage_config(config, 0, 1 + len(peers)))
         self.peers = dict(sorted(peers.items()))
-        self._waiting: list[int] = []  # stage sources still inside this update's `serve`
+        self._waiting: list[int] = []  # stage sources inside this update's `serve`, until `release`
 
     def begin(self) -> None:
         """An update starts: every stage source is now serving it."""
         self._waiting = list(self.peers.values())
 
     def release(self) -> None:
-        """An update ended (committed or not): stage sources that did not send run out their exports."""
+        """An update ended (committed or not): every stage source returns from `serve` (one that did
+        not send runs out its export). Only now: a source that returned earlier could leave its
+        group (shutdown) while the engines still hold the version uncommitted, dropping it."""
         for rank in self._waiting:
             dist.send_object_list([("end",)], dst=rank)
         self._waiting = []
@@ -100,8 +103,6 @@ class StageGroupsTransport(BroadcastTransport):
         first = self.buckets_sent
         for stage, rank in self.peers.items():
             reply = _ask(rank, ("send", version, engines.names, first))
-            self._waiting.remove(rank)
-            dist.send_object_list([("end",)], dst=rank)
             if "message" in reply:
                 self.broken = True  # that stage's group may be gone: re-form every stage's next time
                 raise SyncError(f"stage {stage}: {reply['message']}", engine=reply["engine"], bucket=reply["bucket"])

@@ -64,6 +64,7 @@ def staged_sync(
             yield name, tensor
 
     before, gathered = traffic.snapshot(), dict(GATHER_BYTES)
+    served = []  # on stage sources: what the engines serve when this rank's update returns
     for version in (1, 2):
         exported[0] = 0
         with torch.no_grad():
@@ -71,6 +72,8 @@ def staged_sync(
                 param.mul_(version / (version - 1) if version > 1 else 1)
         if stage_groups:
             stats = sync.update(own_stage(), version)
+            if rank in sources.values():
+                served.append([client.served_version() for client in clients])
         else:
             stream = stage_stream(own_stage(), sources)
             stats = sender.update(stream, version) if sender is not None else exhaust(stream)
@@ -92,6 +95,7 @@ def staged_sync(
         "received": moved["received"],
         "gather_received": (GATHER_BYTES["received"] - gathered["received"]) // 2,  # per version
         "committed": None if stats is None else stats.version,
+        "served": served,
         "relayed": None if not stage_groups or sync.relay is None else sync.relay.buckets,
     }
 
@@ -110,6 +114,10 @@ def test_each_stage_broadcasts_its_own_layers_exactly(engines, tmp_path, layout)
     ports = [int(c.url.rsplit(":", 1)[1]) for c in clients]
     ranks = spawn(staged_sync, layout.world_size, str(tmp_path / "hf"), ports, str(tmp_path), layout, True)
     assert [r["committed"] for r in ranks] == [2] + [None] * (layout.world_size - 1)
+    # a stage source returns from an update only after the commit (else, leaving its group at
+    # shutdown, it could drop the version the engines still hold uncommitted)
+    for r in ranks:
+        assert r["served"] == ([[1] * len(clients), [2] * len(clients)] if r["source"] else []), r
     checkpoint = load_file(tmp_path / "hf" / "model.safetensors")
     for version in (1, 2):
         want = {name: tensor * version for name, tensor in checkpoint.items()}

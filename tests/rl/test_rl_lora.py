@@ -22,6 +22,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 STEPS = 4
 
 
+# Two runs (the first, then its resume), each starting Ray, two trainer ranks and an engine: under a
+# busy loop per core this took over 600 s (pytest's default limit), so the limit is the hang guard.
+@pytest.mark.timeout(1800)
 def test_rl_with_lora(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -67,7 +67,10 @@ def test_corrupted_bucket_blocks_commit_group_stays_usable(joined):
     pool = ThreadPoolExecutor(2)
     state = {f"layer.{i}.w": torch.randn(4) for i in range(10)}
     errors = send(source, receiver, state, 1, pool, corrupt=1)
-    assert errors[0] is None and "checksum mismatch" in str(errors[1]) and "dropped" in str(errors[2])
+    assert "checksum mismatch" in str(errors[1])
+    # Checksums run outside the bucket order, so bucket 1's rejection may land before or after
+    # the other buckets' acks: each of them either succeeded or reports the version dropped.
+    assert all(e is None or "dropped" in str(e) for e in (errors[0], errors[2]))
     with pytest.raises(RuntimeError, match="rejected"):
         receiver.commit(1)
     receiver.abort()  # /continue_generation

@@ -42,6 +42,9 @@ bucket order: the sender tags each checksum with the bucket's index in the versi
 ("crc32:XXXXXXXX#k"), and an untagged call takes the next index on arrival (SGLang-style
 serial callers). The checksum of bucket k runs after its collective, outside that order, so it
 overlaps the receive of bucket k+1. A bucket's call returns (the ack) once it is verified.
+A checksum mismatch rejects the version: that bucket's call raises, and so does every later
+bucket's call that finishes after it; an earlier bucket acks whenever its checksum finishes
+(its own bytes verified), so a sender reading acks in bucket order names the corrupted one.
 
 A failed collective leaves the group unusable: the receiver drops what it staged, leaves the
 group and re-raises; the sender then forms a new group with the engines still alive.
@@ -73,7 +76,7 @@ class WeightReceiver:
         self._staged: dict[str, torch.Tensor] = {}
         self._staging_open = False  # buckets of a new version are being received
         self._labelled: int | None = None  # the version the staged buckets named, if they did
-        self._rejected: str | None = None  # why the staged version can no longer commit
+        self._rejected: int | None = None  # the first bucket that failed its checksum: no commit
         self._state = threading.RLock()
         self._turn = threading.Condition(self._state)  # orders collectives by bucket index
         self._tickets = 0  # buckets of the staged version announced so far
@@ -172,16 +175,21 @@ class WeightReceiver:
         # Outside the turn: this checksum overlaps the next bucket's receive.
         if checksum is not None and (got := bucket_checksum(data)) != checksum:
             with self._state:
-                self._rejected = f"bucket {bucket} failed its checksum"
+                self._rejected = bucket if self._rejected is None else min(self._rejected, bucket)
             raise ValueError(
                 f"bucket {bucket} of version {version}: checksum mismatch (announced {checksum}, "
                 f"received {got}); bucket rejected, still serving version {self.version}"
             )
         tensors = [(name, t.to(self.device)) for name, t in unpack(data, metas)]
         with self._state:
-            if self._rejected is not None or not self._staging_open:
-                raise ValueError(f"version {version} was dropped ({self._rejected or 'aborted'}); resend it")
-            self._staged.update(tensors)
+            if not self._staging_open:
+                raise ValueError(f"version {version} was dropped (aborted); resend it")
+            if self._rejected is not None and self._rejected < bucket:
+                raise ValueError(
+                    f"version {version} was dropped (bucket {self._rejected} failed its checksum); resend it"
+                )
+            if self._rejected is None:
+                self._staged.update(tensors)
         return tensors
 
     def stage_tensors(self, tensors: dict[str, torch.Tensor], weight_version: str | int | None = None) -> list[str]:
@@ -224,8 +232,8 @@ class WeightReceiver:
                 raise RuntimeError(
                     f"commit of version {version}, but "
                     + (
-                        f"the staged version was rejected ({self._rejected})"
-                        if self._rejected
+                        f"the staged version was rejected (bucket {self._rejected} failed its checksum)"
+                        if self._rejected is not None
                         else f"the staged buckets are of version {self._labelled}"
                         if self.staged
                         else "nothing is staged"

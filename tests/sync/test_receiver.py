@@ -4,11 +4,13 @@ order, even when bucket calls arrive on several threads (a real gloo group, in o
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
+import sync.receiver as receiver_module
 from sync.bucket import BucketPacker
 from sync.group import WeightUpdateGroup, host_store
 from sync.receiver import WeightReceiver
@@ -67,13 +69,37 @@ def test_corrupted_bucket_blocks_commit_group_stays_usable(joined):
     pool = ThreadPoolExecutor(2)
     state = {f"layer.{i}.w": torch.randn(4) for i in range(10)}
     errors = send(source, receiver, state, 1, pool, corrupt=1)
-    assert "checksum mismatch" in str(errors[1])
-    # Checksums run outside the bucket order, so bucket 1's rejection may land before or after
-    # the other buckets' acks: each of them either succeeded or reports the version dropped.
-    assert all(e is None or "dropped" in str(e) for e in (errors[0], errors[2]))
+    # Bucket 0 acks whenever its checksum finishes; bucket 2's may finish before bucket 1's
+    # rejection lands (checksums overlap the next receive), else it reports the version dropped.
+    assert errors[0] is None and "checksum mismatch" in str(errors[1])
+    assert errors[2] is None or "dropped (bucket 1 failed its checksum)" in str(errors[2])
     with pytest.raises(RuntimeError, match="rejected"):
         receiver.commit(1)
     receiver.abort()  # /continue_generation
     assert send(source, receiver, state, 1, pool) == [None] * 3
     tensors = receiver.commit(1)
     assert all(torch.equal(tensors[k], v) for k, v in state.items())
+
+
+def test_a_bucket_verified_before_the_rejection_acks_even_if_its_ack_comes_later(joined, monkeypatch):
+    """Bucket 0's checksum is held until bucket 1's rejection is recorded: bucket 0 still acks
+    (its own bytes verified), so a sender reading acks in bucket order names bucket 1."""
+    source, receiver = joined
+    state = {f"layer.{i}.w": torch.randn(4) for i in range(10)}
+    first = next(iter(BucketPacker(64, checksums=True).pack(state.items()))).data.clone()
+    real = receiver_module.bucket_checksum
+
+    def held_checksum(data):
+        if torch.equal(data, first):
+            for _ in range(30_000):  # until bucket 1's rejection is recorded (at most ~30 s)
+                if receiver._rejected is not None:
+                    break
+                time.sleep(0.001)
+        return real(data)
+
+    monkeypatch.setattr(receiver_module, "bucket_checksum", held_checksum)
+    errors = send(source, receiver, state, 1, ThreadPoolExecutor(3), corrupt=1)
+    assert receiver._rejected == 1, "bucket 0 was never held behind bucket 1's rejection"
+    assert errors[0] is None and "checksum mismatch" in str(errors[1])
+    with pytest.raises(RuntimeError, match="bucket 1 failed its checksum"):
+        receiver.commit(1)

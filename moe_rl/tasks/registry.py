@@ -90,11 +90,16 @@ def task_names() -> list[str]:
     return sorted(_TASKS)
 
 
-def make_task(name: str, **kwargs) -> Task:
-    """Build the registered task `name` with its keyword options."""
+def task_class(name: str) -> Callable[..., Task]:
+    """The registered task class `name`."""
     if name not in _TASKS:
         raise ValueError(f"rollout.task={name!r} is not a registered task; use one of {task_names()}")
-    return _TASKS[name](**kwargs)
+    return _TASKS[name]
+
+
+def make_task(name: str, **kwargs) -> Task:
+    """Build the registered task `name` with its keyword options."""
+    return task_class(name)(**kwargs)
 
 
 def get_reward(name: str) -> RewardFn:

@@ -9,7 +9,8 @@ called once per episode with its handle (`moe_rl.agents.episode`). It returns th
 prompt, run concurrently on the rollout loop; each ends one of four ways:
 - completed: the agent returned a reward (a finite number);
 - truncated: a limit (`max_turns`, `max_context_tokens`) ended it: the episode keeps its tokens
-  and is scored by the task's reward on its last turn's text (`Task.reward`);
+  and is scored by the task's reward on its last turn's text (`Task.reward`, through the
+  `score` callable: off the loop, e.g. `RewardScorer.score_blocking`);
 - `agent_error`: the agent raised or returned something that is not a reward;
 - `agent_timeout`: it ran past `rollout.episode.timeout_s` (the agent is cancelled).
 A group with an `agent_error` or `agent_timeout` episode is dropped with that reason (its round
@@ -144,7 +145,10 @@ class AgentRunner:
         if episode.current is None:
             raise AgentFailure("agent_error", f"episode {episode.index} ended without a model turn")
         if episode.truncated and result is None and episode.reward is None:
-            episode.reward = float(self.score(episode.last_text, episode.answer, episode.current))
+            # off the loop: `score` blocks (a `RewardScorer.score_blocking` returns within its limit)
+            episode.reward = float(
+                await asyncio.to_thread(self.score, episode.last_text, episode.answer, episode.current)
+            )
         reward = result if result is not None else episode.reward
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
             raise AgentFailure(

@@ -61,7 +61,11 @@ class RolloutConfig:
     """Start ceil(factor * groups_per_step) groups per round, keep the first groups_per_step that
     complete (and pass filters), abort and count the rest."""
     reward_workers: int = 2
-    """Threads that run reward functions, off the event loop."""
+    """Reward calls that run at once, each on its own thread, off the event loop
+    (`moe_rl.rollout.scoring`)."""
+    reward_timeout_s: float = 30.0
+    """A reward call still running after this many seconds scores 0, counted
+    `rollout/reward_timeouts` (a reward that raises scores 0, counted `rollout/reward_errors`)."""
     seed: int = 0
     """Seed of the prompt order."""
 
@@ -70,6 +74,10 @@ class RolloutConfig:
         for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name}={getattr(self, name)!r}: must be an integer >= 1")
+        if not self.reward_timeout_s > 0:
+            raise ValueError(
+                f"rollout.reward_timeout_s={self.reward_timeout_s}: must be > 0 (seconds a reward call may run)"
+            )
         if self.max_staleness < 0:
             raise ValueError(f"rollout.max_staleness={self.max_staleness}: must be >= 0 (0 = synchronous)")
         if self.stale_policy not in STALE_POLICIES:

@@ -9,9 +9,10 @@ for zero reward variance is replaced by a fresh prompt in the same round. Severa
 once, up to `max_staleness` ahead of the trainer.
 
 A group = `n_samples_per_prompt` generations of one prompt through the `EnginePool` (which keeps
-a group on one engine), each with logprobs and routed experts, then the rewards, computed in a
-thread pool. When the orchestrator pauses engines in abort mode for a weight swap, in-flight
-requests return with finish reason "abort" and their partial tokens; the manager resubmits each
+a group on one engine), each with logprobs and routed experts, then the rewards, through a
+`RewardScorer` (`moe_rl.rollout.scoring`: off the loop, time-limited; a reward that raises or
+hangs scores 0, counted). When the orchestrator pauses engines in abort mode for a weight swap,
+in-flight requests return with finish reason "abort" and their partial tokens; the manager resubmits each
 as prompt + partial response with the remaining budget (`moe_rl.rollout.partial`). In retract
 and in-place modes the engine keeps the request and its per-token versions show the switch.
 With adapters (LoRA), each request names the newest adapter `policy-v{version}` and keeps it to
@@ -25,7 +26,6 @@ generating when the run stops; see `accounting()`.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import math
 from pathlib import Path
@@ -35,6 +35,7 @@ from moe_rl.engine.pool import EnginePool
 from moe_rl.rollout.buffer import Group, RolloutBuffer
 from moe_rl.rollout.config import RolloutConfig
 from moe_rl.rollout.partial import continuation_request, continue_sample, mask_older_tokens
+from moe_rl.rollout.scoring import RewardScorer
 from moe_rl.sample import Sample
 from moe_rl.tasks import Prompt, Task, get_reward
 from sync.lora import adapter_name
@@ -55,6 +56,7 @@ class RolloutManager:
         self.adapters = adapters
         self.task = task = task or config.make_task(tokenizer_dir)
         self.reward_fn = get_reward(config.reward) if config.reward else task.reward
+        self.scorer = RewardScorer(self.reward_fn, timeout_s=config.reward_timeout_s, workers=config.reward_workers)
         self.stop_token_ids = list(task.stop_token_ids)
         self.agents: AgentRunner | None = None
         if config.agent is not None:
@@ -66,7 +68,7 @@ class RolloutManager:
                 chat,
                 config.episode,
                 max_new_tokens=config.max_new_tokens,
-                score=lambda text, answer, sample: float(self.reward_fn(text, answer, sample)),
+                score=self.scorer.score_blocking,
                 endpoint=ChatEndpoint(config.episode.endpoint_host, config.episode.endpoint_port),
             )
             self.stop_token_ids.append(chat.eos_id)
@@ -79,7 +81,6 @@ class RolloutManager:
             on_reject=self._replace,
         )
         self._prompts = task.prompts(config.seed)
-        self._executor = concurrent.futures.ThreadPoolExecutor(config.reward_workers, thread_name_prefix="reward")
         self._next_group = 0
         self._open: dict[asyncio.Task, str] = {}  # every running group task -> its group id
         self._fills: set[asyncio.Task] = set()  # replacements of stale groups
@@ -129,7 +130,7 @@ class RolloutManager:
             waiting.cancel()
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False)
+        self.scorer.close()
         if self.agents is not None:
             self.agents.close()
 
@@ -244,7 +245,9 @@ class RolloutManager:
             )
         finally:
             self.pool.release_group(gid)
-        rewards = await asyncio.get_running_loop().run_in_executor(self._executor, self._score, samples)
+        rewards = await asyncio.gather(
+            *[self.scorer.score(self.task.decode(s.response_ids), s.metadata.get("answer"), s) for s in samples]
+        )
         for sample, reward in zip(samples, rewards):
             sample.reward = reward
         return self._filtered(gid, samples)
@@ -279,9 +282,6 @@ class RolloutManager:
         for sample in samples:
             sample.metadata.update(messages=prompt.messages, tools=prompt.tools)
         return self._filtered(gid, samples)
-
-    def _score(self, samples: list[Sample]) -> list[float]:
-        return [float(self.reward_fn(self.task.decode(s.response_ids), s.metadata.get("answer"), s)) for s in samples]
 
     async def _generate_sample(self, gid: str, index: int) -> Sample:
         """Sample `index` of group `gid`, continued from its state in `_inflight` (which every
@@ -403,6 +403,7 @@ class RolloutManager:
         return {
             **(self.agents.metrics() if self.agents is not None else {}),
             **self.buffer.metrics(),
+            **self.scorer.metrics(),
             "rollout/continued_requests": self.continued_requests,
             "rollout/discarded_tokens": self.discarded_tokens,
             "rollout/groups_started": len(self.started_ids),

@@ -68,6 +68,9 @@ class RolloutConfig:
     `rollout/reward_timeouts` (a reward that raises scores 0, counted `rollout/reward_errors`)."""
     seed: int = 0
     """Seed of the prompt order."""
+    dump: bool = False
+    """Write the samples of every trained step to RUN_DIR/rollouts/step_NNNNNN.jsonl (.gz when over
+    1 MiB): texts, token ids, reward, advantage, versions (`moe_rl.rollout.dump`; `moe-rl samples`)."""
 
     def __post_init__(self):
         positive = ("n_samples_per_prompt", "groups_per_step", "max_new_tokens", "reward_workers")

@@ -24,7 +24,7 @@ with all-equal rewards at generation. Every sample given here is a row with its 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,6 +44,8 @@ class BatchInfo:
     """Per sample: trainer version minus its oldest token's version."""
     segments: list[int]
     """Per sample: engine requests behind it (> 1 = continued across a weight swap)."""
+    advantages: list[float] = field(default_factory=list)
+    """Per sample: its group advantage as trained (the value on its response tokens)."""
     trained_tokens: int = 0
     """Response tokens with loss mask 1."""
     masked_tokens: int = 0
@@ -118,6 +120,7 @@ def build_batch(
         response_lengths=[len(s.response_ids) for s in samples],
         staleness=ages,
         segments=[int(s.metadata.get("num_segments", 1)) for s in samples],
+        advantages=advantages.advantages.tolist(),
         trained_tokens=sum(sum(s.loss_mask) for s in samples),
         masked_tokens=sum(len(s.loss_mask) - sum(s.loss_mask) for s in samples),
         padding_rows=rows - len(samples),

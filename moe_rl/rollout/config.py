@@ -14,11 +14,24 @@ from moe_rl.tasks import make_task
 @dataclass(kw_only=True)
 class RolloutConfig:
     task: str = "copy_digits"
-    """A registered task (`moe_rl.tasks.task_names()`), or "jsonl" for `dataset`."""
+    """A registered task (`moe_rl.tasks.task_names()`); "dataset" reads `rollout.dataset`."""
     task_options: dict[str, Any] = field(default_factory=dict)
     """Keyword options of the task, e.g. {"length": 3} for the digit tasks."""
     dataset: str | None = None
-    """JSONL file of prompts (`prompt` or `prompt_ids`, `answer`, `metadata`) when task="jsonl"."""
+    """task="dataset": a .jsonl/.json or .parquet file, a directory of them, or a directory written by
+    `Dataset.save_to_disk`; read with HF `datasets`, offline (`moe_rl.tasks.dataset`)."""
+    prompt_key: str = "prompt"
+    """Column of the prompt: text, or a list of chat messages (rendered with the chat template). A
+    dotted path reaches into a nested column. Rows may give token ids in `prompt_ids` instead."""
+    answer_key: str = "answer"
+    """Column the reward compares the response with; verl's layout: "reward_model.ground_truth"."""
+    tools_key: str = "tools"
+    """Optional column of OpenAI function definitions (a list, or its JSON text), given to the chat
+    template and kept on the prompt for agents."""
+    metadata_keys: list[str] | None = None
+    """Columns copied into each prompt's metadata (the `metadata` column's fields at its top level,
+    others under their names). None: `metadata` if present, plus verl's `data_source`, `ability`,
+    `extra_info` where present."""
     reward: str | None = None
     """None: the task's own reward; else "math", a task name, or "package.module:function"."""
     agent: str | None = None
@@ -27,7 +40,7 @@ class RolloutConfig:
     episode: EpisodeConfig = field(default_factory=EpisodeConfig)
     """Limits and the OpenAI endpoint of agent episodes."""
     apply_chat_template: bool = False
-    """task "jsonl": render text prompts as one user message with the model's chat template and the
+    """task "dataset": render text prompts as one user message with the model's chat template and the
     generation prompt (rows whose prompt is a list of chat messages always are)."""
     n_samples_per_prompt: int = 4
     """Responses per prompt (one GRPO group)."""
@@ -95,19 +108,23 @@ class RolloutConfig:
             raise ValueError(f"rollout.oversample_factor={self.oversample_factor}: must be >= 1")
         if self.drop_zero_variance_groups and self.n_samples_per_prompt < 2:
             raise ValueError("rollout.drop_zero_variance_groups needs rollout.n_samples_per_prompt >= 2")
-        if (self.task == "jsonl") != (self.dataset is not None):
-            raise ValueError("rollout.dataset goes with rollout.task='jsonl': set both or neither")
+        if (self.task == "dataset") != (self.dataset is not None):
+            raise ValueError("rollout.dataset goes with rollout.task='dataset': set both or neither")
 
     def make_task(self, tokenizer_dir: str | None = None):
-        """The configured task (for "jsonl": the dataset read and checked, text prompts tokenized
+        """The configured task (for "dataset": the dataset read and checked, text prompts tokenized
         with `tokenizer_dir`'s tokenizer)."""
         options = dict(self.task_options)
-        if self.task == "jsonl":
+        if self.task == "dataset":
             options.update(
                 path=self.dataset,
                 tokenizer_dir=tokenizer_dir,
                 reward=self.reward or "math",
                 apply_chat_template=self.apply_chat_template,
+                prompt_key=self.prompt_key,
+                answer_key=self.answer_key,
+                tools_key=self.tools_key,
+                metadata_keys=self.metadata_keys,
             )
         return make_task(self.task, **options)
 

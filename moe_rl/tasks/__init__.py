@@ -5,7 +5,7 @@
 - `math`: the `"math"` reward (final \\boxed{} answer or last number vs the reference).
 - `digits`: built-in tasks with their own token vocabulary (`copy_digits`, `reverse_digits`,
   `sum_mod10`) that a tiny random-init model learns on CPU.
-- `dataset`: the `"jsonl"` task for user data (text or token-id prompts, answer, metadata).
+- `dataset`: the `"dataset"` task for user data (JSONL, Parquet, saved HF datasets; key mapping).
 - `long_tail`: `copy_digits_long_tail`, copy_digits with long-tailed response lengths (`moe-rl
   bench async`).
 - `lookup`: the multi-turn tool task of the agent demo, with its two agents.

@@ -1,10 +1,10 @@
 """Task and reward registries: where prompts come from and how a response is scored.
 
 A `Task` gives a prompt source (`prompts(seed)` yields `Prompt`s), a `decode` from response ids
-to text, and a verifiable `reward`. Built-in tasks register with `@register_task("name")`; a
-JSONL dataset is the task `"jsonl"` (`moe_rl.tasks.dataset`). Rewards resolve by name with
-`get_reward`: a registered reward (`"math"`), a task name (that task's own reward), or
-`"package.module:function"` (imported). Every reward has the signature
+to text, and a verifiable `reward`. Built-in tasks register with `@register_task("name")`; user
+data (JSONL, Parquet, a saved HF dataset) is the task `"dataset"` (`moe_rl.tasks.dataset`).
+Rewards resolve by name with `get_reward`: a registered reward (`"math"`), a task name (that
+task's own reward), or `"package.module:function"` (imported). Every reward has the signature
 `reward(response: str, answer, sample: Sample) -> float` and runs in a worker thread, off the
 rollout event loop.
 """

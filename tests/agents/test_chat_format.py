@@ -56,23 +56,26 @@ def test_hermes_tool_calls():
         ChatFormat(CHAT.tokenizer, "mistral")
 
 
-def test_jsonl_chat_prompts_render_with_the_template(tmp_path):
+def test_dataset_chat_prompts_render_with_the_template(tmp_path):
     data = tmp_path / "data.jsonl"
     rows = [
         {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}], "answer": "4"},
         {"prompt": "3+3?", "answer": "6"},
     ]
     data.write_text("\n".join(json.dumps(r) for r in rows))
-    chat = make_task("jsonl", path=data, tokenizer_dir=CHAT_DIR, apply_chat_template=True).prompt_list
-    assert chat[0].prompt_ids == CHAT.prompt_ids(rows[0]["prompt"])
-    assert CHAT.tokenizer.decode(chat[1].prompt_ids) == "<|im_start|>user\n3+3?<|im_end|>\n<|im_start|>assistant\n"
-    raw = make_task("jsonl", path=data, tokenizer_dir=CHAT_DIR).prompt_list
-    assert raw[0].prompt_ids == chat[0].prompt_ids and raw[1].prompt_ids == CHAT.encode("3+3?")
+    chat = make_task("dataset", path=data, tokenizer_dir=CHAT_DIR, apply_chat_template=True)
+    assert chat.prompt(0).prompt_ids == CHAT.prompt_ids(rows[0]["prompt"])
+    assert CHAT.tokenizer.decode(chat.prompt(1).prompt_ids) == (
+        "<|im_start|>user\n3+3?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    raw = make_task("dataset", path=data, tokenizer_dir=CHAT_DIR)
+    assert raw.prompt(0).prompt_ids == chat.prompt(0).prompt_ids and raw.prompt(1).prompt_ids == CHAT.encode("3+3?")
     with pytest.raises(ValueError, match="set model.tokenizer"):
-        make_task("jsonl", path=data)
+        make_task("dataset", path=data)
+    data = tmp_path / "no_role.jsonl"
     data.write_text(json.dumps({"prompt": [{"content": "no role"}], "answer": 1}))
-    with pytest.raises(ValueError, match="list of .*'role'"):
-        make_task("jsonl", path=data, tokenizer_dir=CHAT_DIR)
+    with pytest.raises(ValueError, match="no_role.jsonl': column 'prompt' is .*'role'"):
+        make_task("dataset", path=data, tokenizer_dir=CHAT_DIR)
 
 
 def run_config(tmp_path, rollout: dict, model: dict | None = None) -> RunConfig:
@@ -107,10 +110,10 @@ def run_config(tmp_path, rollout: dict, model: dict | None = None) -> RunConfig:
     ],
 )
 def test_agent_runs_are_checked_before_any_process_starts(tmp_path, rollout, model, message):
-    from moe_rl.jobs.rl import _check_task
+    from moe_rl.jobs.preflight import check_run
 
     with pytest.raises(ValueError, match=message):
-        _check_task(run_config(tmp_path, rollout, model))
+        check_run(run_config(tmp_path, rollout, model))
 
 
 def test_episode_options_name_the_field():

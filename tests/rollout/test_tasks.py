@@ -1,4 +1,4 @@
-"""Tasks and rewards: registry, math answers, digit tasks, JSONL datasets with a real HF tokenizer."""
+"""Tasks and rewards: registry, math answers, digit tasks, datasets with a real HF tokenizer."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_math_reward_without_an_answer_is_zero():
 
 
 def test_reward_registry_resolves_names_tasks_and_module_functions():
-    assert {"copy_digits", "reverse_digits", "sum_mod10", "jsonl"} <= set(task_names())
+    assert {"copy_digits", "reverse_digits", "sum_mod10", "dataset"} <= set(task_names())
     assert get_reward("test_tasks:user_reward")("abc", None, SAMPLE) == 3.0
     assert get_reward("copy_digits")("12", "13", SAMPLE) == 0.5
     for bad in ("nope", "no_such_module:f", "math_mod:"):
@@ -66,7 +66,7 @@ def test_digit_tasks_are_seeded_and_score_positions():
     assert p.answer == str(sum(p.metadata["digits"]) % 10)
 
 
-def test_jsonl_dataset_with_text_and_ids(tmp_path):
+def test_dataset_with_text_and_ids(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -80,14 +80,16 @@ def test_jsonl_dataset_with_text_and_ids(tmp_path):
     ]
     path = tmp_path / "data.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    task = make_task("jsonl", path=path, tokenizer_dir=tmp_path / "model")
+    task = make_task("dataset", path=path, tokenizer_dir=tmp_path / "model")
     prompts = list(itertools.islice(task.prompts(0), 4))
     assert sorted(map(tuple, (p.prompt_ids for p in prompts[:2]))) == [(1, 2, 3), (1, 2, 3, 4)]
     assert {p.metadata.get("source") for p in prompts} == {"t", None}
     assert task.reward(task.decode([6]), "4", SAMPLE) == 1.0  # decoded "\boxed{4}" through the tokenizer
+    path = tmp_path / "no_answer.jsonl"
     path.write_text('{"prompt": "x"}\n')
     with pytest.raises(ValueError, match="answer"):
-        make_task("jsonl", path=path, tokenizer_dir=tmp_path / "model")
+        make_task("dataset", path=path, tokenizer_dir=tmp_path / "model")
+    path = tmp_path / "text.jsonl"
     path.write_text('{"prompt": "x", "answer": 1}\n')
     with pytest.raises(ValueError, match="tokenizer"):
-        make_task("jsonl", path=path)
+        make_task("dataset", path=path)

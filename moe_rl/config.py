@@ -23,6 +23,7 @@ from moe_rl.algorithms.config import AlgorithmConfig
 from moe_rl.converted import HF_FILES_DIR, is_converted, read_meta
 from moe_rl.cpu_pools import CpuPoolsConfig
 from moe_rl.rollout.config import RolloutConfig
+from moe_rl.rollout.eval_config import EvalConfig
 from parallel.bridges import bridge_for, without_mtp
 from parallel.hf_checkpoint import as_stored
 from parallel.layout import ParallelLayout
@@ -349,6 +350,9 @@ class RunConfig:
     lora: LoRAConfig | None = None
     """Adapter-only training (parallel.lora): the base is frozen; RL syncs only the adapters, one
     `policy-v{N}` per version, without pausing generation (sync.lora). None: full fine-tuning."""
+    eval: EvalConfig | None = None
+    """RL: held-out evaluation every `eval.every` steps on the rollout engines (pass@k, dumps);
+    also what `moe-rl eval CONFIG --checkpoint DIR` runs. None: no evaluation."""
     cpu_pools: CpuPoolsConfig | None = None
     """RL on CPU: pin the trainer ranks and each embedded engine to cores of their own
     (`moe_rl.cpu_pools`). None: no pinning (every process may run on every core)."""

@@ -1,7 +1,9 @@
 """Run metrics: one JSON line per step in `metrics.jsonl`, TensorBoard scalars, optional W&B.
 
 Only one process logs (the driver, or global rank 0 of a trainer world). Values must be numbers;
-nested dicts are flattened to `a/b` keys.
+nested dicts are flattened to `a/b` keys. Rows may arrive out of step order (an evaluation of step
+10 finishes during step 12): each row carries its step, and W&B plots against that `step` field
+rather than its own monotonic counter.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class MetricsLogger:
             import wandb  # optional extra: pip install moe-rl[wandb]
 
             self._wandb = wandb.init(project=wandb_project, dir=str(self.run_dir), config=config)
+            self._wandb.define_metric("step")
+            self._wandb.define_metric("*", step_metric="step")
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         flat = flatten(values)
@@ -54,7 +58,7 @@ class MetricsLogger:
             for key, value in flat.items():
                 self._tb.add_scalar(key, value, step)
         if self._wandb is not None:
-            self._wandb.log(flat, step=step)
+            self._wandb.log({**flat, "step": step})
 
     def close(self) -> None:
         self._jsonl.close()

@@ -3,7 +3,8 @@
 A config with a `rollout:` section runs the RL job (`moe_rl.jobs.rl`: Ray actors for the trainer
 world, the engines and the rollout manager); otherwise the supervised job runs on a trainer
 world, spawned as gloo ranks on one machine or joined under torchrun. The config is fully
-validated (layout vs model included) before any process starts.
+validated (layout vs model included) and its inputs checked (`moe_rl.jobs.preflight`: weights,
+tokenizer, datasets, task options, rewards, agents, eval datasets) before any process starts.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def run(args) -> int:
 
     # heavy: torch (through moe_rl.config); the CLI imports every command module to build its parser
     from moe_rl.config import load_config
+    from moe_rl.jobs.preflight import check_run
     from parallel.world import is_first_process
 
     overrides = list(args.overrides)
@@ -54,6 +56,7 @@ def run(args) -> int:
         config = load_config(args.config, overrides)
     if args.resume is not None and not config.is_rl:
         raise ValueError("--resume: only RL runs write run checkpoints; restart supervised runs from their config")
+    check_run(config)  # every input the processes would open, before any starts (or a run dir is cleared)
     if args.resume is None and is_first_process():  # under torchrun rank 0 decides
         fresh_run_dir(Path(config.output_dir), args.overwrite)
     if config.is_rl:

@@ -7,17 +7,18 @@ drain-before-sync, `fully_async` = staleness >= 1, generation paused only for th
 (requests cut by it continue as partial rollouts). Runs on the driver; returns a summary.
 With `lora:`, each sync publishes only the new adapter and the run ends with `final_adapter/` (PEFT)
 next to the merged `final_hf/`. With `rl.checkpoint_every`, run checkpoints (`moe_rl.rl.resume`) let
-`--resume` continue a run.
+`--resume` continue a run. With `eval:`, evaluations run on the rollout engines
+(`moe_rl.jobs.evaluations`). The config must have passed `moe_rl.jobs.preflight.check_run` (the
+train command runs it before anything starts).
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from pathlib import Path
 
-from moe_rl.agents import ChatFormat, resolve_agent
 from moe_rl.config import RunConfig, dump_config, to_dict
+from moe_rl.jobs.evaluations import DriverEvaluations
 from moe_rl.metrics import MetricsLogger
 from moe_rl.progress import StepProgress
 from moe_rl.report import write_report
@@ -26,13 +27,13 @@ from moe_rl.rl.cluster import RLCluster
 from moe_rl.rl.colocate import engines_released
 from moe_rl.rl.step_clock import StepClock
 from moe_rl.rl.trainer_group import SaveHFRequest
+from moe_rl.rollout.dump import ROLLOUTS_DIR, RolloutDump, SampleDump, run_decoder
 from moe_rl.rollout.train_batch import build_batch
 
 
 def run(config: RunConfig, resume: bool = False) -> dict:
     """Train `config.steps` RL steps; writes metrics, plots and `final_hf/` to `config.output_dir`.
     `resume`: continue from the newest run checkpoint in `config.output_dir`."""
-    _check_task(config)
     run_dir = Path(config.output_dir)
     restore, first = None, 0
     if resume:
@@ -40,12 +41,17 @@ def run(config: RunConfig, resume: bool = False) -> dict:
         first = restore.step
         for name in ("metrics.jsonl", resume_state.TRAINED_FILE):  # steps after the checkpoint are redone
             resume_state.truncate_rows(run_dir / name, restore.metrics_offset)
+        SampleDump(run_dir / ROLLOUTS_DIR).remove_after(restore.step)  # and their rollout dumps
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(config, run_dir / "config.json")
     rollout = config.effective_rollout()
     start = time.perf_counter()
     logger = MetricsLogger(run_dir, wandb_project=config.rl.wandb_project, config=to_dict(config))
     cluster = RLCluster(config, run_dir, restore)
+    evaluations = DriverEvaluations(config.eval, cluster, logger, run_dir, wait_each=config.rl.mode == "sync")
+    if restore is not None:
+        evaluations.remove_after(restore.step)
+    dumps = RolloutDump(run_dir, run_decoder(config.rollout, config.model.tokenizer_dir)) if rollout.dump else None
     rewards, trained, ledger = [], [], None
     row_multiple = config.algorithm.num_mini_batches * config.trainer.micro_batch_size * config.trainer.dp
     try:
@@ -55,6 +61,8 @@ def run(config: RunConfig, resume: bool = False) -> dict:
             colocate=config.rl.colocate,
             full_weight_sync=config.lora is None,
         )
+        if first == 0:
+            evaluations.step_done(0, config.steps)  # eval.at_start
         with StepProgress("rl", config.steps - first) as progress:
             for version in range(first, config.steps):
                 # 1. batch: the next groups the staleness bound admits
@@ -75,14 +83,18 @@ def run(config: RunConfig, resume: bool = False) -> dict:
                 rollout_metrics = cluster.rollout_metrics()
                 # 4. admit: the engines serve version + 1, so the rounds it allows may start
                 cluster.set_rollout_version(version + 1)
+                metrics.update(evaluations.step_done(version + 1, config.steps))
                 # 5. log
                 metrics.update({**info.metrics(), **rollout_metrics})
                 metrics.update(clock.finish(metrics, rollout_metrics))
                 logger.log(version + 1, metrics)
                 resume_state.record_trained(run_dir, version + 1, info.group_ids)
+                if dumps is not None:  # rollout.dump: the samples trained at this step (before its checkpoint)
+                    dumps.write(version + 1, groups, info, trainer_version=version)
                 # 6. checkpoint the run every `rl.checkpoint_every` steps and at the last
                 every = config.rl.checkpoint_every
                 if every and ((version + 1) % every == 0 or version + 1 == config.steps):
+                    evaluations.collect(wait=True)  # every evaluation up to here is logged before it
                     resume_state.save_run_checkpoint(cluster, run_dir, version + 1, config.rl.keep_checkpoints)
                 rewards.append(metrics["rollout/reward_mean"])
                 progress.advance(
@@ -90,6 +102,7 @@ def run(config: RunConfig, resume: bool = False) -> dict:
                     f"sync {metrics['time/sync_s']:.2f}s  step {metrics['time/step_s']:.2f}s"
                 )
         train_s = time.perf_counter() - start - setup_s
+        evaluations.collect(wait=True)  # eval.at_end's evaluation of the final policy
         if config.rl.save_hf:  # with LoRA: merged (base + adapter), for engines without LoRA
             cluster.trainer.save_hf(SaveHFRequest(str(run_dir / "final_hf")))
         if config.lora is not None:
@@ -124,52 +137,3 @@ def _update_weights(cluster: RLCluster, config: RunConfig, version: int) -> dict
     metrics["time/sync_s"] = cluster.sync(version)
     metrics["engines/restarts"] = cluster.restarts
     return metrics
-
-
-def _check_task(config: RunConfig) -> None:
-    """Build the task once here, so a bad task name or option fails before any process starts."""
-    task = config.rollout.make_task(config.model.tokenizer_dir)
-    if config.rollout.agent is None:
-        _check_context(config, task)
-    else:
-        _check_agent(config, task)
-    if config.engines.kind == "sglang" and not __import__("torch").cuda.is_available():
-        raise ValueError(
-            "engines.kind='sglang' needs GPUs; use engines.kind: embedded on CPU "
-            "(`moe-rl plan` checks GPU configs on any machine)"
-        )
-
-
-def _check_agent(config: RunConfig, task) -> None:
-    """The agent resolves, the tokenizer has a chat template, the task gives chat prompts and an
-    episode's context fits the model."""
-    rollout = config.rollout
-    resolve_agent(rollout.agent)
-    if config.model.tokenizer_dir is None:
-        raise ValueError("rollout.agent needs a tokenizer with a chat template: set model.tokenizer (or model.path)")
-    ChatFormat.load(config.model.tokenizer_dir, rollout.episode.tool_call_format)
-    if not next(task.prompts(rollout.seed)).messages:
-        raise ValueError(f"rollout.agent: task {rollout.task!r} gives token prompts; agents need chat messages")
-    limit = getattr(config.model.load_hf_config().get_text_config(), "max_position_embeddings", None)
-    if limit is not None and rollout.episode.max_context_tokens > limit:
-        raise ValueError(
-            f"rollout.episode.max_context_tokens={rollout.episode.max_context_tokens} exceeds the model's "
-            f"max_position_embeddings {limit}: lower it to at most {limit}"
-        )
-
-
-CONTEXT_PROBE_PROMPTS = 256  # prompts looked at to bound the prompt length (tasks may be endless)
-
-
-def _check_context(config: RunConfig, task) -> None:
-    """The longest of the first prompts + rollout.max_new_tokens must fit the model's context,
-    else every request would be refused by the engine."""
-    limit = getattr(config.model.load_hf_config().get_text_config(), "max_position_embeddings", None)
-    prompts = itertools.islice(task.prompts(config.rollout.seed), CONTEXT_PROBE_PROMPTS)
-    longest = max((len(p.prompt_ids) for p in prompts), default=0)
-    if limit is not None and longest + config.rollout.max_new_tokens > limit:
-        raise ValueError(
-            f"rollout.max_new_tokens={config.rollout.max_new_tokens} + the task's prompts (up to {longest} tokens) "
-            f"exceed the model's max_position_embeddings {limit}: lower rollout.max_new_tokens to at most "
-            f"{limit - longest}"
-        )

@@ -146,6 +146,7 @@ class RLCluster:
             cfg.lora is not None,
             cfg.cpu_pools.rollout_cores if cfg.cpu_pools else None,
             cfg.model.tokenizer_dir,
+            cfg.eval,
         )
         ray.get(self.rollout.start.remote(self.restore))
         if cfg.cpu_pools is not None:
@@ -185,6 +186,14 @@ class RLCluster:
     def set_rollout_version(self, version: int) -> None:
         """Tell the rollout worker that engines serve `version` now (the buffer admits by it)."""
         ray.get(self.rollout.set_version.remote(version))
+
+    def start_eval(self) -> None:
+        """Queue an evaluation on the rollout worker (`moe_rl.rollout.evaluation`); returns at once."""
+        ray.get(self.rollout.start_eval.remote())
+
+    def finished_evals(self, wait: bool = False) -> tuple[list, int]:
+        """Evaluations finished since the last call, and how many still run (`wait`: none)."""
+        return self._wait(self.rollout.finished_evals.remote(wait))
 
     def drain(self) -> float:
         """Wait until no group is generating (drain-before-sync); recovers engines meanwhile."""

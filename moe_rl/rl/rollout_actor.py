@@ -5,6 +5,8 @@ same launcher on GPUs) for its lifetime: Ray places and restarts actors, the act
 stops its process. `RolloutWorker` is an async actor: the `RolloutManager` runs on its event
 loop and keeps generating while the driver trains; the driver's calls (`get_batch`,
 `set_version`, `drain`) are coroutines on the same loop, so they never block generation.
+Evaluations (`moe_rl.rollout.evaluation`) run on that loop too, one at a time in the order the
+driver asks for them (`start_eval`); each evaluates the version the engines serve when it begins.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from moe_rl.engine.process import launch_embedded
 from moe_rl.engine.sglang_launcher import SGLangConfig, launch_sglang
 from moe_rl.rl.resume import RunCheckpoint
 from moe_rl.rollout import RolloutConfig, RolloutManager
+from moe_rl.rollout.eval_config import EvalConfig
+from moe_rl.rollout.evaluation import EvalResult, Evaluator
 
 
 class EngineServer:
@@ -145,13 +149,17 @@ class RolloutWorker:
         adapters: bool = False,
         cpus: list[int] | None = None,
         tokenizer_dir: str | None = None,
+        evaluation: EvalConfig | None = None,
     ):
         if cpus:  # `cpu_pools`: the engines' cores (building requests and scoring is generation's work)
             pin_process(cpus)
         self.config, self.urls, self.kind, self.layout = config, urls, kind, (layers, topk)
         self.adapters = adapters  # LoRA: requests name the newest adapter, `policy-v{version}`
         self.tokenizer_dir = tokenizer_dir  # text and chat prompts, agents
-        self.manager = self.task = None
+        self.manager = self.task = self.evaluator = None
+        self.evaluation = evaluation
+        self.eval_tasks: list[asyncio.Task] = []
+        self.eval_results: list[EvalResult] = []
 
     async def start(self, restore: RunCheckpoint | None = None) -> None:
         """Start generating; `restore`: the run checkpoint to continue from."""
@@ -169,6 +177,30 @@ class RolloutWorker:
             self.manager.restore(restore.rollout)
         self.task = asyncio.get_running_loop().create_task(self.manager.run())
         self.started = time.perf_counter()
+        if self.evaluation is not None:
+            self.evaluator = Evaluator(self.evaluation, self.config, self.pool, self.tokenizer_dir)
+            self.eval_lock = asyncio.Lock()
+            await self.evaluator.start()
+
+    async def start_eval(self) -> None:
+        """Queue an evaluation of the policy the engines serve when it begins; returns at once."""
+
+        async def evaluate():
+            async with self.eval_lock:
+                self.eval_results += await self.evaluator.evaluate(self.manager.buffer.version)
+
+        self.eval_tasks.append(asyncio.get_running_loop().create_task(evaluate()))
+
+    async def finished_evals(self, wait: bool = False) -> tuple[list[EvalResult], int]:
+        """The evaluations finished since the last call (`wait`: after every queued one ended) and
+        how many are still running or queued; raises the error of one that failed."""
+        if wait:
+            await asyncio.gather(*self.eval_tasks)
+        for task in [t for t in self.eval_tasks if t.done()]:
+            self.eval_tasks.remove(task)
+            task.result()
+        results, self.eval_results = self.eval_results, []
+        return results, len(self.eval_tasks)
 
     async def cpus(self) -> list[int]:
         """The cores this worker's process may run on."""
@@ -238,6 +270,11 @@ class RolloutWorker:
         if self.task is not None:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
+        for task in self.eval_tasks:
+            task.cancel()
+        await asyncio.gather(*self.eval_tasks, return_exceptions=True)
+        if self.evaluator is not None:
+            await self.evaluator.close()
         buffer = self.manager.buffer
         for gid in sorted(buffer.queued_ids()):
             buffer.drop(gid, "unused")

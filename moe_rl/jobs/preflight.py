@@ -1,0 +1,166 @@
+"""Refusal before start: every check an actor would make on its inputs, run in the driver first.
+
+A config is validated in two stages. Building `RunConfig` checks each field and the fields
+against each other (`moe_rl.config`). `check_run` then checks the inputs the processes would
+open, in the driver, before Ray or any process starts, so a mistake costs seconds and reads as
+one line naming the field and the fix (the CLI prints it and exits 2) instead of a traceback
+from inside a Ray actor minutes later:
+
+1. the model: an HF `model.path` holds its weights (safetensors), the tokenizer directory loads;
+2. the weight-sync transport has what it needs (`sync.disk_dir` for `disk`);
+3. the task: its options are ones it takes, its dataset's files, keys and rows are valid
+   (`moe_rl.tasks.dataset`), its reward and agent import, the chat template exists where
+   prompts or agents need it, and prompts + `max_new_tokens` (or an episode's context) fit
+   the model;
+4. every eval dataset, the same way;
+5. the engines can run here (`engines.kind: sglang` needs GPUs).
+
+Each check is one function below; `check_run` runs them in this order and `check_eval` the
+parts that `moe-rl eval` needs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from pathlib import Path
+
+from moe_rl.agents import ChatFormat, resolve_agent
+from moe_rl.config import ModelConfig, RunConfig
+from moe_rl.converted import is_converted
+from moe_rl.rollout.config import RolloutConfig
+from moe_rl.rollout.eval_config import EvalDatasetConfig
+from moe_rl.tasks import Task, get_reward, make_task
+from moe_rl.tasks.registry import task_class
+from parallel.hf_checkpoint import HFCheckpointReader
+
+CONTEXT_PROBE_PROMPTS = 256
+"""Prompts looked at to bound the prompt length (tasks may be endless)."""
+
+
+def check_run(config: RunConfig) -> None:
+    """Everything `moe-rl train` would find wrong once its processes run (ValueError)."""
+    check_model(config.model)
+    if not config.is_rl:
+        if config.eval is not None:
+            raise ValueError(
+                "eval: a supervised run (no rollout section) is not evaluated; add a rollout section, "
+                "or evaluate a checkpoint with `moe-rl eval CONFIG --checkpoint DIR`"
+            )
+        return
+    check_sync(config)
+    rollout = config.rollout
+    check_task_options(rollout.task, rollout.task_options, "rollout.task_options")
+    task = rollout.make_task(config.model.tokenizer_dir)
+    check_prompts(config, task, rollout.agent, rollout.max_new_tokens, "rollout")
+    check_eval(config)
+    check_engines(config)
+
+
+def check_eval(config: RunConfig) -> None:
+    """Every eval dataset builds (files, keys, rows, reward, agent) and fits the model's context."""
+    if config.eval is None:
+        return
+    rollout = config.rollout or RolloutConfig()
+    for dataset in config.eval.datasets:
+        resolved = dataset.resolved(rollout)
+        field = f"eval.datasets[{dataset.name!r}]"
+        if resolved.task is not None:
+            check_task_options(resolved.task, resolved.task_options, f"{field}.task_options")
+        task = _eval_task(resolved, config.model.tokenizer_dir, field)
+        if resolved.reward:
+            get_reward(resolved.reward)
+        check_prompts(config, task, resolved.agent, resolved.max_new_tokens, field)
+
+
+def check_model(model: ModelConfig) -> None:
+    """An HF `model.path` holds readable safetensors weights (converted checkpoints are checked by
+    `ModelConfig`); the tokenizer directory, when set, holds a tokenizer."""
+    if model.path is not None and not is_converted(model.path):
+        try:
+            HFCheckpointReader(model.path)
+        except ValueError as error:
+            hint = ""
+            if Path(model.path).name == "hf_files":
+                hint = " (this is the side-files folder of a converted checkpoint: point model.path at its parent)"
+            raise ValueError(
+                f"model.path={model.path!r} has config.json but no usable weights{hint}: {error}"
+            ) from None
+
+
+def check_sync(config: RunConfig) -> None:
+    """The weight-sync transport's required fields (the sender would fail on them after start-up)."""
+    if config.sync.transport == "disk" and not config.sync.disk_dir and config.lora is None:
+        raise ValueError(
+            "sync.transport='disk' needs sync.disk_dir: a directory that the trainer writes and every "
+            "engine reads (shared storage on a cluster); set it, or use sync.transport: broadcast"
+        )
+
+
+def check_task_options(name: str, options: dict, field: str) -> None:
+    """Every option is a keyword the task's constructor takes (a CLI override of the task keeps
+    the config's options, which may belong to another task)."""
+    if ":" in name:
+        return  # a user's class: its constructor reports its own options
+    parameters = inspect.signature(task_class(name)).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    unknown = sorted(set(options) - set(parameters))
+    if unknown:
+        takes = sorted(n for n in parameters if n not in ("self",)) or "no options"
+        raise ValueError(
+            f"{field} has {unknown[0]!r}, which task {name!r} does not take (it takes {takes}): "
+            f"remove it from {field}"
+        )
+
+
+def check_prompts(config: RunConfig, task: Task, agent: str | None, max_new_tokens: int, field: str) -> None:
+    """Single-turn: the longest of the first prompts + `max_new_tokens` fits the model's context.
+    Agents: the agent imports, the tokenizer has a chat template, the task gives chat messages and
+    an episode's context fits."""
+    limit = getattr(config.model.load_hf_config().get_text_config(), "max_position_embeddings", None)
+    prompts = list(itertools.islice(task.prompts(0), CONTEXT_PROBE_PROMPTS))
+    if agent is None:
+        longest = max((len(p.prompt_ids) for p in prompts), default=0)
+        if limit is not None and longest + max_new_tokens > limit:
+            raise ValueError(
+                f"{field}.max_new_tokens={max_new_tokens} + the task's prompts (up to {longest} tokens) exceed "
+                f"the model's max_position_embeddings {limit}: lower {field}.max_new_tokens to at most "
+                f"{limit - longest}"
+            )
+        return
+    resolve_agent(agent)
+    rollout = config.rollout or RolloutConfig()
+    if config.model.tokenizer_dir is None:
+        raise ValueError(f"{field}.agent needs a tokenizer with a chat template: set model.tokenizer (or model.path)")
+    ChatFormat.load(config.model.tokenizer_dir, rollout.episode.tool_call_format)
+    if not prompts or not prompts[0].messages:
+        raise ValueError(f"{field}.agent: task {task.name!r} gives token prompts; agents need chat messages")
+    context = rollout.episode.max_context_tokens
+    if limit is not None and context > limit:
+        raise ValueError(
+            f"rollout.episode.max_context_tokens={context} exceeds the model's max_position_embeddings "
+            f"{limit}: lower it to at most {limit}"
+        )
+
+
+def check_engines(config: RunConfig) -> None:
+    """The engines can start on this machine."""
+    # heavy: torch, only to ask for GPUs
+    import torch
+
+    if config.engines.kind == "sglang" and not torch.cuda.is_available():
+        raise ValueError(
+            "engines.kind='sglang' needs GPUs; use engines.kind: embedded on CPU "
+            "(`moe-rl plan` checks GPU configs on any machine)"
+        )
+
+
+def _eval_task(dataset: EvalDatasetConfig, tokenizer_dir: str | None, field: str) -> Task:
+    """The eval dataset's task; errors of a task name or options name the eval field."""
+    if dataset.task is not None:
+        try:
+            return make_task(dataset.task, **dataset.task_options)
+        except ValueError as error:
+            raise ValueError(f"{field}: {error}") from None
+    return dataset.make_task(tokenizer_dir)

@@ -88,7 +88,11 @@ def start_engines(config: RunConfig, hf_dir: str, output: Path, step: int) -> li
 
                 engines.append(
                     launch_embedded(
-                        hf_dir, weight_version=str(step), max_batch=cfg.max_batch, log_path=log_path, threads=cfg.threads
+                        hf_dir,
+                        weight_version=str(step),
+                        max_batch=cfg.max_batch,
+                        log_path=log_path,
+                        threads=cfg.threads,
                     )
                 )
             else:

@@ -109,8 +109,7 @@ def check_task_options(name: str, options: dict, field: str) -> None:
     if unknown:
         takes = sorted(n for n in parameters if n not in ("self",)) or "no options"
         raise ValueError(
-            f"{field} has {unknown[0]!r}, which task {name!r} does not take (it takes {takes}): "
-            f"remove it from {field}"
+            f"{field} has {unknown[0]!r}, which task {name!r} does not take (it takes {takes}): remove it from {field}"
         )
 
 

@@ -98,9 +98,7 @@ class EvalDataset:
 
 
 class Evaluator:
-    def __init__(
-        self, config: EvalConfig, rollout: RolloutConfig, pool: EnginePool, tokenizer_dir: str | None = None
-    ):
+    def __init__(self, config: EvalConfig, rollout: RolloutConfig, pool: EnginePool, tokenizer_dir: str | None = None):
         self.pool = pool
         self.datasets = [EvalDataset(d, rollout, tokenizer_dir) for d in config.datasets]
         self.restarts = 0

@@ -186,3 +186,15 @@ def _episode(meta: dict[str, Any]) -> dict[str, Any] | None:
         "turns": meta["turns"],
         "tool_calls": meta.get("tool_calls", 0),
     }
+
+
+class RolloutDump:
+    """The RL driver's `rollout.dump: true`: each trained step's records in RUN_DIR/rollouts/."""
+
+    def __init__(self, run_dir: str | Path, decode: Decode):
+        self.dump, self.decode = SampleDump(Path(run_dir) / ROLLOUTS_DIR), decode
+
+    def write(self, step: int, groups: list[list[Sample]], info: BatchInfo, trainer_version: int) -> Path:
+        return self.dump.write(
+            step, trained_records(step, groups, info, decode=self.decode, trainer_version=trainer_version)
+        )

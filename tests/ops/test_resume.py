@@ -1,6 +1,7 @@
 """Full resume: SIGKILL the RL driver mid-run, `moe-rl train --resume RUN_DIR`, and the run finishes
 with every completed group trained exactly once (or dropped with a reason), versions continuing,
-and the metrics continuing from the checkpoint's step. Real Ray, Megatron (EP2, gloo), embedded engine.
+and the metrics continuing from the checkpoint's step; the rollout dumps (`rollout.dump`) hold every
+step once. Real Ray, Megatron (EP2, gloo), embedded engine.
 Twice: single-turn samples, and multi-turn episodes of an OpenAI-SDK agent (the lookup task with a
 tool that takes time), whose open episodes replay their finished turns after the resume."""
 
@@ -17,6 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from moe_rl import cli
+from moe_rl.rollout.dump import SampleDump
 from tests.tiny_models import QWEN3_MOE_SMALL, hf_fields
 
 pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
@@ -61,6 +64,7 @@ def write_config(path: Path, run_dir: Path, kind: dict) -> None:
                     "groups_per_step": GROUPS,
                     "n_samples_per_prompt": 2,
                     "max_staleness": 2,
+                    "dump": True,
                 },
                 "sync": {"pause_mode": "abort", "bucket_bytes": 1 << 20},
                 "rl": {
@@ -108,6 +112,8 @@ def test_sigkill_then_resume_loses_nothing_and_trains_nothing_twice(tmp_path, ki
     resumed_from = json.loads((checkpoints[-1] / "state.json").read_text())
     at_kill = json.loads((checkpoints[-1] / "rollout.json").read_text())
     k = resumed_from["step"]
+    dump = SampleDump(run_dir / "rollouts")
+    kept_dumps = {step: dump.read(step) for step in range(1, k + 1)}
 
     done = subprocess.run(
         [sys.executable, "-m", "moe_rl.cli", "train", "--resume", str(run_dir)],
@@ -140,6 +146,20 @@ def test_sigkill_then_resume_loses_nothing_and_trains_nothing_twice(tmp_path, ki
         gid = group[0]["group_id"]
         assert gid in after or final["dropped"].get(gid) == "stale", gid
     assert set(final["delivered"]) == set(ids)
+    # rollout dumps: one file per step 1..STEPS (later ones removed at the resume and redone), each
+    # group in exactly one step's file, the first k steps as the killed run wrote them
+    assert sorted(p.name for p in dump.directory.iterdir()) == [f"step_{s:06d}.jsonl" for s in range(1, STEPS + 1)]
+    records = {step: dump.read(step) for step in dump.steps()}
+    assert {step: records[step] for step in range(1, k + 1)} == kept_dumps
+    for row in trained:
+        assert {r["group_id"] for r in records[row["step"]]} == set(row["groups"])
+    dumped = [gid for step in records for gid in {r["group_id"] for r in records[step]}]
+    assert len(dumped) == len(set(dumped)) == STEPS * GROUPS
+    for record in (r for step in records.values() for r in step):
+        assert record["response_text"] and isinstance(record["advantage"], float) and record["staleness"] <= 2
+        assert record["versions"][-1][1] == record["response_tokens"] == len(record["response_ids"])
+        assert (record["episode"] is not None) == (kind is EPISODES)
+    assert cli.main(["samples", str(run_dir), "--worst", "--limit", "2"]) == 0
     assert not set(final["delivered"]) & set(final["dropped"])
     # versions continue: k > max_staleness, so had the engines restarted at version 0 every fresh
     # sample would be stale forever and the run could not finish; it did, from step k + 1

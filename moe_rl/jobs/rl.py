@@ -28,7 +28,6 @@ from moe_rl.rl.colocate import engines_released
 from moe_rl.rl.step_clock import StepClock
 from moe_rl.rl.trainer_group import SaveHFRequest
 from moe_rl.rollout.dump import ROLLOUTS_DIR, RolloutDump, SampleDump, run_decoder
-from moe_rl.rollout.dump import ROLLOUTS_DIR, RolloutDump, SampleDump, run_decoder
 from moe_rl.rollout.train_batch import build_batch
 
 
@@ -43,7 +42,6 @@ def run(config: RunConfig, resume: bool = False) -> dict:
         for name in ("metrics.jsonl", resume_state.TRAINED_FILE):  # steps after the checkpoint are redone
             resume_state.truncate_rows(run_dir / name, restore.metrics_offset)
         SampleDump(run_dir / ROLLOUTS_DIR).remove_after(restore.step)  # and their rollout dumps
-        SampleDump(run_dir / ROLLOUTS_DIR).remove_after(restore.step)  # and their rollout dumps
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(config, run_dir / "config.json")
     rollout = config.effective_rollout()
@@ -53,7 +51,6 @@ def run(config: RunConfig, resume: bool = False) -> dict:
     evaluations = DriverEvaluations(config.eval, cluster, logger, run_dir, wait_each=config.rl.mode == "sync")
     if restore is not None:
         evaluations.remove_after(restore.step)
-    dumps = RolloutDump(run_dir, run_decoder(config.rollout, config.model.tokenizer_dir)) if rollout.dump else None
     dumps = RolloutDump(run_dir, run_decoder(config.rollout, config.model.tokenizer_dir)) if rollout.dump else None
     rewards, trained, ledger = [], [], None
     row_multiple = config.algorithm.num_mini_batches * config.trainer.micro_batch_size * config.trainer.dp
@@ -92,8 +89,6 @@ def run(config: RunConfig, resume: bool = False) -> dict:
                 metrics.update(clock.finish(metrics, rollout_metrics))
                 logger.log(version + 1, metrics)
                 resume_state.record_trained(run_dir, version + 1, info.group_ids)
-                if dumps is not None:  # rollout.dump: the samples trained at this step (before its checkpoint)
-                    dumps.write(version + 1, groups, info, trainer_version=version)
                 if dumps is not None:  # rollout.dump: the samples trained at this step (before its checkpoint)
                     dumps.write(version + 1, groups, info, trainer_version=version)
                 # 6. checkpoint the run every `rl.checkpoint_every` steps and at the last

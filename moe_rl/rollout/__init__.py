@@ -5,6 +5,7 @@
   continues requests cut by a weight-swap pause.
 - `buffer`: `RolloutBuffer`, staleness-bounded admission and consumption, group ledger, metrics.
 - `partial`: `continue_sample` and the continuation request of a partial sample.
+- `dump`: per-step JSONL records of trained (and evaluation) samples (`rollout.dump`, `moe-rl samples`).
 """
 
 from moe_rl.rollout.buffer import RolloutBuffer, staleness

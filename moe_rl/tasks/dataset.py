@@ -84,10 +84,13 @@ def open_dataset(path: str | Path):
             )
         if len(builders) > 1:
             raise ValueError(f"{where}: the directory mixes JSON and Parquet files; keep one format")
+        if all(p.stat().st_size == 0 for p in files):
+            raise ValueError(f"{where}: no rows (empty file)")  # load_dataset fails with a bare StopIteration
         try:
             return datasets.load_dataset(builders.pop(), data_files=[str(p) for p in files], split="train")
         except Exception as error:  # datasets wraps the reader's error (a JSON parse error names its row)
-            raise ValueError(f"{where}: cannot read it ({error.__cause__ or error})") from error
+            reason = error.__cause__ or error
+            raise ValueError(f"{where}: cannot read it ({type(reason).__name__}: {reason})") from error
 
 
 @contextlib.contextmanager

@@ -1,21 +1,55 @@
-"""The `"math"` reward: the final answer of a response against the reference answer.
+"""The `"math"` reward: the final answer of a response against the reference, graded by HF
+math-verify (`math_verify.parse` + `math_verify.verify`) in a child process.
 
-The final answer is the content of the last `\\boxed{...}` (nested braces allowed), or else the
-last number in the text. Answers compare as numbers when both parse (so "0.5" == "1/2" ==
-"\\frac{1}{2}"), otherwise as strings with spaces, `$` and a trailing period removed.
+What is compared:
+- the prediction is the content of the last `\\boxed{...}` (nested braces allowed), given to
+  math-verify as `$\\boxed{...}$`; without a box, math-verify extracts the answer from the whole
+  text (LaTeX or a plain expression; "so the answer is 42." reads 42);
+- the reference (a string such as "\\frac{\\sqrt{3}}{2}", "\\{1,2,3\\}", "18.90", or a number)
+  is wrapped in `$...$` unless it has its own delimiters, and parsed as LaTeX or a plain expression;
+- `verify` compares numerically (6 decimals: "0.5" == "\\frac12", "0.33" != "\\frac13"),
+  symbolically ("1+2x" == "2x+1", "10^{3}" == "1000"), sets in any order, intervals, tuples and
+  matrices; it drops units (`12 \\text{ cm}`), `^\\circ`, `\\%` and a leading `x =`. The only
+  normalisation done here: `\\$` is removed, since math-verify reads no number in `$\\$18.90$`.
+
+Why a process: math-verify bounds its own parse and verify with `signal.alarm`, which works only
+in a process's main thread, and rewards run on worker threads (`moe_rl.rollout.scoring`) and in
+Ray actors. `MathGrader` runs math-verify in the main thread of spawned children (a
+`ProcessPoolExecutor`) with its limits on, and bounds each call from outside as well: past
+`GRADE_TIMEOUT_S` the children are killed, the call raises `TimeoutError` (the reward scorer
+turns it into 0) and the next call starts fresh ones. A call killed with them (another call's
+timeout) is retried once on the fresh children.
+
+Cost (measured on a shared 2-core CPU box, 2026-12-03): the first call starts the two children,
+0.7-2.3 s (spawn, import moe_rl.tasks and math-verify: sympy), outside its limit. After that, round
+trip to a child included, a grade takes ~1.5 ms for numbers and fractions, ~3-4 ms for roots and
+expressions, ~25-35 ms for sets and intervals (max seen ~130 ms); median ~3 ms over these; a
+grade math-verify has seen before (its parse cache) ~0.6 ms. In-process math-verify alone is
+~0.3 ms of those cached ones: the process costs ~0.3 ms a call. Each child holds ~135 MB (RSS).
+As for any "spawn" child, the parent's `__main__` must be import-safe (`if __name__ ==
+"__main__":`): the children import it; the `moe-rl` CLI, pytest and Ray workers are.
 """
 
 from __future__ import annotations
 
-import re
-from fractions import Fraction
-from typing import Any
+import concurrent.futures
+import multiprocessing
+import os
+import threading
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Callable
 
 from moe_rl.sample import Sample
 from moe_rl.tasks.registry import register_reward
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
-_FRAC = re.compile(r"\\d?frac\{([^{}]+)\}\{([^{}]+)\}")
+PARSE_TIMEOUT_S = 3
+"""math-verify's own limit on one parse (whole seconds: `signal.alarm`), in the child."""
+VERIFY_TIMEOUT_S = 3
+"""math-verify's own limit on one comparison, in the child."""
+GRADE_TIMEOUT_S = 15.0
+"""The hard limit on one grade, from outside (waiting for a free child included)."""
+STARTUP_TIMEOUT_S = 120.0
+"""The limit on starting the children (outside any call's limit)."""
 
 
 def last_boxed(text: str) -> str | None:
@@ -34,35 +68,112 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def extract_answer(text: str) -> str | None:
-    """The boxed answer, else the last number, else None."""
-    boxed = last_boxed(text)
-    if boxed is not None:
-        return boxed.strip()
-    numbers = _NUMBER.findall(text)
-    return numbers[-1] if numbers else None
+def prediction_text(response: str) -> str:
+    """What math-verify reads of a response: its last box alone, else the whole text."""
+    boxed = last_boxed(response)
+    text = response if boxed is None else f"$\\boxed{{{boxed}}}$"
+    return text.replace("\\$", "")
 
 
-def _normalize(answer: str) -> str:
-    answer = _FRAC.sub(r"\1/\2", str(answer))
-    return answer.replace(" ", "").replace("$", "").replace(",", "").rstrip(".")
+def gold_text(answer: Any) -> str:
+    """What math-verify reads of a reference answer: LaTeX in `$...$` unless delimited already."""
+    text = str(answer).strip().replace("\\$", "")
+    return text if "$" in text or "\\boxed" in text or "\\(" in text or "\\[" in text else f"${text}$"
 
 
-def _as_number(answer: str) -> Fraction | None:
-    try:
-        return Fraction(answer)
-    except (ValueError, ZeroDivisionError):
-        return None
+def _import_math_verify() -> None:
+    import math_verify  # noqa: F401  (heavy: sympy; only the grader's children load it)
 
 
-def answers_match(predicted: str, reference: Any) -> bool:
-    a, b = _normalize(predicted), _normalize(str(reference))
-    x, y = _as_number(a), _as_number(b)
-    return x == y if x is not None and y is not None else a == b
+def grade(prediction: str, gold: str) -> bool:
+    """math-verify on `prediction_text` and `gold_text` outputs. Runs in the grader's child: its
+    timeouts need the main thread."""
+    import math_verify  # heavy (sympy); only the grader's children load it
+
+    configs = [math_verify.LatexExtractionConfig(), math_verify.ExprExtractionConfig()]
+    expected = math_verify.parse(gold, configs, parsing_timeout=PARSE_TIMEOUT_S)
+    predicted = math_verify.parse(prediction, configs, parsing_timeout=PARSE_TIMEOUT_S)
+    return bool(expected and predicted) and math_verify.verify(expected, predicted, timeout_seconds=VERIFY_TIMEOUT_S)
+
+
+class MathGrader:
+    """Runs functions in spawned child processes, each call limited to `timeout_s`; thread-safe.
+    The children start on the first call (and after a kill), outside its limit."""
+
+    def __init__(self, *, timeout_s: float = GRADE_TIMEOUT_S, processes: int = 2):
+        self.timeout_s, self.processes = timeout_s, processes
+        self._lock = threading.Lock()
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+
+    def call(self, fn: Callable, *args):
+        """`fn(*args)` in a child (`fn` importable by name); `TimeoutError` past `timeout_s`, when
+        the children are killed."""
+        for attempt in range(2):
+            pool, future = self._submit(fn, args)
+            try:
+                done, _ = concurrent.futures.wait([future], timeout=self.timeout_s)
+                if done:
+                    return future.result()
+            except BrokenProcessPool:  # its child was killed (another call's timeout) or crashed
+                self._discard(pool)
+                if attempt:
+                    raise
+                continue
+            self._discard(pool)
+            raise TimeoutError(f"{fn.__name__} ran past {self.timeout_s} s in the grader's child; killed it")
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _submit(self, fn: Callable, args) -> tuple[concurrent.futures.ProcessPoolExecutor, concurrent.futures.Future]:
+        # under the lock, so no call submits to a pool that another is shutting down
+        with self._lock:
+            if self._pool is None:
+                self._pool = self._new_pool()
+            try:
+                return self._pool, self._pool.submit(fn, *args)
+            except BrokenProcessPool:  # a child died since the last call: start fresh ones
+                self._pool = self._new_pool()
+                return self._pool, self._pool.submit(fn, *args)
+
+    def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
+        """Fresh children, up and with math-verify imported before any call's limit starts."""
+        context = multiprocessing.get_context("spawn")  # no fork of a process that runs threads
+        pool = concurrent.futures.ProcessPoolExecutor(
+            self.processes, mp_context=context, initializer=_import_math_verify
+        )
+        try:
+            for started in [pool.submit(os.getpid) for _ in range(self.processes)]:
+                started.result(timeout=STARTUP_TIMEOUT_S)
+        except BaseException:
+            _kill(pool)
+            raise
+        return pool
+
+    def _discard(self, pool: concurrent.futures.ProcessPoolExecutor) -> None:
+        """Kill `pool`'s children (a stuck one ignores everything else) unless already replaced."""
+        with self._lock:
+            if self._pool is not pool:
+                return
+            self._pool = None
+        _kill(pool)
+
+
+def _kill(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    for process in list((pool._processes or {}).values()):  # no public kill before Python 3.14
+        process.kill()
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+GRADER = MathGrader()
+"""The module's grader, shared by every caller of the `"math"` reward."""
 
 
 @register_reward("math")
 def math_reward(response: str, answer: Any, sample: Sample) -> float:
-    """1.0 when the response's final answer equals `answer`, else 0.0."""
-    predicted = extract_answer(response)
-    return float(predicted is not None and answers_match(predicted, answer))
+    """1.0 when math-verify finds the response's final answer equal to `answer`, else 0.0;
+    `TimeoutError` past `GRADE_TIMEOUT_S` (0 through the reward scorer)."""
+    return float(GRADER.call(grade, prediction_text(response), gold_text(answer)))

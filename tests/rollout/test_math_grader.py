@@ -1,0 +1,132 @@
+"""The `"math"` reward on math-verify: a table of answers graded right and wrong, and a grade
+that would hang scoring 0 within its limit while the grader keeps working."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from moe_rl.rollout.scoring import RewardScorer
+from moe_rl.sample import Sample
+from moe_rl.tasks import get_reward
+from moe_rl.tasks import math as math_task
+from moe_rl.tasks.math import MathGrader, grade, last_boxed, prediction_text
+
+pytestmark = pytest.mark.world  # the grader spawns its child processes (tests/conftest.py)
+
+SAMPLE = Sample(prompt_ids=[1])
+SLOW = r"\boxed{9^{9^{9^{9}}}}"  # sympy would compute the power: math-verify's own limit ends it (~3 s)
+
+ROWS = [
+    (r"\boxed{12 \text{ cm}}", "12", 1),
+    (r"\boxed{12}", r"12 \text{ cm}", 1),
+    (r"The area is \boxed{12\text{ cm}^2}.", "12", 1),
+    (r"\boxed{\$18.90}", "18.90", 1),
+    (r"\boxed{18.9}", r"\$18.90", 1),
+    (r"It costs \$18.90 in total.", "18.90", 1),
+    (r"\boxed{50\%}", "50", 1),
+    (r"\boxed{50}", r"50\%", 1),
+    (r"\boxed{x = 5}", "5", 1),
+    (r"\boxed{5}", "x = 5", 1),
+    (r"\boxed{\{3,1,2\}}", r"\{1,2,3\}", 1),
+    (r"\boxed{10^{3}}", "1000", 1),
+    (r"\boxed{1+2x}", "2x+1", 1),
+    (r"\boxed{\sqrt{3}/2}", r"\frac{\sqrt{3}}{2}", 1),
+    (r"\boxed{0.5}", r"\frac12", 1),
+    (r"\boxed{\dfrac{1}{2}}", 0.5, 1),
+    ("so the answer is 42.", "42", 1),
+    ("so the answer is 42.", 42, 1),
+    ("x = 3, then 1,234.", "1234", 1),
+    (r"\boxed{1,234,567}", "1234567", 1),
+    (r"\boxed{1000}", "1,000", 1),
+    (r"\boxed{-4}", "-4", 1),
+    ("answer: -4", -4, 1),
+    (r"\boxed{-\frac{3}{4}}", "-0.75", 1),
+    (r"\boxed{0.125}", r"\frac{1}{8}", 1),
+    (r"\boxed{(1, 2]}", "(1,2]", 1),
+    (r"\boxed{[0, \infty)}", r"[0,\infty)", 1),
+    (r"\boxed{\begin{pmatrix}1\\2\end{pmatrix}}", r"\begin{pmatrix}1\\2\end{pmatrix}", 1),
+    (r"\boxed{(3, -1)}", "(3,-1)", 1),
+    (r"\boxed{90^\circ}", "90", 1),
+    (r"The final answer is $\frac{1}{2}$.", "0.5", 1),
+    (r"First \boxed{7}, then on reflection \boxed{8}", "8", 1),
+    (r"\boxed{\frac{\sqrt{3}}{2}}", r"\frac{\sqrt{3}}{2}", 1),
+    (r"\boxed{x^{2}}", "x^{2}", 1),
+    (r"\boxed{\pi}", r"\pi", 1),
+    (r"\boxed{2\sqrt{2}}", r"\sqrt{8}", 1),
+    (r"\boxed{3}", "4", 0),
+    (r"\boxed{0.33}", r"\frac{1}{3}", 0),
+    (r"\boxed{\{1,2,4\}}", r"\{1,2,3\}", 0),
+    (r"\boxed{2x-1}", "2x+1", 0),
+    ("", "5", 0),
+    ("I do not know.", "5", 0),
+    (r"\boxed{[1, 2)}", "(1,2]", 0),
+    (r"\boxed{3.14}", r"\pi", 0),
+    (r"\boxed{-4}", "4", 0),
+    (r"First \boxed{8}, then \boxed{7}", "8", 0),
+    (r"\boxed{\begin{pmatrix}2\\1\end{pmatrix}}", r"\begin{pmatrix}1\\2\end{pmatrix}", 0),
+    (r"\boxed{1,234}", "1243", 0),
+    (r"\boxed{}", "5", 0),
+    (r"\boxed{\$18.91}", "18.90", 0),
+    (r"\boxed{5\%}", "50", 0),
+    (r"\boxed{(1,2)}", "(2,1)", 0),
+    (r"\boxed{\frac{1}{2}}", "-0.5", 0),
+    (r"The answer is 7 apples.", "8", 0),
+]
+
+
+@pytest.mark.parametrize("response, gold, expected", ROWS)
+def test_math_reward_grades_like_a_person(response, gold, expected):
+    assert get_reward("math")(response, gold, SAMPLE) == float(expected)
+
+
+def test_the_prediction_is_the_last_box_with_nested_braces():
+    assert last_boxed(r"\boxed{1} then \boxed{\frac{a}{b^{2}}} end") == r"\frac{a}{b^{2}}"
+    assert last_boxed("no box") is None and last_boxed(r"\boxed{open") is None
+    assert prediction_text(r"so \boxed{\$5}.") == r"$\boxed{5}$"
+    assert prediction_text("it is 5") == "it is 5"
+
+
+def test_a_grade_past_math_verify_limit_is_wrong_and_the_next_one_scores():
+    start = time.perf_counter()
+    assert get_reward("math")(SLOW, "1", SAMPLE) == 0.0
+    assert time.perf_counter() - start < 2 * (math_task.PARSE_TIMEOUT_S + math_task.VERIFY_TIMEOUT_S)
+    assert get_reward("math")(r"\boxed{1}", "1", SAMPLE) == 1.0
+
+
+def test_a_stuck_child_is_killed_at_the_limit_and_a_fresh_one_grades_next():
+    grader = MathGrader(timeout_s=1.0, processes=1)
+    try:
+        assert grader.call(grade, "$5$", "$5$") is True  # the child is up
+        child = next(iter(grader._pool._processes.values()))
+        start = time.perf_counter()
+        with pytest.raises(TimeoutError, match="sleep ran past 1.0 s"):
+            grader.call(time.sleep, 60)
+        assert time.perf_counter() - start < 3
+        child.join(5)
+        assert not child.is_alive()
+        assert grader.call(grade, "$\\frac12$", "$0.5$") is True
+    finally:
+        grader.close()
+
+
+def test_the_reward_scorer_turns_the_grader_timeout_into_zero(monkeypatch):
+    grader = MathGrader(timeout_s=1.0, processes=1)
+    monkeypatch.setattr(math_task, "GRADER", grader)
+    scorer = RewardScorer(get_reward("math"), timeout_s=30, workers=2)
+
+    async def main():
+        await scorer.score(r"\boxed{2}", "2", SAMPLE)  # the child starts
+        start = time.perf_counter()
+        hung = await scorer.score(SLOW, "1", SAMPLE)
+        waited = time.perf_counter() - start
+        return hung, waited, await asyncio.gather(*[scorer.score(rf"\boxed{{{k}}}", k, SAMPLE) for k in range(4)])
+
+    try:
+        hung, waited, later = asyncio.run(main())
+    finally:
+        grader.close()
+    assert hung == 0.0 and waited < 3 and later == [1.0] * 4
+    assert scorer.metrics() == {"rollout/reward_errors": 0, "rollout/reward_timeouts": 1}

@@ -7,8 +7,9 @@ without replay), `time.png` (per-step time breakdown: trainer wait, old logprobs
 drain, weight sync), `utilization.png` (per step, the fraction of wall time each pool was busy,
 and the engines' paused and idle time: `perf/*`), and for agent runs `agents.png` (turns, tool
 calls, tool errors, forked sequences and dropped groups per episode and step) and
-`agent_time.png` (environment vs generation seconds per episode; trained vs masked tokens). A
-plot whose metrics the run did not log is skipped. Returns the paths.
+`agent_time.png` (environment vs generation seconds per episode; trained vs masked tokens), and
+for runs with `eval:` `eval.png` (per eval dataset: mean reward and pass@k against the step
+evaluated). A plot whose metrics the run did not log is skipped. Returns the paths.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def write_report(run_dir: str | Path) -> list[Path]:
         ("utilization", _utilization),
         ("agents", _agents),
         ("agent_time", _agent_time),
+        ("eval", _eval),
     ):
         fig, ax = plt.subplots(figsize=(7, 4))
         if plot(ax, rows):
@@ -53,7 +55,7 @@ def write_report(run_dir: str | Path) -> list[Path]:
 
 
 def _series(rows, key):
-    points = [(r["step"], r[key]) for r in rows if key in r]
+    points = sorted((r["step"], r[key]) for r in rows if key in r)  # eval rows may arrive late
     return [p[0] for p in points], [p[1] for p in points]
 
 
@@ -197,4 +199,19 @@ def _agent_time(ax, rows) -> bool:
     tokens.set_ylabel("tokens per batch")
     lines = ax.get_legend_handles_labels(), tokens.get_legend_handles_labels()
     ax.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], fontsize=8)
+    return True
+
+
+def _eval(ax, rows) -> bool:
+    """Per eval dataset: mean reward and pass@k (the largest k and k = 1) against the step evaluated."""
+    keys = sorted({k for r in rows for k in r if re.fullmatch(r"eval/[^/]+/(reward_mean|pass@\d+)", k)})
+    if not keys:
+        return False
+    for name in sorted({k.split("/")[1] for k in keys}):
+        passes = sorted((k for k in keys if k.startswith(f"eval/{name}/pass@")), key=lambda k: int(k.split("@")[1]))
+        for key in [f"eval/{name}/reward_mean", *passes[:1], *passes[1:][-1:]]:
+            steps, values = _series(rows, key)
+            ax.plot(steps, values, marker="o", label=key.removeprefix("eval/"))
+    ax.set(xlabel="step (policy version evaluated)", ylabel="held-out score", title="Evaluation")
+    ax.legend(fontsize="small")
     return True

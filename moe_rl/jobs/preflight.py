@@ -9,7 +9,7 @@ from inside a Ray actor minutes later:
 1. the model: an HF `model.path` holds its weights (safetensors), the tokenizer directory loads;
 2. the weight-sync transport has what it needs (`sync.disk_dir` for `disk`);
 3. the task: its options are ones it takes, its dataset's files, keys and rows are valid
-   (`moe_rl.tasks.dataset`), its reward and agent import, the chat template exists where
+   (`moe_rl.tasks.dataset`), its reward (`rollout.reward`) and agent import, the chat template exists where
    prompts or agents need it, and prompts + `max_new_tokens` (or an episode's context) fit
    the model;
 4. every eval dataset, the same way;
@@ -29,10 +29,12 @@ from moe_rl.agents import ChatFormat, resolve_agent
 from moe_rl.config import ModelConfig, RunConfig
 from moe_rl.converted import is_converted
 from moe_rl.rollout.config import RolloutConfig
-from moe_rl.rollout.eval_config import EvalDatasetConfig
-from moe_rl.tasks import Task, get_reward, make_task
+from moe_rl.tasks import Task, get_reward
 from moe_rl.tasks.registry import task_class
 from parallel.hf_checkpoint import HFCheckpointReader
+
+FIELDS = ("rollout.", "model.", "eval.")
+"""How a message that already names its config field begins."""
 
 CONTEXT_PROBE_PROMPTS = 256
 """Prompts looked at to bound the prompt length (tasks may be endless)."""
@@ -51,7 +53,13 @@ def check_run(config: RunConfig) -> None:
     check_sync(config)
     rollout = config.rollout
     check_task_options(rollout.task, rollout.task_options, "rollout.task_options")
-    task = rollout.make_task(config.model.tokenizer_dir)
+    try:
+        task = rollout.make_task(config.model.tokenizer_dir)
+    except ValueError as error:  # a built-in task's own option check names only the option
+        message = str(error)
+        raise ValueError(message if message.startswith(FIELDS) else f"rollout.task_options: {message}") from None
+    if rollout.reward:
+        get_reward(rollout.reward)
     check_prompts(config, task, rollout.agent, rollout.max_new_tokens, "rollout")
     check_eval(config)
     check_engines(config)
@@ -64,13 +72,15 @@ def check_eval(config: RunConfig) -> None:
     rollout = config.rollout or RolloutConfig()
     for dataset in config.eval.datasets:
         resolved = dataset.resolved(rollout)
-        field = f"eval.datasets[{dataset.name!r}]"
         if resolved.task is not None:
-            check_task_options(resolved.task, resolved.task_options, f"{field}.task_options")
-        task = _eval_task(resolved, config.model.tokenizer_dir, field)
+            check_task_options(resolved.task, resolved.task_options, f"{dataset.field}.task_options")
+        task = resolved.make_task(config.model.tokenizer_dir)
         if resolved.reward:
-            get_reward(resolved.reward)
-        check_prompts(config, task, resolved.agent, resolved.max_new_tokens, field)
+            try:
+                get_reward(resolved.reward)
+            except ValueError as error:
+                raise ValueError(resolved.named(error)) from None
+        check_prompts(config, task, resolved.agent, resolved.max_new_tokens, dataset.field)
 
 
 def check_model(model: ModelConfig) -> None:
@@ -128,11 +138,17 @@ def check_prompts(config: RunConfig, task: Task, agent: str | None, max_new_toke
                 f"{limit - longest}"
             )
         return
-    resolve_agent(agent)
+    try:
+        resolve_agent(agent)
+    except ValueError as error:
+        raise ValueError(str(error).replace("rollout.agent", f"{field}.agent")) from None
     rollout = config.rollout or RolloutConfig()
     if config.model.tokenizer_dir is None:
         raise ValueError(f"{field}.agent needs a tokenizer with a chat template: set model.tokenizer (or model.path)")
-    ChatFormat.load(config.model.tokenizer_dir, rollout.episode.tool_call_format)
+    try:
+        ChatFormat.load(config.model.tokenizer_dir, rollout.episode.tool_call_format)
+    except ValueError as error:
+        raise ValueError(f"model.tokenizer={config.model.tokenizer_dir!r} for {field}.agent: {error}") from None
     if not prompts or not prompts[0].messages:
         raise ValueError(f"{field}.agent: task {task.name!r} gives token prompts; agents need chat messages")
     context = rollout.episode.max_context_tokens
@@ -153,13 +169,3 @@ def check_engines(config: RunConfig) -> None:
             "engines.kind='sglang' needs GPUs; use engines.kind: embedded on CPU "
             "(`moe-rl plan` checks GPU configs on any machine)"
         )
-
-
-def _eval_task(dataset: EvalDatasetConfig, tokenizer_dir: str | None, field: str) -> Task:
-    """The eval dataset's task; errors of a task name or options name the eval field."""
-    if dataset.task is not None:
-        try:
-            return make_task(dataset.task, **dataset.task_options)
-        except ValueError as error:
-            raise ValueError(f"{field}: {error}") from None
-    return dataset.make_task(tokenizer_dir)

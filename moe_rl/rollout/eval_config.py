@@ -74,19 +74,32 @@ class EvalDatasetConfig:
             self, **{name: value for name, value in inherited.items() if getattr(self, name) is None}
         )
 
+    @property
+    def field(self) -> str:
+        """How errors name this dataset in the config."""
+        return f"eval.datasets[{self.name!r}]"
+
     def make_task(self, tokenizer_dir: str | None) -> Task:
-        """The eval prompts' task (call on a `resolved` config)."""
-        if self.task is not None:
-            return make_task(self.task, **self.task_options)
+        """The eval prompts' task (call on a `resolved` config); errors name this dataset's fields."""
         keys = {name: getattr(self, name) for name in DATASET_KEYS if getattr(self, name) is not None}
-        return make_task(
-            "dataset",
-            path=self.path,
-            tokenizer_dir=tokenizer_dir,
-            reward=self.reward or "math",
-            apply_chat_template=bool(self.apply_chat_template),
-            **keys,
-        )
+        try:
+            if self.task is not None:
+                return make_task(self.task, **self.task_options)
+            return make_task(
+                "dataset",
+                path=self.path,
+                tokenizer_dir=tokenizer_dir,
+                reward=self.reward or "math",
+                apply_chat_template=bool(self.apply_chat_template),
+                **keys,
+            )
+        except ValueError as error:
+            raise ValueError(self.named(error)) from None
+
+    def named(self, error: ValueError) -> str:
+        """A task's or dataset's error, which names the rollout section's fields, for this dataset."""
+        message = str(error).replace("rollout.dataset=", f"{self.field}.path=").replace("rollout.", f"{self.field}.")
+        return message if message.startswith(self.field) else f"{self.field}: {message}"
 
     def sampling(self) -> dict[str, Any]:
         """Sampling keyword arguments of `EngineClient.generate` (on a `resolved` config)."""

@@ -10,8 +10,9 @@ One version per sample: a request cut by an abort-mode weight swap, or a sample 
 span two versions (retract and in-place pauses; an episode whose turns straddle a sync), is
 restarted whole under the weights then served, counted `eval/<name>/restarts`; its partial
 tokens are discarded. So in the async modes an evaluation started at v may finish some samples
-at a later version: the row names both ends (`weight_version_min`, `weight_version_max`) and
-every dumped sample its own. In `rl.mode: sync` the driver waits for the evaluation before the
+at a later version: its row is logged at the oldest version among its samples (v unless every
+sample was restarted), names both ends (`weight_version_min`, `weight_version_max`) and every
+dumped sample carries its own. In `rl.mode: sync` the driver waits for the evaluation before the
 next sync, so every sample is at v.
 
 Metrics per dataset (prefix `eval/<name>/`): `reward_mean`; `pass@k` for k = 1, 2, 4, ... and n,
@@ -150,7 +151,7 @@ class Evaluator:
             sample_record(s, decode=dataset.task.decode, advantage=None, trainer_version=step, eval=cfg.name)
             for s in samples
         ]
-        return EvalResult(cfg.name, step, metrics, records)
+        return EvalResult(cfg.name, min(versions, default=step), metrics, records)
 
     async def _group(self, dataset: EvalDataset, gid: str, prompt: Prompt) -> list[Sample]:
         """The n scored samples (or episodes) of one prompt, each at one weight version."""

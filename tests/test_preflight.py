@@ -1,0 +1,205 @@
+"""Refusal before start: a table of bad configs, each given to `moe-rl train` (and `moe-rl eval`)
+as a user would, in this process. Each must exit 2 with one line that names the field and the
+fix, before Ray (or any process) starts: `ray.init` and process starts fail the test here."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import yaml
+
+from moe_rl import cli
+from tests.tiny_models import QWEN3_MOE_SMALL, hf_config, hf_fields, save_random_model
+
+CHAT = "configs/tokenizers/tiny_chat"
+
+
+@pytest.fixture(autouse=True)
+def no_ray(monkeypatch):
+    """Starting Ray fails the test (process starts already do: tests/conftest.py)."""
+    import ray
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("Ray was started for a config that preflight should refuse")
+
+    monkeypatch.setattr(ray, "init", refuse)
+
+
+def base_config(tmp_path) -> dict:
+    return {
+        "model": {"hf_config": hf_fields(QWEN3_MOE_SMALL, max_position_embeddings=64)},
+        "trainer": {"world_size": 2, "ep": 2, "micro_batch_size": 4, "global_batch_size": 8},
+        "rollout": {"task": "copy_digits", "groups_per_step": 4, "n_samples_per_prompt": 2, "max_new_tokens": 4},
+        "rl": {"report": False, "save_hf": False},
+        "steps": 2,
+        "output_dir": str(tmp_path / "run"),
+    }
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Inputs the bad configs point at: datasets, a converted checkpoint's `hf_files/`, a tokenizer
+    without a chat template."""
+    root = tmp_path_factory.mktemp("inputs")
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+    (root / "good.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "no_answer.jsonl").write_text(json.dumps({"prompt": "1+1="}) + "\n")
+    (root / "data.csv").write_text("prompt,answer\n1+1=,2\n")
+    hf_files = root / "converted" / "hf_files"  # what a converted checkpoint keeps beside its weights
+    hf_files.mkdir(parents=True)
+    (hf_files / "config.json").write_text(json.dumps(hf_fields(QWEN3_MOE_SMALL)))
+    plain = root / "plain_tokenizer"
+    shutil.copytree(CHAT, plain)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    return root
+
+
+def heldout(**fields) -> list[dict]:
+    return [{"name": "heldout", "task": "copy_digits", "task_options": {"length": 2, "split": "eval"}, **fields}]
+
+
+BAD = [
+    # (overrides of the base config, the field the error names, a fragment of the fix)
+    ({"model.path": "/no/such/model", "model.hf_config": None}, "model.path", "config.json"),
+    ({"model.path": "{files}/converted/hf_files", "model.hf_config": None}, "model.path", "point model.path at"),
+    ({"model.tokenizer": "/no/such/tokenizer"}, "model.tokenizer", "point it at"),
+    ({"sync.transport": "disk"}, "sync.disk_dir", "set it"),
+    (
+        {
+            "rollout.task_options": {"length": 2},
+            "rollout.task": "dataset",
+            "rollout.dataset": "{files}/good.jsonl",
+            "model.tokenizer": CHAT,
+        },
+        "rollout.task_options",
+        "remove it",
+    ),
+    ({"rollout.task": "no_such_task"}, "rollout.task", "use one of"),
+    ({"rollout.task_options": {"length": 40}}, "rollout.task_options", "use 1..32"),
+    (
+        {"rollout.task": "dataset", "rollout.dataset": "{files}/missing.jsonl", "model.tokenizer": CHAT},
+        "rollout.dataset",
+        "no such file",
+    ),
+    (
+        {"rollout.task": "dataset", "rollout.dataset": "{files}/no_answer.jsonl", "model.tokenizer": CHAT},
+        "rollout.answer_key",
+        "answer",
+    ),
+    (
+        {
+            "rollout.task": "dataset",
+            "rollout.dataset": "{files}/good.jsonl",
+            "rollout.prompt_key": "question",
+            "model.tokenizer": CHAT,
+        },
+        "rollout.prompt_key",
+        "columns",
+    ),
+    (
+        {"rollout.task": "dataset", "rollout.dataset": "{files}/data.csv", "model.tokenizer": CHAT},
+        "rollout.dataset",
+        ".parquet",
+    ),
+    ({"rollout.task": "dataset", "rollout.dataset": "{files}/good.jsonl"}, "model.tokenizer", "set model.tokenizer"),
+    ({"rollout.reward": "no_such_module:score"}, "rollout.reward", "cannot import"),
+    (
+        {"rollout.task": "lookup", "rollout.agent": "no_such_module:agent", "model.tokenizer": CHAT},
+        "rollout.agent",
+        "cannot import",
+    ),
+    (
+        {
+            "rollout.task": "lookup",
+            "rollout.agent": "moe_rl.tasks.lookup:lookup_agent",
+            "model.tokenizer": "{files}/plain_tokenizer",
+            "rollout.episode.max_context_tokens": 64,
+        },
+        "model.tokenizer",
+        "chat_template",
+    ),
+    ({"rollout.max_new_tokens": 100}, "rollout.max_new_tokens", "lower rollout.max_new_tokens to at most"),
+    ({"rollout.reward_timeout_s": 0}, "rollout.reward_timeout_s", "> 0"),
+    ({"engines.kind": "sglang"}, "engines.kind", "use engines.kind: embedded"),
+    ({"trainer.tpp": 2}, "trainer.tpp", "did you mean"),
+    ({"trainer.global_batch_size": 16}, "trainer.global_batch_size", "make them equal"),
+    ({"eval.datasets": []}, "eval.datasets", "list at least one"),
+    ({"eval.datasets": heldout(num_prompts=4) * 2}, "eval.datasets", "give every dataset its own name"),
+    (
+        {"eval.datasets": [{"name": "heldout", "path": "{files}/missing.jsonl"}], "model.tokenizer": CHAT},
+        "eval.datasets['heldout'].path",
+        "no such file",
+    ),
+    (
+        {"eval.datasets": heldout(num_prompts=4, task_options={"lenght": 2})},
+        "eval.datasets['heldout'].task_options",
+        "remove it",
+    ),
+    (
+        {"eval.datasets": heldout(num_prompts=4, reward="no_such_module:f")},
+        "eval.datasets['heldout'].reward",
+        "cannot import",
+    ),
+    (
+        {"eval.datasets": heldout(num_prompts=4, max_new_tokens=100)},
+        "eval.datasets['heldout'].max_new_tokens",
+        "at most",
+    ),
+    ({"eval.datasets": heldout()}, "eval.datasets['heldout']", "set num_prompts"),
+    ({"eval.every": -1, "eval.datasets": heldout(num_prompts=4)}, "eval.every", ">= 0"),
+    ({"rollout": None, "eval.datasets": heldout(num_prompts=4)}, "eval", "moe-rl eval"),
+]
+
+
+def write_config(tmp_path, files, overrides: dict) -> str:
+    config = base_config(tmp_path)
+    for key, value in overrides.items():
+        value = json.loads(json.dumps(value).replace("{files}", str(files)))
+        *parents, leaf = key.split(".")
+        node = config
+        for part in parents:
+            node = node.setdefault(part, {})
+        if value is None:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def refusal(capsys, argv: list[str]) -> str:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moe-rl: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("overrides,field,fix", BAD, ids=[f"{i:02d}-{case[1]}" for i, case in enumerate(BAD)])
+def test_bad_config_is_refused_before_start(tmp_path, files, capsys, overrides, field, fix):
+    err = refusal(capsys, ["train", write_config(tmp_path, files, overrides)])
+    assert field in err and fix in err, err
+    assert not (tmp_path / "run").exists()  # nothing written, nothing started
+
+
+def test_a_command_line_task_override_names_the_option_of_the_other_task(tmp_path, files, capsys):
+    """The issue's case: `rollout.task=dataset` over a config whose task_options are copy_digits'."""
+    config = write_config(tmp_path, files, {"rollout.task_options": {"length": 2}, "model.tokenizer": CHAT})
+    err = refusal(capsys, ["train", config, "rollout.task=dataset", f"rollout.dataset={files}/good.jsonl"])
+    assert "rollout.task_options has 'length'" in err and "remove it" in err
+
+
+def test_bad_eval_configs_are_refused_by_moe_rl_eval_too(tmp_path, files, capsys):
+    model = save_random_model(hf_config(QWEN3_MOE_SMALL), tmp_path / "model")
+    capsys.readouterr()  # save_pretrained's progress bar
+    config = write_config(tmp_path, files, {"eval.datasets": heldout()})
+    assert "set num_prompts" in refusal(capsys, ["eval", config, "--checkpoint", str(model)])
+    config = write_config(tmp_path, files, {})
+    assert "no eval section" in refusal(capsys, ["eval", config, "--checkpoint", str(model)])
+    config = write_config(tmp_path, files, {"eval.datasets": heldout(num_prompts=2)})
+    assert "--checkpoint='/no/such'" in refusal(capsys, ["eval", config, "--checkpoint", "/no/such"])

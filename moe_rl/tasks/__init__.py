@@ -2,7 +2,8 @@
 
 - `registry`: `Task`, `Prompt`, `@register_task`, `@register_reward`, `make_task`, `get_reward`
   (registered names, task names, or `module:function`).
-- `math`: the `"math"` reward (final \\boxed{} answer or last number vs the reference).
+- `math`: the `"math"` reward (the final \\boxed{} answer, else math-verify's own extraction, vs
+  the reference, graded by HF math-verify in a child process with a time limit).
 - `digits`: built-in tasks with their own token vocabulary (`copy_digits`, `reverse_digits`,
   `sum_mod10`) that a tiny random-init model learns on CPU.
 - `dataset`: the `"dataset"` task for user data (JSONL, Parquet, saved HF datasets; key mapping).

@@ -104,6 +104,8 @@ def _offline(datasets):
 
 @register_task("dataset")
 class DatasetTask(Task):
+    """Prompts of a user dataset (the module docstring); `len(task)` is its number of rows."""
+
     def __init__(
         self,
         path: str | Path | None = None,

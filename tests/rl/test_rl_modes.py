@@ -15,6 +15,7 @@ import os
 import pytest
 
 from moe_rl.config import RunConfig, from_dict
+from tests.agents.conftest import CHAT_DIR
 from tests.tiny_models import QWEN3_MOE_SMALL, hf_fields
 
 pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
@@ -23,11 +24,11 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 STEPS = 4
 
 
-def tiny_config(tmp_path, mode: str, **rl) -> RunConfig:
+def tiny_config(tmp_path, mode: str, rollout: dict | None = None, model: dict | None = None, **rl) -> RunConfig:
     return from_dict(
         RunConfig,
         {
-            "model": {"hf_config": hf_fields(QWEN3_MOE_SMALL, max_position_embeddings=64)},
+            "model": {"hf_config": hf_fields(QWEN3_MOE_SMALL, max_position_embeddings=64), **(model or {})},
             "trainer": {
                 "world_size": 2,
                 "ep": 2,
@@ -42,6 +43,7 @@ def tiny_config(tmp_path, mode: str, **rl) -> RunConfig:
                 "n_samples_per_prompt": 2,
                 "max_new_tokens": 12,
                 "max_staleness": 2,
+                **(rollout or {}),
             },
             "sync": {"pause_mode": "abort", "bucket_bytes": 1 << 20},
             "rl": {"mode": mode, "report": False, "save_hf": False, **rl},
@@ -101,6 +103,30 @@ def test_sync_and_one_step_off(tmp_path, mode, bound):
     assert all(r["train/skipped"] == 0 for r in rows)
     if mode == "one_step_off":
         assert all("time/drain_s" in r for r in rows)
+
+
+def test_sync_on_a_verl_parquet_dataset(tmp_path):
+    """verl's RL layout trains unchanged: chat prompts rendered with the tiny chat template, the
+    reference answer at `reward_model.ground_truth`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        {
+            "data_source": "digits",
+            "prompt": [{"role": "user", "content": f"{i}"}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(i)},
+            "extra_info": {"split": "train", "index": i},
+        }
+        for i in range(10)
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    dataset = {"task": "dataset", "task_options": {}, "dataset": str(tmp_path / "train.parquet")}
+    rollout = {**dataset, "answer_key": "reward_model.ground_truth", "max_new_tokens": 4}
+    summary, rows = run(tiny_config(tmp_path, "sync", rollout, {"tokenizer": str(CHAT_DIR)}))
+    check_ledger(summary)
+    assert rows[-1]["rollout/generated_tokens"] > 0 and "rollout/reward_mean" in rows[-1]
 
 
 def test_fp8_weight_sync(tmp_path):

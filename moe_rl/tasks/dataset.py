@@ -95,11 +95,16 @@ def open_dataset(path: str | Path):
 
 @contextlib.contextmanager
 def _offline(datasets):
+    """No network, and no progress bars: a refusal before start prints one line, nothing else."""
     saved, datasets.config.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE, True
+    bars_were_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
     try:
         yield
     finally:
         datasets.config.HF_HUB_OFFLINE = saved
+        if bars_were_on:
+            datasets.enable_progress_bars()
 
 
 @register_task("dataset")

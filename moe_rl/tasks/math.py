@@ -18,7 +18,7 @@ Ray actors. `MathGrader` runs math-verify in the main thread of spawned children
 `ProcessPoolExecutor`) with its limits on, and bounds each call from outside as well: past
 `GRADE_TIMEOUT_S` the children are killed, the call raises `TimeoutError` (the reward scorer
 turns it into 0) and the next call starts fresh ones. A call killed with them (another call's
-timeout) is retried once on the fresh children.
+timeout) is retried once on the fresh children. A child ends when its parent dies, killed or not.
 
 Cost (measured on a shared 2-core CPU box, 2026-12-03): the first call starts the two children,
 0.7-2.3 s (spawn, import moe_rl.tasks and math-verify: sympy), outside its limit. After that, round
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
+import multiprocessing.connection
 import os
 import threading
 from concurrent.futures.process import BrokenProcessPool
@@ -81,8 +82,18 @@ def gold_text(answer: Any) -> str:
     return text if "$" in text or "\\boxed" in text or "\\(" in text or "\\[" in text else f"${text}$"
 
 
-def _import_math_verify() -> None:
+def _start_child() -> None:
+    """A grader child's start: math-verify imported, and a thread that ends the child when the
+    parent dies (a killed parent would otherwise leave it waiting on its queue for good)."""
     import math_verify  # noqa: F401  (heavy: sympy; only the grader's children load it)
+
+    sentinel = multiprocessing.parent_process().sentinel
+    threading.Thread(target=_exit_with_parent, args=(sentinel,), daemon=True).start()
+
+
+def _exit_with_parent(sentinel: int) -> None:
+    multiprocessing.connection.wait([sentinel])  # ready once the parent is gone
+    os._exit(1)
 
 
 def grade(prediction: str, gold: str) -> bool:
@@ -142,9 +153,7 @@ class MathGrader:
     def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
         """Fresh children, up and with math-verify imported before any call's limit starts."""
         context = multiprocessing.get_context("spawn")  # no fork of a process that runs threads
-        pool = concurrent.futures.ProcessPoolExecutor(
-            self.processes, mp_context=context, initializer=_import_math_verify
-        )
+        pool = concurrent.futures.ProcessPoolExecutor(self.processes, mp_context=context, initializer=_start_child)
         try:
             for started in [pool.submit(os.getpid) for _ in range(self.processes)]:
                 started.result(timeout=STARTUP_TIMEOUT_S)

@@ -4,7 +4,10 @@ that would hang scoring 0 within its limit while the grader keeps working."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -130,3 +133,32 @@ def test_the_reward_scorer_turns_the_grader_timeout_into_zero(monkeypatch):
         grader.close()
     assert hung == 0.0 and waited < 3 and later == [1.0] * 4
     assert scorer.metrics() == {"rollout/reward_errors": 0, "rollout/reward_timeouts": 1}
+
+
+def test_the_children_end_when_their_parent_is_killed():
+    script = (
+        "from moe_rl.tasks.math import GRADER, math_reward\n"
+        "math_reward('\\\\boxed{1}', '1', None)\n"
+        "print(*[p.pid for p in GRADER._pool._processes.values()], flush=True)\n"
+        "import time; time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        children = [int(pid) for pid in parent.stdout.readline().split()]
+    finally:
+        parent.kill()
+        parent.wait()
+    assert len(children) == 2
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in children)
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie left for a PID 1 that does not reap is dead too)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"

@@ -93,6 +93,7 @@ class Episode:
         self.token_mode = False  # `add(token_ids=...)` was used: the agent works in tokens
         self.turn_ended = True
         self.turns = self.tool_calls = self.tool_errors = self.forks = self.replayed = 0
+        self.calls: list[dict] = []  # every parsed tool call, {"turn", "name", "arguments"} (dumps)
         self.truncated = False
         self.last_text = ""  # the latest turn's text (a truncated episode is scored on it)
         self.engine_error: Exception | None = None  # a failed turn: the rollout's fault, not the agent's
@@ -179,6 +180,7 @@ class Episode:
         self.last_text = parsed.text
         self.turns += 1
         self.tool_calls += len(parsed.tool_calls)
+        self.calls += [{"turn": self.turns, "name": c.name, "arguments": c.arguments} for c in parsed.tool_calls]
         self.tool_errors += parsed.tool_errors
         self.turn_ended = finish == "stop"
         if not self.token_mode:
@@ -243,6 +245,7 @@ class Episode:
                 **sample.metadata,
                 "turns": self.turns,
                 "tool_calls": self.tool_calls,
+                "calls": list(self.calls),
                 "sequence": i,
                 "sequences": len(sequences),
             }

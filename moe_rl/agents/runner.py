@@ -31,6 +31,7 @@ from typing import Any, Awaitable, Callable
 
 from moe_rl.agents.chat import ChatFormat
 from moe_rl.agents.config import EpisodeConfig
+from moe_rl.agents.endpoint import ChatEndpoint
 from moe_rl.agents.episode import Episode, EpisodeLimit, TurnFn
 from moe_rl.sample import Sample
 
@@ -79,6 +80,22 @@ class AgentRunner:
         self._reported = collections.Counter()  # totals at the previous `metrics()`
         self.failures: list[str] = []  # the latest failure messages
         self.succeeded = self.failed_groups = 0
+
+    @classmethod
+    def for_agent(
+        cls,
+        agent: str,
+        tokenizer_dir,
+        config: EpisodeConfig,
+        *,
+        max_new_tokens: int,
+        score: Callable[[str, Any, Sample], float],
+    ) -> "AgentRunner":
+        """The runner of `agent` ("package.module:function") with the model's chat format (from
+        `tokenizer_dir`) and an OpenAI endpoint per `config`."""
+        chat = ChatFormat.load(tokenizer_dir, config.tool_call_format)
+        endpoint = ChatEndpoint(config.endpoint_host, config.endpoint_port)
+        return cls(resolve_agent(agent), chat, config, max_new_tokens=max_new_tokens, score=score, endpoint=endpoint)
 
     def close(self) -> None:
         self.tool_pool.shutdown(wait=False, cancel_futures=True)

@@ -148,6 +148,7 @@ def overlap_ideal(sync_run: dict) -> dict:
 def run(args) -> int:
     # heavy: torch (through moe_rl.config); the CLI imports every command module to build its parser
     from moe_rl.config import load_config
+    from moe_rl.jobs.preflight import check_run
 
     out = Path(args.output).parent
     cores = sorted(available_cores())
@@ -180,8 +181,8 @@ def run(args) -> int:
     if load_config(args.config, args.overrides).rollout.agent is not None:
         tools = [*base, f"rollout.task_options={{latency_s: {args.tool_latency_s}}}"]
         plan = {"agent_sync": [*tools, *sync], "agent_fully_async": [*tools, *fully_async]}
-    for overrides in plan.values():  # a bad option or override fails now, not after minutes of runs
-        load_config(args.config, overrides)
+    for overrides in plan.values():  # a bad option, override or input fails now, not after minutes of runs
+        check_run(load_config(args.config, overrides))
     repeats = []  # each repeat runs every pair back to back, so both runs of a pair see about the same load
     for r in range(args.repeats):
         where = out if args.repeats == 1 else out / f"repeat{r}"

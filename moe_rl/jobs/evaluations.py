@@ -3,10 +3,11 @@
 The rollout worker runs the evaluations (`moe_rl.rollout.evaluation`); the driver asks for one
 after the engines serve a version that `eval` makes due, and logs each finished evaluation as a
 metrics row at the step it evaluated (metrics.jsonl, TensorBoard, W&B), its samples into
-`RUN_DIR/eval/<name>/step_N.jsonl` (`SampleDump`). In `rl.mode: sync` the driver waits for each
-evaluation before the next weight sync, so no eval sample is restarted; in the async modes it
-never waits during training, only before a run checkpoint (so every evaluation of a step before
-the checkpoint is logged before it: `--resume` neither loses nor repeats one) and at the end.
+`RUN_DIR/eval/<name>/step_N.jsonl` (`SampleDump`). With `hold_sync` (`rl.mode: sync`, or
+`eval.hold_sync`) the driver waits for a running evaluation before the next weight sync (the
+trainer trains meanwhile), so no eval sample is restarted; otherwise it never waits during
+training, only before a run checkpoint (so every evaluation of a step before the checkpoint is
+logged before it: `--resume` neither loses nor repeats one) and at the end.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from moe_rl.rollout.eval_config import EvalConfig
 
 
 class DriverEvaluations:
-    def __init__(self, config: EvalConfig | None, cluster, logger: MetricsLogger, run_dir: Path, wait_each: bool):
+    def __init__(self, config: EvalConfig | None, cluster, logger: MetricsLogger, run_dir: Path, hold_sync: bool):
         self.config, self.cluster, self.logger = config, cluster, logger
-        self.run_dir, self.wait_each = run_dir, wait_each
+        self.run_dir, self.hold_sync = run_dir, hold_sync
         self.in_flight = 0
 
     def dumps(self, name: str) -> SampleDump:
@@ -39,8 +40,13 @@ class DriverEvaluations:
             return {}
         if self.config.due(step, last):
             self.cluster.start_eval()
-        self.collect(wait=self.wait_each)
+        self.collect()
         return {"eval/in_flight": self.in_flight}
+
+    def before_sync(self) -> None:
+        """With `hold_sync`: the running evaluations end before the weights change under them."""
+        if self.hold_sync and self.in_flight:
+            self.collect(wait=True)
 
     def collect(self, wait: bool = False) -> None:
         """Log and dump the evaluations finished so far (`wait`: all of them)."""

@@ -48,7 +48,8 @@ def run(config: RunConfig, resume: bool = False) -> dict:
     start = time.perf_counter()
     logger = MetricsLogger(run_dir, wandb_project=config.rl.wandb_project, config=to_dict(config))
     cluster = RLCluster(config, run_dir, restore)
-    evaluations = DriverEvaluations(config.eval, cluster, logger, run_dir, wait_each=config.rl.mode == "sync")
+    hold = config.rl.mode == "sync" or (config.eval is not None and config.eval.hold_sync)
+    evaluations = DriverEvaluations(config.eval, cluster, logger, run_dir, hold_sync=hold)
     if restore is not None:
         evaluations.remove_after(restore.step)
     dumps = RolloutDump(run_dir, run_decoder(config.rollout, config.model.tokenizer_dir)) if rollout.dump else None
@@ -77,7 +78,8 @@ def run(config: RunConfig, resume: bool = False) -> dict:
                     engines_released(cluster.engines, config.engines.kind, config.rl.colocate, metrics),
                 ):
                     metrics.update(cluster.trainer.step(batch, config.algorithm))
-                # 3. update the engines' weights to version + 1
+                # 3. update the engines' weights to version + 1 (eval.hold_sync: after the running evaluation)
+                evaluations.before_sync()
                 metrics.update(_update_weights(cluster, config, version + 1))
                 # read before admitting the next round: the worker answers after starting its requests
                 rollout_metrics = cluster.rollout_metrics()

@@ -12,8 +12,8 @@ and `response_tokens`, `versions` = the response's weight versions as ranges
 results, user turns, template glue), `trainer_version`, `staleness` (trainer version minus the
 oldest token version, as the batch counts it), `status` (completed | truncated | aborted),
 `segments` (engine requests behind it; > 1 = continued across a weight swap) and, for agent
-episodes, `episode` = {index, sequence, sequences, turns, tool_calls} as `moe_rl.agents.episode`
-records them (None for single-turn samples).
+episodes, `episode` = {index, sequence, sequences, turns, tool_calls (a count), calls (each
+parsed call: turn, name, arguments)} as `moe_rl.agents.episode` records them (None for single-turn samples).
 
 Files are written under a temporary name and renamed, so a reader or a crash never sees half a
 file. A resumed run redoes the steps after its checkpoint, so `remove_after(step)` drops their files
@@ -98,8 +98,13 @@ def trained_records(
 
 
 def run_decoder(rollout: RolloutConfig, tokenizer_dir: str | None) -> Decode:
-    """Token ids -> text for a run's dumps: the model's tokenizer with special tokens kept (chat
-    turns stay visible) when there is one, else the task's own `decode`."""
+    """Token ids -> text for a run's dumps (`text_decoder`, falling back on the rollout task's)."""
+    return text_decoder(tokenizer_dir, lambda: rollout.make_task(tokenizer_dir).decode)
+
+
+def text_decoder(tokenizer_dir: str | None, fallback: Callable[[], Decode]) -> Decode:
+    """Token ids -> text for dumps: the model's tokenizer with special tokens kept (chat turns stay
+    visible) when there is one, else `fallback()` (a task's own `decode`)."""
     if tokenizer_dir is not None:
         try:
             tokenizer = load_tokenizer(tokenizer_dir)
@@ -107,7 +112,7 @@ def run_decoder(rollout: RolloutConfig, tokenizer_dir: str | None) -> Decode:
             pass
         else:
             return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
-    return rollout.make_task(tokenizer_dir).decode
+    return fallback()
 
 
 class SampleDump:
@@ -185,6 +190,7 @@ def _episode(meta: dict[str, Any]) -> dict[str, Any] | None:
         "sequences": meta.get("sequences"),
         "turns": meta["turns"],
         "tool_calls": meta.get("tool_calls", 0),
+        "calls": meta.get("calls", []),
     }
 
 

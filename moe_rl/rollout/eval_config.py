@@ -116,6 +116,11 @@ class EvalConfig:
     """Evaluate the initial policy (version 0) before the first step."""
     at_end: bool = True
     """Evaluate the final policy once training ends (the run waits for it)."""
+    hold_sync: bool = False
+    """Hold the next weight sync until a running evaluation ends (the trainer goes on training but
+    waits for it before syncing): no eval sample is cut and restarted, at the cost of that wait.
+    For long responses, where syncs would cut eval samples faster than they finish. `rl.mode:
+    sync` always holds."""
     dump: bool = True
     """Write every eval sample under `RUN_DIR/eval/<name>/step_N.jsonl` (`moe-rl samples --eval NAME`)."""
 

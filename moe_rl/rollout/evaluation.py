@@ -32,10 +32,10 @@ import math
 import time
 from typing import Any
 
-from moe_rl.agents import AgentRunner, ChatEndpoint, ChatFormat, resolve_agent
+from moe_rl.agents import AgentRunner
 from moe_rl.engine.pool import EnginePool
 from moe_rl.rollout.config import RolloutConfig
-from moe_rl.rollout.dump import sample_record
+from moe_rl.rollout.dump import sample_record, text_decoder
 from moe_rl.rollout.eval_config import EvalConfig, EvalDatasetConfig
 from moe_rl.rollout.partial import continuation_request, continue_sample
 from moe_rl.rollout.scoring import RewardScorer
@@ -84,18 +84,17 @@ class EvalDataset:
             reward, timeout_s=rollout.reward_timeout_s, workers=rollout.reward_workers, prefix=f"eval/{config.name}"
         )
         self.stop_token_ids = list(self.task.stop_token_ids)
+        self.decode = text_decoder(tokenizer_dir, lambda: self.task.decode)  # the dumps' text
         self.agents: AgentRunner | None = None
         if config.agent is not None:
-            chat = ChatFormat.load(tokenizer_dir, rollout.episode.tool_call_format)
-            self.agents = AgentRunner(
-                resolve_agent(config.agent),
-                chat,
+            self.agents = AgentRunner.for_agent(
+                config.agent,
+                tokenizer_dir,
                 rollout.episode,
                 max_new_tokens=config.max_new_tokens,
                 score=self.scorer.score_blocking,
-                endpoint=ChatEndpoint(rollout.episode.endpoint_host, rollout.episode.endpoint_port),
             )
-            self.stop_token_ids.append(chat.eos_id)
+            self.stop_token_ids.append(self.agents.chat.eos_id)
 
 
 class Evaluator:
@@ -126,7 +125,7 @@ class Evaluator:
         groups = await asyncio.gather(
             *(self._group(dataset, f"eval-{cfg.name}-{step}-{i}", p) for i, p in enumerate(dataset.prompts))
         )
-        rewards = [[s.reward for s in group] for group in groups]
+        rewards = [_outcomes(group) for group in groups]
         samples = [s for group in groups for s in group]
         versions = [v for s in samples for v in s.weight_versions if v is not None]
         n, prefix = cfg.n_samples_per_prompt, f"eval/{cfg.name}"
@@ -148,7 +147,7 @@ class Evaluator:
         if dataset.agents is not None:
             metrics.update(_agent_metrics(dataset.agents, prefix))
         records = [
-            sample_record(s, decode=dataset.task.decode, advantage=None, trainer_version=step, eval=cfg.name)
+            sample_record(s, decode=dataset.decode, advantage=None, trainer_version=step, eval=cfg.name)
             for s in samples
         ]
         return EvalResult(cfg.name, min(versions, default=step), metrics, records)
@@ -210,6 +209,13 @@ class Evaluator:
         if len({v for v in sample.weight_versions if v is not None}) > 1:
             raise CutByWeightUpdate
         return sample
+
+
+def _outcomes(group: list[Sample]) -> list[float]:
+    """The rewards pass@k counts: one per sample, or one per episode (an episode that forked into
+    several sequences brings one sample per sequence, all with the episode's reward)."""
+    episodes = {s.metadata["episode"]: s.reward for s in group if "episode" in s.metadata}
+    return list(episodes.values()) if episodes else [s.reward for s in group]
 
 
 def _mean(values) -> float:

@@ -30,7 +30,7 @@ import dataclasses
 import math
 from pathlib import Path
 
-from moe_rl.agents import AgentFailure, AgentRunner, ChatEndpoint, ChatFormat, resolve_agent
+from moe_rl.agents import AgentFailure, AgentRunner
 from moe_rl.engine.pool import EnginePool
 from moe_rl.rollout.buffer import Group, RolloutBuffer
 from moe_rl.rollout.config import RolloutConfig
@@ -62,16 +62,14 @@ class RolloutManager:
         if config.agent is not None:
             if tokenizer_dir is None:
                 raise ValueError("rollout.agent needs the model's tokenizer: set model.tokenizer (or model.path)")
-            chat = ChatFormat.load(tokenizer_dir, config.episode.tool_call_format)
-            self.agents = AgentRunner(
-                resolve_agent(config.agent),
-                chat,
+            self.agents = AgentRunner.for_agent(
+                config.agent,
+                tokenizer_dir,
                 config.episode,
                 max_new_tokens=config.max_new_tokens,
                 score=self.scorer.score_blocking,
-                endpoint=ChatEndpoint(config.episode.endpoint_host, config.episode.endpoint_port),
             )
-            self.stop_token_ids.append(chat.eos_id)
+            self.stop_token_ids.append(self.agents.chat.eos_id)
         self._replays: dict[str, list[list[dict]]] = {}  # restored open episodes: their finished turns
         self.buffer = RolloutBuffer(
             groups_per_step=config.groups_per_step,

@@ -76,3 +76,36 @@ def test_held_out_eval_rises_and_dumps_read_back(tmp_path, capsys):
     assert cli.main(["samples", str(run_dir), "--step", str(STEPS), "--limit", "2"]) == 0
     assert "reward" in capsys.readouterr().out
     assert (run_dir / "plots" / "eval.png").is_file()
+
+
+def test_hold_sync_evaluates_every_sample_at_the_version_it_started(tmp_path):
+    """eval.hold_sync in a fully-async run with long responses: the weight sync waits for the running
+    evaluation, so no eval sample is restarted and each evaluation is wholly at its step's version."""
+    from moe_rl.config import RunConfig, from_dict
+    from moe_rl.jobs import rl
+    from tests.tiny_models import QWEN3_MOE_SMALL
+
+    steps = 4
+    config = from_dict(
+        RunConfig,
+        {
+            "model": {"hf_config": hf_fields(QWEN3_MOE_SMALL, max_position_embeddings=64)},
+            "trainer": {"world_size": 2, "ep": 2, "micro_batch_size": 4, "global_batch_size": 8},
+            "rollout": {"task": "copy_digits_long_tail", "task_options": {"num_stop_tokens": 40},
+                        "groups_per_step": 4, "n_samples_per_prompt": 2, "max_new_tokens": 24, "max_staleness": 2},
+            "eval": {"every": 1, "hold_sync": True, "datasets": [
+                {"name": "tail", "task": "copy_digits_long_tail", "task_options": {"num_stop_tokens": 40},
+                 "num_prompts": 8, "n_samples_per_prompt": 2, "seed": 7}]},
+            "sync": {"pause_mode": "abort", "bucket_bytes": 1 << 20},
+            "rl": {"mode": "fully_async", "report": False, "save_hf": False},
+            "steps": steps,
+            "output_dir": str(tmp_path / "run"),
+        },
+    )  # fmt: skip
+    rl.run(config)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = sorted((r for r in rows if "eval/tail/restarts" in r), key=lambda r: r["step"])
+    assert [r["step"] for r in evals] == list(range(1, steps + 1))
+    for row in evals:
+        assert row["eval/tail/restarts"] == 0
+        assert row["eval/tail/weight_version_min"] == row["eval/tail/weight_version_max"] == row["step"]

@@ -2,11 +2,14 @@
 
 Owns the rollout-record contract (docs/architecture.md, section 2, "The rollout record"):
 per-token rollout logprobs and weight versions (one per response
-token), the loss mask, and the routed experts of every token but the last, int32
+token), the loss mask, and the routed experts of every token but the last,
 `[prompt_len + response_len - 1, num_hidden_layers, topk]` in SGLang's layout. SGLang sends routed
 experts as base64 of little-endian int32 in C order; `encode_routed_experts` /
-`decode_routed_experts` are that wire format, used by both engines and by the client.
-`to_dict` / `from_dict` give a JSON-safe form that round-trips exactly (floats included).
+`decode_routed_experts` are that wire format, used by both engines and by the client. Past the
+wire they are stored in the smallest dtype that holds an expert id (`routing_dtype`: uint8 up to
+256 experts, int16 beyond), from the client's decode to the trainer's batch; int32 (the wire's,
+and older `rollout.json` files') is accepted too. `to_dict` / `from_dict` give a JSON-safe form
+that round-trips exactly (floats and the routing dtype included).
 
 A multi-turn episode (`moe_rl.agents.episode`) is one Sample whose response alternates model
 tokens (loss mask 1, logprob, version) and environment tokens (tool results, user turns, chat
@@ -25,21 +28,52 @@ Status = Literal["completed", "truncated", "aborted"]
 STATUSES = ("completed", "truncated", "aborted")
 
 
+ROUTING_DTYPES = (np.dtype(np.uint8), np.dtype(np.int16), np.dtype(np.int32))
+"""The dtypes a Sample's routed experts may have: `routing_dtype`'s two, and SGLang's int32."""
+
+
+def routing_dtype(num_experts: int | None) -> np.dtype:
+    """The dtype routed-expert ids are stored in for a model with `num_experts` routed experts:
+    uint8 up to 256, int16 up to 32768 (a quarter / half of SGLang's int32 wire format); int32
+    when the count is unknown (None)."""
+    if num_experts is None:
+        return np.dtype(np.int32)
+    if num_experts < 1:
+        raise ValueError(f"num_experts={num_experts}: a MoE model has at least one routed expert")
+    if num_experts <= 256:
+        return np.dtype(np.uint8)
+    if num_experts <= 32768:
+        return np.dtype(np.int16)
+    raise ValueError(f"num_experts={num_experts}: routed-expert ids are stored as int16, which holds 32768 experts")
+
+
 def encode_routed_experts(routed: np.ndarray) -> str:
     """int array [tokens - 1, layers, topk] -> SGLang's base64 of little-endian int32 (C order)."""
     return base64.b64encode(np.ascontiguousarray(routed, dtype="<i4").tobytes()).decode("ascii")
 
 
-def decode_routed_experts(data: str, num_layers: int, topk: int) -> np.ndarray:
-    """SGLang's base64 string -> int32 array [tokens - 1, num_layers, topk]."""
-    flat = np.frombuffer(base64.b64decode(data), dtype="<i4")
+def decode_routed_experts(data: str, num_layers: int, topk: int, num_experts: int | None = None) -> np.ndarray:
+    """SGLang's base64 string -> array [tokens - 1, num_layers, topk] of `routing_dtype(num_experts)`;
+    an id outside [0, num_experts) raises (it would not survive the narrowing)."""
+    flat = _unpack(data, np.dtype("<i4"), num_layers, topk)
+    if num_experts is not None and flat.size and (flat.min() < 0 or flat.max() >= num_experts):
+        bad = flat.min() if flat.min() < 0 else flat.max()
+        raise ValueError(
+            f"routed_experts holds expert id {bad}, outside [0, {num_experts}): pass the model's "
+            "number of routed experts (num_experts) of the model the engine serves"
+        )
+    return flat.astype(routing_dtype(num_experts))
+
+
+def _unpack(data: str, wire: np.dtype, num_layers: int, topk: int) -> np.ndarray:
+    flat = np.frombuffer(base64.b64decode(data), dtype=wire)
     row = num_layers * topk
     if flat.size % row:
         raise ValueError(
-            f"routed_experts has {flat.size} int32 values, not a multiple of num_layers*topk={row}: "
+            f"routed_experts has {flat.size} {wire.name} values, not a multiple of num_layers*topk={row}: "
             "pass the model's num_hidden_layers and num_experts_per_tok"
         )
-    return flat.astype(np.int32).reshape(-1, num_layers, topk)
+    return flat.reshape(-1, num_layers, topk)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -56,7 +90,7 @@ class Sample:
     """Weight version that produced each response token (an integer; engines label versions with
     SGLang's strings, which the client parses); None on an environment token (not sampled)."""
     routed_experts: np.ndarray | None = None
-    """int32 [prompt_len + response_len - 1, num_hidden_layers, topk]."""
+    """[prompt_len + response_len - 1, num_hidden_layers, topk], uint8 / int16 (`routing_dtype`) or int32."""
     reward: float | None = None
     status: Status = "completed"
     group_id: str = ""
@@ -85,10 +119,11 @@ class Sample:
         if self.routed_experts is not None:
             routed = self.routed_experts
             expected = len(self.prompt_ids) + n - 1
-            if routed.dtype != np.int32 or routed.ndim != 3 or routed.shape[0] != expected:
+            if routed.dtype not in ROUTING_DTYPES or routed.ndim != 3 or routed.shape[0] != expected:
                 raise ValueError(
-                    f"Sample.routed_experts is {routed.dtype} {tuple(routed.shape)}; expected int32 "
-                    f"[{expected} (prompt_len + response_len - 1), num_hidden_layers, topk]"
+                    f"Sample.routed_experts is {routed.dtype} {tuple(routed.shape)}; expected uint8, int16 "
+                    f"or int32 [{expected} (prompt_len + response_len - 1), num_hidden_layers, topk] "
+                    "(moe_rl.sample.routing_dtype)"
                 )
 
     def model_versions(self) -> list[int]:
@@ -96,21 +131,31 @@ class Sample:
         return [v for v in self.weight_versions if v is not None]
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-safe dict; routed experts in SGLang's base64 form plus their shape."""
+        """JSON-safe dict; routed experts as base64 of their little-endian bytes in their own dtype
+        (C order), plus shape and dtype."""
         out = dataclasses.asdict(self)
-        if self.routed_experts is not None:
-            out["routed_experts"] = encode_routed_experts(self.routed_experts)
-            out["routed_experts_shape"] = list(self.routed_experts.shape)
+        routed = self.routed_experts
+        if routed is not None:
+            wire = routed.dtype.newbyteorder("<")
+            out["routed_experts"] = base64.b64encode(np.ascontiguousarray(routed, dtype=wire).tobytes()).decode()
+            out["routed_experts_shape"] = list(routed.shape)
+            out["routed_experts_dtype"] = routed.dtype.name
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Sample":
+        """`to_dict`'s inverse; a dict without `routed_experts_dtype` (written before routing was
+        narrowed) holds SGLang's int32 and loads as int32."""
         data = dict(data)
         shape = data.pop("routed_experts_shape", None)
+        dtype = np.dtype(data.pop("routed_experts_dtype", "int32"))
         if data.get("routed_experts") is not None:
             if shape is None:
                 raise ValueError("Sample dict has routed_experts but no routed_experts_shape")
-            data["routed_experts"] = decode_routed_experts(data["routed_experts"], shape[1], shape[2])
+            if dtype not in ROUTING_DTYPES:
+                raise ValueError(f"Sample dict has routed_experts_dtype={dtype.name!r}: use uint8, int16 or int32")
+            rows = _unpack(data["routed_experts"], dtype.newbyteorder("<"), shape[1], shape[2])
+            data["routed_experts"] = rows.astype(dtype)  # native byte order
         # rollout.json files written before versions were integers hold them as strings ("3")
         data["weight_versions"] = [None if v is None else int(v) for v in data.get("weight_versions", [])]
         return cls(**data)
@@ -121,6 +166,6 @@ class Sample:
         mine, theirs = dataclasses.asdict(self), dataclasses.asdict(other)
         a, b = mine.pop("routed_experts"), theirs.pop("routed_experts")
         same_routing = (a is None and b is None) or (
-            a is not None and b is not None and a.shape == b.shape and np.array_equal(a, b)
+            a is not None and b is not None and a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
         )
         return mine == theirs and same_routing

@@ -56,7 +56,8 @@ class GenerateResult:
     """Weight version of each output token (from SGLang's `weight_versions` spans when present).
     Engines label versions with strings ("3", SGLang's form); they are integers from here on."""
     routed_experts: np.ndarray | None
-    """int32 [prompt + output - 1 - routed_experts_start_len, num_hidden_layers, topk], or None."""
+    """[prompt + output - 1 - routed_experts_start_len, num_hidden_layers, topk], or None; of
+    `routing_dtype(num_experts)` (uint8 / int16) when the client knows the model's expert count."""
     meta_info: dict[str, Any]
 
 
@@ -79,6 +80,7 @@ class EngineClient:
         name: str | None = None,
         num_hidden_layers: int | None = None,
         topk: int | None = None,
+        num_experts: int | None = None,
         timeout_s: float = 60.0,
         generate_timeout_s: float = 3600.0,
         retries: int = 3,
@@ -93,6 +95,9 @@ class EngineClient:
         self.timeout_s, self.generate_timeout_s = timeout_s, generate_timeout_s
         self.retries, self.backoff_s = retries, backoff_s
         self._layout = (num_hidden_layers, topk) if num_hidden_layers and topk else None
+        # routed experts are stored as uint8/int16 from the decode on (`routing_dtype`); int32 when
+        # the model's expert count is not given
+        self.num_experts = num_experts
         self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
 
     # -- transport ---------------------------------------------------------------------------------
@@ -210,7 +215,7 @@ class EngineClient:
         routed = None
         if meta.get("routed_experts") is not None:
             layers, topk = await self._routing_layout()
-            routed = decode_routed_experts(meta["routed_experts"], layers, topk)
+            routed = decode_routed_experts(meta["routed_experts"], layers, topk, self.num_experts)
         reason = meta.get("finish_reason") or {}
         return GenerateResult(
             rid=rid,

@@ -7,9 +7,11 @@ the prediction of token t + 1):
   already zeroed tokens older than their sample's newest version when `rollout.mask_stale_tokens`);
 - `advantages`: the sample's group advantage on its response positions;
 - `rollout_logprobs`: the engine's logprob of each response token;
-- `routed_experts` (when the samples carry routing): int32 [B, S, layers, topk], row t = the
+- `routed_experts` (when the samples carry routing): [B, S, layers, topk] in the samples' dtype
+  (uint8 / int16 by `moe_rl.sample.routing_dtype`; the widest when samples differ), row t = the
   experts token t was routed to; rows without routing (the last token, padding) hold the distinct
-  experts 0..topk-1, so a replayed router never sees a duplicate index.
+  experts 0..topk-1, so a replayed router never sees a duplicate index. The trainer widens it to
+  Megatron's index dtype only where it hands rows to megatron-core (`trainer.routing_replay`).
 
 An agent episode is a row like any sample: its environment tokens carry loss mask 0 (they are
 context, not actions) and routed experts like the rest. An episode forked by a history edit
@@ -26,6 +28,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from moe_rl.algorithms import AlgorithmConfig, sample_advantages
@@ -110,7 +113,7 @@ def build_batch(
         adv[i, response] = advantages.advantages[i]
         rollout_lp[i, response] = torch.tensor(sample.rollout_logprobs)
         if routed is not None:
-            routed[i, : p + r - 1] = torch.as_tensor(sample.routed_experts.copy())
+            routed[i, : p + r - 1] = torch.from_numpy(sample.routed_experts.astype(routed.numpy().dtype))
     batch = {"tokens": tokens, "loss_mask": loss_mask, "advantages": adv, "rollout_logprobs": rollout_lp}
     if routed is not None:
         batch["routed_experts"] = routed
@@ -138,5 +141,6 @@ def _routing_tensor(samples: list[Sample], rows: int, seq: int) -> torch.Tensor 
             "return_routed_experts; routing replay needs every sample's routing"
         )
     _, layers, topk = samples[0].routed_experts.shape
-    filler = torch.arange(topk, dtype=torch.int32)
+    dtype = np.result_type(*(s.routed_experts.dtype for s in samples))
+    filler = torch.arange(topk, dtype=torch.from_numpy(np.zeros(0, dtype)).dtype)
     return filler.expand(rows, seq, layers, topk).clone()

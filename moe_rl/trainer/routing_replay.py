@@ -4,7 +4,9 @@ Owns the alignment between a batch's `routed_experts` and the routers of this ra
 stage, the checks on it, the switching of megatron-core's RouterReplay actions around the
 pipeline schedule, and the train/rollout routing agreement.
 
-How rows are aligned (`routed_experts` is int [B, S, num_hidden_layers, topk]):
+How rows are aligned (`routed_experts` is [B, S, num_hidden_layers, topk] of any integer dtype:
+the rollout ships uint8 / int16, `moe_rl.sample.routing_dtype`; `_targets` widens the rows to
+int64, megatron-core's index dtype, only where they are handed to a RouterReplay):
 - Tokens. Row t holds the experts token t went to during the rollout. The model's inputs are
   tokens[:, :-1], so rows 0..S-2 are replayed and row S-1 never is (SGLang sends every token
   but the last; the batch builder pads that row).

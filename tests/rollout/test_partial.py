@@ -33,6 +33,18 @@ def result(tokens, version, routed_rows, finish="length", layers=2, topk=2, firs
     )
 
 
+def test_continuation_keeps_narrow_routing():
+    """Segments decoded as uint8 (`routing_dtype`) concatenate as uint8, rows unchanged."""
+    first = result([7, 8], 0, routed_rows=4, finish="abort")
+    first.routed_experts = first.routed_experts.astype(np.uint8)
+    sample = continue_sample(Sample(prompt_ids=[1, 2, 3]), first, routed_experts=True)
+    more = result([9], 1, routed_rows=1, first=200)
+    more.routed_experts = more.routed_experts.astype(np.uint8)
+    done = continue_sample(sample, more, routed_experts=True)
+    assert done.routed_experts.dtype == np.uint8
+    assert done.routed_experts.ravel().tolist() == [*range(16), 200, 201, 202, 203]
+
+
 def test_continue_sample_concatenates_every_field_in_order():
     prompt = [1, 2, 3]
     sample = continue_sample(

@@ -77,3 +77,19 @@ def test_zero_variance_groups_stay_in_the_batch_and_mixed_routing_is_refused():
     mixed = [[sample([1, 2], [3], 1.0, "a", [0]), sample([1, 2], [4], 0.0, "a", [0], routed=False)]]
     with pytest.raises(ValueError, match="routed experts"):
         build_batch(mixed, AlgorithmConfig(), 0, 0)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int16])
+def test_routing_keeps_the_samples_small_dtype(dtype):
+    """Narrow routing (`routing_dtype`) stays narrow in the batch, filler rows included; a sample
+    in int32 (an older record) widens the batch to int32, values unchanged."""
+    groups = [[sample([1, 2], [3, 4], 1.0, "a", [0, 0]), sample([1, 2], [5], 0.0, "a", [0])]]
+    for s in groups[0]:
+        s.routed_experts = s.routed_experts.astype(dtype)
+    routed = build_batch(groups, AlgorithmConfig(), 0)[0]["routed_experts"]
+    assert routed.dtype == torch.from_numpy(np.zeros(0, dtype)).dtype
+    assert np.array_equal(routed[0, :3].numpy(), groups[0][0].routed_experts)
+    assert routed[1, 2:].tolist() == [[[0, 1]] * LAYERS] * 2  # filler 0..topk-1
+    groups[0][1].routed_experts = groups[0][1].routed_experts.astype(np.int32)
+    wide = build_batch(groups, AlgorithmConfig(), 0)[0]["routed_experts"]
+    assert wide.dtype == torch.int32 and torch.equal(wide, routed.int())

@@ -131,6 +131,8 @@ def run_world(hf_dir, batch, real, rollout_routing):
     rollout_batch = {**batch, "routed_experts": rollout_routing}
     out["rollout_agreement"] = trainer.routing_agreement(rollout_batch)
     out["logprobs_replay"] = trainer.forward_logprobs(rollout_batch, replay=True)
+    narrow = {**rollout_batch, "routed_experts": rollout_routing.to(torch.uint8)}  # as the rollout ships it
+    out["logprobs_replay_uint8"] = trainer.forward_logprobs(narrow, replay=True)
     out["logprobs_natural"] = trainer.forward_logprobs(rollout_batch, replay=False)
     out["logprobs_default"] = trainer.forward_logprobs(rollout_batch)
     out["tp_sp"] = replay_mismatches(trainer, batch, real)
@@ -214,6 +216,7 @@ def test_replay_shrinks_logprob_gap(world):
     print(f"agreement {agreement}; |logprob gap| replay {gap_replay:.2e} vs natural {gap_natural:.2e}")
     assert gap_replay < 0.5 * gap_natural, (gap_replay, gap_natural)
     assert torch.equal(out["logprobs_default"], out["logprobs_replay"])  # routing_replay=True + routed_experts
+    assert torch.equal(out["logprobs_replay_uint8"], out["logprobs_replay"])  # uint8 rows replay bit for bit
     # PP stages replay their own layers (global layer = stage offset + local index): same result.
     pp_gap = (out["pp_logprobs_replay"] - out["logprobs_replay"])[trained].abs().max()
     assert pp_gap < 1e-4, pp_gap

@@ -137,10 +137,18 @@ class TrainerConfig(ParallelLayout):
     tokens the loss mask trains on, one more token ahead per layer, so engines that speculate with
     them keep up with the policy. 0: they are carried along untrained (frozen: no gradient, no
     optimizer state, no weight decay), exported and synced unchanged."""
+    max_tokens_per_microbatch: int | None = None
+    """Token-budget micro-batches: rows are balanced over DP ranks by length, each rank's rows are
+    packed so that a micro-batch's rows x its longest row fit this many tokens, padded only to that
+    row (docs/trainer.md). Must hold the longest sequence (prompt + rollout.max_new_tokens, or an
+    episode's context): preflight refuses less. None: micro_batch_size rows at the batch's width."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
 
     def __post_init__(self):
         super().__post_init__()
+        budget = self.max_tokens_per_microbatch
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 2):
+            raise ValueError(f"trainer.max_tokens_per_microbatch={budget!r}: must be an integer >= 2 (tokens), or null")
         if self.mtp_loss_weight < 0:
             raise ValueError(
                 f"trainer.mtp_loss_weight={self.mtp_loss_weight}: must be >= 0 (0 leaves MTP layers untrained)"

@@ -7,6 +7,8 @@ whole global batch (Megatron's `calculate_per_token_loss`), so the loss and the 
 not depend on the layout. With `routing_replay`, batches carrying `routed_experts` are routed as
 the rollout routed them (R3, see moe_rl.trainer.routing_replay). `build_reference` adds a frozen
 copy of the initial policy on the same ranks for the KL term (moe_rl.trainer.reference).
+With trainer.max_tokens_per_microbatch, micro-batches are cut by a token budget and balanced over
+DP ranks (moe_rl.trainer.microbatches); per-row outputs come back in the batch's order.
 """
 
 from __future__ import annotations
@@ -22,7 +24,15 @@ import torch.distributed as dist
 from moe_rl.config import TrainerConfig
 from moe_rl.converted import is_converted, load_model_weights
 from moe_rl.trainer.logprobs import token_entropy, token_logprobs
-from moe_rl.trainer.microbatches import Batch, check_batch, microbatches, pad_sequence_dim, split_rows
+from moe_rl.trainer.microbatches import (
+    Batch,
+    Microbatch,
+    budget_microbatches,
+    check_batch,
+    pad_sequence_dim,
+    row_microbatches,
+    split_rows,
+)
 from moe_rl.trainer.reference import FrozenModel, build_reference
 from moe_rl.trainer.routing_replay import RoutingReplay
 from parallel.bridges import bridge_for
@@ -121,6 +131,8 @@ class MegatronTrainer:
             else {}
         )
         replay = dict(moe_enable_routing_replay=True) if config.routing_replay else {}
+        # token-budget micro-batches differ in length: pipeline p2p sends each one's shape first
+        variable = dict(variable_seq_lengths=True) if config.max_tokens_per_microbatch is not None else {}
         # LoRA adapts both specs (parallel.lora): the TE spec where TE is installed, as without LoRA
         model = build_gpt_model(
             self.bridge,
@@ -129,6 +141,7 @@ class MegatronTrainer:
             mtp_loss_scaling_factor=config.mtp_loss_weight,
             **recompute,
             **replay,
+            **variable,
         )
         if config.mtp_loss_weight == 0 and hasattr(model, "mtp"):  # carried along: no grads, no Adam state
             model.mtp.requires_grad_(False)
@@ -357,19 +370,27 @@ class MegatronTrainer:
             raise ValueError(f"batch has {batch['tokens'].shape[0]} sequences where {rows} are expected")
         if routing is not None:
             replay.check(batch)
-        batch = pad_sequence_dim(batch, self.config.tp if self.config.sequence_parallel else 1)
+        multiple = self.config.tp if self.config.sequence_parallel else 1
+        batch = pad_sequence_dim(batch, multiple)
         dp_rank, dp_size = self.dp_rank_and_size()
-        parts = microbatches(batch, dp_size, dp_rank, self.config.micro_batch_size)
+        budget = self.config.max_tokens_per_microbatch
+        if budget is None:
+            parts = row_microbatches(batch, dp_size, dp_rank, self.config.micro_batch_size)
+        else:
+            parts = budget_microbatches(batch, dp_size, dp_rank, budget, multiple)
         with nullcontext() if routing is None else replay.running(routing):
-            return get_forward_backward_func()(
+            reports = get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=iter(parts),
                 model=[model],
                 num_microbatches=len(parts),
-                seq_length=batch["tokens"].shape[1] - 1,
-                micro_batch_size=self.config.micro_batch_size,
+                # the largest micro-batch (with variable_seq_lengths p2p sends the real shapes)
+                seq_length=max(part.batch["tokens"].shape[1] for part in parts) - 1,
+                micro_batch_size=max(part.batch["tokens"].shape[0] for part in parts),
                 forward_only=forward_only,
             )
+        # the last stage reports once per micro-batch, in order: tag each with its batch rows
+        return [{**report, "rows": part.rows} for report, part in zip(reports, parts)]
 
     def _check_rows(self, batch: Batch, mini_batches: int) -> int:
         """The batch's sequences: trainer.global_batch_size, or more in whole multiples of the
@@ -385,7 +406,8 @@ class MegatronTrainer:
         return rows
 
     def _forward_step(self, loss_fn: LossFn, routing: RoutingReplay | None, data_iterator, model):
-        microbatch = next(data_iterator)
+        part: Microbatch = next(data_iterator)
+        microbatch = part.batch
         tokens = microbatch["tokens"]
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         aligned = {key: tensor[:, 1:] for key, tensor in microbatch.items()}
@@ -401,23 +423,32 @@ class MegatronTrainer:
             loss_sum, num_tokens, report = loss_fn(logprobs, aligned)
             entropy = token_entropy(logits, self.bridge.vocab_size)  # summed over trained tokens
             report = {**report, "entropy": (entropy * aligned["loss_mask"]).sum()}
+            if not part.rows:  # a padding micro-batch: it runs (collectives stay in lockstep), weighs nothing
+                loss_sum, num_tokens = loss_sum * 0, torch.zeros_like(num_tokens)
+                report = {key: torch.zeros_like(value) for key, value in report.items()}
             return loss_sum, num_tokens, {**report, "num_tokens": num_tokens.detach()}
 
         return output, loss
 
     def _gather_rows(self, reports: list[dict], key: str, columns: int) -> torch.Tensor:
-        """Reassemble per-row tensors that the last stage's TP0 ranks reported per microbatch
-        (their DP shard, in order) into the whole batch, on every rank."""
+        """Reassemble per-row tensors [rows, width] that the last stage's TP0 ranks reported per
+        micro-batch (tagged with their batch rows by `_run_schedule`) into the whole batch
+        [B, columns], rows in the batch's order, on every rank. Columns past a micro-batch's width
+        (token-budget micro-batches stop at their longest row) are 0: they only predict padding."""
         # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
         from megatron.core import parallel_state
 
-        mine = None
+        mine = []
         if self.is_last_stage and parallel_state.get_tensor_model_parallel_rank() == 0:
-            mine = (self.dp_rank_and_size()[0], torch.cat([r[key] for r in reports])[:, :columns])
+            mine = [(r["rows"], r[key][:, :columns]) for r in reports if r["rows"]]
         shards: list = [None] * dist.get_world_size()
         dist.all_gather_object(shards, mine)
-        by_dp_rank = dict(shard for shard in shards if shard is not None)
-        return torch.cat([by_dp_rank[rank] for rank in sorted(by_dp_rank)])
+        parts = [part for shard in shards for part in shard]
+        rows = sum(len(part_rows) for part_rows, _ in parts)
+        out = parts[0][1].new_zeros((rows, columns))
+        for part_rows, values in parts:
+            out[torch.tensor(part_rows), : values.shape[1]] = values
+        return out
 
     def _reduce_reports(self, reports: list[dict]) -> dict[str, float]:
         """Sum what the last stage's microbatches reported over DP; every rank gets the sums."""
@@ -428,7 +459,8 @@ class MegatronTrainer:
         if self.is_last_stage and parallel_state.get_tensor_model_parallel_rank() == 0:
             for report in reports:
                 for key, value in report.items():
-                    local[key] = local.get(key, 0.0) + float(value)
+                    if key != "rows":
+                        local[key] = local.get(key, 0.0) + float(value)
         gathered: list[dict[str, float]] = [{} for _ in range(dist.get_world_size())]
         dist.all_gather_object(gathered, local)
         sums: dict[str, float] = {}

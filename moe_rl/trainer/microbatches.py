@@ -4,9 +4,20 @@ Every tensor is indexed by row (sequence). `tokens` [B, S] and `loss_mask` [B, S
 required; the model predicts tokens[:, 1:] from tokens[:, :-1], and `loss_mask[:, t]` says
 whether token t counts (the first column never does). Algorithms add their own per-token
 tensors (advantages, rollout logprobs, ...) with the same [B, S] shape.
+
+Two ways to cut a batch into the micro-batches one DP rank runs, both as `Microbatch`es that
+carry their row indices:
+- by rows (`row_microbatches`, trainer.max_tokens_per_microbatch unset): each DP rank takes a
+  contiguous share of the rows, cut into `micro_batch_size` rows at the batch's width;
+- by tokens (`budget_microbatches`): rows are balanced over DP ranks by real length, each rank's
+  rows are packed under the token budget and padded only to the micro-batch's longest row, and
+  every rank runs the same number of micro-batches (see `budget_plan`).
 """
 
 from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
 
 import torch
 
@@ -52,3 +63,127 @@ def microbatches(batch: Batch, dp_size: int, dp_rank: int, micro_batch_size: int
     if rows % micro_batch_size:
         raise ValueError(f"{rows} sequences per DP rank are not a multiple of micro_batch_size={micro_batch_size}")
     return [split_rows(shard, rows // micro_batch_size, i) for i in range(rows // micro_batch_size)]
+
+
+def row_microbatches(batch: Batch, dp_size: int, dp_rank: int, micro_batch_size: int) -> list[Microbatch]:
+    """`microbatches` with each one's batch rows (contiguous: the DP rank's share in order)."""
+    start = dp_rank * (batch["tokens"].shape[0] // dp_size)
+    parts = microbatches(batch, dp_size, dp_rank, micro_batch_size)
+    return [
+        Microbatch(list(range(start + i * micro_batch_size, start + (i + 1) * micro_batch_size)), part)
+        for i, part in enumerate(parts)
+    ]
+
+
+# -- token-budget micro-batches (trainer.max_tokens_per_microbatch) ----------------------------
+
+
+@dataclass
+class Microbatch:
+    """One micro-batch the schedule runs: the batch rows it holds (indices into the batch it was
+    cut from, so per-row outputs go back in the batch's order) and its tensors. `rows` empty:
+    a padding micro-batch (one row of token 0, loss_mask 0) that only keeps the schedule's
+    count equal across ranks; the trainer gives its loss no weight."""
+
+    rows: list[int]
+    batch: Batch
+
+
+def row_lengths(batch: Batch) -> list[int]:
+    """Each row's real length in tokens: one past its last nonzero token or loss-mask position
+    (padding is token 0 with loss_mask 0), at least 2 (one input, one target). The columns past
+    it only predict padding, and attention is causal: cutting them changes no trained token."""
+    tokens, mask = batch["tokens"], batch["loss_mask"]
+    positions = torch.arange(tokens.shape[1], device=tokens.device)
+    last = torch.where((tokens != 0) | (mask != 0), positions, -1).amax(dim=1)
+    return (last + 1).clamp(min=2).tolist()
+
+
+def karmarkar_karp(weights: list[int], parts: int) -> list[list[int]]:
+    """Partition item indices into `parts` sets of near-equal weight sums (Karmarkar-Karp largest
+    differencing, as verl's balance_batch). Deterministic: ties break by index. Sets are listed
+    heaviest first, each in increasing index order; a set may be empty when items < parts."""
+    # a state: `parts` sets as (sum, indices), heaviest first; the heap pops the largest spread
+    heap = []
+    for order, index in enumerate(sorted(range(len(weights)), key=lambda i: (-weights[i], i))):
+        sets = [(weights[index], [index])] + [(0, []) for _ in range(parts - 1)]
+        heapq.heappush(heap, (-weights[index], order, sets))
+    counter = len(weights)
+    while len(heap) > 1:
+        _, _, first = heapq.heappop(heap)
+        _, _, second = heapq.heappop(heap)
+        # the heaviest set of one state joins the lightest of the other
+        merged = [(a[0] + b[0], a[1] + b[1]) for a, b in zip(first, reversed(second))]
+        merged.sort(key=lambda s: -s[0])  # stable: ties keep their order
+        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), counter, merged))
+        counter += 1
+    sets = heap[0][2] if heap else [(0, []) for _ in range(parts)]
+    return [sorted(indices) for _, indices in sets]
+
+
+def padded_length(length: int, multiple: int) -> int:
+    """The smallest width >= `length` whose model input (width - 1) is a multiple of `multiple`."""
+    return length + (-(length - 1)) % multiple
+
+
+def pack_by_budget(rows: list[int], lengths: list[int], budget: int, multiple: int = 1) -> list[list[int]]:
+    """Cut `rows` into micro-batches whose padded tokens (rows x the longest row's padded width)
+    fit `budget`: longest rows first, packed greedily; a row longer than the budget goes alone."""
+    groups: list[list[int]] = []
+    width = 0
+    for row in sorted(rows, key=lambda r: (-lengths[r], r)):
+        if groups and (len(groups[-1]) + 1) * width <= budget:
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+            width = padded_length(lengths[row], multiple)  # the group's first row is its longest
+    return groups
+
+
+def equalize_counts(groups: list[list[int]], count: int, lengths: list[int]) -> list[list[int]]:
+    """Split the micro-batch computing the most padded tokens (halves in order, so each half keeps
+    its rows sorted) until there are `count`; add empty (padding) micro-batches when no micro-batch
+    has two rows left. Each row's computation is unchanged, so gradients are too."""
+    groups = [list(group) for group in groups]
+    while len(groups) < count:
+        splittable = [i for i, group in enumerate(groups) if len(group) > 1]
+        if not splittable:
+            groups.append([])
+            continue
+        index = max(splittable, key=lambda i: (len(groups[i]) * lengths[groups[i][0]], -i))
+        group = groups[index]
+        groups[index : index + 1] = [group[: len(group) // 2], group[len(group) // 2 :]]
+    return groups
+
+
+def budget_plan(batch: Batch, dp_size: int, budget: int, multiple: int = 1) -> list[list[list[int]]]:
+    """Row indices of every DP rank's micro-batches: rows balanced over DP ranks by real length
+    (Karmarkar-Karp), each rank's rows packed by the token budget, then every rank brought to the
+    same number of micro-batches (the EP all-to-all and the pipeline schedules need it). Every
+    rank holds the whole batch and computes the same plan, so agreeing on the count needs no
+    collective."""
+    lengths = row_lengths(batch)
+    shares = karmarkar_karp(lengths, dp_size)
+    packed = [pack_by_budget(share, lengths, budget, multiple) for share in shares]
+    count = max(len(groups) for groups in packed)
+    return [equalize_counts(groups, count, lengths) for groups in packed]
+
+
+def take_rows(batch: Batch, rows: list[int], multiple: int = 1) -> Microbatch:
+    """The micro-batch of `rows`, cut to their longest real length (padded so that the model input
+    is a multiple of `multiple`); no rows: one row of padding (token 0, loss_mask 0). `batch`
+    must already be padded with `pad_sequence_dim(batch, multiple)`."""
+    if not rows:
+        width = 1 + multiple
+        return Microbatch([], {k: t.new_zeros((1, width, *t.shape[2:])) for k, t in batch.items()})
+    lengths = row_lengths(batch)
+    width = padded_length(max(lengths[row] for row in rows), multiple)
+    assert width <= batch["tokens"].shape[1], "pad the batch with pad_sequence_dim first"
+    index = torch.tensor(rows, device=batch["tokens"].device)
+    return Microbatch(list(rows), {k: t.index_select(0, index)[:, :width] for k, t in batch.items()})
+
+
+def budget_microbatches(batch: Batch, dp_size: int, dp_rank: int, budget: int, multiple: int = 1) -> list[Microbatch]:
+    """This DP rank's micro-batches under a token budget (see `budget_plan`); `batch` is padded
+    with `pad_sequence_dim(batch, multiple)`."""
+    return [take_rows(batch, rows, multiple) for rows in budget_plan(batch, dp_size, budget, multiple)[dp_rank]]

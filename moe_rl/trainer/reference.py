@@ -72,12 +72,14 @@ def _seeded_as_at_init(seed: int):
 def build_reference(bridge, config, hf_dir: str | None) -> FrozenModel:
     """This rank's stage of the frozen reference (see the module docstring). `config` is the
     trainer's `TrainerConfig` (its layout and seed). Collective."""
-    replay = dict(moe_enable_routing_replay=True) if config.routing_replay else {}
+    overrides = dict(moe_enable_routing_replay=True) if config.routing_replay else {}
+    if config.max_tokens_per_microbatch is not None:  # micro-batches of different lengths (pipeline p2p)
+        overrides["variable_seq_lengths"] = True
     if hf_dir is None:
         with _seeded_as_at_init(config.seed):
-            model = build_gpt_model(bridge, config, calculate_per_token_loss=True, **replay)
+            model = build_gpt_model(bridge, config, calculate_per_token_loss=True, **overrides)
     else:
-        model = build_gpt_model(bridge, config, calculate_per_token_loss=True, **replay)
+        model = build_gpt_model(bridge, config, calculate_per_token_loss=True, **overrides)
         load_model_weights(model, bridge, hf_dir)  # an HF directory or a converted checkpoint
     model.eval()
     model.requires_grad_(False)

@@ -125,6 +125,7 @@ BAD = [
     ),
     ({"rollout.max_new_tokens": 100}, "rollout.max_new_tokens", "lower rollout.max_new_tokens to at most"),
     ({"rollout.reward_timeout_s": 0}, "rollout.reward_timeout_s", "> 0"),
+    ({"trainer.max_tokens_per_microbatch": 4}, "trainer.max_tokens_per_microbatch", "raise"),
     ({"engines.kind": "sglang"}, "engines.kind", "use engines.kind: embedded"),
     ({"trainer.tpp": 2}, "trainer.tpp", "did you mean"),
     ({"trainer.global_batch_size": 16}, "trainer.global_batch_size", "make them equal"),

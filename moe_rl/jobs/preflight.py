@@ -13,7 +13,10 @@ from inside a Ray actor minutes later:
    prompts or agents need it, and prompts + `max_new_tokens` (or an episode's context) fit
    the model;
 4. every eval dataset, the same way;
-5. the engines can run here (`engines.kind: sglang` needs GPUs).
+5. the engines can run here (`engines.kind: sglang` needs GPUs);
+6. a token budget per micro-batch (`trainer.max_tokens_per_microbatch`) holds the longest
+   sequence a step can carry (the probed prompts + `max_new_tokens`, an episode's context, or
+   `data.seq_length` for a supervised run).
 
 Each check is one function below; `check_run` runs them in this order and `check_eval` the
 parts that `moe-rl eval` needs.
@@ -44,6 +47,7 @@ def check_run(config: RunConfig) -> None:
     """Everything `moe-rl train` would find wrong once its processes run (ValueError)."""
     check_model(config.model)
     if not config.is_rl:
+        check_token_budget(config, config.data.seq_length, "data.seq_length")
         if config.eval is not None:
             raise ValueError(
                 "eval: a supervised run (no rollout section) is not evaluated; add a rollout section, "
@@ -60,9 +64,13 @@ def check_run(config: RunConfig) -> None:
         raise ValueError(message if message.startswith(FIELDS) else f"rollout.task_options: {message}") from None
     if rollout.reward:
         get_reward(rollout.reward)
-    check_prompts(config, task, rollout.agent, rollout.max_new_tokens, "rollout")
+    longest = check_prompts(config, task, rollout.agent, rollout.max_new_tokens, "rollout")
     check_eval(config)
     check_engines(config)
+    if rollout.agent is None:
+        check_token_budget(config, longest, f"the task's prompts + rollout.max_new_tokens={rollout.max_new_tokens}")
+    else:
+        check_token_budget(config, longest, "rollout.episode.max_context_tokens")
 
 
 def check_eval(config: RunConfig) -> None:
@@ -123,10 +131,10 @@ def check_task_options(name: str, options: dict, field: str) -> None:
         )
 
 
-def check_prompts(config: RunConfig, task: Task, agent: str | None, max_new_tokens: int, field: str) -> None:
+def check_prompts(config: RunConfig, task: Task, agent: str | None, max_new_tokens: int, field: str) -> int:
     """Single-turn: the longest of the first prompts + `max_new_tokens` fits the model's context.
     Agents: the agent imports, the tokenizer has a chat template, the task gives chat messages and
-    an episode's context fits."""
+    an episode's context fits. Returns the longest sequence a sample can be (tokens)."""
     limit = getattr(config.model.load_hf_config().get_text_config(), "max_position_embeddings", None)
     prompts = list(itertools.islice(task.prompts(0), CONTEXT_PROBE_PROMPTS))
     if agent is None:
@@ -137,7 +145,7 @@ def check_prompts(config: RunConfig, task: Task, agent: str | None, max_new_toke
                 f"the model's max_position_embeddings {limit}: lower {field}.max_new_tokens to at most "
                 f"{limit - longest}"
             )
-        return
+        return longest + max_new_tokens
     try:
         resolve_agent(agent)
     except ValueError as error:
@@ -156,6 +164,24 @@ def check_prompts(config: RunConfig, task: Task, agent: str | None, max_new_toke
         raise ValueError(
             f"rollout.episode.max_context_tokens={context} exceeds the model's max_position_embeddings "
             f"{limit}: lower it to at most {limit}"
+        )
+    return context
+
+
+def check_token_budget(config: RunConfig, longest: int, source: str) -> None:
+    """trainer.max_tokens_per_microbatch holds the longest sequence (`longest` tokens, from
+    `source`): a micro-batch holds at least one whole sequence, padded to the sequence-parallel
+    multiple."""
+    budget = config.trainer.max_tokens_per_microbatch
+    if budget is None:
+        return
+    multiple = config.trainer.tp if config.trainer.sequence_parallel else 1
+    needed = longest + (-(longest - 1)) % multiple  # microbatches.padded_length (no torch import here)
+    if budget < needed:
+        raise ValueError(
+            f"trainer.max_tokens_per_microbatch={budget} is below the longest sequence a step can carry: "
+            f"{needed} tokens ({source}, padded for sequence parallel): raise "
+            f"trainer.max_tokens_per_microbatch to at least {needed}, or set it to null"
         )
 
 

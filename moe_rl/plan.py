@@ -20,7 +20,9 @@ D, X = dense and routed-expert parameters of the stage):
                  12 * (Pd + Pe)                without it
   reference      B * (Pd + Pe)                 the frozen KL reference (algorithm.kl_coef > 0; none with
                                                 lora: the reference is the base with its adapters off)
-  activations    per microbatch and layer, s = data.seq_length, b = micro_batch_size, h = hidden,
+  activations    per microbatch and layer, s = data.seq_length, b = micro_batch_size, h = hidden
+                 (with trainer.max_tokens_per_microbatch: s b = that budget, a micro-batch's
+                 padded tokens; every term below is linear in s b),
                  sequence parallel dividing by tp (Korthikanti et al. 2022, flash attention: no
                  s^2 term, SwiGLU MLPs):
                    attention + norms  15 s b h
@@ -417,6 +419,8 @@ def trainer_memory(
     t = config.trainer
     layers_per_stage = hf.num_hidden_layers // t.pp
     s, b, h = config.data.seq_length, t.micro_batch_size, hf.hidden_size
+    if t.max_tokens_per_microbatch is not None:  # a micro-batch computes at most the budget's tokens
+        s, b = t.max_tokens_per_microbatch, 1
     per_layer = [
         _activation_bytes(hf, s, b, moe=counts.expert_per_layer[i] > 0) / t.tp for i in range(hf.num_hidden_layers)
     ]
@@ -458,7 +462,8 @@ def trainer_memory(
             f"trainer: ~{total:.0f} GB per GPU on pipeline stage {stage} (weights {memory['weights']:.0f}, grads "
             f"{memory['grads']:.0f}, optimizer {memory['optimizer']:.0f}, activations {memory['activations']:.0f}) "
             f"exceeds cluster.gpu_memory_gb={config.cluster.gpu_memory_gb:g}: raise trainer.ep/pp/tp or world_size, "
-            "set trainer.optimizer.distributed: true or trainer.recompute: true, or lower micro_batch_size"
+            "set trainer.optimizer.distributed: true or trainer.recompute: true, or lower micro_batch_size "
+            "(trainer.max_tokens_per_microbatch when set)"
         )
     return stage, memory
 

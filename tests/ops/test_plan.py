@@ -105,6 +105,21 @@ def test_fp8_sync_bytes_are_about_the_fp8_stream(tmp_path):
     assert any("sync.fp8_blocks=8" in note for note in plan.notes)
 
 
+def test_activations_follow_the_token_budget():
+    """With trainer.max_tokens_per_microbatch a micro-batch computes at most the budget's tokens:
+    activations scale with it instead of micro_batch_size x data.seq_length."""
+    config = "configs/models/qwen3_30b_a3b.yaml"
+    base = load_config(config, ["cluster.gpu_memory_gb=1000"])
+    rows = make_plan(base)
+    tokens = base.data.seq_length * base.trainer.micro_batch_size
+    same = make_plan(load_config(config, ["cluster.gpu_memory_gb=1000", f"trainer.max_tokens_per_microbatch={tokens}"]))
+    double = make_plan(
+        load_config(config, ["cluster.gpu_memory_gb=1000", f"trainer.max_tokens_per_microbatch={2 * tokens}"])
+    )
+    assert same.trainer_memory["activations"] == pytest.approx(rows.trainer_memory["activations"])
+    assert double.trainer_memory["activations"] == pytest.approx(2 * rows.trainer_memory["activations"])
+
+
 def test_distributed_optimizer_and_recompute_lower_the_estimate():
     base = make_plan(
         load_config("configs/models/qwen3_30b_a3b.yaml", ["trainer.recompute=false", "cluster.gpu_memory_gb=200"])

@@ -6,7 +6,8 @@ of very unequal rows, padded (budget None) and by token budget, from the same we
 Adam moves no fp32 weight), and every parameter's summed gradient (DDP main_grad, clipping off)
 is compared. Cases: token-mean (grpo), seq-mean-token-sum (dr_grpo), seq-mean-token-mean (gspo)
 with TIS, KL + MIS, R3 (routing replay), PPO mini-batches; two budgets: one that packs and
-splits micro-batches, one so small that a DP rank runs a padding micro-batch.
+splits micro-batches, one so small that a DP rank runs a padding micro-batch. A PP2 world (1F1B,
+micro-batches of different widths between the stages) runs token-mean and R3.
 """
 
 import dataclasses
@@ -59,7 +60,7 @@ def make_batch():
     }
 
 
-def _rank():
+def _rank(layout: dict, case_names: list[str] | None = None):
     from moe_rl.algorithms import AlgorithmConfig, make_policy_loss
     from moe_rl.config import OptimizerConfig, TrainerConfig
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
@@ -67,7 +68,7 @@ def _rank():
     hf_config = tiny_models.hf_config(tiny_models.QWEN3_MOE_SMALL, vocab_size=VOCAB)
     padded = TrainerConfig(
         world_size=2,
-        ep=2,
+        **layout,
         global_batch_size=len(LENGTHS),
         micro_batch_size=2,
         routing_replay=True,
@@ -102,6 +103,8 @@ def _rank():
     }
     out = {"logprobs": logprobs, "cases": {}}
     for name, (algorithm, batch, mini_batches) in cases.items():
+        if case_names is not None and name not in case_names:
+            continue
         loss = make_policy_loss(algorithm)
         runs = {}
         for budget in (None, *BUDGETS):
@@ -122,7 +125,15 @@ def compare(reference, other):
 
 
 def test_token_budget_gradients_equal_the_padded_path():
-    results = spawn(_rank, 2)
+    check(spawn(_rank, 2, {"ep": 2}))
+
+
+def test_token_budget_under_pipeline_parallel():
+    """PP2 (1F1B): micro-batches of different widths pass between the stages (variable_seq_lengths)."""
+    check(spawn(_rank, 2, {"pp": 2}, ["token-mean+tis", "r3"]))
+
+
+def check(results):
     width = max(LENGTHS)
     real = torch.zeros(len(LENGTHS), width - 1, dtype=torch.bool)
     for row, length in enumerate(LENGTHS):

@@ -89,12 +89,15 @@ def _taken_mtp_losses(microbatches: int) -> list[dict]:
     values = tracker.get("loss_values", tracker.get("values"))
     if values is None:
         return []
-    taken = {"mtp_loss": float(values.mean()), "mtp_microbatches": float(microbatches)}
     clean = (
         getattr(MTPLossLoggingHelper, "clean_metrics_in_tracker", None) or MTPLossLoggingHelper.clean_loss_in_tracker
     )
+    finite = bool(torch.isfinite(values).all())
+    taken = {"mtp_loss": float(values.mean()), "mtp_microbatches": float(microbatches)}
     clean()
-    return [taken]
+    # a token-budget padding micro-batch (no loss tokens) logs 0/0: that step reports no mtp_loss
+    # (its gradient is unaffected: the loss itself is a per-token sum)
+    return [taken] if finite else []
 
 
 @dataclass

@@ -131,6 +131,12 @@ class TrainerConfig(ParallelLayout):
     routing_replay: bool = False
     """R3: replay the rollout's routed experts in the trainer's forward and in backward
     recompute (megatron-core's router replay), so training routes tokens as generation did."""
+    no_replay_forward_every: int = 1
+    """With routing_replay: every this many RL steps (logged steps N, 2N, ...) run the forwards of
+    the whole batch with routing off (two: logprobs, then routing recorded) for the
+    `consistency/logprob_diff_no_replay_*` and `routing/agreement/*` metrics;
+    `time/no_replay_forward_s` is their cost (about twice `time/old_logprobs_s`). 0 = never.
+    Without routing_replay it is ignored."""
     mtp_loss_weight: float = 0.0
     """Weight of the multi-token-prediction loss (megatron-core's mtp_loss_scaling_factor, split
     over the MTP layers; DeepSeek-V3 trained with 0.1-0.3): the MTP layers learn to predict the
@@ -149,6 +155,11 @@ class TrainerConfig(ParallelLayout):
         budget = self.max_tokens_per_microbatch
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 2):
             raise ValueError(f"trainer.max_tokens_per_microbatch={budget!r}: must be an integer >= 2 (tokens), or null")
+        if not isinstance(self.no_replay_forward_every, int) or self.no_replay_forward_every < 0:
+            raise ValueError(
+                f"trainer.no_replay_forward_every={self.no_replay_forward_every!r}: must be an integer >= 0 "
+                "(0 = never run the routing-off forward)"
+            )
         if self.mtp_loss_weight < 0:
             raise ValueError(
                 f"trainer.mtp_loss_weight={self.mtp_loss_weight}: must be >= 0 (0 leaves MTP layers untrained)"

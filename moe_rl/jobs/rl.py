@@ -25,10 +25,10 @@ from moe_rl.report import write_report
 from moe_rl.rl import resume as resume_state
 from moe_rl.rl.cluster import RLCluster
 from moe_rl.rl.colocate import engines_released
+from moe_rl.rl.rollout_actor import BatchRequest
 from moe_rl.rl.step_clock import StepClock
 from moe_rl.rl.trainer_group import SaveHFRequest
-from moe_rl.rollout.dump import ROLLOUTS_DIR, RolloutDump, SampleDump, run_decoder
-from moe_rl.rollout.train_batch import build_batch
+from moe_rl.rollout.dump import ROLLOUTS_DIR, SampleDump
 
 
 def run(config: RunConfig, resume: bool = False) -> dict:
@@ -52,7 +52,7 @@ def run(config: RunConfig, resume: bool = False) -> dict:
     evaluations = DriverEvaluations(config.eval, cluster, logger, run_dir, hold_sync=hold)
     if restore is not None:
         evaluations.remove_after(restore.step)
-    dumps = RolloutDump(run_dir, run_decoder(config.rollout, config.model.tokenizer_dir)) if rollout.dump else None
+    dumps = SampleDump(run_dir / ROLLOUTS_DIR) if rollout.dump else None  # records come from the worker
     rewards, trained, ledger = [], [], None
     row_multiple = config.algorithm.num_mini_batches * config.trainer.micro_batch_size * config.trainer.dp
     try:
@@ -66,18 +66,24 @@ def run(config: RunConfig, resume: bool = False) -> dict:
             evaluations.step_done(0, config.steps)  # eval.at_start
         with StepProgress("rl", config.steps - first) as progress:
             for version in range(first, config.steps):
-                # 1. batch: the next groups the staleness bound admits
+                # 1. batch: the next groups the staleness bound admits, built into tensors by the
+                #    rollout worker; the driver gets their ObjectRef and the metadata it logs
                 clock.start()
-                groups = cluster.get_batch(rollout.groups_per_step)
+                request = BatchRequest(
+                    rollout.groups_per_step, version, config.algorithm, row_multiple, dump=dumps is not None
+                )
+                batch = cluster.get_batch(request)
                 metrics = clock.waited()
-                batch, info = build_batch(groups, config.algorithm, version, rollout.max_staleness, row_multiple)
+                info = batch.info
                 trained += info.group_ids
-                # 2. train (colocated engines give their memory back meanwhile)
+                metrics["perf/driver_batch_bytes"] = batch.driver_bytes()
+                metrics["perf/batch_tensor_bytes"] = batch.tensor_bytes
+                # 2. train (colocated engines give their memory back meanwhile); each rank resolves the ref
                 with (
                     clock.training(),
                     engines_released(cluster.engines, config.engines.kind, config.rl.colocate, metrics),
                 ):
-                    metrics.update(cluster.trainer.step(batch, config.algorithm))
+                    metrics.update(cluster.trainer.step(batch.tensors, config.algorithm, version + 1))
                 # 3. update the engines' weights to version + 1 (eval.hold_sync: after the running evaluation)
                 evaluations.before_sync()
                 metrics.update(_update_weights(cluster, config, version + 1))
@@ -92,7 +98,7 @@ def run(config: RunConfig, resume: bool = False) -> dict:
                 logger.log(version + 1, metrics)
                 resume_state.record_trained(run_dir, version + 1, info.group_ids)
                 if dumps is not None:  # rollout.dump: the samples trained at this step (before its checkpoint)
-                    dumps.write(version + 1, groups, info, trainer_version=version)
+                    dumps.write(version + 1, batch.records)
                 # 6. checkpoint the run every `rl.checkpoint_every` steps and at the last
                 every = config.rl.checkpoint_every
                 if every and ((version + 1) % every == 0 or version + 1 == config.steps):

@@ -44,7 +44,7 @@ from moe_rl.engine.client import engine_index, engine_name
 from moe_rl.engine.sglang_launcher import SGLangLoRA
 from moe_rl.rl.ray_init import init_ray
 from moe_rl.rl.resume import RunCheckpoint
-from moe_rl.rl.rollout_actor import EngineServer, RolloutWorker, engine_placement
+from moe_rl.rl.rollout_actor import BatchRequest, EngineServer, RolloutWorker, TrainBatch, engine_placement
 from moe_rl.rl.trainer_group import SaveHFRequest, TrainerGroup
 from moe_rl.trainer.weight_sync import ConnectRequest, SyncRequest
 from parallel.bridges import bridge_for
@@ -147,6 +147,7 @@ class RLCluster:
             cfg.cpu_pools.rollout_cores if cfg.cpu_pools else None,
             cfg.model.tokenizer_dir,
             cfg.eval,
+            num_experts=bridge_for(hf).num_experts,
         )
         ray.get(self.rollout.start.remote(self.restore))
         if cfg.cpu_pools is not None:
@@ -175,9 +176,10 @@ class RLCluster:
             timeout_s=cfg.sync.timeout_s,
         )
 
-    def get_batch(self, n_groups: int) -> list:
-        """The rollout worker's next batch; recovers engines while waiting for it."""
-        return self._wait(self.rollout.get_batch.remote(n_groups))
+    def get_batch(self, request: BatchRequest) -> TrainBatch:
+        """The rollout worker's next batch (its tensors by ObjectRef, `moe_rl.rl.rollout_actor`);
+        recovers engines while waiting for it."""
+        return self._wait(self.rollout.get_batch.remote(request))
 
     def rollout_metrics(self) -> dict[str, float]:
         """The rollout worker's counters (`RolloutManager.metrics` plus the engines' active seconds)."""

@@ -5,6 +5,11 @@ same launcher on GPUs) for its lifetime: Ray places and restarts actors, the act
 stops its process. `RolloutWorker` is an async actor: the `RolloutManager` runs on its event
 loop and keeps generating while the driver trains; the driver's calls (`get_batch`,
 `set_version`, `drain`) are coroutines on the same loop, so they never block generation.
+
+The batch stays off the driver: `get_batch` builds the trainer's tensors here (`build_batch`, in a
+thread, so generation goes on), puts them in Ray's object store and answers a `TrainBatch`: their
+ObjectRef and the metadata the driver logs. Each trainer rank resolves the ref itself; the driver
+never holds a token, logprob or routing row (only dump records, with `rollout.dump`).
 Evaluations (`moe_rl.rollout.evaluation`) run on that loop too, one at a time in the order the
 driver asks for them (`start_eval`); each evaluates the version the engines serve when it begins.
 """
@@ -12,11 +17,15 @@ driver asks for them (`start_eval`); each evaluates the version the engines serv
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
+import pickle
 import time
+from typing import Any
 
 import ray
 
+from moe_rl.algorithms import AlgorithmConfig
 from moe_rl.cpu_pools import pin_process
 from moe_rl.engine.client import EngineClient, engine_name
 from moe_rl.engine.pool import EnginePool
@@ -24,8 +33,44 @@ from moe_rl.engine.process import launch_embedded
 from moe_rl.engine.sglang_launcher import SGLangConfig, launch_sglang
 from moe_rl.rl.resume import RunCheckpoint
 from moe_rl.rollout import RolloutConfig, RolloutManager
+from moe_rl.rollout.dump import Decode, run_decoder, trained_records
 from moe_rl.rollout.eval_config import EvalConfig
 from moe_rl.rollout.evaluation import EvalResult, Evaluator
+from moe_rl.rollout.train_batch import BatchInfo, build_batch
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchRequest:
+    """`RolloutWorker.get_batch`: the next batch, built as the trainer takes it."""
+
+    n_groups: int
+    version: int
+    """The trainer version that consumes it (staleness is counted against it)."""
+    algorithm: AlgorithmConfig
+    """Advantages are computed with it."""
+    row_multiple: int = 1
+    """Rows are padded (loss mask 0) to a multiple of it (mini-batches x micro-batch x dp)."""
+    dump: bool = False
+    """`rollout.dump`: also return the samples' dump records (`moe_rl.rollout.dump.trained_records`)."""
+
+
+@dataclasses.dataclass
+class TrainBatch:
+    """What the driver receives for one batch: the tensors stay in Ray's object store."""
+
+    tensors: ray.ObjectRef
+    """The `build_batch` dict, put by the rollout worker; pass it to `TrainerGroup.step`."""
+    info: BatchInfo
+    tensor_bytes: int
+    """Bytes of the batch's tensors (`perf/batch_tensor_bytes`)."""
+    records: list[dict[str, Any]] | None = None
+    """The dump records of its samples at step version + 1 (`BatchRequest.dump`), else None."""
+
+    def driver_bytes(self) -> int:
+        """What the driver holds for the batch, pickled (`perf/driver_batch_bytes`): the metadata
+        plus the ref's id (an ObjectRef travels as its id and its owner's address)."""
+        metadata = dataclasses.replace(self, tensors=None)
+        return len(pickle.dumps(metadata)) + len(self.tensors.binary())
 
 
 class EngineServer:
@@ -150,6 +195,7 @@ class RolloutWorker:
         cpus: list[int] | None = None,
         tokenizer_dir: str | None = None,
         evaluation: EvalConfig | None = None,
+        num_experts: int | None = None,
     ):
         if cpus:  # `cpu_pools`: the engines' cores (building requests and scoring is generation's work)
             pin_process(cpus)
@@ -160,6 +206,8 @@ class RolloutWorker:
         self.evaluation = evaluation
         self.eval_tasks: list[asyncio.Task] = []
         self.eval_results: list[EvalResult] = []
+        self.num_experts = num_experts  # routed experts are stored narrow (`moe_rl.sample.routing_dtype`)
+        self.decode: Decode | None = None  # `rollout.dump` records, built on first use
 
     async def start(self, restore: RunCheckpoint | None = None) -> None:
         """Start generating; `restore`: the run checkpoint to continue from."""
@@ -210,8 +258,8 @@ class RolloutWorker:
         """The manager's run-checkpoint state, between two steps (the driver waits for this call)."""
         return self.manager.snapshot()
 
-    async def get_batch(self, n_groups: int):
-        """The next staleness-bounded batch (waits for it); raises if generation failed."""
+    async def get_groups(self, n_groups: int) -> list:
+        """The next staleness-bounded groups of samples (waits for them); raises if generation failed."""
         batch = asyncio.ensure_future(self.manager.buffer.get_batch(n_groups))
         await asyncio.wait({batch, self.task}, return_when=asyncio.FIRST_COMPLETED)
         if not batch.done():
@@ -219,6 +267,26 @@ class RolloutWorker:
             self.task.result()  # raises generation's error
             raise RuntimeError("rollout manager stopped before the batch was complete")
         return batch.result()
+
+    async def get_batch(self, request: BatchRequest) -> TrainBatch:
+        """The next batch as the trainer takes it: its tensors put in Ray's object store (the
+        driver gets their ref and the metadata, module docstring)."""
+        groups = await self.get_groups(request.n_groups)
+        if request.dump and self.decode is None:
+            self.decode = run_decoder(self.config, self.tokenizer_dir)
+        # a thread: building a large batch must not stall generation on this loop
+        return await asyncio.to_thread(self._build, groups, request)
+
+    def _build(self, groups: list, request: BatchRequest) -> TrainBatch:
+        tensors, info = build_batch(
+            groups, request.algorithm, request.version, self.config.max_staleness, request.row_multiple
+        )
+        records = None
+        if request.dump:
+            step, version = request.version + 1, request.version
+            records = trained_records(step, groups, info, decode=self.decode, trainer_version=version)
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        return TrainBatch(ray.put(tensors), info, size, records)
 
     async def engine_states(self) -> list[dict]:
         """Per engine: live (gets work), requests in flight, requests served since (re)started."""
@@ -238,7 +306,12 @@ class RolloutWorker:
 
     def _client(self, index: int, url: str) -> EngineClient:
         return EngineClient(
-            url, kind=self.kind, name=engine_name(index), num_hidden_layers=self.layout[0], topk=self.layout[1]
+            url,
+            kind=self.kind,
+            name=engine_name(index),
+            num_hidden_layers=self.layout[0],
+            topk=self.layout[1],
+            num_experts=self.num_experts,
         )
 
     async def set_version(self, version: int) -> None:

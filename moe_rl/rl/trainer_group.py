@@ -121,10 +121,11 @@ class TrainerRank:
         self._enter()
         return self.weight_sync.sync(request)
 
-    def step(self, batch: dict[str, torch.Tensor], algorithm: AlgorithmConfig) -> dict[str, float]:
-        """`moe_rl.trainer.rl_step.rl_step` on this rank (collective)."""
+    def step(self, batch: dict[str, torch.Tensor], algorithm: AlgorithmConfig, step: int) -> dict[str, float]:
+        """`moe_rl.trainer.rl_step.rl_step` of RL `step` on this rank (collective). `batch` arrives
+        resolved: the driver passes the rollout worker's ObjectRef, Ray fetches it into this rank."""
         self._enter()
-        return rl_step(self.trainer, batch, algorithm, self.model_path)
+        return rl_step(self.trainer, batch, algorithm, self.model_path, step=step)
 
     def close(self) -> None:
         if self.weight_sync is not None:
@@ -159,8 +160,12 @@ class TrainerGroup:
         self._all(TrainerRank.setup, master, trainer_config, model_config, lora)
 
     # -- the ranks' methods, each run on every rank at once (see TrainerRank for what they do) --
-    def step(self, batch: dict[str, torch.Tensor], algorithm: AlgorithmConfig) -> dict[str, float]:
-        return self._all(TrainerRank.step, batch, algorithm)
+    def step(
+        self, batch: ray.ObjectRef | dict[str, torch.Tensor], algorithm: AlgorithmConfig, step: int
+    ) -> dict[str, float]:
+        """RL `step` on every rank; `batch`: the rollout worker's ObjectRef (each rank resolves it;
+        the tensors never pass through the driver) or a dict (put once here)."""
+        return self._all(TrainerRank.step, batch, algorithm, step)
 
     def sync_weights(self, request: SyncRequest) -> dict:
         return self._all(TrainerRank.sync_weights, request)

@@ -20,12 +20,18 @@ if TYPE_CHECKING:  # megatron-core loads only where a trainer runs, not in the d
 
 
 def rl_step(
-    trainer: MegatronTrainer, batch: dict[str, torch.Tensor], algorithm: AlgorithmConfig, model_path: str | None = None
+    trainer: MegatronTrainer,
+    batch: dict[str, torch.Tensor],
+    algorithm: AlgorithmConfig,
+    model_path: str | None = None,
+    step: int = 1,
 ) -> dict[str, float]:
     """Old logprobs (behaviour policy, with R3 when configured), reference logprobs (kl_coef > 0),
     consistency metrics, then one optimizer step per PPO mini-batch, all against these old
     logprobs (collective: every rank calls it with the same batch). Returns the step's metrics.
-    `model_path`: where the KL reference comes from unless algorithm.ref_model_path says."""
+    `model_path`: where the KL reference comes from unless algorithm.ref_model_path says.
+    `step`: the RL step being trained (the logged step, version + 1); with R3 the routing-off
+    forward runs when `no_replay_forward_due(step)`."""
     mask = batch["loss_mask"][:, 1:].bool()
     start = time.perf_counter()
     old = trainer.forward_logprobs(batch)
@@ -35,11 +41,13 @@ def rl_step(
     }
     if algorithm.needs_reference:
         batch = {**batch, "ref_logprobs": _reference_logprobs(trainer, batch, algorithm, model_path, metrics)}
-    if trainer.config.routing_replay:
+    if no_replay_forward_due(trainer.config, step):
+        start = time.perf_counter()
         natural = trainer.forward_logprobs(batch, replay=False)
         metrics.update(_logprob_diff(natural, batch, mask, "consistency/logprob_diff_no_replay"))
         for layer, agreement in trainer.routing_agreement(batch).items():
             metrics[f"routing/agreement/layer{layer}"] = float(agreement)
+        metrics["time/no_replay_forward_s"] = time.perf_counter() - start  # both routing-off forwards
     batch = {**batch, "old_logprobs": torch.cat([torch.zeros_like(old[:, :1]), old], dim=1)}
     start = time.perf_counter()
     result = trainer.train_step(batch, make_policy_loss(algorithm), algorithm.num_mini_batches)
@@ -58,6 +66,14 @@ def rl_step(
     if result.mtp_loss is not None:
         metrics["train/mtp_loss"] = result.mtp_loss
     return metrics
+
+
+def no_replay_forward_due(config, step: int) -> bool:
+    """With R3, whether RL `step` runs the routing-off forward (`trainer.no_replay_forward_every`:
+    steps N, 2N, ...; 0 = never). It costs two forwards of the whole batch: the logprobs with
+    natural routing, then one recording the routing for `routing/agreement`."""
+    every = config.no_replay_forward_every
+    return bool(config.routing_replay) and every > 0 and step % every == 0
 
 
 def _reference_logprobs(

@@ -88,8 +88,10 @@ def test_rl_cluster_pins_trainer_engine_and_rollout_worker(tmp_path):
 
     import ray
 
+    from moe_rl.algorithms import AlgorithmConfig
     from moe_rl.config import EngineConfig, TrainerConfig
     from moe_rl.rl.cluster import RLCluster
+    from moe_rl.rl.rollout_actor import BatchRequest
     from tests.rl.test_rl_modes import tiny_config
 
     base = tiny_config(tmp_path, "fully_async")
@@ -109,7 +111,8 @@ def test_rl_cluster_pins_trainer_engine_and_rollout_worker(tmp_path):
         # the driver, every thread of it, runs on the trainer's cores while the cluster lives
         tids = os.listdir("/proc/self/task")
         assert {tuple(sorted(os.sched_getaffinity(int(t)))) for t in tids} == {(CORES[0],)}
-        assert len(cluster.get_batch(1)) == 1  # and generation works on them
+        batch = cluster.get_batch(BatchRequest(1, 0, AlgorithmConfig(), row_multiple=8))
+        assert len(batch.info.group_ids) == 1  # and generation works on them
         recorded = json.loads((tmp_path / "cpu_pools.json").read_text())
         assert recorded == {
             "trainer_ranks": [{"cores": [CORES[0]], "threads": 1}],

@@ -67,6 +67,20 @@ def test_rl_step_on_two_ranks():
     assert metrics["consistency/logprob_diff_mean"] < 0.5  # a fresh tiny model is near uniform
 
 
+def test_the_routing_off_forward_runs_every_n_steps():
+    """trainer.no_replay_forward_every: steps N, 2N, ...; 0 never; nothing without R3."""
+    from moe_rl.config import TrainerConfig
+    from moe_rl.trainer.rl_step import no_replay_forward_due
+
+    def due(every, replay=True):
+        config = TrainerConfig(routing_replay=replay, no_replay_forward_every=every)
+        return [step for step in range(1, 7) if no_replay_forward_due(config, step)]
+
+    assert due(1) == [1, 2, 3, 4, 5, 6] and due(3) == [3, 6] and due(0) == [] and due(1, replay=False) == []
+    with pytest.raises(ValueError, match="no_replay_forward_every"):
+        TrainerConfig(no_replay_forward_every=-1)
+
+
 def _sync_rank(url: str, pp: int = 1, relays: int = 0):
     import torch.distributed as dist
 

@@ -9,9 +9,9 @@ Two ways to cut a batch into the micro-batches one DP rank runs, both as `Microb
 carry their row indices:
 - by rows (`row_microbatches`, trainer.max_tokens_per_microbatch unset): each DP rank takes a
   contiguous share of the rows, cut into `micro_batch_size` rows at the batch's width;
-- by tokens (`budget_microbatches`): rows are balanced over DP ranks by real length, each rank's
-  rows are packed under the token budget and padded only to the micro-batch's longest row, and
-  every rank runs the same number of micro-batches (see `budget_plan`).
+- by tokens (`budget_microbatches`): rows are packed under the token budget, longest first, each
+  micro-batch padded only to its longest row; the micro-batches are balanced over DP ranks by the
+  tokens they compute, and every rank runs the same number of them (see `budget_plan`).
 """
 
 from __future__ import annotations
@@ -156,17 +156,20 @@ def equalize_counts(groups: list[list[int]], count: int, lengths: list[int]) -> 
     return groups
 
 
-def budget_plan(batch: Batch, dp_size: int, budget: int, multiple: int = 1) -> list[list[list[int]]]:
-    """Row indices of every DP rank's micro-batches: rows balanced over DP ranks by real length
-    (Karmarkar-Karp), each rank's rows packed by the token budget, then every rank brought to the
-    same number of micro-batches (the EP all-to-all and the pipeline schedules need it). Every
-    rank holds the whole batch and computes the same plan, so agreeing on the count needs no
-    collective."""
-    lengths = row_lengths(batch)
-    shares = karmarkar_karp(lengths, dp_size)
-    packed = [pack_by_budget(share, lengths, budget, multiple) for share in shares]
-    count = max(len(groups) for groups in packed)
-    return [equalize_counts(groups, count, lengths) for groups in packed]
+def budget_plan(lengths: list[int], dp_size: int, budget: int, multiple: int = 1) -> list[list[list[int]]]:
+    """Row indices of every DP rank's micro-batches, for rows of `lengths` (`row_lengths`): all
+    rows, longest first, packed under the token budget (rows of near-equal length share a
+    micro-batch, so little is padded); the micro-batches assigned to DP ranks by Karmarkar-Karp on
+    the padded tokens each computes (every rank gets about the same work); then every rank brought
+    to the same number of micro-batches (the EP all-to-all and the pipeline schedules need it).
+    Packing each rank's share of rows instead leaves neighbours dp_size rows apart in length and
+    pads more. Every rank holds the whole batch and computes the same plan, so agreeing on the
+    count needs no collective."""
+    groups = pack_by_budget(list(range(len(lengths))), lengths, budget, multiple)
+    work = [len(group) * padded_length(lengths[group[0]], multiple) for group in groups]
+    shares = [[groups[i] for i in share] for share in karmarkar_karp(work, dp_size)]
+    count = max(len(share) for share in shares)
+    return [equalize_counts(share, count, lengths) for share in shares]
 
 
 def take_rows(batch: Batch, rows: list[int], multiple: int = 1) -> Microbatch:
@@ -186,4 +189,5 @@ def take_rows(batch: Batch, rows: list[int], multiple: int = 1) -> Microbatch:
 def budget_microbatches(batch: Batch, dp_size: int, dp_rank: int, budget: int, multiple: int = 1) -> list[Microbatch]:
     """This DP rank's micro-batches under a token budget (see `budget_plan`); `batch` is padded
     with `pad_sequence_dim(batch, multiple)`."""
-    return [take_rows(batch, rows, multiple) for rows in budget_plan(batch, dp_size, budget, multiple)[dp_rank]]
+    plan = budget_plan(row_lengths(batch), dp_size, budget, multiple)
+    return [take_rows(batch, rows, multiple) for rows in plan[dp_rank]]

@@ -103,7 +103,7 @@ def computed_inputs(batch: Batch, dp_size: int, micro_batch_size: int, budget: i
         return rows * (padded_length(width, multiple) - 1)
     lengths = row_lengths(batch)
     total = 0
-    for rank in budget_plan(batch, dp_size, budget, multiple):
+    for rank in budget_plan(lengths, dp_size, budget, multiple):
         for group in rank:
             group_width = padded_length(max(lengths[r] for r in group), multiple) if group else 1 + multiple
             total += max(len(group), 1) * (group_width - 1)

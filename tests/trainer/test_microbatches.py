@@ -74,7 +74,7 @@ def test_every_dp_rank_gets_the_same_number_of_microbatches():
         lengths = long_tail(32, seed)
         batch = batch_of(lengths)
         for dp in (1, 2, 4):
-            plan = budget_plan(batch, dp, 1200)
+            plan = budget_plan(row_lengths(batch), dp, 1200)
             assert len({len(groups) for groups in plan}) == 1
             rows = sorted(r for groups in plan for g in groups for r in g)
             assert rows == list(range(32))
@@ -94,3 +94,17 @@ def test_microbatches_are_cut_to_their_longest_row_and_keep_row_indices():
     assert part.batch["tokens"].shape == (2, 9)
     empty = take_rows(batch, [], multiple=2)
     assert empty.rows == [] and empty.batch["tokens"].shape == (1, 3) and not empty.batch["loss_mask"].any()
+
+
+def test_plan_pads_little_and_balances_the_work_on_a_long_tail():
+    """Rows packed longest first over the whole batch, micro-batches spread by their tokens: on a
+    long tail (DAPO-like: 512-token prompts, responses lognormal around 2K, capped at 16K) over 8
+    DP ranks, under 5% of the computed tokens are padding and no rank computes more than 10% over
+    the mean (packing each rank's share of rows first padded ~12% here)."""
+    rng = random.Random(0)
+    lengths = [512 + min(max(int(rng.lognormvariate(7.6, 1.0)), 1), 16384) for _ in range(512)]
+    plan = budget_plan(lengths, 8, 32768)
+    assert sorted(r for groups in plan for g in groups for r in g) == list(range(512))
+    work = [sum(max(len(g), 1) * max([lengths[r] for r in g] or [2]) for g in groups) for groups in plan]
+    assert sum(lengths) / sum(work) >= 0.95
+    assert max(work) <= 1.10 * sum(work) / len(work)

@@ -326,16 +326,17 @@ class MegatronTrainer:
         return self._gather_rows(reports, "logprobs", batch["tokens"].shape[1] - 1)
 
     @torch.no_grad()
-    def routing_agreement(self, batch: Batch) -> dict[int, float]:
-        """{HF layer index: mean over real tokens of |trainer top-k ∩ batch top-k| / topk} for every
-        MoE layer, from a forward with natural routing; on every rank (collective)."""
-        self._require_routing("routing_agreement")
+    def natural_forward(self, batch: Batch) -> tuple[torch.Tensor, dict[int, float]]:
+        """One forward with natural routing that records it (collective; every rank gets both):
+        the logprobs [B, S-1], as `forward_logprobs(batch, replay=False)` gives them, and {HF layer
+        index: mean over real tokens of |trainer top-k ∩ batch top-k| / topk} for every MoE layer."""
+        self._require_routing("natural_forward")
         self.model.eval()
-        self._run_schedule(
+        reports = self._run_schedule(
             batch, partial(self._forward_step, _keep_logprobs, self.routing), forward_only=True, routing="record"
         )
         self.model.train()
-        return self.routing.agreement()
+        return self._gather_rows(reports, "logprobs", batch["tokens"].shape[1] - 1), self.routing.agreement()
 
     def _require_routing(self, what: str) -> None:
         if self.routing is None:

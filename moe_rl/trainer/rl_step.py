@@ -43,11 +43,11 @@ def rl_step(
         batch = {**batch, "ref_logprobs": _reference_logprobs(trainer, batch, algorithm, model_path, metrics)}
     if no_replay_forward_due(trainer.config, step):
         start = time.perf_counter()
-        natural = trainer.forward_logprobs(batch, replay=False)
+        natural, agreement = trainer.natural_forward(batch)
         metrics.update(_logprob_diff(natural, batch, mask, "consistency/logprob_diff_no_replay"))
-        for layer, agreement in trainer.routing_agreement(batch).items():
-            metrics[f"routing/agreement/layer{layer}"] = float(agreement)
-        metrics["time/no_replay_forward_s"] = time.perf_counter() - start  # both routing-off forwards
+        for layer, share in agreement.items():
+            metrics[f"routing/agreement/layer{layer}"] = float(share)
+        metrics["time/no_replay_forward_s"] = time.perf_counter() - start
     batch = {**batch, "old_logprobs": torch.cat([torch.zeros_like(old[:, :1]), old], dim=1)}
     start = time.perf_counter()
     result = trainer.train_step(batch, make_policy_loss(algorithm), algorithm.num_mini_batches)
@@ -70,8 +70,8 @@ def rl_step(
 
 def no_replay_forward_due(config, step: int) -> bool:
     """With R3, whether RL `step` runs the routing-off forward (`trainer.no_replay_forward_every`:
-    steps N, 2N, ...; 0 = never). It costs two forwards of the whole batch: the logprobs with
-    natural routing, then one recording the routing for `routing/agreement`."""
+    steps N, 2N, ...; 0 = never). It costs one forward of the whole batch, with natural routing,
+    recorded (`MegatronTrainer.natural_forward`: the logprobs and `routing/agreement`)."""
     every = config.no_replay_forward_every
     return bool(config.routing_replay) and every > 0 and step % every == 0
 

@@ -26,7 +26,7 @@ def trainer_view(model_dir: str, batch: dict):
     config = TrainerConfig(world_size=2, ep=2, routing_replay=True, micro_batch_size=2, global_batch_size=ROWS)
     trainer = MegatronTrainer(config, hf_config(QWEN3_MOE_SMALL, vocab_size=128, max_position_embeddings=512))
     trainer.load_hf_weights(model_dir)
-    return trainer.forward_logprobs(batch, replay=True), trainer.routing_agreement(batch)
+    return trainer.forward_logprobs(batch, replay=True), trainer.natural_forward(batch)[1]
 
 
 def test_trainer_logprobs_and_routing_on_multi_turn_samples(chat_model, chat_engine):

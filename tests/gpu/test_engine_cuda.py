@@ -32,7 +32,7 @@ def trainer_view(
     trainer = MegatronTrainer(config, tiny_config("qwen3_moe"))
     trainer.load_hf_weights(hf_dir)
     batch = {"tokens": tokens, "loss_mask": mask, "routed_experts": routed}
-    return trainer.forward_logprobs(batch, replay=False).cpu(), trainer.routing_agreement(batch)
+    return trainer.forward_logprobs(batch, replay=False).cpu(), trainer.natural_forward(batch)[1]
 
 
 def test_engine_on_cuda_matches_the_trainer(tmp_path):

@@ -129,14 +129,14 @@ def run_world(hf_dir, batch, real, rollout_routing):
     trainer.load_hf_weights(hf_dir)
     out["errors"] = bad_input_errors(trainer, batch)
     rollout_batch = {**batch, "routed_experts": rollout_routing}
-    out["rollout_agreement"] = trainer.routing_agreement(rollout_batch)
+    out["natural_forward_logprobs"], out["rollout_agreement"] = trainer.natural_forward(rollout_batch)
     out["logprobs_replay"] = trainer.forward_logprobs(rollout_batch, replay=True)
     narrow = {**rollout_batch, "routed_experts": rollout_routing.to(torch.uint8)}  # as the rollout ships it
     out["logprobs_replay_uint8"] = trainer.forward_logprobs(narrow, replay=True)
     out["logprobs_natural"] = trainer.forward_logprobs(rollout_batch, replay=False)
     out["logprobs_default"] = trainer.forward_logprobs(rollout_batch)
     out["tp_sp"] = replay_mismatches(trainer, batch, real)
-    out["tp_sp_natural_agreement"] = trainer.routing_agreement(batch)
+    out["tp_sp_natural_agreement"] = trainer.natural_forward(batch)[1]
 
     steps = []
     for recompute in (False, True):
@@ -153,7 +153,7 @@ def run_world(hf_dir, batch, real, rollout_routing):
         trainer.load_hf_weights(hf_dir)
         if not recompute:
             out["pp"] = replay_mismatches(trainer, batch, real)
-            out["pp_natural_agreement"] = trainer.routing_agreement(batch)
+            out["pp_natural_agreement"] = trainer.natural_forward(batch)[1]
             out["pp_logprobs_replay"] = trainer.forward_logprobs(rollout_batch, replay=True)
         result = trainer.train_step(batch)
         steps.append((result.loss, result.grad_norm, [p.detach().clone() for p in trainer.model.module.parameters()]))
@@ -217,6 +217,8 @@ def test_replay_shrinks_logprob_gap(world):
     assert gap_replay < 0.5 * gap_natural, (gap_replay, gap_natural)
     assert torch.equal(out["logprobs_default"], out["logprobs_replay"])  # routing_replay=True + routed_experts
     assert torch.equal(out["logprobs_replay_uint8"], out["logprobs_replay"])  # uint8 rows replay bit for bit
+    # the routing-off forward that records the routing gives the natural logprobs: one forward, not two
+    assert torch.equal(out["natural_forward_logprobs"], out["logprobs_natural"])
     # PP stages replay their own layers (global layer = stage offset + local index): same result.
     pp_gap = (out["pp_logprobs_replay"] - out["logprobs_replay"])[trained].abs().max()
     assert pp_gap < 1e-4, pp_gap

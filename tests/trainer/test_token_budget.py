@@ -5,9 +5,11 @@ needs equal micro-batch counts). One trainer runs the same train step twice per 
 of very unequal rows, padded (budget None) and by token budget, from the same weights (lr 1e-30:
 Adam moves no fp32 weight), and every parameter's summed gradient (DDP main_grad, clipping off)
 is compared. Cases: token-mean (grpo), seq-mean-token-sum (dr_grpo), seq-mean-token-mean (gspo)
-with TIS, KL + MIS, R3 (routing replay), PPO mini-batches; two budgets: one that packs and
-splits micro-batches, one so small that a DP rank runs a padding micro-batch. A PP2 world (1F1B,
-micro-batches of different widths between the stages) runs token-mean and R3.
+with TIS, KL + MIS, R3 (routing replay), PPO mini-batches; three budgets (`BUDGETS`): one where a
+rank splits a micro-batch to match the other's count, one that packs the short tail, one so small
+that a DP rank runs padding micro-batches. A PP2 world (1F1B, micro-batches of different widths
+between the stages) runs token-mean and R3; LoRA adapters and a trained DeepSeek-V3 MTP layer run
+token-mean and R3.
 """
 
 import dataclasses
@@ -24,10 +26,10 @@ pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a
 VOCAB, PROMPT = 256, 2
 LENGTHS = [40, 38, 36, 3, 5, 4, 9, 3]  # tokens per row: three long rows, a short tail
 NUM_EXPERTS, TOPK, LAYERS = 4, 2, 2
-# 48: rows packed under the budget, the long rows alone, counts equalised by splitting;
-# 12: below the longest row (each long row then goes alone): the rank holding two long rows
-# has fewer rows than the other's micro-batches and runs a padding micro-batch
-BUDGETS = (48, 12)
+# 90: two long rows share a micro-batch; the rank given it alone splits it to match the other's
+# count; 48: the long rows alone, the tail packed together; 12: below the longest row (each long
+# row goes alone): a rank with fewer micro-batches and no row to split runs padding micro-batches
+BUDGETS = (90, 48, 12)
 
 # fp32 tolerance. Each gradient entry is a sum over this rank's ~120 tokens and over the DP ranks
 # of per-token terms, each itself a chain of dot products of length <= 256 (vocab) / 64 (MLP).
@@ -38,7 +40,7 @@ BUDGETS = (48, 12)
 RTOL_OF_MAX, ATOL = 1e-4, 1e-9
 
 
-def make_batch():
+def make_batch(layers: int = LAYERS, experts: int = NUM_EXPERTS):
     rows, width = len(LENGTHS), max(LENGTHS)
     generator = torch.Generator().manual_seed(5)
     tokens = torch.zeros(rows, width, dtype=torch.long)
@@ -46,9 +48,9 @@ def make_batch():
     for row, length in enumerate(LENGTHS):
         tokens[row, :length] = torch.randint(1, VOCAB, (length,), generator=generator)
         mask[row, PROMPT:length] = 1
-    b, t, layer = torch.meshgrid(torch.arange(rows), torch.arange(width), torch.arange(LAYERS), indexing="ij")
-    first = (3 * b + 5 * t + layer) % NUM_EXPERTS
-    second = (first + 1 + (b + t) % (NUM_EXPERTS - 1)) % NUM_EXPERTS
+    b, t, layer = torch.meshgrid(torch.arange(rows), torch.arange(width), torch.arange(layers), indexing="ij")
+    first = (3 * b + 5 * t + layer) % experts
+    second = (first + 1 + (b + t) % (experts - 1)) % experts
     noise = 0.05 * torch.randn(rows, width, generator=generator)
     return {
         "tokens": tokens,
@@ -60,12 +62,20 @@ def make_batch():
     }
 
 
-def _rank(layout: dict, case_names: list[str] | None = None):
+def _rank(layout: dict, case_names: list[str] | None = None, family: str = "qwen3", lora: bool = False):
+    """`family`: "qwen3" (the small Qwen3-MoE) or "mtp" (DeepSeek-V3 with one MTP layer, trained
+    with mtp_loss_weight 0.3); `lora`: rank-4 adapters on every layer (only they get gradients)."""
     from moe_rl.algorithms import AlgorithmConfig, make_policy_loss
     from moe_rl.config import OptimizerConfig, TrainerConfig
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
+    from parallel.lora import LoRAConfig
 
-    hf_config = tiny_models.hf_config(tiny_models.QWEN3_MOE_SMALL, vocab_size=VOCAB)
+    if family == "mtp":
+        hf_config = tiny_models.hf_config(tiny_models.DEEPSEEK_V3, num_hidden_layers=2, num_nextn_predict_layers=1)
+        routing = (2, 8)  # rows for every layer (the dense first layer's are unused), 8 routed experts
+    else:
+        hf_config = tiny_models.hf_config(tiny_models.QWEN3_MOE_SMALL, vocab_size=VOCAB)
+        routing = (LAYERS, NUM_EXPERTS)
     padded = TrainerConfig(
         world_size=2,
         **layout,
@@ -73,10 +83,11 @@ def _rank(layout: dict, case_names: list[str] | None = None):
         micro_batch_size=2,
         routing_replay=True,
         max_tokens_per_microbatch=BUDGETS[0],  # built for it (variable_seq_lengths); toggled below
+        mtp_loss_weight=0.3 if family == "mtp" else 0.0,
         optimizer=OptimizerConfig(lr=1e-30, clip_grad=0.0),
     )
-    trainer = MegatronTrainer(padded, hf_config)
-    full = make_batch()
+    trainer = MegatronTrainer(padded, hf_config, lora=LoRAConfig(rank=4, alpha=8) if lora else None)
+    full = make_batch(*routing)
     natural = {key: value for key, value in full.items() if key != "routed_experts"}
 
     def run(budget, step):
@@ -131,6 +142,14 @@ def test_token_budget_gradients_equal_the_padded_path():
 def test_token_budget_under_pipeline_parallel():
     """PP2 (1F1B): micro-batches of different widths pass between the stages (variable_seq_lengths)."""
     check(spawn(_rank, 2, {"pp": 2}, ["token-mean+tis", "r3"]))
+
+
+def test_token_budget_with_lora_and_with_mtp():
+    """LoRA adapters on every layer and expert (their gradients), and a DeepSeek-V3 MTP layer
+    trained (mtp_loss_weight 0.3; with the small budget a rank runs a padding micro-batch, whose MTP
+    loss must weigh nothing): gradients equal the padded path's."""
+    check(spawn(_rank, 2, {"ep": 2}, ["token-mean+tis", "r3"], "qwen3", True))
+    check(spawn(_rank, 2, {"ep": 2}, ["token-mean+tis", "r3"], "mtp"))
 
 
 def check(results):

@@ -44,8 +44,7 @@ def _rank(hf_dir: str, layout: dict, case_names: list[str]):
     from parallel.hf_checkpoint import load_hf_config
 
     config = TrainerConfig(
-        world_size=2,
-        **layout,
+        **{"world_size": 2, **layout},
         global_batch_size=len(LENGTHS),
         micro_batch_size=2,
         routing_replay=True,
@@ -56,7 +55,8 @@ def _rank(hf_dir: str, layout: dict, case_names: list[str]):
     trainer = MegatronTrainer(config, load_hf_config(hf_dir))
     assert uses_transformer_engine(trainer.model)
     trainer.load_hf_weights(hf_dir)
-    full = make_batch()
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    full = {key: value.to(device) for key, value in make_batch().items()}
     natural = {key: value for key, value in full.items() if key != "routed_experts"}
 
     def use(path: str) -> None:
@@ -67,23 +67,25 @@ def _rank(hf_dir: str, layout: dict, case_names: list[str]):
     for path in PATHS:
         use(path)
         logprobs[path] = trainer.forward_logprobs(natural)
-    old = torch.cat([torch.zeros(len(LENGTHS), 1), logprobs["padded"]], dim=1)
+    old = torch.cat([logprobs["padded"].new_zeros(len(LENGTHS), 1), logprobs["padded"]], dim=1)
     natural["old_logprobs"] = full["old_logprobs"] = old
     cases = {
         "token-mean+tis": (AlgorithmConfig(), natural),
         "seq-mean-token-mean": (AlgorithmConfig(advantage_estimator="gspo"), natural),
         "r3": (AlgorithmConfig(), full),
     }
-    out = {"logprobs": logprobs, "cases": {}}
+    out = {"cases": {}}
     for name in case_names:
         algorithm, batch = cases[name]
         runs = {}
         for path in PATHS:
             use(path)
             result = trainer.train_step(batch, make_policy_loss(algorithm))
-            grads = {n: p.main_grad.clone() for n, p in trainer.model.module.named_parameters() if p.requires_grad}
+            params = trainer.model.module.named_parameters()
+            grads = {n: p.main_grad.detach().cpu().clone() for n, p in params if p.requires_grad}
             runs[path] = (result.loss, result.num_tokens, grads)
         out["cases"][name] = runs
+    out["logprobs"] = {path: values.cpu() for path, values in logprobs.items()}
     return out
 
 
@@ -138,3 +140,14 @@ def test_pack_sequences_is_refused_on_the_local_spec(tmp_path):
     message = spawn(_refusal, 1, str(save_model(tmp_path / "hf")))[0]
     assert "trainer.pack_sequences=true" in message and "local spec" in message
     assert "pack_sequences=false" in message
+
+
+@pytest.mark.gpu_te
+def test_packed_gradients_with_the_real_transformer_engine(tmp_path):
+    """The same comparison on one GPU with the real Transformer Engine (its thd attention and RoPE
+    kernels against its sbhd ones): what the stand-in stands for."""
+    pytest.importorskip("transformer_engine")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    hf_dir = str(save_model(tmp_path / "hf"))
+    check(spawn(_rank, 1, hf_dir, {"world_size": 1}, ["token-mean+tis", "seq-mean-token-mean", "r3"]))

@@ -147,6 +147,11 @@ class TrainerConfig(ParallelLayout):
     packed so that a micro-batch's rows x its longest row fit this many tokens, padded only to that
     row (docs/trainer.md). Must hold the longest sequence (prompt + rollout.max_new_tokens, or an
     episode's context): preflight refuses less. None: micro_batch_size rows at the batch's width."""
+    pack_sequences: bool = False
+    """Run each token-budget micro-batch packed: its rows' real tokens concatenated into one
+    sequence (THD, megatron-core's PackedSeqParams with cu_seqlens), no padding between rows.
+    Needs the Transformer Engine spec (GPUs with TE installed: the CPU local spec cannot pack) and
+    max_tokens_per_microbatch (the plan is the same; docs/trainer.md). Not with MTP layers."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
 
     def __post_init__(self):
@@ -154,6 +159,11 @@ class TrainerConfig(ParallelLayout):
         budget = self.max_tokens_per_microbatch
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 2):
             raise ValueError(f"trainer.max_tokens_per_microbatch={budget!r}: must be an integer >= 2 (tokens), or null")
+        if self.pack_sequences and budget is None:
+            raise ValueError(
+                "trainer.pack_sequences=true packs the token-budget micro-batches: set "
+                "trainer.max_tokens_per_microbatch too, or pack_sequences=false"
+            )
         if not isinstance(self.no_replay_forward_every, int) or self.no_replay_forward_every < 0:
             raise ValueError(
                 f"trainer.no_replay_forward_every={self.no_replay_forward_every!r}: must be an integer >= 0 "

@@ -111,12 +111,21 @@ def _gpt_model_class():
     return LogitsGPTModel
 
 
-def forward(model, inputs: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor):
+def forward(
+    model,
+    inputs: torch.Tensor,
+    positions: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor,
+    packed_seq_params=None,
+):
     """One stage's forward: logits [b, s, vocab / tp] on the last stage, hidden states elsewhere.
     `labels` (the next tokens, [b, s]) and `loss_mask` are what an MTP block trains on; a model
-    without MTP ignores them."""
+    without MTP ignores them. `packed_seq_params` (megatron-core's PackedSeqParams, THD): `inputs`
+    is [1, T], several sequences delimited by its cu_seqlens (Transformer Engine attention only)."""
     core = getattr(model, "module", model)  # DDP wraps the GPTModel
+    packed = {} if packed_seq_params is None else dict(packed_seq_params=packed_seq_params)
     if core.config.mtp_num_layers is None:
-        return model(inputs, positions, attention_mask=None)
-    output = model(inputs, positions, attention_mask=None, labels=labels, loss_mask=loss_mask)
+        return model(inputs, positions, attention_mask=None, **packed)
+    output = model(inputs, positions, attention_mask=None, labels=labels, loss_mask=loss_mask, **packed)
     return output.transpose(0, 1).contiguous() if core.post_process else output

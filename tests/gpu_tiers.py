@@ -3,7 +3,7 @@
     gpu          a CUDA GPU, CUDA torch and megatron-core (tests/gpu/: the CUDA path of everything
                  moe-rl ships without SGLang)
     gpu_sglang   a CUDA GPU and SGLang (the SGLang server, CUDA-IPC into SGLang's own code)
-    gpu_te       a CUDA GPU and Transformer Engine (TE layer names, LoRA on real TE)
+    gpu_te       a CUDA GPU and Transformer Engine (TE layer names, LoRA on real TE, packed sequences)
 
 `tests/conftest.py` skips a marked test whose tier is not ready, naming what is missing;
 `scripts/gpu_check.sh` runs `python -m tests.gpu_tiers` to choose the tiers it runs and to report

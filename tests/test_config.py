@@ -53,6 +53,7 @@ def test_yaml_and_overrides_build_typed_config(config_file):
         (["trainer.tpp=2"], r"unknown config field 'trainer.tpp'; did you mean 'tp'"),
         (["trainer.tp=two"], r"trainer.tp='two': expected int"),
         (["trainer.optimizer.lr=-1"], r"optimizer.lr=-1.0: must be > 0"),
+        (["trainer.pack_sequences=true"], r"pack_sequences=true packs the token-budget.*max_tokens_per_microbatch"),
         (["steps"], r"write it as dotted.key=value"),
     ],
 )

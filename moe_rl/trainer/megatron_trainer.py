@@ -8,7 +8,9 @@ not depend on the layout. With `routing_replay`, batches carrying `routed_expert
 the rollout routed them (R3, see moe_rl.trainer.routing_replay). `build_reference` adds a frozen
 copy of the initial policy on the same ranks for the KL term (moe_rl.trainer.reference).
 With trainer.max_tokens_per_microbatch, micro-batches are cut by a token budget and balanced over
-DP ranks (moe_rl.trainer.microbatches); per-row outputs come back in the batch's order.
+DP ranks (moe_rl.trainer.microbatches); per-row outputs come back in the batch's order. With
+trainer.pack_sequences each one runs packed (THD, `PackedSeqParams`; Transformer Engine attention):
+the model sees [1, T] and the logprobs are unpacked into the micro-batch's rows before the loss.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from moe_rl.trainer.microbatches import (
     Microbatch,
     budget_microbatches,
     check_batch,
+    pack_microbatch,
     pad_sequence_dim,
     row_microbatches,
     split_rows,
@@ -36,6 +39,7 @@ from moe_rl.trainer.microbatches import (
 from moe_rl.trainer.reference import FrozenModel, build_reference
 from moe_rl.trainer.routing_replay import RoutingReplay
 from parallel.bridges import bridge_for
+from parallel.context import uses_transformer_engine
 from parallel.export import export_hf_weights, save_hf_checkpoint
 from parallel.fp8 import BlockFP8
 from parallel.lora import LoRAConfig, adapters_disabled, add_lora
@@ -69,6 +73,24 @@ def _expert_params_own_optimizer(model) -> None:
         if isinstance(module, SequentialMLP):
             for param in module.parameters():
                 param.allreduce = False
+
+
+def _check_packable(model, which: str) -> None:
+    """trainer.pack_sequences needs attention that runs THD (Transformer Engine's) and no MTP."""
+    if not uses_transformer_engine(model):
+        raise ValueError(
+            f"trainer.pack_sequences=true, but {which} was built with megatron-core's local spec, whose "
+            "attention cannot run packed (THD) sequences: it needs the Transformer Engine spec (GPUs with "
+            "transformer_engine installed). Set trainer.pack_sequences=false: the token-budget "
+            "micro-batches still apply"
+        )
+    if getattr(model, "module", model).config.mtp_num_layers:
+        # megatron-core 0.16.1 rolls the MTP inputs per cu_seqlens segment, but the MTP path is
+        # not checked against the unpacked one here
+        raise ValueError(
+            f"trainer.pack_sequences=true with MTP layers in {which}: not supported; set "
+            "trainer.pack_sequences=false, or model.mtp=drop to run without the MTP layers"
+        )
 
 
 def _keep_logprobs(logprobs: torch.Tensor, microbatch: Batch):
@@ -151,6 +173,8 @@ class MegatronTrainer:
         self.lora = lora
         if lora is not None:  # freezes the base: DDP, the optimizer and checkpoints see only adapters
             add_lora(model, self.bridge, lora, config.seed)
+        if config.pack_sequences:
+            _check_packable(model, "the policy")
         _expert_params_own_optimizer(model)
         self.routing = RoutingReplay(model) if config.routing_replay else None
         ddp_config = DistributedDataParallelConfig(
@@ -303,6 +327,8 @@ class MegatronTrainer:
             self.reference = FrozenModel(self.model, self.routing, adapters_off=True)
         else:
             self.reference = build_reference(self.bridge, self.config, hf_dir)
+            if self.config.pack_sequences:
+                _check_packable(self.reference.model, "the reference model")
 
     @torch.no_grad()
     def reference_logprobs(self, batch: Batch, replay: bool | None = None) -> torch.Tensor:
@@ -382,15 +408,22 @@ class MegatronTrainer:
             parts = row_microbatches(batch, dp_size, dp_rank, self.config.micro_batch_size)
         else:
             parts = budget_microbatches(batch, dp_size, dp_rank, budget, multiple)
+            if self.config.pack_sequences:
+                parts = [pack_microbatch(part, multiple) for part in parts]
+        # the largest micro-batch (with variable_seq_lengths p2p sends the real shapes)
+        if parts[0].packing is None:
+            seq_length = max(part.batch["tokens"].shape[1] for part in parts) - 1
+            micro_batch_size = max(part.batch["tokens"].shape[0] for part in parts)
+        else:
+            seq_length, micro_batch_size = max(part.packing.total for part in parts), 1
         with nullcontext() if routing is None else replay.running(routing):
             reports = get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=iter(parts),
                 model=[model],
                 num_microbatches=len(parts),
-                # the largest micro-batch (with variable_seq_lengths p2p sends the real shapes)
-                seq_length=max(part.batch["tokens"].shape[1] for part in parts) - 1,
-                micro_batch_size=max(part.batch["tokens"].shape[0] for part in parts),
+                seq_length=seq_length,
+                micro_batch_size=micro_batch_size,
                 forward_only=forward_only,
             )
         # the last stage reports once per micro-batch, in order: tag each with its batch rows
@@ -411,21 +444,28 @@ class MegatronTrainer:
 
     def _forward_step(self, loss_fn: LossFn, routing: RoutingReplay | None, data_iterator, model):
         part: Microbatch = next(data_iterator)
-        microbatch = part.batch
+        microbatch, packing = part.batch, part.packing
         tokens = microbatch["tokens"]
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         aligned = {key: tensor[:, 1:] for key, tensor in microbatch.items()}
         positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
+        mask, pack, params = aligned["loss_mask"], None, None
+        if packing is not None:  # the model sees [1, T]; the loss below still sees the rows
+            pack, params = packing.pack, packing.packed_seq_params()
+            inputs, targets, mask, positions = pack(inputs), pack(targets), pack(mask), packing.positions
         if routing is not None:
-            routing.before_forward(microbatch)
-        output = forward(model, inputs, positions, labels=targets, loss_mask=aligned["loss_mask"])
+            routing.before_forward(microbatch, pack)
+        output = forward(model, inputs, positions, labels=targets, loss_mask=mask, packed_seq_params=params)
         if routing is not None:
-            routing.after_forward(microbatch)
+            routing.after_forward(microbatch, pack)
 
         def loss(logits):
             logprobs = token_logprobs(logits, targets, self.bridge.vocab_size)
+            entropy = token_entropy(logits, self.bridge.vocab_size)
+            if packing is not None:  # back to [rows, width]: per-row losses (seq-mean, MIS) read rows
+                logprobs, entropy = packing.unpack(logprobs), packing.unpack(entropy)
             loss_sum, num_tokens, report = loss_fn(logprobs, aligned)
-            entropy = token_entropy(logits, self.bridge.vocab_size)  # summed over trained tokens
+            # entropy summed over trained tokens
             report = {**report, "entropy": (entropy * aligned["loss_mask"]).sum()}
             if not part.rows:  # a padding micro-batch: it runs (collectives stay in lockstep), weighs nothing
                 loss_sum, num_tokens = loss_sum * 0, torch.zeros_like(num_tokens)
@@ -438,7 +478,8 @@ class MegatronTrainer:
         """Reassemble per-row tensors [rows, width] that the last stage's TP0 ranks reported per
         micro-batch (tagged with their batch rows by `_run_schedule`) into the whole batch
         [B, columns], rows in the batch's order, on every rank. Columns past a micro-batch's width
-        (token-budget micro-batches stop at their longest row) are 0: they only predict padding."""
+        (token-budget micro-batches stop at their longest row) are 0: they only predict padding;
+        packed micro-batches give 0 past each row's length too."""
         # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
         from megatron.core import parallel_state
 

@@ -12,6 +12,8 @@ carry their row indices:
 - by tokens (`budget_microbatches`): rows are packed under the token budget, longest first, each
   micro-batch padded only to its longest row; the micro-batches are balanced over DP ranks by the
   tokens they compute, and every rank runs the same number of them (see `budget_plan`).
+With trainer.pack_sequences a token-budget micro-batch also runs packed (`pack_microbatch`): its
+rows' real tokens concatenated into one sequence with `cu_seqlens` (THD), no padding between them.
 """
 
 from __future__ import annotations
@@ -83,10 +85,12 @@ class Microbatch:
     """One micro-batch the schedule runs: the batch rows it holds (indices into the batch it was
     cut from, so per-row outputs go back in the batch's order) and its tensors. `rows` empty:
     a padding micro-batch (one row of token 0, loss_mask 0) that only keeps the schedule's
-    count equal across ranks; the trainer gives its loss no weight."""
+    count equal across ranks; the trainer gives its loss no weight. `packing`: set when the
+    model runs it packed (`pack_microbatch`); `batch` stays in rows for the loss."""
 
     rows: list[int]
     batch: Batch
+    packing: Packing | None = None
 
 
 def row_lengths(batch: Batch) -> list[int]:
@@ -191,3 +195,74 @@ def budget_microbatches(batch: Batch, dp_size: int, dp_rank: int, budget: int, m
     with `pad_sequence_dim(batch, multiple)`."""
     plan = budget_plan(row_lengths(batch), dp_size, budget, multiple)
     return [take_rows(batch, rows, multiple) for rows in plan[dp_rank]]
+
+
+# -- packed sequences (trainer.pack_sequences) ---------------------------------------------------
+
+
+@dataclass
+class Packing:
+    """Where a micro-batch's model inputs lie in its packed sequence [1, T] (THD).
+
+    Row r of the micro-batch [rows, W] contributes its first `lengths[r]` = real length - 1 inputs
+    (the columns a trained prediction can depend on, see `row_lengths`), rows in order, no gap;
+    a tail of padding (token 0, loss_mask 0) brings T to the sequence-parallel multiple and is a
+    segment of its own, so every position attends inside its segment. Tensors on the input side
+    ([rows, W - 1, ...], column t = token t, or the prediction made from it) go in with `pack`
+    and come back with `unpack`; columns past a row's inputs come back 0."""
+
+    lengths: list[int]
+    """Model inputs of each row (its real length - 1)."""
+    width: int
+    """Columns of the row form's input side (W - 1)."""
+    total: int
+    """T: the packed length, sum(lengths) padded to the multiple."""
+    index: torch.Tensor
+    """long [sum(lengths)]: the flat row-form position r * width + t of each packed input."""
+    cu_seqlens: torch.Tensor
+    """int32 [segments + 1]: segment starts, the rows then the padding tail (if any)."""
+    positions: torch.Tensor
+    """long [1, T]: position ids, from 0 in each segment (RoPE itself reads cu_seqlens)."""
+    max_seqlen: int
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[rows, width, ...] (input side) -> [1, T, ...], the padding tail zero."""
+        flat = tensor.reshape(-1, *tensor.shape[2:]).index_select(0, self.index)
+        tail = flat.new_zeros((self.total - flat.shape[0], *flat.shape[1:]))
+        return torch.cat([flat, tail])[None]
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """[1, T, ...] -> [rows, width, ...], 0 past each row's inputs (differentiable)."""
+        values = packed[0, : self.index.numel()]
+        rows = len(self.lengths)
+        out = values.new_zeros((rows * self.width, *values.shape[1:])).index_copy(0, self.index, values)
+        return out.reshape(rows, self.width, *values.shape[1:])
+
+    def packed_seq_params(self):
+        """megatron-core's PackedSeqParams for these segments (self-attention: q and kv alike)."""
+        # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=self.cu_seqlens,
+            cu_seqlens_kv=self.cu_seqlens,
+            max_seqlen_q=self.max_seqlen,
+            max_seqlen_kv=self.max_seqlen,
+        )
+
+
+def pack_microbatch(part: Microbatch, multiple: int = 1) -> Microbatch:
+    """`part` with its `Packing`: its rows' inputs concatenated into one sequence whose length is a
+    multiple of `multiple` (sequence parallel). A padding micro-batch packs its one row like any."""
+    tokens = part.batch["tokens"]
+    width = tokens.shape[1] - 1
+    lengths = [min(length - 1, width) for length in row_lengths(part.batch)]
+    real = sum(lengths)
+    total = real + (-real) % multiple
+    segments = lengths + ([total - real] if total > real else [])
+    cu_seqlens = torch.tensor([0, *segments], device=tokens.device).cumsum(0).to(torch.int32)
+    index = torch.cat([row * width + torch.arange(length, device=tokens.device) for row, length in enumerate(lengths)])
+    positions = torch.cat([torch.arange(length, device=tokens.device) for length in segments])[None]
+    packing = Packing(lengths, width, total, index, cu_seqlens, positions, max(segments))
+    return Microbatch(part.rows, part.batch, packing)

@@ -19,9 +19,11 @@ int64, megatron-core's index dtype, only where they are handed to a RouterReplay
   so it replays HF layer `layer_number - 1`; only MoE layers have routers, dense layers' rows
   are ignored.
 - Router rows. A router sees this microbatch's hidden states [S_local, mb, H] flattened
-  sequence-major: router row = s * mb + b. With sequence parallel, TP rank r sees the
-  contiguous chunk [r * S'/tp, (r + 1) * S'/tp) of the S' = S - 1 inputs (S' is padded to a
-  multiple of tp by the trainer). Expert ids are global (EP needs no mapping).
+  sequence-major: router row = s * mb + b. A packed micro-batch (trainer.pack_sequences) is
+  [T, 1, H]: its rows are packed in the model's token order first (`before_forward(..., pack)`).
+  With sequence parallel, TP rank r sees the contiguous chunk [r * S'/tp, (r + 1) * S'/tp) of the
+  S' = S - 1 inputs (S' is padded to a multiple of tp by the trainer; packed, S' = T). Expert ids
+  are global (EP needs no mapping).
 
 megatron-core 0.16.1 quirks handled here (docs/algorithm.md, "Routing replay (R3)"): 0.16.1 never switches to
 REPLAY_BACKWARD itself, so `running("replay")` wraps the schedules' `backward_step`; activation
@@ -35,11 +37,14 @@ list (which also holds the routers of every other model built in the process).
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 Batch = dict[str, torch.Tensor]
+Pack = Callable[[torch.Tensor], torch.Tensor]
+"""[mb, S-1, ...] input-side rows -> the packed [1, T, ...] the model runs (trainer.pack_sequences)."""
 
 
 def moe_layer_indices(config) -> list[int]:
@@ -126,27 +131,31 @@ class RoutingReplay:
         local = tensor.transpose(0, 1)[self.sp_index * chunk : (self.sp_index + 1) * chunk]
         return local.reshape(-1, *tensor.shape[2:])
 
-    def _targets(self, microbatch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _targets(self, microbatch: Batch, pack: Pack | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids [rows, local MoE layers, topk] with non-real rows filled, real [rows])."""
         real = real_input_rows(microbatch["loss_mask"])
         ids = microbatch["routed_experts"][:, :-1][:, :, self.layers].long()
+        if pack is not None:  # the model runs the rows packed: [1, T, ...] in the same token order
+            ids, real = pack(ids), pack(real)
         filler = torch.arange(self.topk, device=ids.device)
         ids = torch.where(real[..., None, None], ids, filler)
         return self._local_rows(ids), self._local_rows(real)
 
     # -- schedule hooks ---------------------------------------------------------------------
-    def before_forward(self, microbatch: Batch) -> None:
-        """Queue this microbatch's routing (forward target + recompute FIFO) when replaying."""
+    def before_forward(self, microbatch: Batch, pack: Pack | None = None) -> None:
+        """Queue this microbatch's routing (forward target + recompute FIFO) when replaying.
+        `pack`: the micro-batch runs packed; it maps input-side [mb, S-1, ...] tensors to the
+        packed [1, T, ...] (`moe_rl.trainer.microbatches.Packing.pack`)."""
         if self._mode == "replay":
-            ids, _ = self._targets(microbatch)
+            ids, _ = self._targets(microbatch, pack)
             for index, replay in enumerate(self.replays):
                 replay.set_target_indices(ids[:, index].contiguous())
 
-    def after_forward(self, microbatch: Batch) -> None:
+    def after_forward(self, microbatch: Batch, pack: Pack | None = None) -> None:
         """Tally recorded vs given top-k sets when recording (recorded data is per forward)."""
         if self._mode != "record":
             return
-        ids, real = self._targets(microbatch)
+        ids, real = self._targets(microbatch, pack)
         for index, (layer, replay) in enumerate(zip(self.layers, self.replays)):
             recorded = replay.get_recorded_indices()
             hits = (recorded[:, :, None] == ids[:, None, index]).any(-1).sum(-1)

@@ -13,7 +13,9 @@ What it implements, in plain torch, after TE 2.9's `transformer_engine/pytorch/m
 - `Linear`, `LayerNormLinear` (RMSNorm / LayerNorm fused before the GEMM; `return_layernorm_output`
   returns the normed input, `return_layernorm_output_gathered` the sequence-gathered one),
   `GroupedLinear` (`weight{i}` / `bias{i}`, forward(x, m_splits) splits the tokens by m_splits),
-  `RMSNorm`, `LayerNorm`, and `DotProductAttention` (sbhd, GQA, causal or no mask, via SDPA);
+  `RMSNorm`, `LayerNorm`, and `DotProductAttention` (sbhd, GQA, causal or no mask, via SDPA; and
+  packed sequences, thd with `cu_seqlens` as megatron's PackedSeqParams hands them: attention
+  computed sequence by sequence, causal within each, as TE's `padding_causal`);
 - the tensor-parallel communication TE does inside its modules when megatron hands it a tp_group
   and parallel_mode: column-parallel gathers the sequence-parallel input (else copies it: its
   gradient is all-reduced), row-parallel reduce-scatters (else all-reduces) its output. They run
@@ -23,9 +25,11 @@ What it implements, in plain torch, after TE 2.9's `transformer_engine/pytorch/m
   (`layer_norm_bias` only under LayerNorm), `weight{i}`, tensor-parallel attributes, the norms'
   `sequence_parallel`, an empty `_extra_state`.
 What it does not: FP8/FP4, fused kernels and ops (`te.pytorch.ops`, fused router and permute,
-TE's RoPE and cross entropy), userbuffer overlap, context parallelism, packed sequences (thd),
-attention masks other than causal / none, attention dropout, sliding windows, TE's RNG tracker
-(weights are initialised without megatron's RNG fork; tests load them from a checkpoint), TE's
+TE's RoPE and cross entropy: megatron's unfused RoPE applies it per cu_seqlens segment), userbuffer
+overlap, context parallelism, padded packed sequences (`cu_seqlens_*_padded`), cross-attention
+packing (cu_seqlens_q != cu_seqlens_kv), attention masks other than causal / none, attention
+dropout, sliding windows, TE's RNG tracker (weights are initialised without megatron's RNG fork;
+tests load them from a checkpoint), TE's
 activation recompute and optimizers (megatron-core falls back to its own). They raise where
 megatron would reach them, or are absent so that megatron takes its non-TE path.
 """
@@ -522,7 +526,8 @@ class LayerNorm(_Norm):
 
 
 class DotProductAttention(torch.nn.Module):
-    """Core attention on [s, b, heads, d] (sbhd): this rank's heads, GQA, causal or no mask."""
+    """Core attention on [s, b, heads, d] (sbhd) or packed [t, heads, d] (thd, sequences delimited
+    by cu_seqlens): this rank's heads, GQA, causal or no mask."""
 
     def __init__(
         self,
@@ -558,18 +563,46 @@ class DotProductAttention(torch.nn.Module):
         attn_mask_type=None,
         core_attention_bias_type: str = "no_bias",
         core_attention_bias=None,
-        **packed,
+        qkv_format=None,
+        cu_seqlens_q=None,
+        cu_seqlens_kv=None,
+        max_seqlen_q=None,
+        max_seqlen_kv=None,
+        **options,
     ):
-        _refuse("DotProductAttention.forward", dict(core_attention_bias=core_attention_bias, **packed))
+        _refuse("DotProductAttention.forward", dict(core_attention_bias=core_attention_bias, **options))
         mask_type = attn_mask_type or self.attn_mask_type
+        if qkv_format == "thd":
+            return self._packed(query_layer, key_layer, value_layer, mask_type, cu_seqlens_q, cu_seqlens_kv)
+        if qkv_format not in (None, "sbhd"):
+            raise NotImplementedError(f"qkv_format={qkv_format!r}")
         if mask_type not in ("causal", "no_mask"):
             raise NotImplementedError(f"attn_mask_type={mask_type!r}")
         seq, batch, heads, _ = query_layer.shape
-        groups = key_layer.shape[2]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query_layer, key_layer, value_layer))  # [b, h, s, d]
-        k, v = (t.repeat_interleave(heads // groups, dim=1) for t in (k, v))  # query head i reads group i // (h/g)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=mask_type == "causal", scale=self.softmax_scale)
-        return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * v.shape[-1])
+        out = self._attend(*(t.permute(1, 2, 0, 3) for t in (query_layer, key_layer, value_layer)), mask_type)
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * value_layer.shape[-1])
+
+    def _attend(self, q, k, v, mask_type: str) -> torch.Tensor:
+        """SDPA on [b, heads, s, d]; query head i reads key/value group i // (heads / groups)."""
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=mask_type == "causal", scale=self.softmax_scale)
+
+    def _packed(self, query, key, value, mask_type: str, cu_seqlens_q, cu_seqlens_kv) -> torch.Tensor:
+        """thd: [t, heads, d] -> [t, heads * d], each cu_seqlens segment attending only to itself.
+        TE's thd masks are `padding_causal` / `padding` (megatron-core maps causal / no_mask to them)."""
+        causal = {"padding_causal": "causal", "causal": "causal", "padding": "no_mask", "no_mask": "no_mask"}
+        if mask_type not in causal:
+            raise NotImplementedError(f"attn_mask_type={mask_type!r} with qkv_format='thd'")
+        if cu_seqlens_q is None or cu_seqlens_kv is None or not torch.equal(cu_seqlens_q, cu_seqlens_kv):
+            raise NotImplementedError("thd self-attention needs cu_seqlens_q == cu_seqlens_kv")
+        bounds = cu_seqlens_q.tolist()
+        if bounds[0] != 0 or bounds[-1] != query.shape[0]:
+            raise ValueError(f"cu_seqlens {bounds} do not cover the {query.shape[0]} packed tokens")
+        outs = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            q, k, v = (t[start:end].permute(1, 0, 2)[None] for t in (query, key, value))  # [1, h, n, d]
+            outs.append(self._attend(q, k, v, causal[mask_type])[0].permute(1, 0, 2))  # [n, h, d]
+        return torch.cat(outs).reshape(query.shape[0], -1)
 
 
 def _device(device):

@@ -10,6 +10,7 @@ from moe_rl.trainer.microbatches import (
     equalize_counts,
     karmarkar_karp,
     pack_by_budget,
+    pack_microbatch,
     padded_length,
     row_lengths,
     take_rows,
@@ -108,3 +109,42 @@ def test_plan_pads_little_and_balances_the_work_on_a_long_tail():
     work = [sum(max(len(g), 1) * max([lengths[r] for r in g] or [2]) for g in groups) for groups in plan]
     assert sum(lengths) / sum(work) >= 0.95
     assert max(work) <= 1.10 * sum(work) / len(work)
+
+
+def test_pack_microbatch_concatenates_rows_and_round_trips():
+    """Packed: each row's inputs (real length - 1) in row order, a padding tail to the multiple as
+    a segment of its own, positions from 0 per segment; `unpack` restores every input-side
+    tensor exactly where a row has inputs and gives 0 past them."""
+    batch = batch_of([7, 3, 5, 2], width=9)
+    batch["routed_experts"] = torch.arange(4 * 9 * 3 * 2).reshape(4, 9, 3, 2).to(torch.uint8)
+    part = take_rows(batch, [0, 2, 1, 3], multiple=4)  # width 9 - the model inputs: 8, a multiple of 4
+    packed = pack_microbatch(part, multiple=4)
+    packing = packed.packing
+    assert packed.rows == part.rows and packed.batch is part.batch
+    assert packing.lengths == [6, 4, 2, 1] and packing.width == 8
+    assert packing.total == 16  # 13 inputs, padded to a multiple of 4
+    assert packing.cu_seqlens.tolist() == [0, 6, 10, 12, 13, 16] and packing.cu_seqlens.dtype == torch.int32
+    assert packing.positions.tolist() == [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 0, 1, 0, 0, 1, 2]]
+    assert packing.max_seqlen == 6
+    inputs = packing.pack(part.batch["tokens"][:, :-1])
+    expected = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 1, 2, 1, 0, 0, 0]  # rows 0, 2, 1, 3 (take_rows' order)
+    assert inputs.shape == (1, 16) and inputs.tolist() == [expected]
+    for key, tensor in part.batch.items():
+        side = tensor[:, :-1]
+        packed_side = packing.pack(side)
+        assert packed_side.shape == (1, 16, *side.shape[2:]) and packed_side.dtype == side.dtype
+        assert not packed_side[0, 13:].any()  # the padding tail
+        back = packing.unpack(packed_side)
+        for row, length in enumerate(packing.lengths):
+            assert torch.equal(back[row, :length], side[row, :length]), key
+            assert not back[row, length:].any(), key
+    assert packing.pack(part.batch["loss_mask"][:, 1:]).sum() == part.batch["loss_mask"].sum()  # every trained token
+
+
+def test_pack_microbatch_without_padding_and_for_a_padding_microbatch():
+    batch = batch_of([5, 4])
+    packing = pack_microbatch(take_rows(batch, [0, 1])).packing
+    assert packing.total == 7 and packing.cu_seqlens.tolist() == [0, 4, 7] and packing.max_seqlen == 4
+    empty = pack_microbatch(take_rows(batch, [], multiple=2), multiple=2).packing  # one row of padding
+    assert empty.total == 2 and empty.cu_seqlens.tolist() == [0, 1, 2]
+    assert packing.unpack(packing.pack(torch.ones(2, 4, requires_grad=True))).requires_grad

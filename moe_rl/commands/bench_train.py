@@ -1,6 +1,7 @@
 """`moe-rl bench train CONFIG [--lengths SPEC] [--steps N]`: the trainer's throughput on a
-long-tailed RL batch, padded micro-batches against token-budget ones, in one call
-(`moe_rl.trainer.throughput`). Writes a JSON with one entry per path (`padded`, `dynamic`), each
+long-tailed RL batch, padded micro-batches against token-budget ones (and packed ones where
+Transformer Engine runs), in one call (`moe_rl.trainer.throughput`). Writes a JSON with one entry
+per path (`padded`, `dynamic`, `packed`: skipped without TE), each
 with `real_tokens_per_s`, `padding_fraction`, `peak_memory_bytes` and `step_s`, the speedup, and
 `driver_bytes_fraction`: what the RL driver holds per step (the batch's metadata and an ObjectRef
 of its tensors, `moe_rl.rl.rollout_actor.TrainBatch`) over the batch's tensor bytes."""
@@ -31,6 +32,7 @@ def run(args) -> int:
     from moe_rl.rl.rollout_actor import TrainBatch
     from moe_rl.rollout.train_batch import build_batch
     from moe_rl.trainer.throughput import LengthSpec, computed_inputs, measure, synthetic_groups
+    from parallel.model import use_transformer_engine
     from parallel.world import spawn
 
     spec = LengthSpec.parse(args.lengths)
@@ -61,11 +63,17 @@ def run(args) -> int:
         "batch_tensor_bytes": tensor_bytes,
         "driver_bytes_fraction": driver / tensor_bytes,
     }
-    for name, path_budget in (("padded", None), ("dynamic", budget)):
-        layout = dataclasses.replace(trainer, max_tokens_per_microbatch=path_budget)
+    paths = [("padded", None, False), ("dynamic", budget, False)]
+    if use_transformer_engine():  # packing needs TE's attention (GPUs); the CPU local spec cannot pack
+        paths.append(("packed", budget, True))
+    else:
+        results["packed"] = {"skipped": "packed sequences need Transformer Engine on GPUs"}
+        print("packed   skipped: packed sequences need Transformer Engine on GPUs", flush=True)
+    for name, path_budget, pack in paths:
+        layout = dataclasses.replace(trainer, max_tokens_per_microbatch=path_budget, pack_sequences=pack)
         ranks = spawn(measure, trainer.world_size, layout, hf_config, batch, config.algorithm, args.steps)
         step_s = max(r["step_s"] for r in ranks)
-        computed = computed_inputs(batch, trainer.dp, trainer.micro_batch_size, path_budget, multiple)
+        computed = computed_inputs(batch, trainer.dp, trainer.micro_batch_size, path_budget, multiple, pack)
         results[name] = {
             "step_s": step_s,
             "real_tokens_per_s": real / step_s,

@@ -96,8 +96,12 @@ def synthetic_groups(spec: LengthSpec, vocab_size: int, routing: tuple[int, int,
     return [samples[i : i + GROUP] for i in range(0, len(samples), GROUP)]
 
 
-def computed_inputs(batch: Batch, dp_size: int, micro_batch_size: int, budget: int | None, multiple: int) -> int:
-    """Model inputs (tokens fed to the model, padding included) one step computes on all ranks."""
+def computed_inputs(
+    batch: Batch, dp_size: int, micro_batch_size: int, budget: int | None, multiple: int, packed: bool = False
+) -> int:
+    """Model inputs (tokens fed to the model, padding included) one step computes on all ranks:
+    rows x width per micro-batch; `packed`: each micro-batch's rows' real inputs, padded to the
+    sequence-parallel multiple (`microbatches.pack_microbatch`)."""
     rows, width = batch["tokens"].shape
     if budget is None:
         return rows * (padded_length(width, multiple) - 1)
@@ -105,6 +109,10 @@ def computed_inputs(batch: Batch, dp_size: int, micro_batch_size: int, budget: i
     total = 0
     for rank in budget_plan(lengths, dp_size, budget, multiple):
         for group in rank:
+            if packed:
+                real = sum(lengths[r] - 1 for r in group) or 1  # a padding micro-batch: one input
+                total += real + (-real) % multiple
+                continue
             group_width = padded_length(max(lengths[r] for r in group), multiple) if group else 1 + multiple
             total += max(len(group), 1) * (group_width - 1)
     return total

@@ -10,6 +10,7 @@ import pytest
 
 from moe_rl.algorithms import AlgorithmConfig
 from moe_rl.rollout.train_batch import build_batch
+from moe_rl.trainer.microbatches import budget_plan, row_lengths
 from moe_rl.trainer.throughput import LengthSpec, computed_inputs, synthetic_groups
 
 
@@ -56,3 +57,14 @@ def test_bench_train_writes_both_paths(tmp_path, capsys):
         assert 0 <= result[path]["padding_fraction"] < 1
     assert result["dynamic"]["padding_fraction"] < result["padded"]["padding_fraction"]
     assert 0 < result["driver_bytes_fraction"] < 0.05
+    assert "skipped" in result["packed"]  # no Transformer Engine on CPU
+
+
+def test_packed_inputs_are_the_real_ones_up_to_the_sequence_parallel_multiple():
+    spec = LengthSpec(rows=64)
+    batch, _ = build_batch(synthetic_groups(spec, vocab_size=256), AlgorithmConfig(), version=0)
+    real = sum(spec.prompt + n - 1 for n in spec.response_lengths())
+    assert computed_inputs(batch, 2, 4, budget=1024, multiple=1, packed=True) == real
+    with_sp = computed_inputs(batch, 2, 4, budget=1024, multiple=4, packed=True)
+    micro_batches = sum(len(rank) for rank in budget_plan(row_lengths(batch), 2, 1024, 4))
+    assert real <= with_sp <= real + 3 * micro_batches

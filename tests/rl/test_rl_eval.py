@@ -23,13 +23,16 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 STEPS, EVERY = 200, 25
 
 
+# 70-85 s quiet; under a busy loop per core each of its 200 steps slows several times, past
+# pytest's 600 s: its own limit, a hang guard (docs/testing.md)
+@pytest.mark.timeout(1800)
 def test_held_out_eval_rises_and_dumps_read_back(tmp_path, capsys):
     run_dir = tmp_path / "run"
     config = {
         "model": {"hf_config": hf_fields(QWEN3_MOE, num_hidden_layers=2, max_position_embeddings=64)},
-        "trainer": {"world_size": 2, "ep": 2, "micro_batch_size": 32, "global_batch_size": 64,
-                    "routing_replay": True, "optimizer": {"lr": 0.002}},
-        "rollout": {"task": "copy_digits", "task_options": {"length": 2, "split": "train"}, "groups_per_step": 8,
+        "trainer": {"world_size": 2, "ep": 2, "micro_batch_size": 64, "global_batch_size": 128,
+                    "routing_replay": True, "optimizer": {"lr": 0.003}},
+        "rollout": {"task": "copy_digits", "task_options": {"length": 2, "split": "train"}, "groups_per_step": 16,
                     "n_samples_per_prompt": 8, "max_new_tokens": 2, "max_staleness": 1, "dump": True},
         "eval": {"every": EVERY, "at_start": True, "datasets": [
             {"name": "heldout", "task": "copy_digits", "task_options": {"length": 2, "split": "eval"},
@@ -55,8 +58,10 @@ def test_held_out_eval_rises_and_dumps_read_back(tmp_path, capsys):
         assert row["eval/heldout/weight_version_min"] == row["step"]
         for key in ("pass@1", "pass@2", "pass@4", "mean@4", "truncation_rate", "seconds", "reward_errors"):
             assert f"eval/heldout/{key}" in row
-    first, last = evals[0]["eval/heldout/reward_mean"], evals[-1]["eval/heldout/reward_mean"]
-    assert last >= first + 0.08, [round(r["eval/heldout/reward_mean"], 3) for r in evals]
+    # the held-out reward (partial credit per digit; ~0.1 for a random policy) rises: the last three
+    # evaluations (324 samples) against the first (108); measured: +0.12 to +0.26 over 3 runs
+    curve = [r["eval/heldout/reward_mean"] for r in evals]
+    assert sum(curve[-3:]) / 3 >= curve[0] + 0.08, [round(c, 3) for c in curve]
     assert all("eval/in_flight" in r for r in rows if "time/step_s" in r)
 
     eval_dump = SampleDump(run_dir / "eval" / "heldout")

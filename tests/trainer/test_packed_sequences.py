@@ -17,7 +17,7 @@ import dataclasses
 import pytest
 import torch
 from test_lora_te import under_te
-from test_token_budget import BUDGETS, LENGTHS, VOCAB, compare, make_batch
+from test_token_budget import BUDGETS, LENGTHS, VOCAB, compare, make_batch, real_positions
 
 from parallel.world import spawn
 from tests import tiny_models
@@ -91,9 +91,7 @@ def _rank(hf_dir: str, layout: dict, case_names: list[str]):
 
 def check(results) -> None:
     width = max(LENGTHS)
-    real = torch.zeros(len(LENGTHS), width - 1, dtype=torch.bool)
-    for row, length in enumerate(LENGTHS):
-        real[row, : length - 1] = True
+    real = real_positions()
     for rank in results:
         logprobs = rank["logprobs"]
         for path in PATHS:

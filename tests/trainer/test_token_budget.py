@@ -152,11 +152,17 @@ def test_token_budget_with_lora_and_with_mtp():
     check(spawn(_rank, 2, {"ep": 2}, ["token-mean+tis", "r3"], "mtp"))
 
 
-def check(results):
-    width = max(LENGTHS)
-    real = torch.zeros(len(LENGTHS), width - 1, dtype=torch.bool)
+def real_positions() -> torch.Tensor:
+    """bool [rows, width - 1]: the model inputs each row really has (its length - 1)."""
+    real = torch.zeros(len(LENGTHS), max(LENGTHS) - 1, dtype=torch.bool)
     for row, length in enumerate(LENGTHS):
         real[row, : length - 1] = True
+    return real
+
+
+def check(results):
+    width = max(LENGTHS)
+    real = real_positions()
     for rank in results:
         logprobs = rank["logprobs"]
         for budget in BUDGETS:

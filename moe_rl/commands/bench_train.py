@@ -30,7 +30,7 @@ def run(args) -> int:
 
     from moe_rl.config import load_config
     from moe_rl.rl.rollout_actor import TrainBatch
-    from moe_rl.rollout.train_batch import build_batch
+    from moe_rl.rollout.train_batch import build_batch, tensor_bytes
     from moe_rl.trainer.throughput import LengthSpec, computed_inputs, measure, synthetic_groups
     from parallel.model import use_transformer_engine
     from parallel.world import spawn
@@ -53,15 +53,15 @@ def run(args) -> int:
     real = sum(n - 1 for n in [spec.prompt + r for r in spec.response_lengths()])
     multiple = trainer.tp if trainer.sequence_parallel else 1
     # what the RL driver holds per step: the batch's metadata and the ref of its tensors (moe_rl.rl)
-    tensor_bytes = sum(t.numel() * t.element_size() for t in batch.values())
-    driver = TrainBatch(ray.ObjectRef.from_random(), info, tensor_bytes).driver_bytes()
+    batch_bytes = tensor_bytes(batch)
+    driver = TrainBatch(ray.ObjectRef.from_random(), info, batch_bytes).driver_bytes()
     results = {
         "lengths": dataclasses.asdict(spec),
         "real_inputs": real,
         "budget": budget,
         "driver_bytes": driver,
-        "batch_tensor_bytes": tensor_bytes,
-        "driver_bytes_fraction": driver / tensor_bytes,
+        "batch_tensor_bytes": batch_bytes,
+        "driver_bytes_fraction": driver / batch_bytes,
     }
     paths = [("padded", None, False), ("dynamic", budget, False)]
     if use_transformer_engine():  # packing needs TE's attention (GPUs); the CPU local spec cannot pack
@@ -90,7 +90,7 @@ def run(args) -> int:
     results["speedup_real_tokens_per_s"] = speedup
     Path(args.output).write_text(json.dumps(results, indent=2))
     print(
-        f"dynamic / padded real tokens/s: {speedup:.2f}x; driver bytes {driver:,} of {tensor_bytes:,} "
-        f"({driver / tensor_bytes:.2%}); wrote {args.output}"
+        f"dynamic / padded real tokens/s: {speedup:.2f}x; driver bytes {driver:,} of {batch_bytes:,} "
+        f"({driver / batch_bytes:.2%}); wrote {args.output}"
     )
     return 0

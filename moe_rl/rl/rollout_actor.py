@@ -36,7 +36,7 @@ from moe_rl.rollout import RolloutConfig, RolloutManager
 from moe_rl.rollout.dump import Decode, run_decoder, trained_records
 from moe_rl.rollout.eval_config import EvalConfig
 from moe_rl.rollout.evaluation import EvalResult, Evaluator
-from moe_rl.rollout.train_batch import BatchInfo, build_batch
+from moe_rl.rollout.train_batch import BatchInfo, build_batch, tensor_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,8 +285,7 @@ class RolloutWorker:
         if request.dump:
             step, version = request.version + 1, request.version
             records = trained_records(step, groups, info, decode=self.decode, trainer_version=version)
-        size = sum(t.numel() * t.element_size() for t in tensors.values())
-        return TrainBatch(ray.put(tensors), info, size, records)
+        return TrainBatch(ray.put(tensors), info, tensor_bytes(tensors), records)
 
     async def engine_states(self) -> list[dict]:
         """Per engine: live (gets work), requests in flight, requests served since (re)started."""

@@ -131,6 +131,11 @@ def build_batch(
     return batch, info
 
 
+def tensor_bytes(batch: dict[str, torch.Tensor]) -> int:
+    """Bytes of a trainer batch's tensors (`perf/batch_tensor_bytes`: what the driver no longer holds)."""
+    return sum(t.numel() * t.element_size() for t in batch.values())
+
+
 def _routing_tensor(samples: list[Sample], rows: int, seq: int) -> torch.Tensor | None:
     with_routing = [s.routed_experts is not None for s in samples]
     if not any(with_routing):

@@ -8,12 +8,14 @@ left with a partly loaded version (SGLang loads in place) stays paused until a f
 - `sync.group`: the weight-update process group (own TCPStore; gloo on CPU, NCCL on GPU).
 - `sync.engine_api`: `EngineEndpoint`, the protocol an engine client implements.
 - `sync.receiver`: `WeightReceiver`, what an engine server drives.
+- `sync.syncer`: `Syncer`, one trainer rank's part in an update, whatever its shape;
+  `sync.shapes.make_syncer` picks the shape (plain sender, funnel, per-stage groups, adapters).
 - `sync.sender`: `WeightSender`, the trainer side (pause, stream buckets, commit, resume).
 - `sync.stages`: `StagedSync`, one weight-update group per pipeline stage, each stage's source
   sending its own layers in turn (the default with PP > 1).
 - `sync.relay`: relay ranks, the root's node-mates behind it in a group (every NIC of its node).
-- `sync.pipeline`: `stage_stream`, funnels every pipeline stage's export to the sender's rank
-  (`stage_groups: false`).
+- `sync.pipeline`: `stage_stream` and `Funnel`, every pipeline stage's export funnelled to the
+  sender's rank over one group (`stage_groups: false`; with one stage, the plain sender).
 - `sync.traffic`: bytes moved per link, counted where each transfer starts.
 - `sync.flattened_payload`: SGLang's flattened-bucket payload written and read without SGLang
   (CUDA-IPC handles for `cuda_ipc`, by-value tensors for LoRA adapters).

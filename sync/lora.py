@@ -3,6 +3,9 @@
     adapters = AdapterSync(engines, AdapterSyncConfig(route="disk", directory=..., keep=2), write_adapter)
     adapters.publish(version, adapter_config, tensors)   # rank 0 of the trainer (parallel.peft)
 
+As the adapter shape of `sync.syncer.Syncer` (built with `peft_config`, every version's
+`adapter_config.json`), `update(named_tensors, version)` publishes the adapter's PEFT tensors.
+
 Version N is the adapter `policy-v{N}` (`adapter_name`), served next to the older ones; the base
 weights never change. `publish` is the update, as numbered steps:
   1. versions only increase;
@@ -35,6 +38,7 @@ import torch
 
 from sync.config import AdapterSyncConfig, SyncStats
 from sync.engine_set import EngineSet, SyncError, describe, require_health
+from sync.syncer import Export, Syncer
 
 
 def adapter_name(version: int) -> str:
@@ -65,13 +69,21 @@ AdapterWriter = Callable[[Path, dict, dict[str, torch.Tensor]], Path]
 caller passes it, since `sync` does not import `parallel`)."""
 
 
-class AdapterSync:
-    def __init__(self, engines: list[AdapterEndpoint], config: AdapterSyncConfig, write: AdapterWriter | None = None):
+class AdapterSync(Syncer):
+    def __init__(
+        self,
+        engines: list[AdapterEndpoint],
+        config: AdapterSyncConfig,
+        write: AdapterWriter | None = None,
+        peft_config: dict | None = None,
+    ):
+        """`peft_config`: the PEFT `adapter_config` of every version, what `update` publishes with
+        (`publish` takes its own)."""
         if not engines:
             raise ValueError("engines: need at least one engine to load adapters on")
         if config.route == "disk" and write is None:
             raise ValueError("the disk adapter route needs `write` (parallel.peft.write_adapter)")
-        self.config, self._write_adapter = config, write
+        self.config, self._write_adapter, self.peft_config = config, write, peft_config
         self.engines = EngineSet(engines, config.timeout_s)
         self.loaded: deque[int] = deque()  # versions loaded on every engine, oldest first
         self._kept: dict[int, tuple[dict, dict[str, torch.Tensor]]] = {}  # tensors route: for restarts
@@ -83,6 +95,15 @@ class AdapterSync:
         return self.loaded[-1] if self.loaded else None
 
     # -- the update ------------------------------------------------------------------------------
+
+    def pending(self, version: int) -> bool:
+        return self.version is None or version > self.version
+
+    def update(self, export: Export, version: int) -> SyncStats:
+        """`publish(version, peft_config, tensors)` of the adapter's `(PEFT name, tensor)` pairs."""
+        if self.peft_config is None:
+            raise RuntimeError("AdapterSync.update needs the peft_config it was built with; or call publish")
+        return self.publish(version, self.peft_config, dict(export))
 
     def publish(self, version: int, config: dict, tensors: dict[str, torch.Tensor]) -> SyncStats:
         start = time.perf_counter()
@@ -120,9 +141,9 @@ class AdapterSync:
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         return SyncStats(version, size, time.perf_counter() - start, engines=self.engines.names, dropped=dropped)
 
-    def add(self, engine: AdapterEndpoint) -> None:
-        """A restarted engine (no adapters) joins: it loads every kept version, oldest first;
-        SyncError (and it stays out) if it cannot."""
+    def add(self, engine: AdapterEndpoint, served_version: int = 0) -> None:
+        """A restarted engine (no adapters; its base weights never change, whatever `served_version`)
+        joins: it loads every kept version, oldest first; SyncError (and it stays out) if it cannot."""
         self.engines.add(engine)
         one = self.engines.subset({engine.name})
         for version in self.loaded:

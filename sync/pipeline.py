@@ -14,11 +14,14 @@ reach another trainer rank. The funnel (`stage_groups: false`) keeps one group, 
 of the bytes cross the trainer network once more, into the sync source's one NIC, as one message
 and a pickled header per tensor; that receive overlaps the broadcast of the previous bucket.
 
+`Funnel` is this shape as a `sync.syncer.Syncer` (with one stage: the plain sender).
+
 Collective contract: every rank of the trainer world calls `stage_stream` with its own export
 generator and iterates the result to the end (`WeightSender.update` on the sync source,
-`sync.sender.exhaust` elsewhere). Stage sources other than the first block in their sends until
-the sync source reaches their stage (bounded by the default group's timeout). Memory on the sync
-source: one received tensor at a time, on top of the sender's two buckets.
+`sync.sender.exhaust` elsewhere; `Funnel.update` does both). Stage sources other than the first
+block in their sends until the sync source reaches their stage (bounded by the default group's
+timeout). Memory on the sync source: one received tensor at a time, on top of the sender's two
+buckets.
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ import torch.distributed as dist
 
 from sync import traffic
 from sync.bucket import dtype_from_name, dtype_name
+from sync.config import SyncConfig, SyncStats
+from sync.engine_api import EngineEndpoint
+from sync.sender import WeightSender
+from sync.syncer import Export, ViaCoordinator
+from sync.transports.base import exhaust
 
 
 def stage_stream(
@@ -52,6 +60,24 @@ def stage_stream(
     else:
         for _ in named_tensors:  # this rank's share of the export's collectives
             pass
+
+
+class Funnel(ViaCoordinator):
+    """A trainer rank's part in one weight-update group for every stage: the sync source sends
+    every stage's tensors through its `WeightSender` (`engines` matter there only), every other
+    rank feeds `stage_stream`. With one pipeline stage nothing funnels: the plain sender."""
+
+    def __init__(self, engines: list[EngineEndpoint], config: SyncConfig, stage_sources: dict[int, int], version: int):
+        self.stage_sources = stage_sources
+        if dist.get_rank() == sync_source(stage_sources):
+            self.sender = WeightSender(engines, config, version)
+
+    def update(self, export: Export, version: int) -> SyncStats | None:
+        stream = stage_stream(export, self.stage_sources)
+        if self.sender is None:
+            exhaust(stream)  # this rank's sends, or its share of the export's collectives
+            return None
+        return self.sender.update(stream, version)
 
 
 def sync_source(stage_sources: dict[int, int]) -> int:

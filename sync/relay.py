@@ -23,14 +23,31 @@ update does. Memory on a relay: one buffer of the largest bucket (reused).
 
 from __future__ import annotations
 
+import socket
 import threading
 
 import torch
 import torch.distributed as dist
 
+from sync.config import SyncConfig
 from sync.group import WeightUpdateGroup
 
 JOIN, BUCKET, LEAVE, EXIT = range(4)
+
+
+def relay_ranks(config: SyncConfig, stage_sources: dict[int, int]) -> dict[int, list[int]]:
+    """{stage: the trainer ranks on its source's node that join its group as relays}
+    (`config.relays`; None: every node-mate with nccl, none with gloo). Collective over the
+    trainer world (every rank tells its host name)."""
+    hosts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    taken, relays = set(stage_sources.values()), {}
+    for stage, source in sorted(stage_sources.items()):
+        mates = [r for r, host in enumerate(hosts) if host == hosts[source] and r not in taken]
+        count = config.relays if config.relays is not None else (len(mates) if config.backend == "nccl" else 0)
+        relays[stage] = mates[:count]
+        taken |= set(relays[stage])
+    return relays
 
 
 class RelayLink:

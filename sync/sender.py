@@ -58,11 +58,14 @@ import torch
 from sync.config import SyncConfig, SyncStats
 from sync.engine_api import EngineEndpoint
 from sync.engine_set import EngineSet, SyncError, describe, require_health
+from sync.syncer import Syncer
 from sync.transports import make_transport
 from sync.transports.base import Transport, exhaust
 
 
-class WeightSender:
+class WeightSender(Syncer):
+    """The plain sender (a `sync.syncer.Syncer`): the sync source's side of one weight-update group."""
+
     def __init__(
         self, engines: list[EngineEndpoint], config: SyncConfig, version: int = 0, transport: Transport | None = None
     ):
@@ -93,10 +96,14 @@ class WeightSender:
         """Forget a member the orchestrator knows is dead (the next update then does not wait on it)."""
         self._forget({name})
 
+    def pending(self, version: int) -> bool:
+        """A newer version, or the committed one again while engines are behind it or hold part of one."""
+        return version > self.version or (version == self.version and bool(self.behind or self.partial))
+
     def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
         """Source rank only. Returns what was sent; raises SyncError (no engine serves a mix)."""
         # 1. versions only increase; the committed one again only for engines behind
-        if version < self.version or (version == self.version and not (self.behind or self.partial)):
+        if not self.pending(version):
             raise ValueError(f"version: {version} is stale or repeated (last committed {self.version})")
         names = self.behind | self.partial if version == self.version else set(self.engines.names)
         targets = self.engines.subset(names)

@@ -45,6 +45,7 @@ from sync.engine_api import EngineEndpoint
 from sync.engine_set import EngineSet, SyncError
 from sync.relay import Relay, RelayLink
 from sync.sender import WeightSender
+from sync.syncer import ViaCoordinator
 from sync.transports.base import exhaust
 from sync.transports.broadcast import BroadcastTransport
 
@@ -169,7 +170,7 @@ class StageSource:
         self.engines.close()
 
 
-class StagedSync:
+class StagedSync(ViaCoordinator):
     """A trainer rank's part in a per-stage sync (`stage_sources` = {stage: global rank}), with
     `relays` = {stage: global ranks behind that stage's source in its group} (`sync.relay`).
 
@@ -230,15 +231,13 @@ class StagedSync:
 
     def add(self, engine: EngineEndpoint, served_version: int) -> None:
         """A restarted engine joins (call on every rank; see `WeightSender.add`)."""
-        if self.sender is not None:
-            self.sender.add(engine, served_version)
-        elif self.source is not None:
+        super().add(engine, served_version)
+        if self.source is not None:
             self.source.add(engine)
 
     def remove(self, name: str) -> None:
-        if self.sender is not None:
-            self.sender.remove(name)
-        elif self.source is not None:
+        super().remove(name)
+        if self.source is not None:
             self.source.remove(name)
 
     def close(self) -> None:

@@ -67,10 +67,10 @@ from parallel.world import spawn
 from sync import traffic
 from sync.bucket import checksum
 from sync.config import SyncConfig
-from sync.pipeline import stage_stream, sync_source
 from sync.receiver import WeightReceiver
-from sync.sender import WeightSender, exhaust
-from sync.stages import StagedSync
+from sync.sender import exhaust
+from sync.shapes import SyncSetup, make_syncer
+from sync.syncer import ViaCoordinator
 
 COMMAND = ("bench", "sync")
 HELP = "Benchmark the weight sync of a Megatron export against a raw broadcast of the same bytes."
@@ -254,16 +254,14 @@ def _trainer(cfg: dict, addresses: list) -> dict | None:
     export_bytes, repeats = int(cfg.get("export_bucket_mb", 64)) << 20, int(cfg.get("repeats", 3))
     bucket_bytes = int(cfg.get("bucket_mb", 128)) << 20
     sources, rank = export_source_ranks(), dist.get_rank()
-    config = SyncConfig(bucket_bytes=bucket_bytes, backend="gloo", timeout_s=600)
     staged = layout.pp > 1 and bool(cfg.get("stage_groups", True))
+    config = SyncConfig(bucket_bytes=bucket_bytes, backend="gloo", timeout_s=600, stage_groups=staged)
     engines = (
         [SocketEngine(f"bench-engine-{i}", a) for i, a in enumerate(addresses)] if rank in sources.values() else []
     )
-    if staged:
-        sync = StagedSync(engines, config, sources)
-        sender = sync.sender
-    else:
-        sync, sender = None, WeightSender(engines, config) if rank == sync_source(sources) else None
+    syncer = make_syncer(engines, SyncSetup(config, sources))
+    assert isinstance(syncer, ViaCoordinator)  # full weights: the coordinator's sender
+    sender = syncer.sender
     largest = [0]
 
     def stream():
@@ -273,10 +271,7 @@ def _trainer(cfg: dict, addresses: list) -> dict | None:
 
     def full(version: int):
         """One full sync, collective over the trainer world; the sender's stats on the coordinator."""
-        if sync is not None:
-            return sync.update(stream(), version)
-        funnel = stage_stream(stream(), sources)
-        return sender.update(funnel, version) if sender is not None else exhaust(funnel)
+        return syncer.update(stream(), version)
 
     if sender is None:  # 2 warm-up syncs, then per repeat the exports of STAGES (CPU seconds of each)
         for version in (1, 2):
@@ -291,8 +286,7 @@ def _trainer(cfg: dict, addresses: list) -> dict | None:
                 if stage == "full":
                     links = _link_bytes(before, gathered)
             cpu.append(spent)
-        if sync is not None:
-            sync.close()
+        syncer.close()
         # heavy: megatron-core, loaded where a model is built (it is, above)
         from megatron.core import parallel_state as ps
 
@@ -349,7 +343,7 @@ def _trainer(cfg: dict, addresses: list) -> dict | None:
             transient["export_pack"] = max(transient["export_pack"], grown["pack"])
             transient["full"] = max(transient["full"], grown["full"])
     finally:
-        (sync or sender).close()
+        syncer.close()
         for engine in engines:
             engine.request("stop").result(60)
     best = {key: min(values) for key, values in times.items()}

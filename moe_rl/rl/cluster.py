@@ -212,10 +212,10 @@ class RLCluster:
         lost, self.lost = self.lost, []
         result = self.trainer.sync_weights(SyncRequest(version, self.config.sync.bucket_bytes, lost=tuple(lost)))
         self.version = version
-        for name in result["dropped"]:
+        for name in result.dropped:
             ray.get(self.rollout.mark_dead.remote(engine_index(name)))
         self.recover()
-        return result["seconds"]
+        return result.seconds
 
     def recover(self) -> None:
         """Restart dead engines; re-sync restarted ones and put them back in the pool."""
@@ -236,7 +236,7 @@ class RLCluster:
             )
             result = self.trainer.sync_weights(catch_up)
             del self.restarting[index]
-            if name in result["dropped"]:  # died again while catching up: restarted next time
+            if name in result.dropped:  # died again while catching up: restarted next time
                 continue
             ray.get(self.rollout.revive.remote(index, url))
 

@@ -5,13 +5,18 @@ here, one GPU each on clusters), lets rank 0 pick the rendezvous (its node addre
 port), and calls every actor's method at once: each method runs collectives, so every rank must
 enter it. Results are rank 0's (the ranks agree). Each actor calls `cpu_compat.apply()` on the
 thread that runs Megatron (the CPU patches are per thread for the device-literal mode).
+
+A collective method is declared once: `@collective` on `TrainerRank` (it runs on Megatron's CPU
+patches), and `TrainerGroup.name = on_every_rank(TrainerRank.name)` (every rank at once, rank 0's
+result), the request objects passing through unchanged.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Concatenate, ParamSpec, TypeVar
 
 import ray
 import torch
@@ -24,9 +29,37 @@ from moe_rl.cpu_pools import pin_process, process_cores
 from moe_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from moe_rl.trainer.megatron_trainer import MegatronTrainer
 from moe_rl.trainer.rl_step import rl_step
-from moe_rl.trainer.weight_sync import ConnectRequest, SyncRequest, WeightSync, fp8_format
+from moe_rl.trainer.weight_sync import ConnectRequest, SyncRequest, SyncResult, WeightSync, fp8_format
 from parallel import cpu_compat
 from parallel.world import free_port, init_distributed
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def collective(method: Callable[Concatenate[Any, P], R]) -> Callable[Concatenate[Any, P], R]:
+    """A `TrainerRank` method that runs collectives: every rank enters it at once (through
+    `on_every_rank`), with Megatron's CPU patches applied on the calling thread (idempotent; Ray
+    may run a method on another thread)."""
+
+    @functools.wraps(method)
+    def on_this_rank(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        if not torch.cuda.is_available():
+            cpu_compat.apply()
+        return method(self, *args, **kwargs)
+
+    return on_this_rank
+
+
+def on_every_rank(method: Callable[Concatenate[Any, P], R]) -> Callable[Concatenate[Any, P], R]:
+    """`TrainerGroup`'s side of a `@collective` `TrainerRank` method: the same call on every rank
+    at once, rank 0's result (the ranks agree)."""
+
+    @functools.wraps(method)
+    def fan_out(group: TrainerGroup, *args: P.args, **kwargs: P.kwargs) -> R:
+        return group._all(method, *args, **kwargs)
+
+    return fan_out
 
 
 @dataclass(frozen=True)
@@ -84,47 +117,43 @@ class TrainerRank:
             self.trainer.load_hf_weights(model_config.path)
         self.weight_sync = WeightSync(self.trainer, self.rank, self.world_size)
 
-    def _enter(self) -> None:
-        if not torch.cuda.is_available():
-            cpu_compat.apply()  # idempotent; Ray may run a method on another thread
-
+    @collective
     def save_hf(self, request: SaveHFRequest) -> None:
         """The weights as an HF checkpoint (`SaveHFRequest` says which and how; collective)."""
-        self._enter()
         self.trainer.save_hf_checkpoint(
             request.out_dir, self.hf_config.to_dict(), merged=request.merged, fp8=fp8_format(request.fp8_blocks)
         )
 
+    @collective
     def save_adapter(self, out_dir: str) -> None:
         """LoRA: the adapters as a PEFT directory (collective)."""
-        self._enter()
         self.trainer.save_adapter(out_dir, self.model_path)
 
+    @collective
     def save_checkpoint(self, directory: str) -> None:
         """Megatron dist checkpoint: model, optimizer, RNG, step (collective, atomic)."""
-        self._enter()
         save_checkpoint(self.trainer, directory)
 
+    @collective
     def load_checkpoint(self, directory: str) -> int:
         """Load a dist checkpoint into the built trainer (collective); returns its optimizer step."""
-        self._enter()
         load_checkpoint(self.trainer, directory)
         return self.trainer.step
 
+    @collective
     def connect(self, request: ConnectRequest) -> None:
         """`WeightSync.connect` on this rank (collective)."""
-        self._enter()
         self.weight_sync.connect(request)
 
-    def sync_weights(self, request: SyncRequest) -> dict:
+    @collective
+    def sync_weights(self, request: SyncRequest) -> SyncResult:
         """`WeightSync.sync` on this rank (collective)."""
-        self._enter()
         return self.weight_sync.sync(request)
 
+    @collective
     def step(self, batch: dict[str, torch.Tensor], algorithm: AlgorithmConfig, step: int) -> dict[str, float]:
         """`moe_rl.trainer.rl_step.rl_step` of RL `step` on this rank (collective). `batch` arrives
         resolved: the driver passes the rollout worker's ObjectRef, Ray fetches it into this rank."""
-        self._enter()
         return rl_step(self.trainer, batch, algorithm, self.model_path, step=step)
 
     def close(self) -> None:
@@ -167,23 +196,12 @@ class TrainerGroup:
         the tensors never pass through the driver) or a dict (put once here)."""
         return self._all(TrainerRank.step, batch, algorithm, step)
 
-    def sync_weights(self, request: SyncRequest) -> dict:
-        return self._all(TrainerRank.sync_weights, request)
-
-    def connect(self, request: ConnectRequest) -> None:
-        self._all(TrainerRank.connect, request)
-
-    def save_hf(self, request: SaveHFRequest) -> None:
-        self._all(TrainerRank.save_hf, request)
-
-    def save_adapter(self, out_dir: str) -> None:
-        self._all(TrainerRank.save_adapter, out_dir)
-
-    def save_checkpoint(self, directory: str) -> None:
-        self._all(TrainerRank.save_checkpoint, directory)
-
-    def load_checkpoint(self, directory: str) -> int:
-        return self._all(TrainerRank.load_checkpoint, directory)
+    sync_weights = on_every_rank(TrainerRank.sync_weights)
+    connect = on_every_rank(TrainerRank.connect)
+    save_hf = on_every_rank(TrainerRank.save_hf)
+    save_adapter = on_every_rank(TrainerRank.save_adapter)
+    save_checkpoint = on_every_rank(TrainerRank.save_checkpoint)
+    load_checkpoint = on_every_rank(TrainerRank.load_checkpoint)
 
     def cpus(self) -> list[dict]:
         """Every rank's cores and threads, in rank order."""

@@ -97,7 +97,7 @@ def _sync_rank(url: str, pp: int = 1, relays: int = 0):
         again = weight_sync.sync(SyncRequest(1, 16 << 10))  # the committed version again: nothing to send
     finally:
         weight_sync.close()
-    return result["engines"], again["engines"]
+    return result.engines, again.engines
 
 
 @pytest.mark.parametrize("pp, relays", [(1, 0), (2, 0), (1, 1)], ids=["ep2", "pp2-stage-groups", "ep2-relay"])

@@ -3,10 +3,10 @@
 Trainer: a Megatron GPTModel (random init) built from `model` (Qwen3MoeConfig fields) on a gloo
 world of `layout.world_size` ranks (`parallel.world.spawn`); rank 0 owns the `WeightSender`, the
 others exhaust the export. Full = export (TP/EP gathers) + pack + broadcast + engines verify the
-checksum, stage into their reused storage and commit. Engines: `num_engines` receiver
-processes (a `WeightReceiver` each, no model; not the embedded engine, whose commit rebuilds a
-transformers model, which is model loading, not transfer), driven over a socket by the same
-calls an HTTP server makes, with a thread per call. Raw = one flat uint8 tensor of the same byte
+checksum, stage into their reused storage and commit. Engines: `num_engines` receiver-only
+engines (`sync.receiver_engine`: a `WeightReceiver` behind SGLang's weight routes, no model; not
+the embedded engine, whose commit rebuilds a transformers model, which is model loading, not
+transfer). Raw = one flat uint8 tensor of the same byte
 count broadcast over the same group into a preallocated buffer. Two warm-up syncs (both storage
 sets of every engine) and one raw broadcast come first; then `repeats` timed pairs.
 
@@ -42,20 +42,13 @@ configs/bench/sync_lora.yaml).
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import json
 import os
 import statistics
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import yaml
 
 from parallel.bridges import bridge_for
@@ -67,7 +60,8 @@ from parallel.world import spawn
 from sync import traffic
 from sync.bucket import checksum
 from sync.config import SyncConfig
-from sync.receiver import WeightReceiver
+from sync.engine_set import SyncError, describe
+from sync.receiver_engine import ReceiverEngineClient, start_receiver_engine
 from sync.sender import exhaust
 from sync.shapes import SyncSetup, make_syncer
 from sync.syncer import ViaCoordinator
@@ -85,153 +79,10 @@ FIELDS = {
     "lora",
     "stage_groups",
 }
-_AUTH = b"moe-rl-bench-sync"
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("config", help="YAML: model, layout, bucket_mb, export_bucket_mb, num_engines, repeats, output")
-
-
-def _receiver_main(addresses) -> None:
-    """Bench engine process: serves WeightReceiver calls over sockets (one connection per trainer
-    stage source), one thread per call; "stop" on any connection ends it."""
-    torch.set_num_threads(1)
-    receiver, raw = WeightReceiver("cpu"), {}
-    cpu_seconds = time.process_time  # the "cpu" call: this process's CPU time so far
-    listener = Listener(("127.0.0.1", 0), authkey=_AUTH)
-    addresses.put(listener.address)
-    pool, stopped = ThreadPoolExecutor(8), threading.Event()
-
-    def execute(conn, send_lock, call_id, method, kwargs):
-        try:
-            if method == "raw_receive":  # preallocated on the warm-up call: raw's best case
-                buffer = raw.setdefault(kwargs["nbytes"], torch.empty(kwargs["nbytes"], dtype=torch.uint8))
-                receiver.groups[kwargs["group_name"]].broadcast(buffer)
-                result = ("ok", None)
-            elif method == "cpu":
-                result = ("ok", cpu_seconds())
-            elif method == "traffic":  # bytes this engine rank received so far, per link
-                result = ("ok", traffic.snapshot())
-            else:
-                out = getattr(receiver, method)(**kwargs)
-                result = ("ok", len(out) if method == "commit" else None)
-        except Exception as error:  # reported to the sender, which names this engine
-            result = ("error", f"{type(error).__name__}: {error}")
-        with send_lock:
-            conn.send((call_id, *result))
-
-    def serve(conn) -> None:
-        send_lock = threading.Lock()
-        while True:
-            try:
-                call_id, method, kwargs = conn.recv()
-            except (EOFError, OSError):
-                return
-            if method == "stop":
-                receiver.leave()
-                conn.send((call_id, "ok", None))
-                stopped.set()
-                return
-            pool.submit(execute, conn, send_lock, call_id, method, kwargs)
-
-    def accept() -> None:
-        while True:
-            try:
-                conn = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    stopped.wait()
-
-
-class SocketEngine:
-    """EngineEndpoint for a bench receiver process (calls may overlap, like HTTP requests)."""
-
-    def __init__(self, name: str, address):
-        self.name, self._conn = name, Client(tuple(address), authkey=_AUTH)
-        self.verifies_checksums = True  # a WeightReceiver, as in the embedded engine
-        self._ids, self._calls, self._lock = itertools.count(), {}, threading.Lock()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        while True:
-            try:
-                call_id, status, result = self._conn.recv()
-            except (EOFError, OSError):
-                return
-            future = self._calls.pop(call_id)
-            if status == "ok":
-                future.set_result(result)
-            else:
-                future.set_exception(RuntimeError(f"{self.name}: {result}"))
-
-    def request(self, method: str, **kwargs) -> Future:
-        future, call_id = Future(), next(self._ids)
-        self._calls[call_id] = future
-        with self._lock:
-            self._conn.send((call_id, method, kwargs))
-        return future
-
-    async def _call(self, method: str, **kwargs):
-        return await asyncio.wrap_future(self.request(method, **kwargs))
-
-    async def num_group_ranks(self) -> int:
-        return 1
-
-    async def health(self) -> bool:
-        return not self._conn.closed
-
-    async def begin_weight_update(self):
-        await self._call("begin")
-
-    async def end_weight_update(self):  # nothing to finalize: the receiver stages, the commit swaps
-        pass
-
-    async def init_weights_update_group(
-        self, master_address, master_port, rank_offset, world_size, group_name, backend
-    ):
-        await self._call(
-            "join",
-            master_address=master_address,
-            master_port=master_port,
-            rank=rank_offset,
-            world_size=world_size,
-            group_name=group_name,
-            backend=backend,
-        )
-
-    async def destroy_weights_update_group(self, group_name):
-        await self._call("leave", group_name=group_name)
-
-    async def update_weights_from_distributed(
-        self, names, dtypes, shapes, group_name, weight_version, load_format, checksum
-    ):
-        await self._call(
-            "receive_bucket",
-            names=names,
-            dtypes=dtypes,
-            shapes=shapes,
-            weight_version=weight_version,
-            checksum=checksum,
-            group_name=group_name,
-        )
-
-    async def update_weights_from_disk(self, model_path, weight_version):
-        await self._call("stage_from_disk", model_path=model_path, weight_version=weight_version)
-
-    async def update_weight_version(self, new_version):
-        await self._call("commit", weight_version=new_version)
-
-    async def pause_generation(self, mode):  # receivers without a model do not generate
-        pass
-
-    async def continue_generation(self):
-        await self._call("abort")
-
-    async def flush_cache(self):
-        pass
 
 
 def _memory_kb(field: str) -> int:
@@ -241,7 +92,7 @@ def _memory_kb(field: str) -> int:
     return 0
 
 
-def _trainer(cfg: dict, addresses: list) -> dict | None:
+def _trainer(cfg: dict, ports: list[int]) -> dict | None:
     """Rank function: build this rank's Megatron stage; the first stage's source syncs (each stage's
     source sends its own layers, or funnels them), the others run their exports."""
     # heavy: transformers, only where an HF config, model or tokenizer is read
@@ -253,12 +104,10 @@ def _trainer(cfg: dict, addresses: list) -> dict | None:
     model = build_gpt_model(bridge, layout)
     export_bytes, repeats = int(cfg.get("export_bucket_mb", 64)) << 20, int(cfg.get("repeats", 3))
     bucket_bytes = int(cfg.get("bucket_mb", 128)) << 20
-    sources, rank = export_source_ranks(), dist.get_rank()
+    sources = export_source_ranks()
     staged = layout.pp > 1 and bool(cfg.get("stage_groups", True))
     config = SyncConfig(bucket_bytes=bucket_bytes, backend="gloo", timeout_s=600, stage_groups=staged)
-    engines = (
-        [SocketEngine(f"bench-engine-{i}", a) for i, a in enumerate(addresses)] if rank in sources.values() else []
-    )
+    engines = [ReceiverEngineClient(port, f"bench-engine-{i}", timeout_s=600) for i, port in enumerate(ports)]
     syncer = make_syncer(engines, SyncSetup(config, sources))
     assert isinstance(syncer, ViaCoordinator)  # full weights: the coordinator's sender
     sender = syncer.sender
@@ -298,7 +147,7 @@ def _trainer(cfg: dict, addresses: list) -> dict | None:
         for version in (1, 2):  # warm-up: the group, both storage sets of every engine, page faults
             nbytes = full(version).bytes
         flat = torch.zeros(nbytes, dtype=torch.uint8)
-        _raw_broadcast(sender, engines, flat)
+        _raw_broadcast(sender, flat)
         packer = sender.transport.packer
         for version in range(3, 3 + repeats):
             wall, grown, spent = {}, {}, {}
@@ -317,19 +166,16 @@ def _trainer(cfg: dict, addresses: list) -> dict | None:
                 "export": lambda: exhaust(stream()),
                 "pack": pack,
                 "full": lambda: full(version),
-                "raw": lambda: _raw_broadcast(sender, engines, flat),
+                "raw": lambda: _raw_broadcast(sender, flat),
             }
             for stage in (*STAGES, "raw"):
                 if stage == "full":  # the last full sync's bytes per link, here and at every engine rank
                     before, gathered = traffic.snapshot(), dict(GATHER_BYTES)
-                    received = [e.request("traffic").result(60) for e in engines]
+                    received = [e.traffic() for e in engines]
                 wall[stage], grown[stage], spent[stage] = _measured(work[stage], engines)
                 if stage == "full":
                     links = _link_bytes(before, gathered)
-                    engine_links = [
-                        traffic.since(was, e.request("traffic").result(60))["received"]
-                        for was, e in zip(received, engines)
-                    ]
+                    engine_links = [traffic.since(was, e.traffic())["received"] for was, e in zip(received, engines)]
             (export_wall, export_cpu), (hash_wall, hash_cpu) = inside["export"], inside["hash"]
             wall["hash"], spent["hash"] = hash_wall, (hash_cpu, 0.0)
             wall["pack"] -= export_wall + hash_wall  # the packer's own copies
@@ -344,8 +190,6 @@ def _trainer(cfg: dict, addresses: list) -> dict | None:
             transient["full"] = max(transient["full"], grown["full"])
     finally:
         syncer.close()
-        for engine in engines:
-            engine.request("stop").result(60)
     best = {key: min(values) for key, values in times.items()}
     ratios = [raw / full for full, raw in zip(times["full"], times["raw"])]
     buffers, bound = 2 * bucket_bytes, 2 * bucket_bytes + largest[0]
@@ -375,7 +219,7 @@ def _trainer(cfg: dict, addresses: list) -> dict | None:
         bound_bytes=bound,
         peak_extra_within_bound=buffers + transient["full"] <= bound,
         stream="Megatron export (parallel.export.export_hf_weights), random init",
-        engines="WeightReceiver processes (no model), a thread per call",
+        engines="receiver-only engines (sync.receiver_engine: WeightReceiver over HTTP, no model)",
         walls=walls,
         cpu=cpu,
         links=links,
@@ -432,14 +276,14 @@ def _cpu(work) -> float:
     return time.process_time() - start
 
 
-def _measured(work, engines: list[SocketEngine]) -> tuple[float, int, tuple[float, float]]:
+def _measured(work, engines: list[ReceiverEngineClient]) -> tuple[float, int, tuple[float, float]]:
     """Wall seconds and peak RSS growth of `work()` (`_timed`), and the CPU seconds it cost this
     process and, summed, the receivers."""
-    before = sum(e.request("cpu").result(60) for e in engines)
+    before = sum(e.cpu_seconds() for e in engines)
     start = time.process_time()
     seconds, grown = _timed(work)
     here = time.process_time() - start
-    return seconds, grown, (here, sum(e.request("cpu").result(60) for e in engines) - before)
+    return seconds, grown, (here, sum(e.cpu_seconds() for e in engines) - before)
 
 
 def cpu_breakdown(source: dict, others: list[dict]) -> dict[str, dict[str, float]]:
@@ -478,14 +322,14 @@ def _timed(work) -> tuple[float, int]:
     return time.perf_counter() - start, max(0, _memory_kb("VmHWM") - before) << 10
 
 
-def _raw_broadcast(sender, engines: list[SocketEngine], flat: torch.Tensor) -> float:
+def _raw_broadcast(sender, flat: torch.Tensor) -> float:
     """One broadcast of `flat` over the sender's group; the engines receive it in parallel."""
     start = time.perf_counter()
     name = sender.transport.config.group_name  # the first stage's group, with stage groups
-    receives = [e.request("raw_receive", nbytes=flat.numel(), group_name=name) for e in engines]
+    receives = sender.engines.submit(lambda engine: engine.raw_receive(flat.numel(), name))
     sender.transport.group.broadcast(flat)
-    for receive in receives:
-        receive.result(600)
+    if failed := sender.engines.wait(receives):
+        raise SyncError(f"raw broadcast: {describe(failed)}")
     return time.perf_counter() - start
 
 
@@ -506,21 +350,14 @@ def run(args) -> int:
     num_engines = int(cfg.get("num_engines", 2))
     if num_engines < 1 or int(cfg.get("repeats", 3)) < 1:
         raise ValueError(f"{args.config}: num_engines and repeats must be >= 1")
-    ctx = mp.get_context("spawn")
-    addresses = ctx.Queue()
-    procs = [ctx.Process(target=_receiver_main, args=(addresses,), daemon=True) for _ in range(num_engines)]
-    for proc in procs:
-        proc.start()
+    procs, ports = zip(*[start_receiver_engine(timeout_s=600) for _ in range(num_engines)])
     try:
         # fresh ranks: forked ones would count copy-on-write faults of the preloaded modules as peak memory
-        ranks = spawn(
-            _trainer, layout.world_size, cfg, [addresses.get(timeout=120) for _ in procs], timeout_s=3600, fresh=True
-        )
+        ranks = spawn(_trainer, layout.world_size, cfg, list(ports), timeout_s=3600, fresh=True)
     finally:
         for proc in procs:
+            proc.kill()
             proc.join(30)
-            if proc.is_alive():
-                proc.kill()
     result = ranks[0]
     result["cpu_by_stage"] = cpu_breakdown(result, ranks[1:])
     result["bytes_per_link"] = link_table(ranks)

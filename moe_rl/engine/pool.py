@@ -31,6 +31,7 @@ class EnginePool:
         self.live = [True] * len(clients)
         self.served = [0] * len(clients)  # requests each engine completed since it was (re)started
         self.resubmitted = 0  # requests lost with a dead engine and sent to another one
+        self.generated_tokens = 0  # output tokens of every completed request (continued segments included)
         self._active_s = [0.0] * len(clients)  # wall seconds with >= 1 request in flight, per engine
         self._active_since: list[float | None] = [None] * len(clients)
         self._groups: dict[str, int] = {}
@@ -71,6 +72,7 @@ class EnginePool:
             finally:
                 self._leave(index)
             self.served[index] += 1
+            self.generated_tokens += len(result.output_ids)
             return result
 
     def _enter(self, index: int) -> None:

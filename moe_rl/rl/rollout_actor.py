@@ -170,17 +170,6 @@ def engine_placement(
     return placement
 
 
-class CountingPool(EnginePool):
-    """An `EnginePool` that counts every generated token (continued segments included)."""
-
-    generated_tokens = 0
-
-    async def generate(self, input_ids, *, group_id=None, **kwargs):
-        result = await super().generate(input_ids, group_id=group_id, **kwargs)
-        self.generated_tokens += len(result.output_ids)
-        return result
-
-
 class RolloutWorker:
     """The rollout manager as an async Ray actor."""
 
@@ -213,7 +202,7 @@ class RolloutWorker:
         """Start generating; `restore`: the run checkpoint to continue from."""
 
         clients = [self._client(i, url) for i, url in enumerate(self.urls)]
-        self.pool = CountingPool(clients)
+        self.pool = EnginePool(clients)
         self.manager = RolloutManager(
             self.config,
             self.pool,

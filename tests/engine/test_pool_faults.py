@@ -47,6 +47,7 @@ def test_dead_engine_requests_resubmitted_then_revived(qwen3_dir):
             recovered_s = time.perf_counter() - start
             assert all(len(r.output_ids) == TOKENS and r.finish_reason == "length" for r in results)
             assert pool.live == [False, True] and pool.resubmitted == 4
+            assert pool.generated_tokens == 8 * TOKENS  # completed requests only: a lost one counts once
             assert pool.served == [0, 8] and recovered_s < 30
             # 2. new work only goes to the live engine
             await pool.generate([5, 6], group_id="g9", **generate)

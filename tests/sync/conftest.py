@@ -1,11 +1,11 @@
-"""Fixtures for sync tests: a tiny random Qwen3-MoE in HF on-disk naming, fake engines."""
+"""Fixtures for sync tests: a tiny random Qwen3-MoE in HF on-disk naming, receiver-only engines."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.sync.fake_engine import FakeEngineClient, start_engine
+from sync.receiver_engine import ReceiverEngineClient, start_receiver_engine
 from tests.tiny_models import QWEN3_MOE, hf_config, save_random_model
 
 
@@ -32,10 +32,10 @@ def qwen3_moe_state(tmp_path_factory) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def engines(request):
-    """Two fake engines (separate processes); `request.param` may list each one's `die_at`."""
+    """Two receiver-only engines (separate processes); `request.param` may list each one's `fail_at`."""
     dies = getattr(request, "param", [None, None])
-    procs, ports = zip(*[start_engine(die, timeout_s=20) for die in dies])
-    yield [FakeEngineClient(port, name=f"engine-{i}") for i, port in enumerate(ports)], procs
+    procs, ports = zip(*[start_receiver_engine(die, timeout_s=20) for die in dies])
+    yield [ReceiverEngineClient(port, name=f"engine-{i}") for i, port in enumerate(ports)], procs
     for proc in procs:
         proc.kill()
         proc.join(5)

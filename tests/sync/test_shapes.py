@@ -14,10 +14,10 @@ pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a
 def _shapes() -> dict[str, tuple[str, str | None, bool]]:
     """Rank function: {setup: (the Syncer's class, its sender's class, pending(1))}."""
     from sync.config import AdapterSyncConfig, SyncConfig
+    from sync.receiver_engine import ReceiverEngineClient
     from sync.shapes import SyncSetup, make_syncer
-    from tests.sync.fake_engine import FakeEngineClient
 
-    engines = [FakeEngineClient(1, name="engine-0")]  # never contacted: nothing is opened
+    engines = [ReceiverEngineClient(1, name="engine-0")]  # never contacted: nothing is opened
     config = SyncConfig(timeout_s=5)
     setups = {
         "one stage": SyncSetup(config, {0: 0}),

@@ -1,4 +1,4 @@
-"""Broadcast transport end to end: sender (this process, gloo) -> fake engines (processes)."""
+"""Broadcast transport end to end: sender (this process, gloo) -> receiver-only engines (processes)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Engines dying and coming back, at the sync layer: fake engines (real processes, a real gloo
+"""Engines dying and coming back, at the sync layer: receiver-only engines (real processes, a real gloo
 group, a real `WeightReceiver`) and the real sender.
 
 Proves: a receiver SIGKILLed mid-broadcast fails the update within seconds, not `timeout_s`, and
@@ -17,8 +17,8 @@ import pytest
 
 from sync.config import SyncConfig
 from sync.engine_set import SyncError
+from sync.receiver_engine import ReceiverEngineClient, start_receiver_engine
 from sync.sender import WeightSender
-from tests.sync.fake_engine import FakeEngineClient, start_engine
 from tests.sync.test_sync_broadcast import assert_same, served
 
 pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
@@ -51,8 +51,8 @@ def test_dead_engines_dropped_fast_and_restarted_engine_caught_up(engines, qwen3
         assert stats.engines == ["engine-0"] and clients[0].served_version() == 2
 
         # 2. engine-1 restarted (a fresh process, serving version 0) and added back: behind
-        replacement, port = start_engine(timeout_s=TIMEOUT_S)
-        engine1 = FakeEngineClient(port, name="engine-1")
+        replacement, port = start_receiver_engine(timeout_s=TIMEOUT_S)
+        engine1 = ReceiverEngineClient(port, name="engine-1")
         sender.add(engine1, served_version=0)
         assert sender.behind == {"engine-1"}
         stats = sender.update(iter(state2.items()), version=2)  # catch-up: the committed version

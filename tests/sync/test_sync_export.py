@@ -1,4 +1,4 @@
-"""Megatron trainer ranks (gloo, TP/EP layouts) -> streaming export -> sync -> fake engines:
+"""Megatron trainer ranks (gloo, TP/EP layouts) -> streaming export -> sync -> receiver-only engines:
 what every engine serves equals, bit for bit, what the export yielded on the source rank."""
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ def export_and_sync(hf_dir: str, ports: list[int], out_dir: str, bucket_bytes: i
     from parallel.hf_import import load_hf_weights
     from parallel.model import build_gpt_model, init_model_parallel
     from sync.config import SyncConfig
+    from sync.receiver_engine import ReceiverEngineClient
     from sync.sender import WeightSender, exhaust
-    from tests.sync.fake_engine import FakeEngineClient
 
     bridge = bridge_for(json.loads((Path(hf_dir) / "config.json").read_text()))
     sender = None
     if dist.get_rank() == 0:
-        clients = [FakeEngineClient(port, name=f"engine-{i}") for i, port in enumerate(ports)]
+        clients = [ReceiverEngineClient(port, name=f"engine-{i}") for i, port in enumerate(ports)]
         sender = WeightSender(clients, SyncConfig(bucket_bytes=bucket_bytes, timeout_s=60))
     written = []
     for version, layout in enumerate(LAYOUTS, start=1):

@@ -1,5 +1,5 @@
 """Pipeline parallel trainer worlds -> `sync.pipeline.stage_stream` funnel -> one weight-update
-group -> fake engines: every engine serves exactly the HF checkpoint (all layers, every stage)."""
+group -> receiver-only engines: every engine serves exactly the HF checkpoint (all layers, every stage)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def pp_export_and_sync(hf_dir: str, ports: list[int], out_dir: str, layout: Para
     from parallel.model import build_gpt_model, init_model_parallel
     from sync.config import SyncConfig
     from sync.pipeline import stage_stream, sync_source
+    from sync.receiver_engine import ReceiverEngineClient
     from sync.sender import WeightSender, exhaust
-    from tests.sync.fake_engine import FakeEngineClient
 
     bridge = bridge_for(json.loads((Path(hf_dir) / "config.json").read_text()))
     init_model_parallel(layout, seed=1234)
@@ -39,7 +39,7 @@ def pp_export_and_sync(hf_dir: str, ports: list[int], out_dir: str, layout: Para
     sources = export_source_ranks()
     assert len(sources) == layout.pp
     is_sync_source = dist.get_rank() == sync_source(sources)
-    clients = [FakeEngineClient(port, name=f"engine-{i}") for i, port in enumerate(ports)]
+    clients = [ReceiverEngineClient(port, name=f"engine-{i}") for i, port in enumerate(ports)]
     sender = WeightSender(clients, SyncConfig(bucket_bytes=16384, timeout_s=60)) if is_sync_source else None
     for version in (1, 2):
         with torch.no_grad():

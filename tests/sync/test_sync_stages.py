@@ -1,5 +1,5 @@
 """Per-stage weight-update groups (`sync.stages`): PP2 trainer worlds, each stage's source broadcasting
-its own layers over its own group, into fake engines that join both groups. Every engine serves
+its own layers over its own group, into receiver-only engines that join both groups. Every engine serves
 exactly the HF checkpoint (both stages' layers) after each version, and the byte counters show
 that no trainer rank receives another stage's tensors (the funnel, for contrast, does)."""
 
@@ -37,16 +37,16 @@ def staged_sync(
     from sync import traffic
     from sync.config import SyncConfig
     from sync.pipeline import stage_stream, sync_source
+    from sync.receiver_engine import ReceiverEngineClient
     from sync.sender import WeightSender, exhaust
     from sync.stages import StagedSync
-    from tests.sync.fake_engine import FakeEngineClient
 
     bridge = bridge_for(json.loads((Path(hf_dir) / "config.json").read_text()))
     init_model_parallel(layout, seed=1234)
     model = build_gpt_model(bridge, layout)
     load_hf_weights(model, bridge, hf_dir)
     sources = export_source_ranks()
-    clients = [FakeEngineClient(port, name=f"engine-{i}") for i, port in enumerate(ports)]
+    clients = [ReceiverEngineClient(port, name=f"engine-{i}") for i, port in enumerate(ports)]
     config = SyncConfig(bucket_bytes=16384, timeout_s=60)
     rank = dist.get_rank()
     if stage_groups:

@@ -14,6 +14,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import tarfile
 import tempfile
 import urllib.request
@@ -57,7 +58,10 @@ def tokenizer_dir(family: str) -> Path:
             if member == "tokenizer_config.json":
                 content = json.dumps({k: _plain(v) for k, v in json.loads(content).items()}).encode()
             (staging / member).write_bytes(content)
-    staging.rename(target)  # whole or absent: a concurrent test never sees half a directory
+    try:
+        staging.rename(target)  # whole or absent: a concurrent test never sees half a directory
+    except OSError:  # another process renamed its copy first
+        shutil.rmtree(staging)
     return target
 
 

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import yaml
 
 from moe_rl.algorithms.config import AlgorithmConfig
-from moe_rl.converted import HF_FILES_DIR, is_converted, read_meta
+from moe_rl.conversion.directory import HF_FILES_DIR, is_converted, read_meta
 from moe_rl.cpu_pools import CpuPoolsConfig
 from moe_rl.rollout.config import RolloutConfig
 from moe_rl.rollout.eval_config import EvalConfig
@@ -37,7 +37,7 @@ class ModelConfig:
 
     path: str | None = None
     """HF model directory (config.json, optionally safetensors weights and a tokenizer), or a
-    checkpoint `moe-rl convert hf-to-megatron` wrote (loaded at any layout, `moe_rl.converted`)."""
+    checkpoint `moe-rl convert hf-to-megatron` wrote (loaded at any layout, `moe_rl.conversion.directory`)."""
     hf_config: dict[str, Any] | None = None
     """Inline HF config fields (with `model_type` and `architectures`) for a tiny random model."""
     tokenizer: str | None = None
@@ -264,7 +264,7 @@ class ClusterConfig:
     """Dtype of the trained weights on GPUs, of the engines' weights and of the sync buckets."""
     nic_gbps: float = 400.0
     """Bandwidth in Gb/s of one GPU's network card (400: InfiniBand NDR); `moe-rl plan` models the
-    weight sync from the bytes each link carries (`moe_rl.sync_links`)."""
+    weight sync from the bytes each link carries (`moe_rl.plan.sync_links`)."""
     nics_per_node: int = 8
     """Network cards per node (one per GPU on H100/H200 nodes)."""
     nvlink_gbps: float = 3600.0

@@ -1,6 +1,6 @@
 """`moe-rl convert hf-to-megatron | megatron-to-hf | peft-to-megatron | megatron-to-peft`:
-checkpoint conversion through the bridges (the rank functions are `moe_rl.conversion`; this module
-parses the arguments, checks them and starts the ranks).
+checkpoint conversion through the bridges (`moe_rl.conversion`: the checks and the rank functions;
+this module parses the arguments and starts the ranks).
 
 hf-to-megatron: every rank builds its stage of the Megatron model for the requested layout,
 reads only its slices of the HF safetensors, and all ranks write one Megatron
@@ -26,13 +26,11 @@ existing non-empty output (or `<out>.tmp`) unless `--overwrite` is given.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
-from moe_rl.converted import META_FILE
+from moe_rl.conversion.checks import check_before_launch, check_output
 from parallel.layout import ParallelLayout
-from parallel.staging import staging_dir
 
 COMMAND = ("convert",)
 HELP = "convert checkpoints between HF safetensors and Megatron dist_checkpointing"
@@ -87,7 +85,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     # heavy: torch (the conversion ranks); the CLI imports every command module to build its parser
-    from moe_rl.conversion import hf_to_megatron, megatron_to_hf, megatron_to_peft, peft_to_megatron
+    from moe_rl.conversion.ranks import hf_to_megatron, megatron_to_hf, megatron_to_peft, peft_to_megatron
     from parallel.world import init_distributed, is_first_process, launched_by_torchrun, spawn
 
     for axis in ("tp", "pp", "ep", "etp", "world_size"):
@@ -119,7 +117,7 @@ def run(args) -> int:
     if not Path(source).is_dir():
         raise ValueError(f"{source} is not a directory: pass an existing checkpoint")
     check_output(source, args.out, args.overwrite)
-    _check_before_launch(args.direction, source, layout, drop_mtp=getattr(args, "mtp", None) == "drop")
+    check_before_launch(args.direction, source, layout, drop_mtp=getattr(args, "mtp", None) == "drop")
     if launched_by_torchrun():  # every rank checked before rank 0 creates <out>.tmp
         # heavy: torch, as above
         import torch.distributed as dist
@@ -132,42 +130,3 @@ def run(args) -> int:
     if is_first_process():
         print(f"wrote {args.out}")
     return 0
-
-
-def check_output(source: str, out: str, overwrite: bool) -> None:
-    """Refuse an output whose writing would destroy anything: the input (or a folder holding it),
-    or, without `overwrite`, an existing non-empty directory or staging folder."""
-    source_path, out_path = Path(source).resolve(), Path(out).resolve()
-    if source_path == out_path or out_path in source_path.parents:
-        raise ValueError(
-            f"--out {out} would replace the input {source} (it equals or contains it): choose another output directory"
-        )
-    for path in (out_path, staging_dir(out_path)):
-        if not overwrite and (path.is_file() or (path.is_dir() and any(path.iterdir()))):
-            raise ValueError(
-                f"--out: {path} exists and is not empty; choose a new directory or pass --overwrite to replace it"
-            )
-
-
-def _check_before_launch(direction: str, source: str, layout, drop_mtp: bool) -> None:
-    """Unknown architecture or a layout that cannot split the model: ValueError, no ranks started."""
-    # heavy: torch (the bridges); the CLI imports every command module to build its parser
-    from moe_rl.conversion import source_hf_config
-    from parallel.bridges import bridge_for
-    from parallel.checkpoint_trust import check_dist_checkpoint
-
-    if direction == "hf-to-megatron":
-        hf_config = source_hf_config(source, drop_mtp)
-    elif direction == "peft-to-megatron":
-        # heavy: torch, as above
-        from parallel.peft import lora_config_of
-
-        lora_config_of(source)  # a bad adapter config fails here, before any rank starts
-        return
-    else:
-        meta = Path(source) / META_FILE
-        if not meta.exists():
-            raise ValueError(f"{source} has no {META_FILE}: pass a checkpoint written by hf-to-megatron")
-        check_dist_checkpoint(source)  # its pickles, before any rank lets torch unpickle them
-        hf_config = json.loads(meta.read_text())["hf_config"]
-    layout.check_model(bridge_for(hf_config).model_shape())

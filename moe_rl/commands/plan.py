@@ -1,5 +1,5 @@
 """`moe-rl plan CONFIG [a.b=value ...]`: validate a GPU run config and print its placement, parallel
-groups, per-GPU memory estimate and bytes per weight sync (`moe_rl.plan`). Starts nothing; exit
+groups, per-GPU memory estimate and bytes per weight sync (`moe_rl.plan.planner`). Starts nothing; exit
 code 2 with the reason (`moe-rl: error: ...`) when the config cannot run."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     # heavy: torch (through moe_rl.config); the CLI imports every command module to build its parser
     from moe_rl.config import load_config
-    from moe_rl.plan import make_plan
+    from moe_rl.plan.planner import make_plan
 
     print(make_plan(load_config(args.config, args.overrides)).render())
     return 0

@@ -17,7 +17,7 @@ import asyncio
 from pathlib import Path
 
 from moe_rl.config import RunConfig
-from moe_rl.converted import HF_FILES_DIR, is_converted
+from moe_rl.conversion.directory import HF_FILES_DIR, is_converted
 from moe_rl.engine.client import EngineClient, engine_name
 from moe_rl.engine.pool import EnginePool
 from moe_rl.metrics import MetricsLogger
@@ -64,7 +64,7 @@ def hf_directory(checkpoint: str, output: Path) -> str:
             )
         return str(path)
     # heavy: megatron-core and a gloo rank, only for a Megatron checkpoint
-    from moe_rl.conversion import megatron_to_hf
+    from moe_rl.conversion.ranks import megatron_to_hf
     from parallel.layout import ParallelLayout
     from parallel.world import spawn
 

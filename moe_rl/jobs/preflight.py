@@ -30,7 +30,7 @@ from pathlib import Path
 
 from moe_rl.agents import ChatFormat, resolve_agent
 from moe_rl.config import ModelConfig, RunConfig
-from moe_rl.converted import is_converted
+from moe_rl.conversion.directory import is_converted
 from moe_rl.rollout.config import RolloutConfig
 from moe_rl.tasks import Task, get_reward
 from moe_rl.tasks.registry import task_class

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moe_rl.converted import write_lora_meta
+from moe_rl.conversion.directory import write_lora_meta
 from parallel.lora import adapter_parameters, adapter_sharded_state_dict
 from parallel.staging import fresh_staging, publish, staging_dir
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.config import TrainerConfig
-from moe_rl.converted import is_converted, load_model_weights
+from moe_rl.conversion.directory import is_converted, load_model_weights
 from moe_rl.trainer.logprobs import token_entropy, token_logprobs
 from moe_rl.trainer.microbatches import (
     Batch,
@@ -222,7 +222,7 @@ class MegatronTrainer:
     # -- weights ------------------------------------------------------------------------------
     def load_hf_weights(self, hf_dir: str) -> None:
         """Fill this rank's shards from an HF safetensors directory, or a checkpoint `moe-rl convert
-        hf-to-megatron` wrote, at any layout (collective; `moe_rl.converted`)."""
+        hf-to-megatron` wrote, at any layout (collective; `moe_rl.conversion.directory`)."""
         if self.lora is not None and is_converted(hf_dir):
             raise ValueError(
                 f"model.path={hf_dir!r} is a converted checkpoint; with lora the base loads from the HF "

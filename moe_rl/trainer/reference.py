@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_rl.converted import load_model_weights
+from moe_rl.conversion.directory import load_model_weights
 from moe_rl.trainer.routing_replay import RoutingReplay
 from parallel.model import build_gpt_model
 

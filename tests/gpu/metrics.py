@@ -1,4 +1,4 @@
-"""What the `gpu` tier measures, for `moe-rl plan` (`moe_rl/plan.py`: `measured_efficiency`).
+"""What the `gpu` tier measures, for `moe-rl plan` (`moe_rl/plan/planner.py`: `measured_efficiency`).
 
 `record(name, value, unit)` merges one figure into the JSON file named by `$MOE_RL_GPU_METRICS`
 (`scripts/gpu_check.sh` sets it to `benchmarks/gpu_metrics.json`) with the GPU, torch and date;

@@ -10,7 +10,7 @@ import yaml
 
 from moe_rl import cli
 from moe_rl.config import load_config
-from moe_rl.plan import make_plan, parallel_groups
+from moe_rl.plan.planner import make_plan, parallel_groups
 from tests.tiny_models import QWEN3_MOE, hf_fields
 
 MODELS = sorted(Path("configs/models").glob("*.yaml"))
@@ -232,7 +232,7 @@ def test_shipped_configs_meet_the_sync_targets_and_name_the_bottleneck(stem, cap
 def test_one_nic_root_is_bytes_over_one_nic():
     """Without relays the root's node sends through one NIC: every turn is its stage's bytes over
     that NIC at the modelled efficiency, whatever else is done (issue 24's 470 GB >= 10.5 s)."""
-    from moe_rl.sync_links import NIC_EFFICIENCY
+    from moe_rl.plan.sync_links import NIC_EFFICIENCY
 
     absent = Path("absent.json")
     for gbps in (400, 200):
@@ -292,7 +292,7 @@ def test_link_fields_are_checked(override, message, capsys):
 
 @pytest.mark.parametrize("path", MODELS, ids=lambda p: p.stem)
 def test_shipped_configs_print_sync_seconds_and_their_anchor(path, capsys):
-    from moe_rl.plan import SYNC_ANCHORS
+    from moe_rl.plan.planner import SYNC_ANCHORS
 
     anchors = {
         "qwen3_30b_a3b": SYNC_ANCHORS[("Qwen3MoeForCausalLM", 30.5)],
@@ -312,7 +312,7 @@ def test_shipped_configs_print_sync_seconds_and_their_anchor(path, capsys):
 def test_sync_anchor_matches_architecture_and_size():
     from types import SimpleNamespace
 
-    from moe_rl.plan import ParamCounts, sync_anchor
+    from moe_rl.plan.planner import ParamCounts, sync_anchor
 
     def anchor(architecture: str, billions: float) -> str | None:
         return sync_anchor(SimpleNamespace(architectures=[architecture]), ParamCounts((), (), int(billions * 1e9), 0))

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from moe_rl.config import load_config
-from moe_rl.plan import make_plan
+from moe_rl.plan.planner import make_plan
 
 
 def test_reference_adds_one_weight_copy():

@@ -320,7 +320,7 @@ def count_adapter_parameters(config) -> tuple[int, int]:
 def test_plan_counts_the_adapters_exactly(family):
     """`moe-rl plan`'s adapter count (attention, MLA's projections included, dense layers, shared and
     routed experts) is the trainer's, with every target the model has (the default)."""
-    from moe_rl.plan import count_parameters, lora_parameters
+    from moe_rl.plan.planner import count_parameters, lora_parameters
 
     config = {
         "glm4_moe": glm4_moe_config(),

@@ -6,7 +6,7 @@ entered by every rank, and global rank 0 publishes `<out>.tmp` as `<out>` once a
 
 hf-to-megatron: every rank builds its stage of the Megatron model, reads only its slices of the HF
 safetensors and writes its shards of one torch_dist checkpoint of `model.sharded_state_dict()`
-(plain keys), plus `moe_rl_meta.json` and the HF side files (`moe_rl.converted` has the format).
+(plain keys), plus `moe_rl_meta.json` and the HF side files (`moe_rl.conversion.directory` has the format).
 megatron-to-hf: loads such a checkpoint at any layout and streams HF safetensors shards out of each
 pipeline stage (`parallel.export.save_hf_checkpoint`). peft-to-megatron / megatron-to-peft: only
 LoRA adapters move (`parallel.lora`, `parallel.peft`); no base weights are read.
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch.distributed as dist
 from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
 
-from moe_rl.converted import HF_FILES_DIR, META_FILE, write_lora_meta
+from moe_rl.conversion.directory import HF_FILES_DIR, META_FILE, write_lora_meta
 from moe_rl.trainer.checkpoint import save_sharded
 from parallel.bridges import bridge_for, without_mtp
 from parallel.export import save_hf_checkpoint

@@ -49,7 +49,7 @@ With `lora:` (rank r), the base is frozen: gradients and optimizer state cover o
 A = r x (in + out) per adapted linear (fused q/k/v and gate/up share one A; every routed expert has
 its own), and each sync sends B x A bytes: the adapter, not the model.
 
-Seconds per sync: modelled from the bytes each link carries (`moe_rl.sync_links`: per stage turn,
+Seconds per sync: modelled from the bytes each link carries (`moe_rl.plan.sync_links`: per stage turn,
 gathers, broadcast NICs of the root's node, engine nodes' NICs, NVLink), with `cluster.nic_gbps`,
 `cluster.nics_per_node`, `cluster.nvlink_gbps`; printed with the most loaded link, beside the
 published sync time of the same model (SYNC_ANCHORS) where there is one. Where the GPU check has
@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_rl.config import PARAM_DTYPES, RunConfig
-from moe_rl.sync_links import StageBytes, SyncLinks, model_sync
+from moe_rl.plan.sync_links import StageBytes, SyncLinks, model_sync
 
 GB = 1e9
 HEADROOM_GB = 10.0
@@ -247,7 +247,7 @@ def make_plan(config: RunConfig, gpu_metrics: Path = GPU_METRICS) -> Plan:
 def sync_model(
     config: RunConfig, hf, counts: ParamCounts, dtype_bytes: int, adapter, measured: dict[str, dict]
 ) -> SyncLinks:
-    """The sync's links for this layout and `sync:` options (`moe_rl.sync_links`); a LoRA sync
+    """The sync's links for this layout and `sync:` options (`moe_rl.plan.sync_links`); a LoRA sync
     moves only the adapter, from the source of each stage as a full sync would."""
     t, sync = config.trainer, config.sync
     per_stage = hf.num_hidden_layers // t.pp

@@ -1,41 +1,13 @@
-"""`moe-rl bench async CONFIG`: what asynchrony and partial rollouts buy, measured end to end.
-
-Runs the RL job on CONFIG (same model, layout, batch and `steps`) six times, each a full run with
-its own Ray cluster and engines. By default on a machine with >= 2 cores the runs use disjoint
-CPU pools (`cpu_pools`, the CPU picture of disaggregated GPU pools): one trainer rank
-(trainer.world_size=1, no EP) on the first half of the cores, one engine on the rest; the cores
-each process reports are printed. `--no-pools` keeps CONFIG's layout, unpinned.
-1. `sync` vs `fully_async` on two workloads: "balanced" (`--balanced-max-new-tokens` chosen so
-   generation takes about as long as the rest of a sync step) and "unbalanced" (CONFIG's own task,
-   short responses: training dominates). Reports the wall time of the training steps (start-up
-   excluded), the speedup, and its ideal from the sync run: with gen = the trainer's wait for the
-   batch and train = the rest of the step, overlapping them at best turns gen + train into
-   max(gen, train), so ideal = (gen + train) / max(gen, train) (2x when balanced);
-2. long-tailed response lengths (task `copy_digits_long_tail`: responses stop at any of
-   `num_stop_tokens` tokens, else run to `long_tail_max_new_tokens`): drain-before-sync
-   (`one_step_off`, staleness bound 1) vs partial rollouts (`fully_async`, pause_mode abort,
-   continued after the swap) at bound `--long-tail-staleness`: 1 by default, the same bound; 2 lets
-   the trainer take the next round's finished groups and carry stragglers over into the next step
-   (APRIL's setting). Reports generated tokens/s and step throughput, and the ideal (no drain wait:
-   the drain run's step without its drain seconds).
-3. agents (when CONFIG sets `rollout.agent`, instead of 1 and 2): `sync` vs `fully_async` on
-   CONFIG's agent task with tools that take `--tool-latency-s` seconds a call (the task option
-   `latency_s`, e.g. `lookup`): environment waits are where synchronous RL idles. Same report and
-   ideal as 1.
-Runs follow one another, so a ratio also measures how the machine's load moved between its two
-runs; `--repeats N` runs every pair N times and reports the median ratio with its range.
-Writes every number to `output` (JSON) and prints a table.
-"""
+"""`moe-rl bench async CONFIG`: what asynchrony and partial rollouts buy, measured end to end: six
+full RL runs of CONFIG (sync vs fully_async, balanced and unbalanced; drain-before-sync vs partial
+rollouts under long tails; or sync vs fully_async on an agent task). `moe_rl.bench.asynchrony`
+runs them and says how."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-from pathlib import Path
 
-from moe_rl.cpu_pools import available_cores
+from moe_rl.bench.options import AsyncBench, from_args
 
 COMMAND = ("bench", "async")
 HELP = (
@@ -46,240 +18,55 @@ HELP = (
 def add_arguments(parser) -> None:
     parser.add_argument("config", help="RL run config (YAML with a rollout section), e.g. configs/demo_cpu.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted overrides applied to every run")
-    parser.add_argument("--steps", type=int, default=20, help="RL steps per run (one full bench: ~4-6 min on 2 cores)")
+    parser.add_argument(
+        "--steps", type=int, default=AsyncBench.steps, help="RL steps per run (one full bench: ~4-6 min on 2 cores)"
+    )
     parser.add_argument(
         "--balanced-max-new-tokens",
         type=int,
-        default=36,
+        default=AsyncBench.balanced_max_new_tokens,
         help="response length of the balanced workload (generation ~ training in sync mode)",
     )
-    parser.add_argument("--long-tail-max-new-tokens", type=int, default=56)
+    parser.add_argument("--long-tail-max-new-tokens", type=int, default=AsyncBench.long_tail_max_new_tokens)
     parser.add_argument(
         "--num-stop-tokens",
         type=int,
-        default=8,
+        default=AsyncBench.num_stop_tokens,
         help="stop tokens of the long-tailed task (8 of 256: mean length ~27, ~17%% run to the budget)",
     )
     parser.add_argument(
         "--long-tail-staleness",
         type=int,
-        default=1,
+        default=AsyncBench.long_tail_staleness,
         help="staleness bound of the partial-rollout run (drain-before-sync is always 1); "
         "2 carries stragglers over into the next step",
     )
     parser.add_argument(
         "--pools",
         action=argparse.BooleanOptionalAction,
-        default=None,
+        default=AsyncBench.pools,
         help="disjoint CPU pools: one trainer rank and one engine on cores of their own "
         "(default: on with >= 2 cores, unless CONFIG sets cpu_pools)",
     )
     parser.add_argument(
         "--repeats",
         type=int,
-        default=1,
+        default=AsyncBench.repeats,
         help="run every pair this many times; ratios are then medians with their range",
     )
     parser.add_argument(
         "--tool-latency-s",
         type=float,
-        default=0.05,
+        default=AsyncBench.tool_latency_s,
         help="agent configs: seconds each tool call takes (the task option latency_s)",
     )
-    parser.add_argument("--output", default="runs/bench_async/results.json")
-
-
-def pool_overrides(cores: list[int]) -> list[str]:
-    """One trainer rank (no EP) on the first half of `cores`, one engine on the other half."""
-    half = len(cores) // 2
-    trainer, engine = cores[:half], cores[half:]
-    return [
-        "trainer.world_size=1",
-        "trainer.ep=1",
-        "engines.count=1",
-        f"cpu_pools={{trainer: {trainer}, engines: [{engine}]}}",
-    ]
-
-
-def _run(config_path: str, overrides: list[str], name: str, out: Path) -> dict:
-    # heavy: torch and Ray (the RL job); the CLI imports every command module to build its parser
-    from moe_rl.config import load_config
-    from moe_rl.jobs import rl
-
-    config = load_config(config_path, [*overrides, f"output_dir={out / name}", "rl.report=false", "rl.save_hf=false"])
-    summary = rl.run(config)
-    # this run's steps: metrics.jsonl appends, so a reused --output also holds an earlier run's
-    rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()][-config.steps :]
-    last, n = rows[-1], len(rows)
-    mean = lambda key: sum(r.get(key, 0.0) for r in rows) / n  # noqa: E731
-    cores = out / name / "cpu_pools.json"
-    return {
-        "mode": config.rl.mode,
-        "steps": config.steps,
-        "train_s": summary["train_s"],
-        "steps_per_s": config.steps / summary["train_s"],
-        "generated_tokens_per_s": last["rollout/generated_tokens_per_s"],
-        "trained_tokens_per_s": sum(r["train/tokens"] for r in rows) / summary["train_s"],
-        "reward_first": summary["reward_first"],
-        "reward_last": summary["reward_last"],
-        "continued_requests": last["rollout/continued_requests"],
-        "mean_step_s": mean("time/step_s"),
-        "mean_sync_s": mean("time/sync_s"),
-        "mean_trainer_wait_s": mean("time/trainer_wait_s"),
-        "mean_train_step_s": mean("time/train_step_s"),
-        "mean_drain_s": mean("time/drain_s"),
-        # what bounds the step: the trainer's and the engines' busy fractions (moe_rl.jobs.rl perf/*)
-        "trainer_busy_frac": mean("perf/trainer_busy_frac"),
-        "engine_busy_frac": mean("perf/engine_busy_frac"),
-        "mean_response_length": mean("rollout/response_length_mean"),
-        "max_response_length": max(r["rollout/response_length_max"] for r in rows),
-        "cores": json.loads(cores.read_text()) if cores.is_file() else None,
-    }
-
-
-def overlap_ideal(sync_run: dict) -> dict:
-    """From a sync run: gen = the trainer's wait for its batch, train = the rest of the step, and
-    the best fully_async can do by overlapping them, (gen + train) / max(gen, train)."""
-    gen = sync_run["mean_trainer_wait_s"]
-    train = sync_run["mean_step_s"] - gen
-    return {"gen_s": gen, "train_s": train, "ideal": (gen + train) / max(gen, train)}
+    parser.add_argument("--output", default=AsyncBench.output)
 
 
 def run(args) -> int:
-    # heavy: torch (through moe_rl.config); the CLI imports every command module to build its parser
-    from moe_rl.config import load_config
-    from moe_rl.jobs.preflight import check_run
+    options = from_args(AsyncBench, args)
+    # heavy: torch and Ray (the RL job); the CLI imports every command module to build its parser
+    from moe_rl.bench import asynchrony
 
-    out = Path(args.output).parent
-    cores = sorted(available_cores())
-    pools = args.pools
-    if pools is None:
-        pools = len(cores) >= 2 and load_config(args.config, args.overrides).cpu_pools is None
-    if pools and len(cores) < 2:
-        raise ValueError(f"--pools needs >= 2 cores, this process may use {cores}; pass --no-pools")
-    base = [*(pool_overrides(cores) if pools else []), *args.overrides, f"steps={args.steps}"]
-    print(f"cpu pools: {_describe_pools(load_config(args.config, base))} ({os.cpu_count()} cores here)", flush=True)
-    balanced = [*base, f"rollout.max_new_tokens={args.balanced_max_new_tokens}"]
-    tail = [
-        *base,
-        "rollout.task=copy_digits_long_tail",
-        f"rollout.max_new_tokens={args.long_tail_max_new_tokens}",
-        f"rollout.task_options={{length: 1, num_stop_tokens: {args.num_stop_tokens}}}",
-        f"rollout.max_staleness={args.long_tail_staleness}",
-        "sync.pause_mode=abort",
-        "rollout.partial_rollout=true",
-    ]
-    sync, fully_async = ["rl.mode=sync", "rollout.max_staleness=0"], ["rl.mode=fully_async"]
-    plan = {
-        "balanced_sync": [*balanced, *sync],
-        "balanced_fully_async": [*balanced, *fully_async],
-        "unbalanced_sync": [*base, *sync],
-        "unbalanced_fully_async": [*base, *fully_async],
-        "long_tail_drain": [*tail, "rl.mode=one_step_off"],
-        "long_tail_partial": [*tail, "rl.mode=fully_async"],
-    }
-    if load_config(args.config, args.overrides).rollout.agent is not None:
-        tools = [*base, f"rollout.task_options={{latency_s: {args.tool_latency_s}}}"]
-        plan = {"agent_sync": [*tools, *sync], "agent_fully_async": [*tools, *fully_async]}
-    for overrides in plan.values():  # a bad option, override or input fails now, not after minutes of runs
-        check_run(load_config(args.config, overrides))
-    repeats = []  # each repeat runs every pair back to back, so both runs of a pair see about the same load
-    for r in range(args.repeats):
-        where = out if args.repeats == 1 else out / f"repeat{r}"
-        runs = {name: _run(args.config, overrides, name, where) for name, overrides in plan.items()}
-        repeats.append({"runs": runs, **_ratios(runs)})
-    summary = {key: _spread([rep[key] for rep in repeats]) for key in repeats[0] if key != "runs"}
-    results = {
-        "pools": pools,
-        "cores": cores,
-        "long_tail_staleness": args.long_tail_staleness,
-        "repeats": repeats,
-        "summary": summary,
-        "load_average": os.getloadavg(),
-    }
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(results, indent=2))
-    print(
-        f"{'run':<23} {'train s':>8} {'steps/s':>8} {'gen tok/s':>10} {'step s':>7} {'wait s':>7} "
-        f"{'drain s':>8} {'continued':>8} {'trainer busy':>13} {'engine busy':>12}"
-    )
-    for r, rep in enumerate(repeats):
-        for name, run_ in rep["runs"].items():
-            label = name if args.repeats == 1 else f"{name}#{r}"
-            print(
-                f"{label:<23} {run_['train_s']:8.1f} {run_['steps_per_s']:8.2f} {run_['generated_tokens_per_s']:10.0f} "
-                f"{run_['mean_step_s']:7.3f} {run_['mean_trainer_wait_s']:7.3f} {run_['mean_drain_s']:8.3f} "
-                f"{run_['continued_requests']:8.0f} {run_['trainer_busy_frac']:13.0%} {run_['engine_busy_frac']:12.0%}"
-            )
-    first = next(iter(plan))
-    reported = repeats[0]["runs"][first]["cores"]
-    if reported:
-        print(
-            f"cores the processes reported ({first}/cpu_pools.json): trainer ranks "
-            f"{[r['cores'] for r in reported['trainer_ranks']]}, engines {reported['engines']}, "
-            f"rollout worker {reported['rollout_worker']}"
-        )
-    for name in ("balanced", "unbalanced", "agent"):
-        if name not in summary:
-            continue
-        w = summary[name]
-        print(
-            f"fully_async over sync, {name}: {_show(w, 'speedup')} (ideal {_show(w, 'ideal')}: gen {w['gen_s']:.3f} s, "
-            f"train {w['train_s']:.3f} s per sync step)"
-        )
-    if "long_tail" in summary:
-        t = summary["long_tail"]
-        print(
-            f"partial rollouts (staleness bound {args.long_tail_staleness}) over drain-before-sync (bound 1), "
-            f"long tail: {_show(t, 'steps_per_s')} steps/s "
-            f"(ideal {_show(t, 'ideal_steps_per_s')}: no drain wait), {_show(t, 'generated_tokens_per_s')} "
-            "generated tokens/s"
-        )
-    print(f"load average during the bench: {results['load_average'][1]:.2f} (5 min); {args.output}")
+    asynchrony.run(options)
     return 0
-
-
-def _ratios(runs: dict) -> dict:
-    """One repeat's ratios: fully_async over sync per workload (with its ideal), partial over drain."""
-    ratios = {}
-    for name in ("balanced", "unbalanced", "agent"):
-        if f"{name}_sync" in runs:
-            sync_run, async_run = runs[f"{name}_sync"], runs[f"{name}_fully_async"]
-            ratios[name] = {"speedup": sync_run["train_s"] / async_run["train_s"], **overlap_ideal(sync_run)}
-    if "long_tail_drain" not in runs:
-        return ratios
-    drain, partial = runs["long_tail_drain"], runs["long_tail_partial"]
-    ratios["long_tail"] = {
-        "generated_tokens_per_s": partial["generated_tokens_per_s"] / drain["generated_tokens_per_s"],
-        "steps_per_s": partial["steps_per_s"] / drain["steps_per_s"],
-        "ideal_steps_per_s": drain["mean_step_s"] / (drain["mean_step_s"] - drain["mean_drain_s"]),
-    }
-    return ratios
-
-
-def _spread(values: list[dict]) -> dict:
-    """Per key: the median over repeats, and every repeat's value (`<key>_all`)."""
-    return {
-        **{key: statistics.median(v[key] for v in values) for key in values[0]},
-        **{f"{key}_all": [v[key] for v in values] for key in values[0]},
-    }
-
-
-def _show(summary: dict, key: str) -> str:
-    """`1.52x`, or with repeats `1.52x (1.31-1.63)`: the median and the range."""
-    values = summary[f"{key}_all"]
-    spread = f" ({min(values):.2f}-{max(values):.2f})" if len(values) > 1 else ""
-    return f"{summary[key]:.2f}x{spread}"
-
-
-def _describe_pools(config) -> str:
-    """Which cores each side was given (the runs' cpu_pools.json has what each process reported)."""
-    pools = config.cpu_pools
-    if pools is None:
-        return f"none (unpinned: trainer.world_size={config.trainer.world_size}, engines.count={config.engines.count})"
-    ranks = "; ".join(
-        f"trainer rank {i} on cores {cores} ({threads} threads)"
-        for i, (cores, threads) in enumerate(pools.trainer_cores(config.trainer.world_size))
-    )
-    engines = "; ".join(f"engine {i} on cores {cores}" for i, cores in enumerate(pools.engines))
-    return f"{ranks}; {engines}; rollout worker on {pools.rollout_cores}; driver and Ray on {pools.driver_cores}"

@@ -125,7 +125,7 @@ def test_rl_cluster_pins_trainer_engine_and_rollout_worker(tmp_path):
 
 
 def test_bench_async_pools_and_ideal():
-    from moe_rl.commands.bench_async import _ratios, _show, _spread, overlap_ideal, pool_overrides
+    from moe_rl.bench.asynchrony import _ratios, _show, _spread, overlap_ideal, pool_overrides
 
     assert pool_overrides([0, 1]) == [
         "trainer.world_size=1",

@@ -1,4 +1,4 @@
-"""`moe-rl bench sync CONFIG` with a `lora:` section (moe_rl.commands.bench_sync hands it here):
+"""`moe-rl bench sync CONFIG` with a `lora:` section (options: `moe_rl.bench.options.SyncBench`):
 adapter vs full-weight sync, same model, one run.
 
 Trainer: a Megatron GPTModel (random init) with LoRA adapters of `lora.rank` on every target
@@ -17,6 +17,7 @@ engine cut (finish reason "abort") during each phase: the adapter phases pause n
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import tempfile
 import threading
@@ -26,11 +27,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe_rl.bench.options import SyncBench
 from moe_rl.engine.client import EngineClient
 from moe_rl.engine.process import launch_embedded
 from parallel.bridges import bridge_for
 from parallel.export import export_hf_weights, save_hf_checkpoint
-from parallel.layout import ParallelLayout
 from parallel.lora import LoRAConfig, add_lora
 from parallel.model import build_gpt_model, init_model_parallel
 from parallel.peft import collect_adapter, write_adapter
@@ -75,19 +76,19 @@ class LongTail:
         self._thread.join(120)
 
 
-def rank_main(cfg: dict, work_dir: str) -> dict | None:
+def rank_main(options: SyncBench, work_dir: str) -> dict | None:
     """Rank function: every rank runs the collectives; rank 0 owns the engine and both syncs."""
     # heavy: transformers, only where an HF config, model or tokenizer is read
     from transformers import Qwen3MoeConfig
 
-    layout, hf_config = ParallelLayout(**cfg["layout"]), Qwen3MoeConfig(**cfg["model"])
-    bridge, lora = bridge_for(hf_config), LoRAConfig(**cfg["lora"])
+    layout, hf_config = options.layout, Qwen3MoeConfig(**options.model)
+    bridge, lora = bridge_for(hf_config), LoRAConfig(**options.lora)
     init_model_parallel(layout, seed=0)
     model = build_gpt_model(bridge, layout, use_te=False)
     for adapter in add_lora(model, bridge, lora, seed=0).values():
         torch.nn.init.normal_(adapter.lora_B, std=0.01)
     save_hf_checkpoint(model, bridge, f"{work_dir}/base", hf_config.to_dict(), merge_adapters=False)
-    repeats = int(cfg.get("repeats", 3))
+    repeats = options.repeats
     if dist.get_rank() != 0:
         for _ in range(2 * repeats):  # rank 0's order: every adapter sync, then every full one
             collect_adapter(model, bridge, lora)
@@ -135,8 +136,8 @@ def rank_main(cfg: dict, work_dir: str) -> dict | None:
                 sync.close()
     best = {key: min(values) for key, values in times.items()}
     return dict(
-        layout=cfg["layout"],
-        lora=cfg["lora"],
+        layout=dataclasses.asdict(layout),
+        lora=options.lora,
         adapter_bytes=sizes["adapter"],
         full_bytes=sizes["full"],
         bytes_ratio_full_over_adapter=sizes["full"] / sizes["adapter"],
@@ -151,14 +152,15 @@ def rank_main(cfg: dict, work_dir: str) -> dict | None:
     )
 
 
-def run(cfg: dict) -> int:
-
-    layout = ParallelLayout(**cfg["layout"])
+def run(options: SyncBench) -> dict:
+    """Rank 0's figures, written to `options.output_path`."""
     with tempfile.TemporaryDirectory() as work_dir:
-        result = spawn(rank_main, layout.world_size, cfg, work_dir, timeout_s=3600)[0]
+        result = spawn(rank_main, options.layout.world_size, options, work_dir, timeout_s=3600)[0]
+    Path(options.output_path).write_text(json.dumps(result, indent=2))
+    return result
+
+
+def show(result: dict, output: str) -> None:
     for key, value in result.items():
         print(f"{key:>34}: {value}")
-    output = Path(cfg.get("output", "bench_sync_lora.json"))
-    output.write_text(json.dumps(result, indent=2))
     print(f"wrote {output}")
-    return 0

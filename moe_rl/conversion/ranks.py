@@ -24,8 +24,8 @@ import torch.distributed as dist
 from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
 
 from moe_rl.conversion.directory import HF_FILES_DIR, META_FILE, write_lora_meta
-from moe_rl.trainer.checkpoint import save_sharded
 from parallel.bridges import bridge_for, without_mtp
+from parallel.dist_checkpoint import save_sharded
 from parallel.export import save_hf_checkpoint
 from parallel.fp8 import BlockFP8
 from parallel.hf_checkpoint import load_hf_config

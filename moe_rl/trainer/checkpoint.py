@@ -17,13 +17,8 @@ leaves a half-written checkpoint under the final name.
 from __future__ import annotations
 
 import json
-import multiprocessing
-import os
 import random
-import threading
-import time
 import warnings
-from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.conversion.directory import write_lora_meta
+from parallel.dist_checkpoint import save_sharded
 from parallel.lora import adapter_parameters, adapter_sharded_state_dict
 from parallel.staging import fresh_staging, publish, staging_dir
 
@@ -137,30 +133,3 @@ def load_checkpoint(trainer, directory: str | Path, load_optimizer: bool = True)
             f"checkpoint layout {saved_layout} differs from {_layout_record(trainer)}: "
             f"model and optimizer resharded, RNG states restart from the seed"
         )
-
-
-def save_sharded(state: dict, directory: str | Path) -> None:
-    """`dist_checkpointing.save` (collective), with the writer's results queue served by a Manager
-    that exits with this process. megatron-core starts that Manager once per process and stops it
-    in an exit handler, which a killed process (a Ray actor, a cancelled job) never runs: its
-    Manager would outlive it. Ours watches its parent and exits within a second of it."""
-    # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if filesystem_async._results_queue is None:
-        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        manager.start(_exit_with_parent, (os.getpid(),))
-        filesystem_async._results_queue = manager.Queue()  # the proxy keeps the Manager alive
-    dist_checkpointing.save(state, str(directory))
-
-
-def _exit_with_parent(parent: int) -> None:
-    """Manager initializer: a daemon thread ends the Manager once `parent` is gone (reparented)."""
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=watch, daemon=True).start()

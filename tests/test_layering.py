@@ -1,4 +1,4 @@
-"""Imports run downhill: the layering of STYLE.md convention 12, read from the source with `ast`.
+"""Imports run downhill: the layering docs/architecture.md section 1 draws, read from the source with `ast`.
 
 Layers, bottom to top: `sync` and `parallel` (libraries that know nothing of the RL system), then
 `moe_rl`, whose CLI (`moe_rl/cli.py` and one file per command under `moe_rl/commands/`) is the

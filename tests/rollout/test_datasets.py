@@ -171,9 +171,17 @@ def error_cases(tmp_path: Path) -> list[tuple[Path, dict, str]]:
             {},
             "both.jsonl' row 0: give either 'prompt' (rollout.prompt_key) or 'prompt_ids', not both",
         ),
-        (tmp_path / "empty_chat.jsonl", {}, "empty_chat.jsonl' row 1: a prompt is text or a non-empty list of"),
+        (
+            tmp_path / "empty_chat.jsonl",
+            {},
+            "empty_chat.jsonl' row 1: 'prompt' (rollout.prompt_key) is an empty list: a prompt is text or a non-empty",
+        ),
         (tmp_path / "meta.jsonl", {}, "meta.jsonl': column 'metadata' is string: 'metadata' is an object"),
-        (tmp_path / "tools.jsonl", {}, "tools.jsonl' row 0: tools are a list of OpenAI function definitions"),
+        (
+            tmp_path / "tools.jsonl",
+            {},
+            "tools.jsonl' row 0: 'tools' (rollout.tools_key) is not valid JSON (",
+        ),
     ]
 
 

@@ -67,7 +67,7 @@ def check_run(config: RunConfig) -> None:
     except Exception as error:  # a user's task class failed in its constructor
         raise ValueError(
             f"rollout.task={rollout.task!r}: building it with rollout.task_options raised "
-            f"{type(error).__name__}: {error}"
+            f"{type(error).__name__}: {error}; fix the options or the class"
         ) from error
     if rollout.reward:
         get_reward(rollout.reward)

@@ -118,7 +118,7 @@ def import_object(spec: str, field: str, wants: str) -> Any:
     value: Any = module
     for part in attr.split("."):
         if not hasattr(value, part):
-            raise ValueError(f"{field}={spec!r}: {module_name} ({module.__file__}) has no {attr!r}; {wants}")
+            raise ValueError(f"{field}={spec!r}: {module_name} ({module.__file__}) has no {attr!r} ({wants})")
         value = getattr(value, part)
     return value
 
@@ -176,4 +176,4 @@ def _kind(value: Any) -> str:
         return f"the class {value.__qualname__}"
     if inspect.isroutine(value):
         return f"the function {value.__qualname__}"
-    return f"a {type(value).__name__} object"
+    return f"an object of type {type(value).__name__}"

@@ -14,23 +14,31 @@ Columns, named by `RolloutConfig`'s keys (dotted paths reach into nested columns
   (verl's and slime's layout) rendered with the model's chat template, the row's tools and the
   generation prompt; the Prompt keeps `messages` and `tools` for agents. Text is tokenised as it
   is, or with `apply_chat_template` rendered as one user message. Alternatively a `prompt_ids`
-  column of token ids; each row gives exactly one of the two.
+  column of token ids; each row gives exactly one of the two. A message has a `role` and a
+  `content` (text or a list of parts; null only on an assistant message with `tool_calls`, each
+  naming its function).
 - `answer_key` ("answer"): what the reward compares the response with; null counts as missing.
-- `tools_key` ("tools"), optional column: an OpenAI function list, or its JSON text (slime).
+- `tools_key` ("tools"), optional column: an OpenAI function list (`{"type": "function",
+  "function": {"name": ..., "parameters": {...}}}`), or its JSON text (slime).
   Keys whose value is null are dropped from tools and messages: Arrow gives every row the union
   of the keys of all rows.
 - `metadata_keys`: columns copied into the prompt's metadata; the `metadata` column's fields go
   to its top level, any other column under its name. None: `metadata` if present, plus verl's
   `data_source`, `ability` and `extra_info` where present.
 
+With `for_agents` (`rollout.agent` is set) every row must be a chat (or text, with
+`apply_chat_template`): the Prompt carries the messages, tools and metadata, no ids (each episode
+renders the messages with its own chat format, turn by turn).
+
 A column holds one type across rows; `datasets` reads a JSONL column whose rows mix types (text
 and lists) as JSON, and then a text value that parses as JSON comes back parsed ("4" as 4).
 Everything cheap is checked up front, before any process starts: the columns exist (the error
 names the key and the columns the file has), and every row's prompt, answer, tools and metadata,
-scanned in Arrow batches of `SCAN_ROWS` rows. Errors are `ValueError`s naming `rollout.dataset`
-and the row (`row N` is `dataset[N]`, counted from 0). Prompts are tokenised with the HF
-tokenizer of `tokenizer_dir` (model.tokenizer or model.path; local files only). The reward is
-named by `reward` (see `moe_rl.tasks.registry.get_reward`; default `"math"`).
+scanned in Arrow batches of `SCAN_ROWS` rows (vectorised where Arrow typed the column; the first
+bad row is then decoded to say what is wrong with it). Errors are `ValueError`s naming
+`rollout.dataset`, the row (`row N` is `dataset[N]`, counted from 0) and the key. Prompts are
+tokenised with the HF tokenizer of `tokenizer_dir` (model.tokenizer or model.path; local files
+only). The reward is named by `reward` (see `moe_rl.tasks.registry.get_reward`; default "math").
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class Turn:
     token_ids: list[int]
     finish_reason: str
     """"stop" (end-of-turn token), "length" (turn budget), as the engine ended it."""
-    prompt_tokens: int = 0
+    prompt_tokens: int
     """Ids the turn's request held: its sequence before the turn plus the new environment ids (the
     OpenAI endpoint's `usage.prompt_tokens`; `len(token_ids)` is its `completion_tokens`)."""
 

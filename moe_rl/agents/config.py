@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moe_rl.agents.chat import TOOL_CALL_FORMATS
 
@@ -22,6 +22,9 @@ class EpisodeConfig:
     tool_call_format: str = "hermes"
     """How tool calls are written in the model's text: "hermes" (<tool_call>{json}</tool_call>:
     Qwen2.5, Qwen3, Hermes)."""
+    chat_template_kwargs: dict = field(default_factory=dict)
+    """Extra arguments of the chat template, for prompts and every turn, e.g. `{enable_thinking:
+    false}` for Qwen3's non-thinking mode (an empty think block opens each turn)."""
     endpoint_host: str = "127.0.0.1"
     """Bind address of the OpenAI-compatible endpoint (loopback; "0.0.0.0" for agents in other
     processes, containers or machines)."""
@@ -38,6 +41,11 @@ class EpisodeConfig:
             raise ValueError(
                 f"rollout.episode.tool_call_format={self.tool_call_format!r}: supported formats are "
                 f"{TOOL_CALL_FORMATS} (<tool_call>{{json}}</tool_call>)"
+            )
+        if not isinstance(self.chat_template_kwargs, dict):
+            raise ValueError(
+                f"rollout.episode.chat_template_kwargs={self.chat_template_kwargs!r}: must be a mapping of "
+                "template arguments, e.g. {enable_thinking: false}"
             )
         if not 0 <= self.endpoint_port < 65536:
             raise ValueError(f"rollout.episode.endpoint_port={self.endpoint_port}: use 0 (any) or a port number")

@@ -154,7 +154,9 @@ def check_prompts(config: RunConfig, task: Task, agent: str | None, max_new_toke
     if config.model.tokenizer_dir is None:
         raise ValueError(f"{field}.agent needs a tokenizer with a chat template: set model.tokenizer (or model.path)")
     try:
-        ChatFormat.load(config.model.tokenizer_dir, rollout.episode.tool_call_format)
+        ChatFormat.load(
+            config.model.tokenizer_dir, rollout.episode.tool_call_format, rollout.episode.chat_template_kwargs
+        )
     except ValueError as error:
         raise ValueError(f"model.tokenizer={config.model.tokenizer_dir!r} for {field}.agent: {error}") from None
     if not prompts or not prompts[0].messages:

@@ -83,6 +83,32 @@ async def openai_tools(episode: Episode) -> float:
     return float(episode.index)
 
 
+CONVERSATIONS: dict[tuple[str, int], list[dict]] = {}
+
+
+async def openai_three_calls(episode: Episode) -> float:
+    """Three calls through the OpenAI SDK with the lookup tool offered: the first reply is answered
+    by a tool result, the second by a user follow-up; the conversation lands in CONVERSATIONS."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=episode.base_url, api_key="-", max_retries=0)
+    messages = list(episode.messages)
+    try:
+        for follow in (
+            {"role": "tool", "tool_call_id": "call_1", "content": "7"},
+            {"role": "user", "content": "and now?"},
+            None,
+        ):
+            reply = await client.chat.completions.create(model="p", messages=messages, tools=[TOOL], max_tokens=4)
+            messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+            if follow is not None:
+                messages.append(follow)
+    finally:
+        await client.close()
+    CONVERSATIONS[episode.group_id, episode.index] = messages
+    return float(episode.index)
+
+
 async def openai_rewrites_history(episode: Episode) -> float:
     """An OpenAI-SDK agent that rewrites its first message before the second call (a fork)."""
     from openai import AsyncOpenAI

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 from moe_rl.agents import Episode
 
@@ -158,3 +159,55 @@ async def probes_the_endpoint(episode: Episode) -> float:
             async with session.post(f"{url}/chat/completions", json={**body, **extra}) as response:
                 PROBES[name] = response.status
     return 1.0
+
+
+USAGE: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
+"""(group id, episode index) -> each call's usage (prompt, completion, total tokens)."""
+
+
+async def openai_usage(episode: Episode) -> float:
+    """An OpenAI-SDK agent of three calls (tool results or user turns between them) that keeps each
+    answer's `usage`."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=episode.base_url, api_key="-", max_retries=0)
+    messages, usage = list(episode.messages), USAGE.setdefault((episode.group_id, episode.index), [])
+    try:
+        for max_tokens in (3, 1, 2):
+            reply = await client.chat.completions.create(
+                model="p", messages=messages, tools=[TOOL], max_tokens=max_tokens
+            )
+            usage.append((reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens))
+            message = reply.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            if message.tool_calls:
+                messages += [{"role": "tool", "tool_call_id": c.id, "content": "7"} for c in message.tool_calls]
+            else:
+                messages.append({"role": "user", "content": "again"})
+    finally:
+        await client.close()
+    return float(episode.index)
+
+
+async def openai_lookup_from_metadata(episode: Episode) -> float:
+    """A dataset-driven OpenAI-SDK agent: a call with the row's tools, answered by a tool result from
+    the row's `metadata.table` (the model's call when it made one, else the table's first entry),
+    then the answering call; reward 1 when the answer holds the row's value."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=episode.base_url, api_key="-", max_retries=0)
+    table = episode.metadata["prompt"]["table"]
+    messages = list(episode.messages)
+    try:
+        reply = await client.chat.completions.create(model="p", messages=messages, tools=episode.tools)
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        calls = message.tool_calls or []
+        key = json.loads(calls[0].function.arguments).get("key") if calls else next(iter(table))
+        messages.append(
+            {"role": "tool", "tool_call_id": calls[0].id if calls else "none", "content": table.get(key, "no such key")}
+        )
+        reply = await client.chat.completions.create(model="p", messages=messages, tools=episode.tools)
+    finally:
+        await client.close()
+    return float(str(episode.answer) in (reply.choices[0].message.content or ""))

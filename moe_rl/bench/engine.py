@@ -25,7 +25,7 @@ import torch
 
 from moe_rl.bench.options import EngineBench
 from moe_rl.engine.client import EngineClient
-from moe_rl.engine.process import launch_embedded
+from moe_rl.engine.process import EmbeddedConfig, launch_embedded
 
 Baseline = Callable[[], tuple[float, int]]
 """Times one batched generate(): (seconds, new tokens)."""
@@ -169,7 +169,7 @@ def run(options: EngineBench) -> dict:
         report = asyncio.run(measure(options.url, *shape, options.repeats, baseline))
     else:
         model_dir = options.model_dir or tiny_model_dir()
-        with launch_embedded(model_dir, max_batch=max(64, options.requests)) as engine:
+        with launch_embedded(EmbeddedConfig(model_path=model_dir, max_batch=max(64, options.requests))) as engine:
             device, baseline = generate_baseline(model_dir, *shape)
             report = asyncio.run(measure(engine.url, *shape, options.repeats, baseline))
     if device:

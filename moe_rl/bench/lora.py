@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from moe_rl.bench.options import SyncBench
 from moe_rl.engine.client import EngineClient
-from moe_rl.engine.process import launch_embedded
+from moe_rl.engine.process import EmbeddedConfig, launch_embedded
 from parallel.bridges import bridge_for
 from parallel.export import export_hf_weights, save_hf_checkpoint
 from parallel.lora import LoRAConfig, add_lora
@@ -98,7 +98,7 @@ def rank_main(options: SyncBench, work_dir: str) -> dict | None:
 
     times: dict[str, list[float]] = {"adapter_tensors": [], "adapter_disk": [], "full": []}
     sizes = {}
-    with launch_embedded(f"{work_dir}/base", weight_version="0", threads=1) as engine:
+    with launch_embedded(EmbeddedConfig(model_path=f"{work_dir}/base", weight_version="0", threads=1)) as engine:
         routes = {
             route: AdapterSync(
                 [EngineClient(engine.url, name="engine-0")],

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from moe_rl.cpu_pools import pin_process
+from moe_rl.engine.process import EmbeddedConfig
 
 COMMAND = ("serve",)
 HELP = "serve an HF MoE model directory with the embedded CPU engine (SGLang's HTTP API)"
@@ -13,11 +13,13 @@ HELP = "serve an HF MoE model directory with the embedded CPU engine (SGLang's H
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_dir", help="HF model directory (config.json + *.safetensors)")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default=EmbeddedConfig.host)
     parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--weight-version", default="0", help="initial weight version (integer string)")
-    parser.add_argument("--max-batch", type=int, default=64, help="most requests decoded together")
-    parser.add_argument("--device", default="cpu", help="where the model runs: cpu, or cuda / cuda:N")
+    parser.add_argument("--weight-version", default=EmbeddedConfig.weight_version, help="initial weight version")
+    parser.add_argument(
+        "--max-batch", type=int, default=EmbeddedConfig.max_batch, help="most requests decoded together"
+    )
+    parser.add_argument("--device", default=EmbeddedConfig.device, help="where the model runs: cpu, or cuda / cuda:N")
     parser.add_argument(
         "--cpus",
         type=_core_list,
@@ -34,14 +36,19 @@ def _core_list(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not (Path(args.model_dir) / "config.json").is_file():
-        raise ValueError(f"model_dir: {args.model_dir} has no config.json; pass an HF model directory")
-    if args.max_batch < 1:
-        raise ValueError("--max-batch must be >= 1")
-    if args.cpus:  # before torch starts its thread pool, so every thread inherits the pinning
-        pin_process(args.cpus)
+    config = EmbeddedConfig(
+        model_path=args.model_dir,
+        host=args.host,
+        port=args.port,
+        weight_version=args.weight_version,
+        max_batch=args.max_batch,
+        device=args.device,
+        cpus=args.cpus,
+    )
+    if config.cpus:  # before torch starts its thread pool, so every thread inherits the pinning
+        pin_process(config.cpus)
     # heavy: torch and transformers (the engine); the CLI imports every command module to build its parser
     from moe_rl.engine.embedded.server import serve
 
-    serve(args.model_dir, args.host, args.port, args.weight_version, args.max_batch, args.device)
+    serve(config)
     return 0

@@ -1,13 +1,15 @@
 """Engine server processes: start one, wait for `/health`, keep its log, stop it cleanly.
 
-`launch_embedded(model_dir)` starts `python -m moe_rl.cli serve MODEL_DIR` (the embedded CPU engine)
-on a free port; `moe_rl.engine.sglang_launcher` builds the `sglang.launch_server` command line and
-uses the same `EngineProcess`. Tests and the orchestrator use these; the returned object's `url`
+`launch_embedded(EmbeddedConfig(model_path=...))` starts `python -m moe_rl.cli serve MODEL_DIR` (the
+embedded CPU engine) on a free port; `moe_rl.engine.sglang_launcher` builds the
+`sglang.launch_server` command line from its `SGLangConfig` the same way and uses the same
+`EngineProcess`. Tests and the orchestrator use these; the returned object's `url`
 is what `EngineClient` takes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -87,43 +89,53 @@ class EngineProcess:
         self.stop()
 
 
+@dataclasses.dataclass(kw_only=True)
+class EmbeddedConfig:
+    """How the embedded engine runs (`launch_embedded`; `moe-rl serve` takes the same as flags)."""
+
+    model_path: str | Path
+    """HF MoE model directory (config.json + *.safetensors)."""
+    host: str = "127.0.0.1"
+    port: int | None = None
+    """HTTP port; None picks a free one."""
+    weight_version: str = "0"
+    """The label of the launch weights."""
+    max_batch: int = 64
+    """Most requests decoded together."""
+    device: str = "cpu"
+    """Where the model runs: cpu, or cuda / cuda:N."""
+    threads: int | None = None
+    """torch's threads in the engine process (OMP_NUM_THREADS); None: one per core of `cpus`, else
+    torch's default."""
+    cpus: list[int] | None = None
+    """Pin the engine's process to these cores (`cpu_pools.engines[i]`); None: no pinning."""
+
+    def __post_init__(self):
+        if not (Path(self.model_path) / "config.json").is_file():
+            raise ValueError(f"model_path: {self.model_path} has no config.json; pass an HF model directory")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch={self.max_batch}: must be >= 1")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads={self.threads}: must be >= 1, or None")
+
+
+def embedded_command(config: EmbeddedConfig, port: int) -> list[str]:
+    command = [sys.executable, "-m", "moe_rl.cli", "serve", str(config.model_path), "--host", config.host]
+    command += ["--port", str(port), "--weight-version", str(config.weight_version)]
+    command += ["--max-batch", str(config.max_batch), "--device", config.device]
+    if config.cpus:
+        command += ["--cpus", ",".join(map(str, config.cpus))]
+    return command
+
+
 def launch_embedded(
-    model_dir: str | Path,
-    weight_version: str = "0",
-    host: str = "127.0.0.1",
-    port: int | None = None,
-    max_batch: int = 64,
-    log_path: str | Path | None = None,
-    timeout_s: float = 120.0,
-    threads: int | None = None,
-    cpus: list[int] | None = None,
-    device: str = "cpu",
+    config: EmbeddedConfig, log_path: str | Path | None = None, timeout_s: float = 120.0
 ) -> EngineProcess:
-    """Start the embedded engine as a subprocess on a free port and wait until it is healthy.
-    `cpus`: pin it to these cores (`serve --cpus`, one thread per core unless `threads` says)."""
-    port = port or free_port(host)
-    command = [
-        sys.executable,
-        "-m",
-        "moe_rl.cli",
-        "serve",
-        str(model_dir),
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--weight-version",
-        str(weight_version),
-        "--max-batch",
-        str(max_batch),
-        "--device",
-        device,
-    ]
-    if cpus:
-        command += ["--cpus", ",".join(map(str, cpus))]
-        threads = threads or len(cpus)
+    """Start the embedded engine as a subprocess and wait until it is healthy."""
+    port = config.port or free_port(config.host)
     root = str(Path(__file__).resolve().parents[2])  # this checkout, installed or not
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    threads = config.threads or (len(config.cpus) if config.cpus else None)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    return EngineProcess(command, host, port, log_path, env).wait_healthy(timeout_s)
+    return EngineProcess(embedded_command(config, port), config.host, port, log_path, env).wait_healthy(timeout_s)

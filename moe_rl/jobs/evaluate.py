@@ -84,15 +84,14 @@ def start_engines(config: RunConfig, hf_dir: str, output: Path, step: int) -> li
             log_path = output / f"{engine_name(i)}.log"
             if cfg.kind == "embedded":
                 # heavy: only the engine launcher's process helpers
-                from moe_rl.engine.process import launch_embedded
+                from moe_rl.engine.process import EmbeddedConfig, launch_embedded
 
                 engines.append(
                     launch_embedded(
-                        hf_dir,
-                        weight_version=str(step),
-                        max_batch=cfg.max_batch,
+                        EmbeddedConfig(
+                            model_path=hf_dir, weight_version=str(step), max_batch=cfg.max_batch, threads=cfg.threads
+                        ),
                         log_path=log_path,
-                        threads=cfg.threads,
                     )
                 )
             else:

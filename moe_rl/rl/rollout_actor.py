@@ -29,7 +29,7 @@ from moe_rl.algorithms import AlgorithmConfig
 from moe_rl.cpu_pools import pin_process
 from moe_rl.engine.client import EngineClient, engine_name
 from moe_rl.engine.pool import EnginePool
-from moe_rl.engine.process import launch_embedded
+from moe_rl.engine.process import EmbeddedConfig, launch_embedded
 from moe_rl.engine.sglang_launcher import SGLangConfig, launch_sglang
 from moe_rl.rl.resume import RunCheckpoint
 from moe_rl.rollout import RolloutConfig, RolloutManager
@@ -102,12 +102,14 @@ class EngineServer:
         cfg = self.engines
         if cfg.kind == "embedded":
             return launch_embedded(
-                self.model_dir,
-                weight_version=str(self.weight_version),
-                max_batch=cfg.max_batch,
+                EmbeddedConfig(
+                    model_path=self.model_dir,
+                    weight_version=str(self.weight_version),
+                    max_batch=cfg.max_batch,
+                    threads=len(self.cpus) if self.cpus else cfg.threads,
+                    cpus=self.cpus,
+                ),
                 log_path=self.log_path,
-                threads=len(self.cpus) if self.cpus else cfg.threads,
-                cpus=self.cpus,
             )
 
         config = SGLangConfig(

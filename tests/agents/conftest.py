@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_rl.engine.process import launch_embedded
+from moe_rl.engine.process import EmbeddedConfig, launch_embedded
 from moe_rl.rollout import RolloutConfig, RolloutManager
 from tests.rollout.rollout_helpers import make_pool
 from tests.tiny_models import QWEN3_MOE_SMALL, hf_config, save_random_model
@@ -43,7 +43,7 @@ def chat_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def chat_engine(chat_model):
-    with launch_embedded(chat_model, weight_version="0", threads=1) as process:
+    with launch_embedded(EmbeddedConfig(model_path=chat_model, weight_version="0", threads=1)) as process:
         yield process
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from moe_rl.agents import ChatFormat
 from moe_rl.agents.tiny_tokenizer import lookup_call
-from moe_rl.engine.process import launch_embedded
+from moe_rl.engine.process import EmbeddedConfig, launch_embedded
 from tests.agents import agents_for_tests
 from tests.agents.conftest import CHAT_DIR, agent_config, rounds, save_chat_model
 from tests.agents.test_episode_record import check_record, engine_calls_of
@@ -28,8 +28,8 @@ def emitting_engines(tmp_path_factory):
     """Engines whose model emits one token every step: a whole lookup call, or "o"."""
     root = tmp_path_factory.mktemp("emitting")
     with (
-        launch_embedded(save_chat_model(root / "call", emits=CALL_C), threads=1) as calls,
-        launch_embedded(save_chat_model(root / "o", emits=LETTER_O), threads=1) as o,
+        launch_embedded(EmbeddedConfig(model_path=save_chat_model(root / "call", emits=CALL_C), threads=1)) as calls,
+        launch_embedded(EmbeddedConfig(model_path=save_chat_model(root / "o", emits=LETTER_O), threads=1)) as o,
     ):
         yield {"call": calls.url, "o": o.url}
 

@@ -16,7 +16,7 @@ import torch
 
 from moe_rl.agents import ChatFormat
 from moe_rl.agents.config import EpisodeConfig
-from moe_rl.engine.process import launch_embedded
+from moe_rl.engine.process import EmbeddedConfig, launch_embedded
 from tests.agents import agents_for_tests
 from tests.agents.conftest import agent_config
 from tests.agents.test_episode_record import check_record
@@ -94,8 +94,12 @@ def family(request, tmp_path_factory):
     chat = ChatFormat.load(directory, template_kwargs=kwargs)
     root = tmp_path_factory.mktemp(request.param)
     with (
-        launch_embedded(save_model(root / "random", chat, stops=False), threads=1) as random_engine,
-        launch_embedded(save_model(root / "stops", chat, stops=True), threads=1) as stopping_engine,
+        launch_embedded(
+            EmbeddedConfig(model_path=save_model(root / "random", chat, stops=False), threads=1)
+        ) as random_engine,
+        launch_embedded(
+            EmbeddedConfig(model_path=save_model(root / "stops", chat, stops=True), threads=1)
+        ) as stopping_engine,
     ):
         yield dataclasses.make_dataclass("Family", ["name", "dir", "chat", "random", "stops"])(
             request.param, directory, chat, random_engine.url, stopping_engine.url

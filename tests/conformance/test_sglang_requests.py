@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 
 from moe_rl.engine import protocol
-from moe_rl.engine.process import launch_embedded
+from moe_rl.engine.process import EmbeddedConfig, launch_embedded
 from tests.conformance import sglang_oracle
 from tests.engine.engine_helpers import save_tiny_model
 from tests.engine.test_engine_requests import post
@@ -148,7 +148,9 @@ def test_load_and_server_info_use_sglang_names(sglang, engine):
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    with launch_embedded(save_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe")), threads=1) as engine:
+    with launch_embedded(
+        EmbeddedConfig(model_path=save_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe")), threads=1)
+    ) as engine:
         yield engine
 
 

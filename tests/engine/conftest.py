@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_rl.engine.process import launch_embedded
+from moe_rl.engine.process import EmbeddedConfig, launch_embedded
 from tests.engine.engine_helpers import save_tiny_model
 
 
@@ -19,5 +19,5 @@ def qwen3_engine(qwen3_dir):
     # One intra-op thread in every test engine: with two OpenMP threads on two shared cores, a
     # busy machine deschedules one and each op waits for it (a 507-token request went from 2 s
     # to over 60 s with a busy loop per core; with one thread it takes 1 s either way).
-    with launch_embedded(qwen3_dir, weight_version="0", threads=1) as engine:
+    with launch_embedded(EmbeddedConfig(model_path=qwen3_dir, weight_version="0", threads=1)) as engine:
         yield engine

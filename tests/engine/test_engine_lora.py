@@ -20,7 +20,7 @@ from moe_rl.engine.client import EngineError
 from moe_rl.engine.embedded.lora import LoraAdapter
 from moe_rl.engine.embedded.runner import ModelRunner
 from moe_rl.engine.lora_tensors import LoraTensorsBody, read_adapter_dir
-from moe_rl.engine.process import launch_embedded
+from moe_rl.engine.process import EmbeddedConfig, launch_embedded
 from tests.engine.engine_helpers import load_reference, reference, run, wait_for_load, with_client
 from tests.tiny_models import DEEPSEEK_V3, hf_config, save_random_model
 
@@ -211,7 +211,7 @@ def test_dense_mlp_shared_experts_and_mla_match_peft(tmp_path):
             )
             linear.weight += scale * b @ a
     save_adapter(tmp_path / "extended", tensors, adapter_config)
-    with launch_embedded(tmp_path / "model", threads=1) as engine:
+    with launch_embedded(EmbeddedConfig(model_path=tmp_path / "model", threads=1)) as engine:
 
         async def go(client):
             await client.load_lora_adapter("ds", str(tmp_path / "extended"))

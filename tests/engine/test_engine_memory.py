@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from moe_rl.engine.client import EngineError
-from moe_rl.engine.process import launch_embedded
+from moe_rl.engine.process import EmbeddedConfig, launch_embedded
 from tests.engine.engine_helpers import run, save_tiny_model, wait_for_load, with_client
 from tests.engine.test_engine_weights import generate, matches
 
@@ -41,7 +41,7 @@ def test_release_resume_and_reload(qwen3_dir, tmp_path):
         infos.append(await client.model_info())
         return infos, await generate(client)
 
-    with launch_embedded(qwen3_dir, weight_version="0", threads=1) as engine:
+    with launch_embedded(EmbeddedConfig(model_path=qwen3_dir, weight_version="0", threads=1)) as engine:
         (loaded, released, resumed, reloaded), results = run(with_client(engine.url, go))
     assert loaded["weights_state"] == "loaded" and loaded["weight_bytes"] > 0 and loaded["memory_released"] == []
     assert released["weights_state"] == "released" and released["weight_bytes"] == 0
@@ -67,6 +67,6 @@ def test_release_needs_an_idle_engine(qwen3_dir):
             await client.release_memory_occupation()
         return await long
 
-    with launch_embedded(qwen3_dir, weight_version="0", threads=1) as engine:
+    with launch_embedded(EmbeddedConfig(model_path=qwen3_dir, weight_version="0", threads=1)) as engine:
         result = run(with_client(engine.url, go))
     assert len(result.output_ids) == 400 and result.finish_reason == "length"

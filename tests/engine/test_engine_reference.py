@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from moe_rl.engine.client import EngineClient
-from moe_rl.engine.process import launch_embedded
+from moe_rl.engine.process import EmbeddedConfig, launch_embedded
 from tests.engine.engine_helpers import load_reference, reference, run, with_client
 
 pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
@@ -49,7 +49,7 @@ def test_logprobs_and_routing_match_transformers(arch, qwen3_engine, qwen3_dir, 
         model_dir, results = qwen3_dir, run(with_client(qwen3_engine.url, generate_all, PROMPTS))
     else:
         model_dir = mixtral_dir
-        with launch_embedded(mixtral_dir, threads=1) as engine:
+        with launch_embedded(EmbeddedConfig(model_path=mixtral_dir, threads=1)) as engine:
             results = run(with_client(engine.url, generate_all, PROMPTS))
     check_against_reference(load_reference(model_dir), PROMPTS, results)
 

@@ -13,7 +13,7 @@ import pytest
 
 from moe_rl.engine.client import EngineClient, EngineError
 from moe_rl.engine.embedded.runner import load_checkpoint_state
-from moe_rl.engine.process import launch_embedded
+from moe_rl.engine.process import EmbeddedConfig, launch_embedded
 from sync.config import SyncConfig
 from sync.flattened_payload import flatten, serialize
 from sync.sender import WeightSender
@@ -57,7 +57,7 @@ def new_dir(tmp_path_factory):
 
 @pytest.fixture
 def engine(qwen3_dir):
-    with launch_embedded(qwen3_dir, weight_version="0", threads=1) as engine:
+    with launch_embedded(EmbeddedConfig(model_path=qwen3_dir, weight_version="0", threads=1)) as engine:
         yield engine
 
 
@@ -132,7 +132,7 @@ def test_fp8_weights_start_and_update_an_engine(qwen3_dir, new_dir, tmp_path):
     start, block = _fp8_copy(qwen3_dir, tmp_path / "start")
     update, _ = _fp8_copy(new_dir, tmp_path / "update")
     stream = sorted(block.quantize_stream(sorted(load_checkpoint_state(new_dir).items())))
-    with launch_embedded(start, weight_version="0", threads=1) as engine:
+    with launch_embedded(EmbeddedConfig(model_path=start, weight_version="0", threads=1)) as engine:
         client = EngineClient(engine.url)
         sender = WeightSender([client], SyncConfig(transport="broadcast", bucket_bytes=8 << 10, timeout_s=60))
         try:

@@ -13,7 +13,7 @@ import pytest
 
 from moe_rl.engine.client import EngineClient
 from moe_rl.engine.pool import EnginePool
-from moe_rl.engine.process import launch_embedded
+from moe_rl.engine.process import EmbeddedConfig, launch_embedded
 
 pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
@@ -28,7 +28,7 @@ async def _wait_in_flight(pool: EnginePool, index: int, count: int) -> None:
 
 
 def test_dead_engine_requests_resubmitted_then_revived(qwen3_dir):
-    engines = [launch_embedded(qwen3_dir, weight_version="3", threads=1) for _ in range(2)]
+    engines = [launch_embedded(EmbeddedConfig(model_path=qwen3_dir, weight_version="3", threads=1)) for _ in range(2)]
     restarted = None
 
     async def scenario():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_rl.engine.process import launch_embedded
+from moe_rl.engine.process import EmbeddedConfig, launch_embedded
 from parallel.world import spawn
 from tests.engine.engine_helpers import run, save_tiny_model, tiny_config, with_client
 
@@ -45,7 +45,7 @@ def test_engine_on_cuda_matches_the_trainer(tmp_path):
         ]
         return await asyncio.gather(*calls)
 
-    with launch_embedded(model_dir, device="cuda", timeout_s=300) as engine:
+    with launch_embedded(EmbeddedConfig(model_path=model_dir, device="cuda"), timeout_s=300) as engine:
         results = run(with_client(engine.url, go))
     assert all(len(r.output_ids) == NEW_TOKENS and r.routed_experts is not None for r in results)
     # one right-padded batch: row i = prompt + output, routing rows 0..len-2 (the engine's)

@@ -14,7 +14,7 @@ import torch
 
 from moe_rl.engine.client import EngineClient
 from moe_rl.engine.embedded.runner import load_checkpoint_state
-from moe_rl.engine.process import launch_embedded
+from moe_rl.engine.process import EmbeddedConfig, launch_embedded
 from sync.config import SyncConfig
 from sync.sender import WeightSender
 from tests.engine.engine_helpers import run, save_tiny_model, with_client
@@ -31,7 +31,7 @@ async def generate(client):
 
 
 def served_by_fresh_engine(model_dir, device: str):
-    with launch_embedded(model_dir, device=device, timeout_s=300) as engine:
+    with launch_embedded(EmbeddedConfig(model_path=model_dir, device=device), timeout_s=300) as engine:
         return run(with_client(engine.url, generate))
 
 
@@ -39,7 +39,7 @@ def sync_into_engine(old_dir, new_dir, transport: str, engine_device: str) -> tu
     state = {n: t.to("cuda:0") for n, t in sorted(load_checkpoint_state(new_dir).items())}
     bucket_bytes = 64 << 10
     largest = max(t.nbytes for t in state.values())
-    with launch_embedded(old_dir, device=engine_device, timeout_s=300) as engine:
+    with launch_embedded(EmbeddedConfig(model_path=old_dir, device=engine_device), timeout_s=300) as engine:
         client = EngineClient(engine.url)
         sender = WeightSender([client], SyncConfig(transport=transport, bucket_bytes=bucket_bytes, timeout_s=120))
         try:

@@ -69,11 +69,11 @@ def test_pools_against_the_run(tmp_path):
 
 @two_cores
 def test_embedded_engine_runs_on_the_cores_it_was_given(tmp_path):
-    from moe_rl.engine.process import launch_embedded
+    from moe_rl.engine.process import EmbeddedConfig, launch_embedded
     from tests.engine.engine_helpers import save_tiny_model
 
     model = save_tiny_model("qwen3_moe", tmp_path / "model")
-    with launch_embedded(model, cpus=[CORES[-1]]) as engine:
+    with launch_embedded(EmbeddedConfig(model_path=model, cpus=[CORES[-1]])) as engine:
         assert process_cores(engine.process.pid) == [CORES[-1]]
         status = open(f"/proc/{engine.process.pid}/status").read()
         assert f"Cpus_allowed_list:\t{CORES[-1]}\n" in status

@@ -193,9 +193,11 @@ def test_fully_async_partial_rollouts_r3_and_final_checkpoint(tmp_path):
     }
     # the final checkpoint is servable by the embedded engine
     from moe_rl.engine.client import EngineClient
-    from moe_rl.engine.process import launch_embedded
+    from moe_rl.engine.process import EmbeddedConfig, launch_embedded
 
-    with launch_embedded(tmp_path / "fully_async" / "final_hf", weight_version="7", threads=1) as engine:
+    with launch_embedded(
+        EmbeddedConfig(model_path=tmp_path / "fully_async" / "final_hf", weight_version="7", threads=1)
+    ) as engine:
 
         async def generate():
             client = EngineClient(engine.url)

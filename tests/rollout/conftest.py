@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_rl.engine.process import launch_embedded
+from moe_rl.engine.process import EmbeddedConfig, launch_embedded
 from tests.tiny_models import QWEN3_MOE_SMALL, hf_config, save_random_model
 
 LAYERS, TOPK = 2, 2
@@ -29,5 +29,5 @@ def model_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dirs):
-    with launch_embedded(model_dirs[0], weight_version="0", threads=1) as process:
+    with launch_embedded(EmbeddedConfig(model_path=model_dirs[0], weight_version="0", threads=1)) as process:
         yield process

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from moe_rl.engine.client import EngineClient
 from moe_rl.engine.pool import EnginePool
-from moe_rl.engine.process import launch_embedded
+from moe_rl.engine.process import EmbeddedConfig, launch_embedded
 from moe_rl.rollout import RolloutConfig, RolloutManager
 from parallel.peft import write_adapter
 from sync.config import AdapterSyncConfig
@@ -76,7 +76,7 @@ def test_adapter_versions_while_generating(model_dirs, tmp_path, route):
         max_staleness=STALENESS,
         return_routed_experts=True,
     )
-    with launch_embedded(model_dirs[0], weight_version="0", threads=1) as engine:
+    with launch_embedded(EmbeddedConfig(model_path=model_dirs[0], weight_version="0", threads=1)) as engine:
         client = EngineClient(engine.url, name="engine-0")
         sync = AdapterSync(
             [client], AdapterSyncConfig(route=route, directory=str(directory), keep=STALENESS + 1), write_adapter

@@ -107,11 +107,11 @@ def test_weight_sync_commits_a_version_on_an_embedded_engine(tmp_path, pp, relay
     from transformers import AutoModelForCausalLM
 
     from moe_rl.engine.client import EngineClient
-    from moe_rl.engine.process import launch_embedded
+    from moe_rl.engine.process import EmbeddedConfig, launch_embedded
 
     torch.manual_seed(1)
     AutoModelForCausalLM.from_config(hf_config(QWEN3_MOE_SMALL)).save_pretrained(tmp_path / "hf")
-    with launch_embedded(tmp_path / "hf", weight_version="0", threads=1) as engine:
+    with launch_embedded(EmbeddedConfig(model_path=tmp_path / "hf", weight_version="0", threads=1)) as engine:
         per_rank = spawn(_sync_rank, 2, engine.url, pp, relays)
 
         async def info():

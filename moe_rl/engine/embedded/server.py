@@ -44,6 +44,7 @@ from moe_rl.engine.embedded.lora_routes import LoraRoutes
 from moe_rl.engine.embedded.request import Request, SamplingParams
 from moe_rl.engine.embedded.runner import ModelRunner, load_checkpoint_state
 from moe_rl.engine.embedded.scheduler import Scheduler
+from moe_rl.engine.process import EmbeddedConfig
 from sync.flattened_payload import decode
 from sync.receiver import WeightReceiver
 
@@ -519,8 +520,10 @@ def _resolve(future: asyncio.Future, result) -> None:
         future.set_result(result)
 
 
-def serve(model_dir: str, host: str, port: int, weight_version: str, max_batch: int = 64, device: str = "cpu") -> None:
-    """Blocking: load the model and serve until SIGINT/SIGTERM."""
-    server = EmbeddedServer(model_dir, weight_version, max_batch, device)
+def serve(config: EmbeddedConfig) -> None:
+    """Blocking: load the model and serve until SIGINT/SIGTERM (on `config.port`, which must be set)."""
+    server = EmbeddedServer(str(config.model_path), config.weight_version, config.max_batch, config.device)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request
-    web.run_app(server.app(), host=host, port=port, print=None, handle_signals=True, handler_cancellation=True)
+    web.run_app(
+        server.app(), host=config.host, port=config.port, print=None, handle_signals=True, handler_cancellation=True
+    )

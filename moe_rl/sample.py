@@ -94,7 +94,17 @@ class Sample:
     reward: float | None = None
     status: Status = "completed"
     group_id: str = ""
+    segments: int = 0
+    """Engine requests behind the response (`moe_rl.rollout.partial.continue_sample` counts them):
+    0 before the first answer, more than one when generation was cut (a weight swap) and continued,
+    or turns of an episode."""
+    request_ids: list[str] = dataclasses.field(default_factory=list)
+    """The engine's request id of each segment, in order."""
+    restarts: int = 0
+    """Times generation started this sample (or an episode's turn) over, its cut tokens thrown away
+    (`rollout.partial_rollout: false`)."""
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """What the task and the agent carry along (the prompt's fields, the answer, episode facts)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -116,6 +126,9 @@ class Sample:
             )
         if self.status not in STATUSES:
             raise ValueError(f"Sample.status={self.status!r}: use one of {STATUSES}")
+        for name in ("segments", "restarts"):
+            if type(getattr(self, name)) is not int or getattr(self, name) < 0:
+                raise ValueError(f"Sample.{name}={getattr(self, name)!r}: a count, a non-negative integer")
         if self.routed_experts is not None:
             routed = self.routed_experts
             expected = len(self.prompt_ids) + n - 1
@@ -158,6 +171,12 @@ class Sample:
             data["routed_experts"] = rows.astype(dtype)  # native byte order
         # rollout.json files written before versions were integers hold them as strings ("3")
         data["weight_versions"] = [None if v is None else int(v) for v in data.get("weight_versions", [])]
+        # ... and those written before segments were fields hold them in the metadata
+        metadata = dict(data.get("metadata", {}))
+        for field, key in (("segments", "num_segments"), ("request_ids", "rids"), ("restarts", "restarts")):
+            if key in metadata and field not in data:
+                data[field] = metadata.pop(key)
+        data["metadata"] = metadata
         return cls(**data)
 
     def __eq__(self, other: object) -> bool:

@@ -65,7 +65,7 @@ def sample_record(
         "trainer_version": trainer_version,
         "staleness": None if trainer_version is None else staleness(sample, trainer_version),
         "status": sample.status,
-        "segments": int(meta.get("num_segments", 1)),
+        "segments": sample.segments,
         "episode": _episode(meta),
     }
     record = {**extra, **fields}

@@ -333,15 +333,13 @@ class RolloutManager:
             self.continued_requests += 1
             if not cfg.partial_rollout:
                 self.discarded_tokens += len(sample.response_ids) - len(start.response_ids)
-                restarts = sample.metadata.get("restarts", 0) + 1
+                restarts = sample.restarts + 1
                 if start.response_ids:  # a later turn of an episode: redo this turn
-                    sample = dataclasses.replace(start, metadata={**start.metadata, "restarts": restarts})
+                    sample = dataclasses.replace(start, restarts=restarts)
                     pending = list(env_ids)
                 else:
                     sample = Sample(
-                        prompt_ids=sample.prompt_ids,
-                        group_id=gid,
-                        metadata={**sample.metadata, "num_segments": 0, "rids": [], "restarts": restarts},
+                        prompt_ids=sample.prompt_ids, group_id=gid, restarts=restarts, metadata=sample.metadata
                     )
                 if keep is not None:
                     keep(sample)
@@ -410,4 +408,4 @@ class RolloutManager:
 
 def is_finished(sample: Sample) -> bool:
     """True once the engine ended the sample (stop or budget), false while it is empty or cut."""
-    return sample.metadata.get("num_segments", 0) > 0 and sample.status != "aborted"
+    return sample.segments > 0 and sample.status != "aborted"

@@ -6,7 +6,7 @@ and `routed_experts_start_len = prompt_len + partial_len - 1`, so the engine ret
 for the positions the partial sample lacks. `continue_sample` concatenates the two exactly:
 tokens, logprobs, loss mask and per-token versions append; routed-expert rows append (the
 partial's rows cover positions [0, P + n - 1), the continuation's [P + n - 1, P + n + m - 1)).
-`metadata["num_segments"]` counts the engine requests behind a sample, `metadata["rids"]` names them.
+`Sample.segments` counts the engine requests behind a sample, `Sample.request_ids` names them.
 
 Episodes (`moe_rl.agents.episode`) use the same two calls with environment ids: the request is
 the record + the new environment ids, and the result appends those ids (loss mask 0, logprob 0.0,
@@ -55,10 +55,7 @@ def continue_sample(
         )
     routed = partial.routed_experts
     if routed_experts and n_new:
-        segment = (
-            f"sample of group {partial.group_id!r}, segment {partial.metadata.get('num_segments', 0) + 1} "
-            f"(engine request {result.rid})"
-        )
+        segment = f"sample of group {partial.group_id!r}, segment {partial.segments + 1} (engine request {result.rid})"
         _, start = continuation_request(partial)
         expected = len(partial.prompt_ids) + len(partial.response_ids) + len(env_ids) + n_new - 1 - start
         if routed is None and partial.response_ids:
@@ -79,9 +76,6 @@ def continue_sample(
             )
         routed = result.routed_experts if routed is None else np.concatenate([routed, result.routed_experts])
     env = list(env_ids) if n_new else []
-    metadata = dict(partial.metadata)
-    metadata["num_segments"] = metadata.get("num_segments", 0) + 1
-    metadata["rids"] = [*metadata.get("rids", []), result.rid]  # the engine requests behind the sample
     return dataclasses.replace(
         partial,
         response_ids=partial.response_ids + env + list(result.output_ids),
@@ -90,7 +84,8 @@ def continue_sample(
         weight_versions=partial.weight_versions + [None] * len(env) + list(result.weight_versions),
         routed_experts=routed,
         status=STATUS_OF_FINISH.get(result.finish_reason, "aborted"),
-        metadata=metadata,
+        segments=partial.segments + 1,
+        request_ids=[*partial.request_ids, result.rid],
     )
 
 

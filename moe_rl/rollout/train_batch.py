@@ -122,7 +122,7 @@ def build_batch(
         rewards=[float(s.reward) for s in samples],
         response_lengths=[len(s.response_ids) for s in samples],
         staleness=ages,
-        segments=[int(s.metadata.get("num_segments", 1)) for s in samples],
+        segments=[s.segments for s in samples],
         advantages=advantages.advantages.tolist(),
         trained_tokens=sum(sum(s.loss_mask) for s in samples),
         masked_tokens=sum(len(s.loss_mask) - sum(s.loss_mask) for s in samples),

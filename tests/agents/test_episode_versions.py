@@ -58,7 +58,7 @@ def test_a_turn_cut_by_a_weight_swap_continues_under_the_new_version(chat_engine
 
 def cut_turn(sample) -> bool:
     """A turn took two engine requests and its tokens carry versions 0 then 1."""
-    return sample.metadata["num_segments"] > sample.metadata["turns"] and set(sample.model_versions()) >= {0, 1}
+    return sample.segments > sample.metadata["turns"] and set(sample.model_versions()) >= {0, 1}
 
 
 def test_open_episodes_resume_from_a_run_checkpoint(chat_engine):

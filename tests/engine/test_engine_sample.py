@@ -23,6 +23,9 @@ def make_sample(**overrides) -> Sample:
         reward=0.75,
         status="truncated",
         group_id="g7",
+        segments=2,
+        request_ids=["r1", "r2"],
+        restarts=1,
         metadata={"task": "gsm8k", "n": [1, 2]},
     )
     return Sample(**{**fields, **overrides})
@@ -41,6 +44,18 @@ def test_a_rollout_record_with_string_versions_loads_as_integers():
     """rollout.json files written before versions were integers hold SGLang's labels ("3")."""
     old = {**make_sample().to_dict(), "weight_versions": ["3", "4"]}
     assert Sample.from_dict(json.loads(json.dumps(old))) == make_sample()
+
+
+def test_a_rollout_record_with_segments_in_its_metadata_loads_them_as_fields():
+    """rollout.json files and run checkpoints written before segments were fields kept them in the
+    metadata (num_segments, rids, restarts)."""
+    old = make_sample().to_dict()
+    old["metadata"] = {**old["metadata"], "num_segments": 2, "rids": ["r1", "r2"], "restarts": 1}
+    for field in ("segments", "request_ids", "restarts"):
+        del old[field]
+    assert Sample.from_dict(json.loads(json.dumps(old))) == make_sample()
+    with pytest.raises(ValueError, match="Sample.segments=-1"):
+        make_sample(segments=-1)
 
 
 def test_routed_experts_use_sglang_encoding():

@@ -29,7 +29,8 @@ def sample(gid: str, reward: float, versions: list[int | None], **metadata) -> S
         reward=reward,
         group_id=gid,
         status="truncated",
-        metadata={"answer": "42", "num_segments": 2, **metadata},
+        segments=2,
+        metadata={"answer": "42", **metadata},
     )
 
 

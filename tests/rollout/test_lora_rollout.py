@@ -90,7 +90,7 @@ def test_adapter_versions_while_generating(model_dirs, tmp_path, route):
     assert len(batches) == VERSIONS
     for sample in samples:
         assert sample.response_ids and len(set(sample.weight_versions)) == 1, sample.weight_versions
-        assert sample.metadata["num_segments"] == 1  # never cut: generation did not pause
+        assert sample.segments == 1  # never cut: generation did not pause
         assert sample.routed_experts is not None
     trained_at = [v for v, batch in enumerate(batches) for group in batch for s in group]
     for version, sample in zip(trained_at, samples):

@@ -60,7 +60,7 @@ def test_continue_sample_concatenates_every_field_in_order():
     assert done.routed_experts.shape == (3 + 5 - 1, 2, 2)
     assert np.array_equal(done.routed_experts[:4], sample.routed_experts)
     assert done.routed_experts[4, 0, 0] == 1000 and done.status == "truncated"
-    assert done.metadata["num_segments"] == 2
+    assert done.segments == 2
     assert mask_older_tokens(done).loss_mask == [0, 0, 1, 1, 1]
 
 
@@ -137,12 +137,12 @@ def test_abort_pause_swap_resume_keeps_tokens_logprobs_routing_versions(engine, 
     batch, calls, manager = asyncio.run(go())
     samples = [s for group in batch for s in group]
     assert manager.continued_requests >= 8
-    cut = [s for s in samples if s.metadata["num_segments"] == 2]
+    cut = [s for s in samples if s.segments == 2]
     assert cut, "no request was cut by the pause: raise max_new_tokens"
     by_rid = {res.rid: (ids, kwargs, res) for ids, kwargs, res in calls}
     for sample in samples:
         assert len(sample.response_ids) == config.max_new_tokens and sample.status == "truncated"
-        segments = [by_rid[rid] for rid in sample.metadata["rids"]]  # the engine requests behind it
+        segments = [by_rid[rid] for rid in sample.request_ids]  # the engine requests behind it
         done = list(sample.prompt_ids)
         for ids, kwargs, res in segments:  # each resumes exactly where the previous one stopped
             assert ids == done and kwargs["max_new_tokens"] == config.max_new_tokens - (
@@ -157,7 +157,7 @@ def test_abort_pause_swap_resume_keeps_tokens_logprobs_routing_versions(engine, 
         assert sample.weight_versions == [v for _, _, r in segments for v in r.weight_versions]
         assert np.array_equal(sample.routed_experts, np.concatenate([r.routed_experts for _, _, r in segments]))
     for sample in cut[:2]:  # each segment is the model it ran under: logprobs and routing
-        (ids0, _, first), (ids1, kwargs, second) = [by_rid[rid] for rid in sample.metadata["rids"]]
+        (ids0, _, first), (ids1, kwargs, second) = [by_rid[rid] for rid in sample.request_ids]
         start = kwargs["routed_experts_start_len"]
         assert set(first.weight_versions) == {0} and set(second.weight_versions) == {1}
         assert sample.loss_mask == [0] * len(first.output_ids) + [1] * len(second.output_ids)
@@ -195,4 +195,4 @@ def test_restart_mode_discards_partial_tokens(engine, model_dirs):
     batch, manager = asyncio.run(go())
     assert manager.continued_requests >= 1 and manager.discarded_tokens > 0
     for sample in batch[0]:  # a cut sample restarted; one that finished under v2 was stale (bound 0)
-        assert sample.weight_versions == [3] * config.max_new_tokens and sample.metadata["num_segments"] == 1
+        assert sample.weight_versions == [3] * config.max_new_tokens and sample.segments == 1

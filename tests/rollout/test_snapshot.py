@@ -71,7 +71,7 @@ def test_snapshot_restore_continues_partial_samples_from_their_tokens(engine, mo
             before, after = Sample.from_dict(before), Sample.from_dict(after)
             n = len(before.response_ids)
             if is_finished(before):  # finished before the checkpoint: kept, not regenerated
-                assert after.response_ids == before.response_ids and after.metadata["rids"] == before.metadata["rids"]
+                assert after.response_ids == before.response_ids and after.request_ids == before.request_ids
                 continue
             # a partial one goes on exactly where it stopped, in one more segment, under `version`
             assert after.response_ids[:n] == before.response_ids
@@ -79,7 +79,7 @@ def test_snapshot_restore_continues_partial_samples_from_their_tokens(engine, mo
             assert after.weight_versions[:n] == before.weight_versions
             assert set(after.weight_versions[n:]) == {version}
             assert len(after.response_ids) == CONFIG.max_new_tokens or after.status == "completed"
-            assert after.metadata["num_segments"] == before.metadata["num_segments"] + 1
+            assert after.segments == before.segments + 1
             if n:
                 assert np.array_equal(after.routed_experts[: before.routed_experts.shape[0]], before.routed_experts)
             assert after.routed_experts.shape[0] == len(after.prompt_ids) + len(after.response_ids) - 1

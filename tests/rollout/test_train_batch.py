@@ -25,7 +25,7 @@ def sample(prompt, response, reward, gid, versions, routed=True):
         routed_experts=routing,
         reward=reward,
         group_id=gid,
-        metadata={"num_segments": 2 if len(set(versions)) > 1 else 1},
+        segments=2 if len(set(versions)) > 1 else 1,
     )
 
 

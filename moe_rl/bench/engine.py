@@ -26,6 +26,7 @@ import torch
 from moe_rl.bench.options import EngineBench
 from moe_rl.engine.client import EngineClient
 from moe_rl.engine.process import EmbeddedConfig, launch_embedded
+from moe_rl.engine.sampling import SamplingParams
 
 Baseline = Callable[[], tuple[float, int]]
 """Times one batched generate(): (seconds, new tokens)."""
@@ -113,7 +114,9 @@ async def measure(
 
     async def one(i: int) -> int:
         result = await client.generate(
-            prompts[i], max_new_tokens=max_new_tokens, seed=i, ignore_eos=True, return_routed_experts=True
+            prompts[i],
+            SamplingParams(max_new_tokens=max_new_tokens, sampling_seed=i, ignore_eos=True),
+            return_routed_experts=True,
         )
         return len(result.output_ids)
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from moe_rl.bench.options import SyncBench
 from moe_rl.engine.client import EngineClient
 from moe_rl.engine.process import EmbeddedConfig, launch_embedded
+from moe_rl.engine.sampling import SamplingParams
 from parallel.bridges import bridge_for
 from parallel.export import export_hf_weights, save_hf_checkpoint
 from parallel.lora import LoRAConfig, add_lora
@@ -63,10 +64,8 @@ class LongTail:
             lora = self.adapter()
             result = await client.generate(
                 [1, 10 + index, 2],
-                max_new_tokens=self.max_new_tokens,
-                ignore_eos=True,
-                seed=index,
-                **({"lora_path": lora} if lora else {}),
+                SamplingParams(max_new_tokens=self.max_new_tokens, ignore_eos=True, sampling_seed=index),
+                **{"lora_path": lora} if lora else {},
             )
             counts = self.finished.setdefault(self.phase, {})  # the phase it ended in: a pause cuts it there
             counts[result.finish_reason] = counts.get(result.finish_reason, 0) + 1

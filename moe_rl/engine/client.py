@@ -25,6 +25,7 @@ import torch
 
 from moe_rl.engine import protocol
 from moe_rl.engine.lora_tensors import LoraTensorsBody
+from moe_rl.engine.sampling import SamplingParams
 from moe_rl.sample import decode_routed_experts
 
 TRANSIENT_STATUS = (502, 503, 504)
@@ -162,36 +163,19 @@ class EngineClient:
     async def generate(
         self,
         input_ids: list[int],
+        sampling: SamplingParams,
         *,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        stop_token_ids: list[int] | None = None,
-        seed: int | None = None,
-        ignore_eos: bool = False,
         return_logprob: bool = True,
         return_routed_experts: bool = False,
         routed_experts_start_len: int = 0,
         rid: str | None = None,
         lora_path: str | None = None,
     ) -> GenerateResult:
-        """POST /generate for one prompt; see `GenerateResult`."""
-        sampling = {
-            "max_new_tokens": max_new_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
-            "top_k": top_k,
-            "ignore_eos": ignore_eos,
-        }
-        if stop_token_ids:
-            sampling["stop_token_ids"] = list(stop_token_ids)
-        if seed is not None:
-            sampling["sampling_seed"] = seed
+        """POST /generate for one prompt, sampled as `sampling` says; see `GenerateResult`."""
         body = {
             "rid": rid or uuid.uuid4().hex,
             "input_ids": list(input_ids),
-            "sampling_params": sampling,
+            "sampling_params": sampling.body(),
             "return_logprob": return_logprob,
             "return_routed_experts": return_routed_experts,
         }

@@ -20,6 +20,7 @@ import asyncio
 import time
 
 from moe_rl.engine.client import EngineClient, EngineError, GenerateResult
+from moe_rl.engine.sampling import SamplingParams
 
 
 class EnginePool:
@@ -55,7 +56,9 @@ class EnginePool:
     def release_group(self, group_id: str) -> None:
         self._groups.pop(group_id, None)
 
-    async def generate(self, input_ids: list[int], *, group_id: str | None = None, **kwargs) -> GenerateResult:
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, *, group_id: str | None = None, **kwargs
+    ) -> GenerateResult:
         """`EngineClient.generate` on the engine `pick(group_id)` chose; resubmitted if it dies."""
         while True:
             await self._any_live.wait()
@@ -63,7 +66,7 @@ class EnginePool:
             client = self.clients[index]
             self._enter(index)
             try:
-                result = await client.generate(input_ids, **kwargs)
+                result = await client.generate(input_ids, sampling, **kwargs)
             except EngineError as error:
                 if error.status is not None or not await self._died(index, client):
                     raise

@@ -131,7 +131,7 @@ class RolloutConfig:
         return make_task(self.task, **options)
 
     def sampling(self) -> dict[str, Any]:
-        """Sampling keyword arguments of `EngineClient.generate`."""
+        """The rollout's fields of every request's `moe_rl.engine.sampling.SamplingParams`."""
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
 
     def replace(self, **changes) -> "RolloutConfig":

@@ -104,7 +104,8 @@ class EvalDatasetConfig:
         return message if message.startswith(self.field) else f"{self.field}: {message}"
 
     def sampling(self) -> dict[str, Any]:
-        """Sampling keyword arguments of `EngineClient.generate` (on a `resolved` config)."""
+        """The evaluation's fields of every request's `moe_rl.engine.sampling.SamplingParams` (on a
+        `resolved` config)."""
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
 
 

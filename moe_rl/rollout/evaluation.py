@@ -34,6 +34,7 @@ from typing import Any
 
 from moe_rl.agents import AgentRunner
 from moe_rl.engine.pool import EnginePool
+from moe_rl.engine.sampling import SamplingParams
 from moe_rl.rollout.config import RolloutConfig
 from moe_rl.rollout.dump import sample_record, text_decoder
 from moe_rl.rollout.eval_config import EvalConfig, EvalDatasetConfig
@@ -193,15 +194,13 @@ class Evaluator:
         """`sample` after `env_ids` and one engine turn; CutByWeightUpdate when the turn was cut
         by a weight swap or its tokens are not all of one version."""
         input_ids, _ = continuation_request(sample, env_ids)
-        params: dict[str, Any] = {**dataset.config.sampling(), **sampling}
-        params.setdefault("stop_token_ids", dataset.stop_token_ids or None)
+        params: dict[str, Any] = {"stop_token_ids": dataset.stop_token_ids, **dataset.config.sampling(), **sampling}
         result = await self.pool.generate(
             input_ids,
+            SamplingParams(max_new_tokens=limit - len(sample.response_ids) - len(env_ids), **params),
             group_id=gid,
-            max_new_tokens=limit - len(sample.response_ids) - len(env_ids),
             return_logprob=False,
             return_routed_experts=False,
-            **params,
         )
         if result.finish_reason == "abort":
             raise CutByWeightUpdate

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from moe_rl.agents import AgentFailure, AgentRunner
 from moe_rl.engine.pool import EnginePool
+from moe_rl.engine.sampling import SamplingParams
 from moe_rl.rollout.buffer import Group, RolloutBuffer
 from moe_rl.rollout.config import RolloutConfig
 from moe_rl.rollout.partial import continuation_request, continue_sample, mask_older_tokens
@@ -302,20 +303,18 @@ class RolloutManager:
         the rollout's sampling parameters; `keep(sample)` sees every returned segment."""
         cfg = self.config
         start, pending = sample, list(env_ids)
-        params = {"stop_token_ids": self.stop_token_ids or None, **cfg.sampling(), **sampling}
+        params = {"stop_token_ids": self.stop_token_ids, **cfg.sampling(), **sampling}
         while True:
             input_ids, start_len = continuation_request(sample, pending)
             version = self.buffer.version  # LoRA: the newest adapter, loaded before the buffer heard of it
-            lora = {"lora_path": adapter_name(version)} if self.adapters else {}
             result = await self.pool.generate(
                 input_ids,
+                SamplingParams(max_new_tokens=limit - len(sample.response_ids) - len(pending), **params),
                 group_id=gid,
-                max_new_tokens=limit - len(sample.response_ids) - len(pending),
                 return_logprob=True,
                 return_routed_experts=cfg.return_routed_experts,
                 routed_experts_start_len=start_len,
-                **lora,
-                **params,
+                lora_path=adapter_name(version) if self.adapters else None,
             )
             if self.adapters:  # the engine's base never changes: the adapter's version is the policy's
                 result = dataclasses.replace(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from moe_rl.engine.client import EngineClient
+from moe_rl.engine.sampling import SamplingParams
 from tests.conformance import sglang_oracle
 from tests.conformance.test_sglang_requests import REQUEST_CLASSES
 from tests.engine.engine_helpers import run
@@ -25,17 +26,12 @@ def _client_bodies() -> list[tuple[str, dict]]:
         client = EngineClient(await engine.start(), kind="sglang", backoff_s=0.01)
         await client.generate(
             [1, 2, 3],
-            max_new_tokens=4,
-            temperature=0.7,
-            top_p=0.9,
-            top_k=5,
-            stop_token_ids=[3],
-            seed=1,
+            SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=5, stop_token_ids=[3], sampling_seed=1),
             return_routed_experts=True,
             routed_experts_start_len=2,
             lora_path="a",
         )
-        await client.generate([1], max_new_tokens=1)
+        await client.generate([1], SamplingParams(max_new_tokens=1))
         for mode in ("abort", "retract", "in_place"):
             await client.pause_generation(mode)
         await client.continue_generation()

@@ -9,9 +9,10 @@ import threading
 import pytest
 
 from moe_rl.engine.client import EngineClient
-from moe_rl.engine.embedded.request import Request, SamplingParams
+from moe_rl.engine.embedded.request import Request
 from moe_rl.engine.embedded.runner import ModelRunner
 from moe_rl.engine.embedded.scheduler import Scheduler
+from moe_rl.engine.sampling import SamplingParams
 from tests.engine.engine_helpers import run
 from tests.engine.test_engine_requests import post
 
@@ -33,10 +34,15 @@ def test_a_tiny_temperature_is_greedy_and_harms_no_other_request(qwen3_engine):
 
     async def go():
         client = EngineClient(qwen3_engine.url)
-        greedy = await client.generate(PROMPT, max_new_tokens=6, temperature=0.0, ignore_eos=True)
+        greedy = await client.generate(PROMPT, SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
         results = await asyncio.gather(
-            client.generate(PROMPT, max_new_tokens=6, temperature=1e-38, ignore_eos=True),
-            *[client.generate(PROMPT, max_new_tokens=6, temperature=1.0, seed=i, ignore_eos=True) for i in range(4)],
+            client.generate(PROMPT, SamplingParams(max_new_tokens=6, temperature=1e-38, ignore_eos=True)),
+            *[
+                client.generate(
+                    PROMPT, SamplingParams(max_new_tokens=6, temperature=1.0, sampling_seed=i, ignore_eos=True)
+                )
+                for i in range(4)
+            ],
         )
         await client.close()
         return greedy, results

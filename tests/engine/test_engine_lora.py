@@ -21,6 +21,7 @@ from moe_rl.engine.embedded.lora import LoraAdapter
 from moe_rl.engine.embedded.runner import ModelRunner
 from moe_rl.engine.lora_tensors import LoraTensorsBody, read_adapter_dir
 from moe_rl.engine.process import EmbeddedConfig, launch_embedded
+from moe_rl.engine.sampling import SamplingParams
 from tests.engine.engine_helpers import load_reference, reference, run, wait_for_load, with_client
 from tests.tiny_models import DEEPSEEK_V3, hf_config, save_random_model
 
@@ -98,7 +99,10 @@ async def generate_with(client, pairs):
     return await asyncio.gather(
         *(
             client.generate(
-                prompt, max_new_tokens=8, seed=0, ignore_eos=True, return_routed_experts=True, lora_path=lora
+                prompt,
+                SamplingParams(max_new_tokens=8, sampling_seed=0, ignore_eos=True),
+                return_routed_experts=True,
+                lora_path=lora,
             )
             for prompt, lora in pairs
         )
@@ -251,14 +255,14 @@ def test_unload_waits_for_the_requests_using_the_adapter(qwen3_engine, adapters)
     async def go(client):
         await client.load_lora_adapter("long", str(adapters["per_expert"]))
         running = asyncio.create_task(
-            client.generate(PROMPTS[0], max_new_tokens=150, ignore_eos=True, lora_path="long")
+            client.generate(PROMPTS[0], SamplingParams(max_new_tokens=150, ignore_eos=True), lora_path="long")
         )
         await wait_for_load(client.url, lambda load: load["num_running_reqs"] == 1, "ran the request using 'long'")
         unloading = asyncio.create_task(client.unload_lora_adapter("long"))
         deadline = time.monotonic() + 60
         while True:  # unregistered at once (once the unload is in): a new request naming it fails
             try:
-                await client.generate(PROMPTS[1], max_new_tokens=1, lora_path="long")
+                await client.generate(PROMPTS[1], SamplingParams(max_new_tokens=1), lora_path="long")
             except EngineError as error:
                 assert re.search("HTTP 400.*not loaded", str(error)), error
                 break
@@ -283,12 +287,12 @@ def test_load_twice_is_refused_and_an_unknown_adapter_fails_only_its_request(qwe
         with pytest.raises(EngineError, match="HTTP 400.*does not exist"):
             await client.unload_lora_adapter("never-loaded")
         outcomes = await asyncio.gather(
-            client.generate(PROMPTS[0], max_new_tokens=4, seed=0, lora_path="unknown"),
-            client.generate(PROMPTS[0], max_new_tokens=4, seed=0, lora_path="twice"),
-            client.generate(PROMPTS[0], max_new_tokens=4, seed=0),
+            client.generate(PROMPTS[0], SamplingParams(max_new_tokens=4, sampling_seed=0), lora_path="unknown"),
+            client.generate(PROMPTS[0], SamplingParams(max_new_tokens=4, sampling_seed=0), lora_path="twice"),
+            client.generate(PROMPTS[0], SamplingParams(max_new_tokens=4, sampling_seed=0)),
             return_exceptions=True,
         )
-        again = await client.generate(PROMPTS[0], max_new_tokens=4, seed=0, lora_path="twice")
+        again = await client.generate(PROMPTS[0], SamplingParams(max_new_tokens=4, sampling_seed=0), lora_path="twice")
         return outcomes, again
 
     (unknown, adapted, base), again = run(with_client(qwen3_engine.url, go))

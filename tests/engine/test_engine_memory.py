@@ -11,6 +11,7 @@ import pytest
 
 from moe_rl.engine.client import EngineError
 from moe_rl.engine.process import EmbeddedConfig, launch_embedded
+from moe_rl.engine.sampling import SamplingParams
 from tests.engine.engine_helpers import run, save_tiny_model, wait_for_load, with_client
 from tests.engine.test_engine_weights import generate, matches
 
@@ -22,18 +23,18 @@ def test_release_resume_and_reload(qwen3_dir, tmp_path):
 
     async def go(client):
         infos = [await client.model_info()]
-        await client.generate([1, 2, 3], max_new_tokens=4)
+        await client.generate([1, 2, 3], SamplingParams(max_new_tokens=4))
         with pytest.raises(EngineError, match="tags"):
             await client.release_memory_occupation(["activations"])
         await client.pause_generation("abort")
         await client.release_memory_occupation(["weights", "kv_cache"])
         infos.append(await client.model_info())
         with pytest.raises(EngineError, match="refused.*released"):
-            await client.generate([1, 2, 3], max_new_tokens=4)
+            await client.generate([1, 2, 3], SamplingParams(max_new_tokens=4))
         await client.resume_memory_occupation(["weights", "kv_cache"])
         infos.append(await client.model_info())
         with pytest.raises(EngineError, match="reallocated"):
-            await client.generate([1, 2, 3], max_new_tokens=4)
+            await client.generate([1, 2, 3], SamplingParams(max_new_tokens=4))
         with pytest.raises(EngineError, match="all .* checkpoint tensors"):  # a relabel is not a reload
             await client.update_weight_version("5")
         await client.update_weights_from_disk(str(new_dir), weight_version="1")
@@ -59,7 +60,7 @@ def test_release_needs_an_idle_engine(qwen3_dir):
     """A request queued or running (generation not paused) keeps the engine busy: refused."""
 
     async def go(client):
-        long = asyncio.create_task(client.generate([5, 6, 7], max_new_tokens=400, ignore_eos=True))
+        long = asyncio.create_task(client.generate([5, 6, 7], SamplingParams(max_new_tokens=400, ignore_eos=True)))
         await wait_for_load(
             client.url, lambda load: load["num_running_reqs"] + load["num_waiting_reqs"] == 1, "took the request"
         )  # in the engine; 400 decode steps take far longer

@@ -8,6 +8,7 @@ from unittest.mock import ANY
 import numpy as np
 import pytest
 
+from moe_rl.engine.sampling import SamplingParams
 from tests.engine.engine_helpers import (
     engine_load,
     load_reference,
@@ -35,7 +36,11 @@ def consistent(prompt, result):
 async def start_all(client, max_new_tokens):
     tasks = [
         asyncio.create_task(
-            client.generate(p, max_new_tokens=max_new_tokens, seed=i, ignore_eos=True, return_routed_experts=True)
+            client.generate(
+                p,
+                SamplingParams(max_new_tokens=max_new_tokens, sampling_seed=i, ignore_eos=True),
+                return_routed_experts=True,
+            )
         )
         for i, p in enumerate(PROMPTS)
     ]
@@ -50,7 +55,7 @@ def test_abort_returns_consistent_partial_outputs(qwen3_engine, qwen3_dir):
         await client.pause_generation("abort")
         results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
         await client.continue_generation()
-        after = await client.generate(PROMPTS[0], max_new_tokens=3, seed=0, ignore_eos=True)
+        after = await client.generate(PROMPTS[0], SamplingParams(max_new_tokens=3, sampling_seed=0, ignore_eos=True))
         return results, after
 
     results, after = run(with_client(qwen3_engine.url, go))
@@ -92,7 +97,11 @@ def test_retract_and_in_place_continue_to_full_length(qwen3_engine, qwen3_dir):
     async def uninterrupted(client):
         return await asyncio.gather(
             *(
-                client.generate(p, max_new_tokens=max_new, seed=i, ignore_eos=True, return_routed_experts=True)
+                client.generate(
+                    p,
+                    SamplingParams(max_new_tokens=max_new, sampling_seed=i, ignore_eos=True),
+                    return_routed_experts=True,
+                )
                 for i, p in enumerate(PROMPTS)
             )
         )
@@ -113,9 +122,14 @@ def test_retract_and_in_place_continue_to_full_length(qwen3_engine, qwen3_dir):
 def test_abort_one_request_by_rid(qwen3_engine):
     async def go(client):
         long = asyncio.create_task(
-            client.generate(PROMPTS[3], max_new_tokens=400, ignore_eos=True, rid="victim", return_routed_experts=True)
+            client.generate(
+                PROMPTS[3],
+                SamplingParams(max_new_tokens=400, ignore_eos=True),
+                rid="victim",
+                return_routed_experts=True,
+            )
         )
-        short = asyncio.create_task(client.generate(PROMPTS[4], max_new_tokens=5, ignore_eos=True))
+        short = asyncio.create_task(client.generate(PROMPTS[4], SamplingParams(max_new_tokens=5, ignore_eos=True)))
         await short  # 5 tokens; then the victim, 400 tokens long, is the batch: let it decode 5 of its own
         await wait_for_load(
             client.url,

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from moe_rl.engine.client import EngineClient
 from moe_rl.engine.process import EmbeddedConfig, launch_embedded
+from moe_rl.engine.sampling import SamplingParams
 from tests.engine.engine_helpers import load_reference, reference, run, with_client
 
 pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
@@ -27,7 +28,12 @@ PROMPTS = [[(7 * i + 3 * j) % 256 for j in range(3 + 2 * i)] for i in range(8)]
 async def generate_all(client: EngineClient, prompts, **kwargs):
     return await asyncio.gather(
         *(
-            client.generate(p, max_new_tokens=12, seed=100 + i, ignore_eos=True, return_routed_experts=True, **kwargs)
+            client.generate(
+                p,
+                SamplingParams(max_new_tokens=12, sampling_seed=100 + i, ignore_eos=True),
+                return_routed_experts=True,
+                **kwargs,
+            )
             for i, p in enumerate(prompts)
         )
     )
@@ -71,9 +77,9 @@ def test_greedy_and_stop_tokens(qwen3_engine, qwen3_dir):
     model = load_reference(qwen3_dir)
 
     async def go(client):
-        greedy = await client.generate(PROMPTS[2], max_new_tokens=6, temperature=0.0, ignore_eos=True)
+        greedy = await client.generate(PROMPTS[2], SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
         stop = await client.generate(
-            PROMPTS[2], max_new_tokens=6, temperature=0.0, stop_token_ids=[greedy.output_ids[2]]
+            PROMPTS[2], SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=[greedy.output_ids[2]])
         )
         return greedy, stop
 
@@ -107,9 +113,7 @@ def test_lora_adapter_matches_merged_weights(qwen3_engine, qwen3_dir, tmp_path):
             *(
                 client.generate(
                     p,
-                    max_new_tokens=12,
-                    seed=i,
-                    ignore_eos=True,
+                    SamplingParams(max_new_tokens=12, sampling_seed=i, ignore_eos=True),
                     return_routed_experts=True,
                     lora_path="policy" if i % 2 else None,
                 )

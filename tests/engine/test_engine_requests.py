@@ -15,6 +15,7 @@ from moe_rl.engine import protocol
 from moe_rl.engine.client import EngineClient, EngineError
 from moe_rl.engine.pool import EnginePool
 from moe_rl.engine.process import free_port
+from moe_rl.engine.sampling import SamplingParams
 from tests.engine.engine_helpers import run
 
 pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
@@ -110,12 +111,7 @@ def test_client_sends_only_sglang_field_names():
         client = EngineClient(await engine.start(), kind="sglang", backoff_s=0.01)
         await client.generate(
             [1, 2],
-            max_new_tokens=2,
-            temperature=0.7,
-            top_p=0.9,
-            top_k=5,
-            stop_token_ids=[3],
-            seed=1,
+            SamplingParams(max_new_tokens=2, temperature=0.7, top_p=0.9, top_k=5, stop_token_ids=[3], sampling_seed=1),
             return_routed_experts=False,
             routed_experts_start_len=1,
             lora_path="a",
@@ -156,7 +152,7 @@ def test_retries_transient_errors_then_gives_up():
     async def go():
         flaky, dead = RecordingEngine(fail_first=2), RecordingEngine(fail_first=100)
         client = EngineClient(await flaky.start(), retries=3, backoff_s=0.01)
-        result = await client.generate([1], max_new_tokens=3)
+        result = await client.generate([1], SamplingParams(max_new_tokens=3))
         info = await client.model_info()
         gone = EngineClient(await dead.start(), retries=2, backoff_s=0.01)
         with pytest.raises(EngineError, match="503"):
@@ -184,7 +180,7 @@ def test_a_version_label_that_is_not_an_integer_is_named():
         client = EngineClient(await engine.start(), backoff_s=0.01)
         try:
             with pytest.raises(EngineError, match="weight_version 'default' is not a non-negative integer"):
-                await client.generate([1], max_new_tokens=2)
+                await client.generate([1], SamplingParams(max_new_tokens=2))
         finally:
             await client.close()
             await engine.runner.cleanup()
@@ -196,8 +192,10 @@ def test_pool_keeps_groups_together_and_balances_the_rest():
     async def go():
         engines = [RecordingEngine() for _ in range(3)]
         pool = EnginePool([EngineClient(await e.start()) for e in engines])
-        await asyncio.gather(*(pool.generate([1], group_id=f"g{i // 4}", max_new_tokens=1) for i in range(12)))
-        await asyncio.gather(*(pool.generate([1], max_new_tokens=1) for _ in range(6)))
+        await asyncio.gather(
+            *(pool.generate([1], SamplingParams(max_new_tokens=1), group_id=f"g{i // 4}") for i in range(12))
+        )
+        await asyncio.gather(*(pool.generate([1], SamplingParams(max_new_tokens=1)) for _ in range(6)))
         await pool.close()
         for e in engines:
             await e.runner.cleanup()

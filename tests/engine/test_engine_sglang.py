@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from moe_rl.engine.client import EngineClient
+from moe_rl.engine.sampling import SamplingParams
 from moe_rl.engine.sglang_launcher import SGLangConfig, launch_sglang, sglang_command
 from tests.engine.engine_helpers import run
 
@@ -57,7 +58,9 @@ def test_sglang_generates_with_routed_experts_and_versions(tmp_path):
 
         async def go():
             client = EngineClient(engine.url, kind="sglang", num_hidden_layers=3, topk=2)
-            result = await client.generate([1, 2, 3, 4], max_new_tokens=8, ignore_eos=True, return_routed_experts=True)
+            result = await client.generate(
+                [1, 2, 3, 4], SamplingParams(max_new_tokens=8, ignore_eos=True), return_routed_experts=True
+            )
             await client.pause_generation("retract")
             await client.continue_generation()
             await client.close()
@@ -95,7 +98,7 @@ def test_nccl_weight_sync_into_a_real_sglang_engine(tmp_path):
             weights = await client._request(
                 "POST", "/get_weights_by_name", {"name": "model.embed_tokens.weight", "truncate_size": 8}
             )
-            result = await client.generate([1, 2, 3], max_new_tokens=2, ignore_eos=True)
+            result = await client.generate([1, 2, 3], SamplingParams(max_new_tokens=2, ignore_eos=True))
             await client.close()
             return weights, result
 

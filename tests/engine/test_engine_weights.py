@@ -14,6 +14,7 @@ import pytest
 from moe_rl.engine.client import EngineClient, EngineError
 from moe_rl.engine.embedded.runner import load_checkpoint_state
 from moe_rl.engine.process import EmbeddedConfig, launch_embedded
+from moe_rl.engine.sampling import SamplingParams
 from sync.config import SyncConfig
 from sync.flattened_payload import flatten, serialize
 from sync.sender import WeightSender
@@ -34,7 +35,9 @@ PROMPTS = [[(3 * i + 7 * j) % 256 for j in range(4 + i)] for i in range(4)]
 async def generate(client):
     return await asyncio.gather(
         *(
-            client.generate(p, max_new_tokens=8, seed=i, ignore_eos=True, return_routed_experts=True)
+            client.generate(
+                p, SamplingParams(max_new_tokens=8, sampling_seed=i, ignore_eos=True), return_routed_experts=True
+            )
             for i, p in enumerate(PROMPTS)
         )
     )
@@ -86,7 +89,9 @@ def test_update_from_distributed_with_weight_sender(engine, qwen3_dir, new_dir):
     try:
 
         async def in_flight():
-            return await client.generate(PROMPTS[0], max_new_tokens=300, seed=0, ignore_eos=True)
+            return await client.generate(
+                PROMPTS[0], SamplingParams(max_new_tokens=300, sampling_seed=0, ignore_eos=True)
+            )
 
         async def go():
             task = asyncio.create_task(in_flight())

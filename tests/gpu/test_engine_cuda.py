@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from moe_rl.engine.process import EmbeddedConfig, launch_embedded
+from moe_rl.engine.sampling import SamplingParams
 from parallel.world import spawn
 from tests.engine.engine_helpers import run, save_tiny_model, tiny_config, with_client
 
@@ -40,7 +41,11 @@ def test_engine_on_cuda_matches_the_trainer(tmp_path):
 
     async def go(client):
         calls = [
-            client.generate(p, max_new_tokens=NEW_TOKENS, seed=i, ignore_eos=True, return_routed_experts=True)
+            client.generate(
+                p,
+                SamplingParams(max_new_tokens=NEW_TOKENS, sampling_seed=i, ignore_eos=True),
+                return_routed_experts=True,
+            )
             for i, p in enumerate(PROMPTS)
         ]
         return await asyncio.gather(*calls)

@@ -15,6 +15,7 @@ import torch
 from moe_rl.engine.client import EngineClient
 from moe_rl.engine.embedded.runner import load_checkpoint_state
 from moe_rl.engine.process import EmbeddedConfig, launch_embedded
+from moe_rl.engine.sampling import SamplingParams
 from sync.config import SyncConfig
 from sync.sender import WeightSender
 from tests.engine.engine_helpers import run, save_tiny_model, with_client
@@ -26,7 +27,10 @@ PROMPTS = [[(7 * i + j) % 256 for j in range(5 + i)] for i in range(4)]
 
 
 async def generate(client):
-    calls = [client.generate(p, max_new_tokens=12, seed=i, ignore_eos=True) for i, p in enumerate(PROMPTS)]
+    calls = [
+        client.generate(p, SamplingParams(max_new_tokens=12, sampling_seed=i, ignore_eos=True))
+        for i, p in enumerate(PROMPTS)
+    ]
     return [(r.output_ids, r.logprobs) for r in await asyncio.gather(*calls)]
 
 

@@ -15,6 +15,7 @@ import os
 import pytest
 
 from moe_rl.config import RunConfig, from_dict
+from moe_rl.engine.sampling import SamplingParams
 from tests.agents.conftest import CHAT_DIR
 from tests.tiny_models import QWEN3_MOE_SMALL, hf_fields
 
@@ -202,7 +203,7 @@ def test_fully_async_partial_rollouts_r3_and_final_checkpoint(tmp_path):
         async def generate():
             client = EngineClient(engine.url)
             try:
-                return await client.generate([1, 13, 2], max_new_tokens=4, temperature=0.0)
+                return await client.generate([1, 13, 2], SamplingParams(max_new_tokens=4, temperature=0.0))
             finally:
                 await client.close()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 
 import torch
@@ -13,15 +14,16 @@ from tests.rollout.conftest import LAYERS, TOPK
 
 
 class RecordingPool(EnginePool):
-    """A real EnginePool that also keeps (input_ids, kwargs, result) of every generate call."""
+    """A real EnginePool that also keeps (input_ids, request, result) of every generate call, the
+    request's fields in one dict (the sampling params' and the call's keywords)."""
 
     def __init__(self, clients):
         super().__init__(clients)
         self.calls = []
 
-    async def generate(self, input_ids, *, group_id=None, **kwargs):
-        result = await super().generate(input_ids, group_id=group_id, **kwargs)
-        self.calls.append((list(input_ids), kwargs, result))
+    async def generate(self, input_ids, sampling, *, group_id=None, **kwargs):
+        result = await super().generate(input_ids, sampling, group_id=group_id, **kwargs)
+        self.calls.append((list(input_ids), {**dataclasses.asdict(sampling), **kwargs}, result))
         return result
 
 

@@ -59,9 +59,9 @@ class RecordingPool(EnginePool):
         super().__init__(clients)
         self.sync, self.named = sync, []
 
-    async def generate(self, input_ids, *, group_id=None, **kwargs):
+    async def generate(self, input_ids, sampling, *, group_id=None, **kwargs):
         self.named.append((kwargs["lora_path"], [adapter_name(v) for v in self.sync.loaded]))
-        return await super().generate(input_ids, group_id=group_id, **kwargs)
+        return await super().generate(input_ids, sampling, group_id=group_id, **kwargs)
 
 
 @pytest.mark.parametrize("route", ["tensors", "disk"])

@@ -16,24 +16,11 @@ from typing import Callable
 import numpy as np
 import torch
 
+from moe_rl.engine.sampling import SamplingParams
 from moe_rl.sample import encode_routed_experts
 
 SAMPLING_EPS = 1e-6
 """A temperature below this samples greedily (SGLang's `_SAMPLING_EPS`: dividing by it would overflow)."""
-
-
-@dataclasses.dataclass(kw_only=True)
-class SamplingParams:
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
-    sampling_seed: int | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)

@@ -41,10 +41,11 @@ from aiohttp import web
 
 from moe_rl.engine import protocol
 from moe_rl.engine.embedded.lora_routes import LoraRoutes
-from moe_rl.engine.embedded.request import Request, SamplingParams
+from moe_rl.engine.embedded.request import Request
 from moe_rl.engine.embedded.runner import ModelRunner, load_checkpoint_state
 from moe_rl.engine.embedded.scheduler import Scheduler
 from moe_rl.engine.process import EmbeddedConfig
+from moe_rl.engine.sampling import SamplingParams
 from sync.flattened_payload import decode
 from sync.receiver import WeightReceiver
 

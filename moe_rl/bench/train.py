@@ -18,7 +18,7 @@ import ray
 from moe_rl.bench.options import TrainBench
 from moe_rl.config import load_config
 from moe_rl.rl.rollout_actor import TrainBatch
-from moe_rl.rollout.train_batch import build_batch, tensor_bytes
+from moe_rl.rollout.train_batch import build_batch
 from moe_rl.trainer.throughput import LengthSpec, computed_inputs, measure, synthetic_groups
 from parallel.model import use_transformer_engine
 from parallel.world import spawn
@@ -44,7 +44,7 @@ def run(options: TrainBench) -> dict:
     real = sum(n - 1 for n in [spec.prompt + r for r in spec.response_lengths()])
     multiple = trainer.tp if trainer.sequence_parallel else 1
     # what the RL driver holds per step: the batch's metadata and the ref of its tensors (moe_rl.rl)
-    batch_bytes = tensor_bytes(batch)
+    batch_bytes = batch.tensor_bytes()
     driver = TrainBatch(ray.ObjectRef.from_random(), info, batch_bytes).driver_bytes()
     results = {
         "lengths": dataclasses.asdict(spec),
@@ -64,7 +64,7 @@ def run(options: TrainBench) -> dict:
         layout = dataclasses.replace(trainer, max_tokens_per_microbatch=path_budget, pack_sequences=pack)
         ranks = spawn(measure, trainer.world_size, layout, hf_config, batch, config.algorithm, options.steps)
         step_s = max(r["step_s"] for r in ranks)
-        computed = computed_inputs(batch, trainer.dp, trainer.micro_batch_size, path_budget, multiple, pack)
+        computed = computed_inputs(batch.tensors(), trainer.dp, trainer.micro_batch_size, path_budget, multiple, pack)
         results[name] = {
             "step_s": step_s,
             "real_tokens_per_s": real / step_s,

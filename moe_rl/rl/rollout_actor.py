@@ -36,7 +36,7 @@ from moe_rl.rollout import RolloutConfig, RolloutManager
 from moe_rl.rollout.dump import Decode, run_decoder, trained_records
 from moe_rl.rollout.eval_config import EvalConfig
 from moe_rl.rollout.evaluation import EvalResult, Evaluator
-from moe_rl.rollout.train_batch import BatchInfo, build_batch, tensor_bytes
+from moe_rl.rollout.train_batch import BatchInfo, build_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +59,7 @@ class TrainBatch:
     """What the driver receives for one batch: the tensors stay in Ray's object store."""
 
     tensors: ray.ObjectRef
-    """The `build_batch` dict, put by the rollout worker; pass it to `TrainerGroup.step`."""
+    """The `build_batch` `RLBatch`, put by the rollout worker; pass it to `TrainerGroup.step`."""
     info: BatchInfo
     tensor_bytes: int
     """Bytes of the batch's tensors (`perf/batch_tensor_bytes`)."""
@@ -269,14 +269,14 @@ class RolloutWorker:
         return await asyncio.to_thread(self._build, groups, request)
 
     def _build(self, groups: list, request: BatchRequest) -> TrainBatch:
-        tensors, info = build_batch(
+        batch, info = build_batch(
             groups, request.algorithm, request.version, self.config.max_staleness, request.row_multiple
         )
         records = None
         if request.dump:
             step, version = request.version + 1, request.version
             records = trained_records(step, groups, info, decode=self.decode, trainer_version=version)
-        return TrainBatch(ray.put(tensors), info, tensor_bytes(tensors), records)
+        return TrainBatch(ray.put(batch), info, batch.tensor_bytes(), records)
 
     async def engine_states(self) -> list[dict]:
         """Per engine: live (gets work), requests in flight, requests served since (re)started."""

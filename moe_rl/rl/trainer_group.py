@@ -26,6 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from moe_rl.algorithms import AlgorithmConfig
 from moe_rl.cpu_pools import pin_process, process_cores
+from moe_rl.rollout.train_batch import RLBatch
 from moe_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from moe_rl.trainer.megatron_trainer import MegatronTrainer
 from moe_rl.trainer.rl_step import rl_step
@@ -151,7 +152,7 @@ class TrainerRank:
         return self.weight_sync.sync(request)
 
     @collective
-    def step(self, batch: dict[str, torch.Tensor], algorithm: AlgorithmConfig, step: int) -> dict[str, float]:
+    def step(self, batch: RLBatch, algorithm: AlgorithmConfig, step: int) -> dict[str, float]:
         """`moe_rl.trainer.rl_step.rl_step` of RL `step` on this rank (collective). `batch` arrives
         resolved: the driver passes the rollout worker's ObjectRef, Ray fetches it into this rank."""
         return rl_step(self.trainer, batch, algorithm, self.model_path, step=step)
@@ -189,11 +190,9 @@ class TrainerGroup:
         self._all(TrainerRank.setup, master, trainer_config, model_config, lora)
 
     # -- the ranks' methods, each run on every rank at once (see TrainerRank for what they do) --
-    def step(
-        self, batch: ray.ObjectRef | dict[str, torch.Tensor], algorithm: AlgorithmConfig, step: int
-    ) -> dict[str, float]:
+    def step(self, batch: ray.ObjectRef | RLBatch, algorithm: AlgorithmConfig, step: int) -> dict[str, float]:
         """RL `step` on every rank; `batch`: the rollout worker's ObjectRef (each rank resolves it;
-        the tensors never pass through the driver) or a dict (put once here)."""
+        the tensors never pass through the driver) or an `RLBatch` (put once here)."""
         return self._all(TrainerRank.step, batch, algorithm, step)
 
     sync_weights = on_every_rank(TrainerRank.sync_weights)
@@ -213,7 +212,7 @@ class TrainerGroup:
 
     def _all(self, method, *args: Any, **kwargs: Any) -> Any:
         """`TrainerRank.method(*args, **kwargs)` on every rank (a collective); rank 0's result."""
-        args = [ray.put(a) if isinstance(a, dict) else a for a in args]  # large batches: one copy
+        args = [ray.put(a) if isinstance(a, RLBatch) else a for a in args]  # large batches: one copy
         return self._each(method, *args, **kwargs)[0]
 
     def _each(self, method, *args: Any, **kwargs: Any) -> list:

@@ -1,4 +1,4 @@
-"""Scored groups of `Sample`s -> one trainer batch (a dict of [B, S, ...] tensors, see trainer.microbatches).
+"""Scored groups of `Sample`s -> one `RLBatch`: the [B, S, ...] tensors of an RL step, by name.
 
 Row i is sample i: tokens = prompt + response, right-padded with 0 to the longest row. Every
 per-token tensor sits at the token's own position t (the trainer aligns column t + 1 of it with
@@ -18,6 +18,10 @@ context, not actions) and routed experts like the rest. An episode forked by a h
 brings one row per sequence; the batch is then padded with empty rows (loss mask 0) to a
 multiple of `row_multiple` (mini-batches x micro_batch_size x dp), which the trainer accepts.
 
+`RLBatch.tensors()` is the dict the trainer splits into micro-batches
+(`moe_rl.trainer.microbatches`); the policy loss reads each micro-batch's tensors under the field
+names (`moe_rl.algorithms.policy_loss`), those `rl_step` adds (`old_logprobs`, `ref_logprobs`) included.
+
 Filtering is the rollout's: the buffer delivers only groups whose stalest token is at most
 `rollout.max_staleness` versions behind, and `rollout.drop_zero_variance_groups` drops groups
 with all-equal rewards at generation. Every sample given here is a row with its own loss mask.
@@ -25,6 +29,7 @@ with all-equal rewards at generation. Every sample given here is a row with its 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -34,6 +39,39 @@ import torch
 from moe_rl.algorithms import AlgorithmConfig, sample_advantages
 from moe_rl.rollout import staleness
 from moe_rl.sample import Sample
+
+
+@dataclass(frozen=True, kw_only=True)
+class RLBatch:
+    """One RL step's rows, each [B, S, ...] with column t at token t (see the module docstring)."""
+
+    tokens: torch.Tensor
+    """int64 [B, S]: prompt + response, right-padded with 0."""
+    loss_mask: torch.Tensor
+    """int64 [B, S]: 1 on the response tokens trained on."""
+    advantages: torch.Tensor
+    """float32 [B, S]: each sample's advantage on its response tokens."""
+    rollout_logprobs: torch.Tensor
+    """float32 [B, S]: the engine's logprob of each response token."""
+    routed_experts: torch.Tensor | None = None
+    """[B, S, layers, topk] (uint8 / int16): the experts each token was routed to; None without R3."""
+    old_logprobs: torch.Tensor | None = None
+    """float32 [B, S]: the behaviour policy's logprobs, as the trainer recomputes them (`rl_step`)."""
+    ref_logprobs: torch.Tensor | None = None
+    """float32 [B, S]: the KL reference's logprobs (`rl_step`, with algorithm.kl_coef > 0)."""
+
+    @property
+    def rows(self) -> int:
+        return self.tokens.shape[0]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The set fields by name: what the trainer's micro-batching splits and the loss reads."""
+        fields = (f.name for f in dataclasses.fields(self))
+        return {name: getattr(self, name) for name in fields if getattr(self, name) is not None}
+
+    def tensor_bytes(self) -> int:
+        """Bytes of the tensors (`perf/batch_tensor_bytes`: what the driver no longer holds)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
 
 @dataclass
@@ -79,7 +117,7 @@ def build_batch(
     version: int,
     max_staleness: int | None = None,
     row_multiple: int = 1,
-) -> tuple[dict[str, torch.Tensor], BatchInfo]:
+) -> tuple[RLBatch, BatchInfo]:
     """The trainer batch of `groups` consumed at trainer `version`, and what to log about it;
     rows padded (loss mask 0) to a multiple of `row_multiple`.
 
@@ -114,9 +152,9 @@ def build_batch(
         rollout_lp[i, response] = torch.tensor(sample.rollout_logprobs)
         if routed is not None:
             routed[i, : p + r - 1] = torch.from_numpy(sample.routed_experts.astype(routed.numpy().dtype))
-    batch = {"tokens": tokens, "loss_mask": loss_mask, "advantages": adv, "rollout_logprobs": rollout_lp}
-    if routed is not None:
-        batch["routed_experts"] = routed
+    batch = RLBatch(
+        tokens=tokens, loss_mask=loss_mask, advantages=adv, rollout_logprobs=rollout_lp, routed_experts=routed
+    )
     info = BatchInfo(
         group_ids=[g[0].group_id for g in groups],
         rewards=[float(s.reward) for s in samples],
@@ -129,11 +167,6 @@ def build_batch(
         padding_rows=rows - len(samples),
     )
     return batch, info
-
-
-def tensor_bytes(batch: dict[str, torch.Tensor]) -> int:
-    """Bytes of a trainer batch's tensors (`perf/batch_tensor_bytes`: what the driver no longer holds)."""
-    return sum(t.numel() * t.element_size() for t in batch.values())
 
 
 def _routing_tensor(samples: list[Sample], rows: int, seq: int) -> torch.Tensor | None:

@@ -8,12 +8,14 @@ actor (`moe_rl.rl.trainer_group.TrainerRank`) only forwards the call, and tests 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING
 
 import torch
 
 from moe_rl.algorithms import AlgorithmConfig, make_policy_loss, policy_metrics
+from moe_rl.rollout.train_batch import RLBatch
 
 if TYPE_CHECKING:  # megatron-core loads only where a trainer runs, not in the driver
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
@@ -21,7 +23,7 @@ if TYPE_CHECKING:  # megatron-core loads only where a trainer runs, not in the d
 
 def rl_step(
     trainer: MegatronTrainer,
-    batch: dict[str, torch.Tensor],
+    batch: RLBatch,
     algorithm: AlgorithmConfig,
     model_path: str | None = None,
     step: int = 1,
@@ -32,25 +34,26 @@ def rl_step(
     `model_path`: where the KL reference comes from unless algorithm.ref_model_path says.
     `step`: the RL step being trained (the logged step, version + 1); with R3 the routing-off
     forward runs when `no_replay_forward_due(step)`."""
-    mask = batch["loss_mask"][:, 1:].bool()
+    mask = batch.loss_mask[:, 1:].bool()
     start = time.perf_counter()
-    old = trainer.forward_logprobs(batch)
+    old = trainer.forward_logprobs(batch.tensors())
     metrics = {
         "time/old_logprobs_s": time.perf_counter() - start,
         **_logprob_diff(old, batch, mask, "consistency/logprob_diff"),
     }
     if algorithm.needs_reference:
-        batch = {**batch, "ref_logprobs": _reference_logprobs(trainer, batch, algorithm, model_path, metrics)}
+        ref = _reference_logprobs(trainer, batch, algorithm, model_path, metrics)
+        batch = dataclasses.replace(batch, ref_logprobs=ref)
     if no_replay_forward_due(trainer.config, step):
         start = time.perf_counter()
-        natural, agreement = trainer.natural_forward(batch)
+        natural, agreement = trainer.natural_forward(batch.tensors())
         metrics.update(_logprob_diff(natural, batch, mask, "consistency/logprob_diff_no_replay"))
         for layer, share in agreement.items():
             metrics[f"routing/agreement/layer{layer}"] = float(share)
         metrics["time/no_replay_forward_s"] = time.perf_counter() - start
-    batch = {**batch, "old_logprobs": torch.cat([torch.zeros_like(old[:, :1]), old], dim=1)}
+    batch = dataclasses.replace(batch, old_logprobs=torch.cat([torch.zeros_like(old[:, :1]), old], dim=1))
     start = time.perf_counter()
-    result = trainer.train_step(batch, make_policy_loss(algorithm), algorithm.num_mini_batches)
+    result = trainer.train_step(batch.tensors(), make_policy_loss(algorithm), algorithm.num_mini_batches)
     metrics["time/train_step_s"] = time.perf_counter() - start
     metrics.update({f"policy/{k}": v for k, v in policy_metrics(result.sums, result.num_tokens).items()})
     if algorithm.needs_reference:
@@ -77,21 +80,21 @@ def no_replay_forward_due(config, step: int) -> bool:
 
 
 def _reference_logprobs(
-    trainer: MegatronTrainer, batch, algorithm: AlgorithmConfig, model_path: str | None, metrics: dict
+    trainer: MegatronTrainer, batch: RLBatch, algorithm: AlgorithmConfig, model_path: str | None, metrics: dict
 ) -> torch.Tensor:
     """The frozen reference's logprobs at the batch's token positions (built on first use: the
     initial policy, rebuilt from model.path or trainer.seed, so a resumed run gets the same)."""
     start = time.perf_counter()
     if trainer.reference is None:
         trainer.build_reference(algorithm.ref_model_path or model_path)
-    ref = trainer.reference_logprobs(batch)
+    ref = trainer.reference_logprobs(batch.tensors())
     metrics["time/ref_logprobs_s"] = time.perf_counter() - start
     return torch.cat([torch.zeros_like(ref[:, :1]), ref], dim=1)
 
 
-def _logprob_diff(logprobs: torch.Tensor, batch, mask: torch.Tensor, name: str) -> dict[str, float]:
+def _logprob_diff(logprobs: torch.Tensor, batch: RLBatch, mask: torch.Tensor, name: str) -> dict[str, float]:
     """|trainer - engine| logprob over the loss tokens: mean and max."""
-    diff = (logprobs - batch["rollout_logprobs"][:, 1:]).abs()[mask]
+    diff = (logprobs - batch.rollout_logprobs[:, 1:]).abs()[mask]
     if diff.numel() == 0:
         return {}
     return {f"{name}_mean": float(diff.mean()), f"{name}_max": float(diff.max())}

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from moe_rl.rollout.train_batch import RLBatch
 from moe_rl.sample import Sample, routing_dtype
 from moe_rl.trainer.microbatches import Batch, budget_plan, padded_length, row_lengths
 
@@ -118,7 +119,7 @@ def computed_inputs(
     return total
 
 
-def measure(trainer_config, hf_config, batch: Batch, algorithm, steps: int) -> dict[str, float]:
+def measure(trainer_config, hf_config, batch: RLBatch, algorithm, steps: int) -> dict[str, float]:
     """Rank function (every rank of a trainer world): one warm-up RL train step, then `steps`
     timed ones on `batch`; returns this rank's median step seconds and peak RSS."""
     # heavy: megatron-core, only in the trainer world's ranks
@@ -126,12 +127,12 @@ def measure(trainer_config, hf_config, batch: Batch, algorithm, steps: int) -> d
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
 
     trainer = MegatronTrainer(trainer_config, hf_config)
-    batch = {**batch, "old_logprobs": batch["rollout_logprobs"].clone()}
+    tensors = dataclasses.replace(batch, old_logprobs=batch.rollout_logprobs.clone()).tensors()
     loss = make_policy_loss(algorithm)
     times = []
     for step in range(steps + 1):
         start = time.perf_counter()
-        trainer.train_step(batch, loss, algorithm.num_mini_batches)
+        trainer.train_step(tensors, loss, algorithm.num_mini_batches)
         if step:  # the first step warms up allocators and megatron-core's buffers
             times.append(time.perf_counter() - start)
     return {

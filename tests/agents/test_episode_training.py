@@ -32,13 +32,13 @@ def trainer_view(model_dir: str, batch: dict):
 def test_trainer_logprobs_and_routing_on_multi_turn_samples(chat_model, chat_engine):
     (groups,), _, _ = asyncio.run(rounds(agent_config("three_turns", groups_per_step=2), chat_engine.url))
     batch, info = build_batch(groups, AlgorithmConfig(), version=0)
-    assert batch["tokens"].shape[0] == ROWS and info.masked_tokens > 0 and info.trained_tokens > 0
-    (logprobs, agreement), _ = spawn(trainer_view, 2, str(chat_model), batch)
-    mask = batch["loss_mask"][:, 1:].bool()
-    diff = (logprobs - batch["rollout_logprobs"][:, 1:])[mask].abs().max()
+    assert batch.tokens.shape[0] == ROWS and info.masked_tokens > 0 and info.trained_tokens > 0
+    (logprobs, agreement), _ = spawn(trainer_view, 2, str(chat_model), batch.tensors())
+    mask = batch.loss_mask[:, 1:].bool()
+    diff = (logprobs - batch.rollout_logprobs[:, 1:])[mask].abs().max()
     # fp32 on both sides, the same weights: sums of a few hundred products each reduced in another
     # order, logprobs of magnitude ~5 -> differences of a few ulps of 5 (~1e-6)
     assert diff <= 1e-5, diff
     assert agreement == {0: 1.0, 1: 1.0}
-    environment = (batch["loss_mask"] == 0) & (batch["tokens"] != 0)
+    environment = (batch.loss_mask == 0) & (batch.tokens != 0)
     assert environment[:, 1:].any()  # the agreement covered environment positions too

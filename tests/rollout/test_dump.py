@@ -96,7 +96,7 @@ def test_trained_records_carry_the_advantages_build_batch_trained_with():
     ]
     for row, record in enumerate(records):
         n = record["response_tokens"]
-        assert batch["advantages"][row, 3 : 3 + n].tolist() == [pytest.approx(record["advantage"])] * n
+        assert batch.advantages[row, 3 : 3 + n].tolist() == [pytest.approx(record["advantage"])] * n
     assert records[0]["advantage"] > 0 > records[1]["advantage"] and records[2]["advantage"] == 0.0
     assert [r["staleness"] for r in records] == info.staleness == [1, 1, 2, 1]
 

@@ -35,9 +35,9 @@ def test_positions_advantages_staleness_and_routing():
         [sample([1, 6, 2], [4, 4, 4], 0.5, "b", [1, 2, 3]), sample([1, 6, 2], [3], 0.5, "b", [3])],
     ]
     batch, info = build_batch(groups, AlgorithmConfig(), version=3, max_staleness=2)
-    assert set(batch) == {"tokens", "loss_mask", "advantages", "rollout_logprobs", "routed_experts"}
-    assert batch["tokens"].tolist() == [[1, 5, 2, 7, 8, 0], [1, 5, 2, 9, 0, 0], [1, 6, 2, 4, 4, 4], [1, 6, 2, 3, 0, 0]]
-    assert batch["loss_mask"].tolist() == [
+    assert set(batch.tensors()) == {"tokens", "loss_mask", "advantages", "rollout_logprobs", "routed_experts"}
+    assert batch.tokens.tolist() == [[1, 5, 2, 7, 8, 0], [1, 5, 2, 9, 0, 0], [1, 6, 2, 4, 4, 4], [1, 6, 2, 3, 0, 0]]
+    assert batch.loss_mask.tolist() == [
         [0, 0, 0, 1, 1, 0],
         [0, 0, 0, 1, 0, 0],
         [0, 0, 0, 1, 1, 1],
@@ -45,11 +45,11 @@ def test_positions_advantages_staleness_and_routing():
     ]
     # group a: rewards 1, 0 -> (r - mean) / (unbiased std + eps) = +-0.5 / sqrt(0.5)
     a = 0.5 / (np.sqrt(0.5) + 1e-6)
-    torch.testing.assert_close(batch["advantages"][0, 3:5], torch.full((2,), a))
-    torch.testing.assert_close(batch["advantages"][1, 3], torch.tensor(-a, dtype=torch.float32))
-    assert batch["advantages"][2:].abs().sum() == 0  # zero-variance group b
-    assert batch["rollout_logprobs"][2].tolist() == [0, 0, 0, -0.5, -1.5, -2.5]
-    routed = batch["routed_experts"]
+    torch.testing.assert_close(batch.advantages[0, 3:5], torch.full((2,), a))
+    torch.testing.assert_close(batch.advantages[1, 3], torch.tensor(-a, dtype=torch.float32))
+    assert batch.advantages[2:].abs().sum() == 0  # zero-variance group b
+    assert batch.rollout_logprobs[2].tolist() == [0, 0, 0, -0.5, -1.5, -2.5]
+    routed = batch.routed_experts
     assert routed.shape == (4, 6, LAYERS, TOPK) and routed.dtype == torch.int32
     assert torch.equal(routed[0, :4], torch.from_numpy(groups[0][0].routed_experts))
     assert torch.equal(routed[1, 3:], torch.arange(TOPK, dtype=torch.int32).expand(3, LAYERS, TOPK))
@@ -73,7 +73,7 @@ def test_zero_variance_groups_stay_in_the_batch_and_mixed_routing_is_refused():
     # their tokens, with advantage 0 (only the normaliser sees them)
     groups = [[sample([1, 2], [3], 1.0, "a", [0]), sample([1, 2], [4], 1.0, "a", [0])]]
     batch, _ = build_batch(groups, AlgorithmConfig(), 0, 0)
-    assert batch["loss_mask"].tolist() == [[0, 0, 1], [0, 0, 1]] and batch["advantages"].abs().sum() == 0
+    assert batch.loss_mask.tolist() == [[0, 0, 1], [0, 0, 1]] and batch.advantages.abs().sum() == 0
     mixed = [[sample([1, 2], [3], 1.0, "a", [0]), sample([1, 2], [4], 0.0, "a", [0], routed=False)]]
     with pytest.raises(ValueError, match="routed experts"):
         build_batch(mixed, AlgorithmConfig(), 0, 0)
@@ -86,10 +86,10 @@ def test_routing_keeps_the_samples_small_dtype(dtype):
     groups = [[sample([1, 2], [3, 4], 1.0, "a", [0, 0]), sample([1, 2], [5], 0.0, "a", [0])]]
     for s in groups[0]:
         s.routed_experts = s.routed_experts.astype(dtype)
-    routed = build_batch(groups, AlgorithmConfig(), 0)[0]["routed_experts"]
+    routed = build_batch(groups, AlgorithmConfig(), 0)[0].routed_experts
     assert routed.dtype == torch.from_numpy(np.zeros(0, dtype)).dtype
     assert np.array_equal(routed[0, :3].numpy(), groups[0][0].routed_experts)
     assert routed[1, 2:].tolist() == [[[0, 1]] * LAYERS] * 2  # filler 0..topk-1
     groups[0][1].routed_experts = groups[0][1].routed_experts.astype(np.int32)
-    wide = build_batch(groups, AlgorithmConfig(), 0)[0]["routed_experts"]
+    wide = build_batch(groups, AlgorithmConfig(), 0)[0].routed_experts
     assert wide.dtype == torch.int32 and torch.equal(wide, routed.int())

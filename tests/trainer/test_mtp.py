@@ -27,6 +27,7 @@ def _step_rank(hf_dir: str, weight: float) -> tuple[dict[str, tuple[torch.Tensor
 
     from moe_rl.algorithms import AlgorithmConfig
     from moe_rl.config import TrainerConfig
+    from moe_rl.rollout.train_batch import RLBatch
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
     from moe_rl.trainer.rl_step import rl_step
 
@@ -42,15 +43,15 @@ def _step_rank(hf_dir: str, weight: float) -> tuple[dict[str, tuple[torch.Tensor
     mask = torch.zeros(ROWS, SEQ, dtype=torch.long)
     mask[:, PROMPT:] = 1
     layers, topk = hf["num_hidden_layers"], hf["num_experts_per_tok"]
-    batch = {
-        "tokens": torch.randint(0, 256, (ROWS, SEQ), generator=g),
-        "loss_mask": mask,
-        "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None].expand(ROWS, SEQ).contiguous(),
-        "rollout_logprobs": torch.full((ROWS, SEQ), -math.log(256)),
-        "routed_experts": torch.stack(
+    batch = RLBatch(
+        tokens=torch.randint(0, 256, (ROWS, SEQ), generator=g),
+        loss_mask=mask,
+        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None].expand(ROWS, SEQ).contiguous(),
+        rollout_logprobs=torch.full((ROWS, SEQ), -math.log(256)),
+        routed_experts=torch.stack(
             [torch.randperm(hf["n_routed_experts"], generator=g)[:topk] for _ in range(ROWS * SEQ * layers)]
         ).view(ROWS, SEQ, layers, topk),
-    }
+    )
     metrics = rl_step(trainer, batch, AlgorithmConfig())
     assert math.isfinite(metrics["train/loss"])
     after = dict(trainer.export_hf_weights(1 << 20))

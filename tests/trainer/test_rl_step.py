@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from moe_rl.rollout.train_batch import RLBatch
 from parallel.world import spawn
 from tests.tiny_models import QWEN3_MOE_SMALL, hf_config
 
@@ -27,16 +28,16 @@ def _trainer(**trainer):
     return MegatronTrainer(config, hf_config(QWEN3_MOE_SMALL))
 
 
-def _batch() -> dict[str, torch.Tensor]:
+def _batch() -> RLBatch:
     generator = torch.Generator().manual_seed(0)
     mask = torch.zeros(ROWS, SEQ, dtype=torch.long)
     mask[:, PROMPT:] = 1
-    return {
-        "tokens": torch.randint(0, 256, (ROWS, SEQ), generator=generator),
-        "loss_mask": mask,
-        "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None].expand(ROWS, SEQ).contiguous(),
-        "rollout_logprobs": torch.full((ROWS, SEQ), -math.log(256)),
-    }
+    return RLBatch(
+        tokens=torch.randint(0, 256, (ROWS, SEQ), generator=generator),
+        loss_mask=mask,
+        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None].expand(ROWS, SEQ).contiguous(),
+        rollout_logprobs=torch.full((ROWS, SEQ), -math.log(256)),
+    )
 
 
 def _step_rank():

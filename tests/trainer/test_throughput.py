@@ -27,8 +27,8 @@ def test_synthetic_groups_make_a_trainer_batch_of_the_spec_lengths():
     spec = LengthSpec(rows=16, cap=40, median=10)
     groups = synthetic_groups(spec, vocab_size=256, routing=(2, 2, 4))
     batch, info = build_batch(groups, AlgorithmConfig(), version=0)
-    assert batch["tokens"].shape == (16, spec.prompt + max(spec.response_lengths()))
-    assert batch["routed_experts"].dtype.itemsize == 1  # uint8: 4 experts
+    assert batch.tokens.shape == (16, spec.prompt + max(spec.response_lengths()))
+    assert batch.routed_experts.dtype.itemsize == 1  # uint8: 4 experts
     assert info.response_lengths == spec.response_lengths()
 
 
@@ -38,8 +38,8 @@ def test_token_budget_padding_on_the_long_tail_is_under_five_percent():
     spec = LengthSpec()
     batch, _ = build_batch(synthetic_groups(spec, vocab_size=256), AlgorithmConfig(), version=0)
     real = sum(spec.prompt + n - 1 for n in spec.response_lengths())
-    padded = 1 - real / computed_inputs(batch, dp_size=2, micro_batch_size=4, budget=None, multiple=1)
-    dynamic = 1 - real / computed_inputs(batch, dp_size=2, micro_batch_size=4, budget=1024, multiple=1)
+    padded = 1 - real / computed_inputs(batch.tensors(), dp_size=2, micro_batch_size=4, budget=None, multiple=1)
+    dynamic = 1 - real / computed_inputs(batch.tensors(), dp_size=2, micro_batch_size=4, budget=1024, multiple=1)
     assert padded > 0.7 and dynamic <= 0.05, (padded, dynamic)
 
 
@@ -64,7 +64,7 @@ def test_packed_inputs_are_the_real_ones_up_to_the_sequence_parallel_multiple():
     spec = LengthSpec(rows=64)
     batch, _ = build_batch(synthetic_groups(spec, vocab_size=256), AlgorithmConfig(), version=0)
     real = sum(spec.prompt + n - 1 for n in spec.response_lengths())
-    assert computed_inputs(batch, 2, 4, budget=1024, multiple=1, packed=True) == real
-    with_sp = computed_inputs(batch, 2, 4, budget=1024, multiple=4, packed=True)
-    micro_batches = sum(len(rank) for rank in budget_plan(row_lengths(batch), 2, 1024, 4))
+    assert computed_inputs(batch.tensors(), 2, 4, budget=1024, multiple=1, packed=True) == real
+    with_sp = computed_inputs(batch.tensors(), 2, 4, budget=1024, multiple=4, packed=True)
+    micro_batches = sum(len(rank) for rank in budget_plan(row_lengths(batch.tensors()), 2, 1024, 4))
     assert real <= with_sp <= real + 3 * micro_batches

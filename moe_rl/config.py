@@ -28,6 +28,7 @@ from parallel.bridges import bridge_for, without_mtp
 from parallel.hf_checkpoint import as_stored
 from parallel.layout import ParallelLayout
 from parallel.lora import LoRAConfig
+from parallel.model import PRECISIONS
 from sync.config import SyncConfig
 
 
@@ -97,7 +98,8 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
-    """Megatron's Adam optimizer (fp32 here; bf16 with fp32 main params on GPUs)."""
+    """Megatron's Adam optimizer. Its state is fp32 in either trainer.precision: with bf16 it keeps
+    fp32 main parameters beside the model's bf16 ones and steps those."""
 
     lr: float = 1e-3
     """Peak learning rate."""
@@ -126,6 +128,14 @@ class TrainerConfig(ParallelLayout):
 
     seed: int = 1234
     """Seed of every RNG (Megatron's tracker forks per TP/EP rank from it)."""
+    precision: str = "fp32"
+    """"fp32": parameters, activations and optimizer in fp32 (the CPU default). "bf16": mixed
+    precision as Megatron-LM and slime train on GPUs: bf16 parameters and activations
+    (megatron-core's Float16Module), fp32 main parameters and Adam state in the optimizer, gradients
+    accumulated and reduced in fp32, logprobs and the loss from fp32 logits; exports, weight syncs
+    and HF checkpoints carry the bf16 parameters the trainer computes with. Needed with
+    pack_sequences on GPUs: Transformer Engine's attention runs packed sequences only in fp16/bf16
+    (docs/trainer.md)."""
     recompute: bool = False
     """Full activation recompute of every layer (less memory, one more forward)."""
     routing_replay: bool = False
@@ -156,6 +166,8 @@ class TrainerConfig(ParallelLayout):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"trainer.precision={self.precision!r}: use one of {sorted(PRECISIONS)}")
         budget = self.max_tokens_per_microbatch
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 2):
             raise ValueError(f"trainer.max_tokens_per_microbatch={budget!r}: must be an integer >= 2 (tokens), or null")
@@ -172,6 +184,17 @@ class TrainerConfig(ParallelLayout):
         if self.mtp_loss_weight < 0:
             raise ValueError(
                 f"trainer.mtp_loss_weight={self.mtp_loss_weight}: must be >= 0 (0 leaves MTP layers untrained)"
+            )
+
+    def check_packing_precision(self, gpu_te: bool) -> None:
+        """Refuse pack_sequences in fp32 where the model runs Transformer Engine's attention on GPUs
+        (`gpu_te`): its flash and fused backends take only fp16/bf16, and it turns its unfused
+        backend off for packed (thd) input, so no backend would run. (The CPU test stand-in packs in fp32.)"""
+        if gpu_te and self.pack_sequences and self.precision == "fp32":
+            raise ValueError(
+                "trainer.pack_sequences=true with trainer.precision='fp32': Transformer Engine's attention "
+                "runs packed (thd) sequences only in bf16/fp16 on GPUs. Set trainer.precision: bf16 "
+                "(or pack_sequences: false)"
             )
 
 

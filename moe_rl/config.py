@@ -284,7 +284,8 @@ class ClusterConfig:
     gpu_memory_gb: float = 80.0
     """Memory of one GPU in GB (1e9 bytes), e.g. 80 (H100), 141 (H200)."""
     param_dtype: str = "bfloat16"
-    """Dtype of the trained weights on GPUs, of the engines' weights and of the sync buckets."""
+    """Dtype of the engines' weights (`moe-rl plan` sizes the engines by it); the trainer's weights
+    and the syncs it sends are in trainer.precision."""
     nic_gbps: float = 400.0
     """Bandwidth in Gb/s of one GPU's network card (400: InfiniBand NDR); `moe-rl plan` models the
     weight sync from the bytes each link carries (`moe_rl.sync_links`)."""

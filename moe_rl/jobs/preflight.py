@@ -7,16 +7,18 @@ one line naming the field and the fix (the CLI prints it and exits 2) instead of
 from inside a Ray actor minutes later:
 
 1. the model: an HF `model.path` holds its weights (safetensors), the tokenizer directory loads;
-2. the weight-sync transport has what it needs (`sync.disk_dir` for `disk`);
-3. the task: a user's `package.module:Class` imports and is a `Task` subclass, its options are
+2. packed sequences run where the trainer will be: on GPUs (Transformer Engine here, or a
+   `cluster:` section) `trainer.pack_sequences` needs `trainer.precision: bf16`;
+3. the weight-sync transport has what it needs (`sync.disk_dir` for `disk`);
+4. the task: a user's `package.module:Class` imports and is a `Task` subclass, its options are
    ones it takes, its dataset's files, keys and rows are valid (`moe_rl.tasks.dataset`), its
    reward (`rollout.reward`) and agent import and are functions of the right kind, the chat
    template exists where prompts or agents need it, an agent's task gives chat messages that
    render within the episode's context, and prompts + `max_new_tokens` (or an episode's
    context) fit the model;
-4. every eval dataset, the same way;
-5. the engines can run here (`engines.kind: sglang` needs GPUs);
-6. a token budget per micro-batch (`trainer.max_tokens_per_microbatch`) holds the longest
+5. every eval dataset, the same way;
+6. the engines can run here (`engines.kind: sglang` needs GPUs);
+7. a token budget per micro-batch (`trainer.max_tokens_per_microbatch`) holds the longest
    sequence a step can carry (the probed prompts + `max_new_tokens`, an episode's context, or
    `data.seq_length` for a supervised run).
 
@@ -37,6 +39,7 @@ from moe_rl.rollout.config import RolloutConfig
 from moe_rl.tasks import Task, get_reward
 from moe_rl.tasks.registry import task_class
 from parallel.hf_checkpoint import HFCheckpointReader
+from parallel.model import use_transformer_engine
 
 FIELDS = ("rollout.", "model.", "eval.")
 """How a message that already names its config field begins."""
@@ -48,6 +51,7 @@ CONTEXT_PROBE_PROMPTS = 256
 def check_run(config: RunConfig) -> None:
     """Everything `moe-rl train` would find wrong once its processes run (ValueError)."""
     check_model(config.model)
+    check_packing(config)
     if not config.is_rl:
         check_token_budget(config, config.data.seq_length, "data.seq_length")
         if config.eval is not None:
@@ -206,6 +210,13 @@ def check_token_budget(config: RunConfig, longest: int, source: str) -> None:
             f"{needed} tokens ({source}, padded for sequence parallel): raise "
             f"trainer.max_tokens_per_microbatch to at least {needed}, or set it to null"
         )
+
+
+def check_packing(config: RunConfig) -> None:
+    """trainer.pack_sequences in fp32 is refused where the trainer runs Transformer Engine's attention
+    on GPUs (`TrainerConfig.check_packing_precision`): TE installed here, or a `cluster:` section."""
+    gpu_te = config.cluster is not None or use_transformer_engine()
+    config.trainer.check_packing_precision(gpu_te=gpu_te)
 
 
 def check_engines(config: RunConfig) -> None:

@@ -11,7 +11,9 @@ checkpoint into an fp32 trainer and a bf16 trainer:
 - a few Adam steps on one fixed batch: the loss is finite and falls, the main parameters stay
   fp32 and the model's bf16 parameters are them rounded;
 - a dist checkpoint resumes exactly (the next loss bit-equal), refuses a resume under fp32 with its
-  optimizer, and loads into fp32 without it.
+  optimizer, and loads into fp32 without it;
+- the frozen KL reference is bf16 too (its logprobs equal the policy's at step 0); LoRA adapters
+  get fp32 main params (the frozen base none) and train.
 Packed sequences in bf16 are compared with unpacked ones through the TE stand-in in
 test_packed_sequences.
 """
@@ -66,19 +68,20 @@ def bf16_grad_tol(layers: int) -> float:
     return math.sqrt(2 * bf16_roundings(layers)) * BF16_UNIT_ROUNDOFF
 
 
-def _trainer(hf_dir: str, precision: str, lr: float = 1e-2):
+def _trainer(hf_dir: str, precision: str, lora: bool = False):
     from moe_rl.config import OptimizerConfig, TrainerConfig
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
     from parallel.hf_checkpoint import load_hf_config
+    from parallel.lora import LoRAConfig
 
     config = TrainerConfig(
         **LAYOUT,
         precision=precision,
         global_batch_size=len(LENGTHS),
         micro_batch_size=2,
-        optimizer=OptimizerConfig(lr=lr),
+        optimizer=OptimizerConfig(lr=1e-2),
     )
-    trainer = MegatronTrainer(config, load_hf_config(hf_dir))
+    trainer = MegatronTrainer(config, load_hf_config(hf_dir), lora=LoRAConfig(rank=4, alpha=8) if lora else None)
     trainer.load_hf_weights(hf_dir)
     return trainer
 
@@ -111,6 +114,8 @@ def _rank(hf_dir: str, directory: str) -> dict:
     out["main_params"] = (len(pairs), sum(1 for _ in bf16.gpt_model.parameters()))
     out["main_dtypes"] = {main.dtype for _, main in pairs}
     out["main_equal_model_at_load"] = all(torch.equal(main, model.float()) for model, main in pairs)
+    bf16.build_reference(hf_dir)  # the policy of step 0, in bf16 too
+    out["reference_equal"] = torch.equal(bf16.reference_logprobs(batch), out["logprobs"])
 
     out["losses"] = [bf16.train_step(batch).loss for _ in range(STEPS)]
     out["main_dtypes_after"] = {main.dtype for _, main in _main_params(bf16)}
@@ -134,6 +139,11 @@ def _rank(hf_dir: str, directory: str) -> dict:
         p.dtype == torch.float32 and torch.equal(p, saved[name].float())
         for name, p in as_fp32.gpt_model.named_parameters()
     )
+
+    lora = _trainer(hf_dir, "bf16", lora=True)  # only the adapters have main params
+    adapters = [p for p in lora.gpt_model.parameters() if p.requires_grad]
+    out["lora_losses"] = [lora.train_step(batch).loss for _ in range(2)]
+    out["lora_main"] = (len(_main_params(lora)), len(adapters), {main.dtype for _, main in _main_params(lora)})
     return out
 
 
@@ -148,7 +158,7 @@ def test_bf16_trains_with_fp32_main_params_and_exports_bf16(tmp_path):
         assert out["model_dtypes"] == {torch.bfloat16}
         assert out["main_params"][0] == out["main_params"][1]  # every parameter has a main copy
         assert out["main_dtypes"] == out["main_dtypes_after"] == {torch.float32}
-        assert out["main_equal_model_at_load"]
+        assert out["main_equal_model_at_load"] and out["reference_equal"]
         error = float((out["logprobs"][real] - out["fp32_logprobs"][real]).abs().max())
         tolerance = bf16_logprob_tol(LAYERS, logprob_scale(out["fp32_logprobs"][real]))
         assert 0 < error <= tolerance, (error, tolerance)
@@ -158,6 +168,9 @@ def test_bf16_trains_with_fp32_main_params_and_exports_bf16(tmp_path):
         assert out["resumed"] == out["continued"]
         assert out["fp32_refusal"] and "trainer.precision" in out["fp32_refusal"]
         assert out["fp32_loaded"]
+        lora_losses, (mains, adapters, dtypes) = out["lora_losses"], out["lora_main"]
+        assert mains == adapters > 0 and dtypes == {torch.float32}
+        assert all(math.isfinite(loss) for loss in lora_losses) and lora_losses[1] < lora_losses[0], lora_losses
     source = results[0]
     assert source["export"].keys() == source["fp32_export"].keys() and source["export"]
     for name, tensor in source["export"].items():

@@ -14,8 +14,8 @@ checkpoint into an fp32 trainer and a bf16 trainer:
   optimizer, and loads into fp32 without it;
 - the frozen KL reference is bf16 too (its logprobs equal the policy's at step 0); LoRA adapters
   get fp32 main params (the frozen base none) and train.
-Packed sequences in bf16 are compared with unpacked ones through the TE stand-in in
-test_packed_sequences.
+PP2 and TP2 + SP train in bf16 with the distributed optimizer (fp32 main-param shards). Packed
+sequences in bf16 are compared with unpacked ones through the TE stand-in in test_packed_sequences.
 """
 
 import math
@@ -178,3 +178,31 @@ def test_bf16_trains_with_fp32_main_params_and_exports_bf16(tmp_path):
         assert tensor.shape == reference.shape and tensor.dtype == torch.bfloat16, name
         assert torch.equal(tensor, reference.bfloat16()), name
     assert not results[1]["export"]  # only the source receives
+
+
+def _layout_rank(layout: dict) -> tuple[list[float], set]:
+    from moe_rl.config import OptimizerConfig, TrainerConfig
+    from moe_rl.trainer.megatron_trainer import MegatronTrainer
+
+    optimizer = OptimizerConfig(lr=1e-2, distributed=True)
+    config = TrainerConfig(**layout, precision="bf16", global_batch_size=4, optimizer=optimizer)
+    trainer = MegatronTrainer(config, tiny_models.hf_config(tiny_models.QWEN3_MOE_SMALL))
+    tokens = torch.randint(1, VOCAB, (4, 17), generator=torch.Generator().manual_seed(0))
+    batch = {"tokens": tokens, "loss_mask": torch.ones_like(tokens)}
+    losses = [trainer.train_step(batch).loss for _ in range(3)]
+    # the distributed optimizer steps this rank's shards of the fp32 main params
+    mains = {
+        p.dtype for o in trainer.optimizer.chained_optimizers for g in o.optimizer.param_groups for p in g["params"]
+    }
+    return losses, mains
+
+
+@pytest.mark.parametrize(
+    "layout", [dict(world_size=2, pp=2), dict(world_size=2, tp=2, sequence_parallel=True)], ids=["pp2", "tp2-sp"]
+)
+def test_bf16_with_the_distributed_optimizer(layout):
+    """PP2 (bf16 activations between the stages: pipeline_dtype) and TP2 + SP (bf16 all-reduces and
+    reduce-scatters), with the distributed optimizer (fp32 main-param shards, what the GPU configs use)."""
+    for losses, mains in spawn(_layout_rank, 2, layout):
+        assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0], losses
+        assert mains == {torch.float32}

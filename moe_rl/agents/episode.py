@@ -57,9 +57,11 @@ class Turn:
     token_ids: list[int]
     finish_reason: str
     """"stop" (end-of-turn token), "length" (turn budget), as the engine ended it."""
+    reasoning: str | None = None
+    """The turn's reasoning (`reasoning_content`), None without one."""
 
     def message(self) -> dict:
-        return ParsedTurn(self.text, self.content, self.tool_calls, 0).message()
+        return ParsedTurn(self.text, self.content, self.tool_calls, 0, self.reasoning).message()
 
 
 class Episode:
@@ -174,9 +176,9 @@ class Episode:
         self.generate_s += time.perf_counter() - start
         self.current, self.pending = after, []
         ids = after.response_ids[before:]
-        parsed = self.chat.parse(ids)
+        parsed = self.chat.parse(ids, tools)
         finish = "stop" if ids and ids[-1] in self._stops(stop_token_ids) else "length"
-        turn = Turn(parsed.text, parsed.content, parsed.tool_calls, ids, finish)
+        turn = Turn(parsed.text, parsed.content, parsed.tool_calls, ids, finish, parsed.reasoning)
         self.last_text = parsed.text
         self.turns += 1
         self.tool_calls += len(parsed.tool_calls)

@@ -31,7 +31,6 @@ from pathlib import Path
 from moe_rl.agents import ChatFormat, resolve_agent
 from moe_rl.config import ModelConfig, RunConfig
 from moe_rl.converted import is_converted
-from moe_rl.rollout.config import RolloutConfig
 from moe_rl.tasks import Task, get_reward
 from moe_rl.tasks.registry import task_class
 from parallel.hf_checkpoint import HFCheckpointReader
@@ -77,7 +76,7 @@ def check_eval(config: RunConfig) -> None:
     """Every eval dataset builds (files, keys, rows, reward, agent) and fits the model's context."""
     if config.eval is None:
         return
-    rollout = config.rollout or RolloutConfig()
+    rollout = config.rollout_or_default
     for dataset in config.eval.datasets:
         resolved = dataset.resolved(rollout)
         if resolved.task is not None:
@@ -150,11 +149,11 @@ def check_prompts(config: RunConfig, task: Task, agent: str | None, max_new_toke
         resolve_agent(agent)
     except ValueError as error:
         raise ValueError(str(error).replace("rollout.agent", f"{field}.agent")) from None
-    rollout = config.rollout or RolloutConfig()
+    rollout = config.rollout_or_default
     if config.model.tokenizer_dir is None:
         raise ValueError(f"{field}.agent needs a tokenizer with a chat template: set model.tokenizer (or model.path)")
     try:
-        ChatFormat.load(config.model.tokenizer_dir, rollout.episode.tool_call_format)
+        ChatFormat.load(config.model.tokenizer_dir, rollout.episode.tool_call_format, rollout.episode.reasoning_parser)
     except ValueError as error:
         raise ValueError(f"model.tokenizer={config.model.tokenizer_dir!r} for {field}.agent: {error}") from None
     if not prompts or not prompts[0].messages:

@@ -42,8 +42,6 @@ class ToolParser(abc.ABC):
     """A tool-call format (SGLang's `--tool-call-parser` name in `name`)."""
 
     name: ClassVar[str]
-    families: ClassVar[str]
-    """The models that write this format (docs and error messages)."""
 
     @abc.abstractmethod
     def parse(self, text: str, tools: list[dict] | None = None) -> tuple[str, list[ToolCall], int]:
@@ -54,7 +52,6 @@ class ReasoningParser(abc.ABC):
     """A reasoning format (SGLang's `--reasoning-parser` name in `name`)."""
 
     name: ClassVar[str]
-    families: ClassVar[str]
 
     @abc.abstractmethod
     def split(self, text: str) -> tuple[str | None, str]:

@@ -153,10 +153,10 @@ def _has_markers(text: str) -> bool:
 
 
 class GptOssReasoning(ReasoningParser):
-    """Analysis messages are the reasoning; the rest (content, raw call blocks) is the content."""
+    """Analysis messages are the reasoning; the rest (content, raw call blocks) is the content.
+    Models: gpt-oss-20b, gpt-oss-120b."""
 
     name = "gpt-oss"
-    families = "gpt-oss-20b, gpt-oss-120b"
 
     def split(self, text):
         if not _has_markers(text):
@@ -174,7 +174,6 @@ class GptOss(ToolParser):
     dropped."""
 
     name = "gpt-oss"
-    families = GptOssReasoning.families
 
     def parse(self, text, tools=None):
         begun = len(_RECIPIENT.findall(text))

@@ -40,41 +40,48 @@ class ThinkTags(ReasoningParser):
 
 
 class Qwen3(ThinkTags):
+    """Qwen3 (-MoE) hybrid thinking, QwQ; text without <think> is left as it is."""
+
     name = "qwen3"
-    families = "Qwen3 (-MoE) hybrid thinking, QwQ; text without <think> is left as it is"
     tool_start = "<tool_call>"
 
 
 class Qwen3Thinking(Qwen3):
+    """Qwen3-*-Thinking-2507 (the template opens <think>)."""
+
     name = "qwen3-thinking"
-    families = "Qwen3-*-Thinking-2507 (the template opens <think>)"
     forced = True
 
 
 class DeepSeekR1(ThinkTags):
+    """DeepSeek-R1 (reasoning until </think>, start tag or not)."""
+
     name = "deepseek-r1"
-    families = "DeepSeek-R1 (reasoning until </think>, start tag or not)"
     forced = True
 
 
 class DeepSeekV3(Qwen3):
+    """DeepSeek-V3.1 / V3.2 with thinking on; V3 without."""
+
     name = "deepseek-v3"
-    families = "DeepSeek-V3.1 / V3.2 with thinking on; V3 without"
 
 
 class Glm45(ThinkTags):
+    """GLM-4.5, GLM-4.5-Air, GLM-4.6."""
+
     name = "glm45"
-    families = "GLM-4.5, GLM-4.5-Air, GLM-4.6"
     tool_start = "<tool_call>"
 
 
 class KimiK2(ThinkTags):
+    """Kimi-K2-Thinking, Kimi-K2 (no reasoning)."""
+
     name = "kimi_k2"
-    families = "Kimi-K2-Thinking, Kimi-K2 (no reasoning)"
     tool_start = "<|tool_calls_section_begin|>"
 
 
 class Kimi(ThinkTags):
+    """Kimi-VL / Kimi thinking models (◁think▷)."""
+
     name = "kimi"
-    families = "Kimi-VL / Kimi thinking models (◁think▷)"
     start, end = "◁think▷", "◁/think▷"

@@ -42,10 +42,9 @@ class Qwen3Coder(ToolParser):
     </tool_call>`. A parameter ends at `</parameter>`, the next `<parameter=`, `</function>` or the
     end of the text, so a call cut by the turn's budget still gives what it holds, but only when
     the turn has no complete `<tool_call>` block. Content: the text before the first
-    `<tool_call>`, unstripped."""
+    `<tool_call>`, unstripped. Models: Qwen3-Coder-480B-A35B, Qwen3-Coder-30B-A3B."""
 
     name = "qwen3_coder"
-    families = "Qwen3-Coder-480B-A35B, Qwen3-Coder-30B-A3B"
     BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
     FUNCTION = re.compile(r"<function=(.*?)</function>|<function=(.*)$", re.DOTALL)
     PARAMETER = re.compile(r"<parameter=(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.DOTALL)
@@ -71,7 +70,7 @@ class Qwen3Coder(ToolParser):
                     key, value = match.split(">", 1)
                     value = value[1:] if value.startswith("\n") else value
                     value = value[:-1] if value.endswith("\n") else value
-                    arguments[key] = self._convert(value, schema.get(key) if key in schema else None, key in schema)
+                    arguments[key] = self._convert(value, schema, key)
                 calls.append(ToolCall(name, arguments))
         start = text.find("<tool_call>")
         return text[:start], calls, begun - len(calls)
@@ -84,12 +83,13 @@ class Qwen3Coder(ToolParser):
         declared = schema_properties(parameters)
         return declared if declared or "properties" in parameters else parameters
 
-    def _convert(self, value: str, schema: Any, declared: bool) -> Any:
+    def _convert(self, value: str, schema: dict, key: str) -> Any:
+        """Parameter `key`'s text as its schema's type ("null" is None for any parameter)."""
         if value.lower() == "null":
             return None
-        if not declared:
+        if key not in schema:
             return value
-        kind = str(value_type(schema) or "string").strip().lower()
+        kind = str(value_type(schema[key]) or "string").strip().lower()
         if kind in self.TEXT_TYPES:
             return value
         if kind.startswith(("int", "uint", "long", "short", "unsigned")):
@@ -121,10 +121,9 @@ class Glm45(ToolParser):
     """`<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n...</tool_call>`
     (a literal `\\n` also separates). Values are read as JSON when they parse (numbers coerced for
     a "number" parameter); a "string" parameter keeps its text. Content: the text before the first
-    `<tool_call>`, stripped; a block cut before `</tool_call>` gives no call."""
+    `<tool_call>`, stripped; a block cut before `</tool_call>` gives no call. Models: GLM-4.5, GLM-4.5-Air, GLM-4.6."""
 
     name = "glm45"
-    families = "GLM-4.5, GLM-4.5-Air, GLM-4.6"
     CALL = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
     DETAIL = re.compile(r"<tool_call>(.*?)(?:\\n|\n)(.*)</tool_call>", re.DOTALL)
     ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>(?:\\n|\s)*<arg_value>(.*?)</arg_value>", re.DOTALL)

@@ -3,12 +3,18 @@
 A command module defines `COMMAND` (a tuple of words, e.g. ("bench", "sync")), `HELP`,
 `add_arguments(parser)` and `run(args) -> int | None`. Modules are found by listing the
 package, so adding a command is adding a file.
+
+User code that a config names (`rollout.task`, `rollout.reward`, `rollout.agent` as
+`package.module:name`) imports from PYTHONPATH or from the directory moe-rl runs in, as under
+`python -m`: `main` puts that directory on `sys.path` (last, so it never shadows an installed
+package), and Ray puts the driver's working directory on every worker's `sys.path`.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 
@@ -38,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         return int(args._run(args) or 0)
     except ValueError as error:  # user errors: one clear line, no traceback

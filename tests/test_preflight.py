@@ -56,7 +56,44 @@ def files(tmp_path_factory):
     config.pop("chat_template", None)
     (plain / "tokenizer_config.json").write_text(json.dumps(config))
     (plain / "chat_template.jinja").unlink(missing_ok=True)
+    chat = [{"role": "user", "content": "key A"}]
+    tool = {"type": "function", "function": {"name": "lookup"}}
+    for name, rows in {
+        "chat_and_text.jsonl": [{"prompt": chat, "answer": "1"}, {"prompt": "key B", "answer": "2"}],
+        "ids.jsonl": [{"prompt_ids": [5, 6], "answer": "1"}],
+        "no_role.jsonl": [{"prompt": chat, "answer": "1"}, {"prompt": [{"content": "x"}], "answer": "2"}],
+        "bad_tools.jsonl": [{"prompt": chat, "answer": "1", "tools": [tool, {"type": "function", "function": {}}]}],
+    }.items():
+        (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "preflight_user.py").write_text(USER_MODULE)
     return root
+
+
+USER_MODULE = """
+from moe_rl.tasks import Prompt, Task
+
+
+class Chat(Task):
+    def __init__(self, length: int = 1):
+        if length > 3:
+            raise KeyError(length)
+        self.length = length
+
+    def prompts(self, seed):
+        while True:
+            yield Prompt(messages=[{"role": "user", "content": "x" * self.length}])
+
+
+async def score(response, answer, sample):
+    return 1.0
+"""
+
+
+AGENT = {
+    "model.tokenizer": CHAT,
+    "rollout.agent": "moe_rl.tasks.lookup:lookup_agent",
+    "rollout.episode.max_context_tokens": 64,
+}
 
 
 def heldout(**fields) -> list[dict]:
@@ -108,6 +145,37 @@ BAD = [
     ),
     ({"rollout.task": "dataset", "rollout.dataset": "{files}/good.jsonl"}, "model.tokenizer", "set model.tokenizer"),
     ({"rollout.reward": "no_such_module:score"}, "rollout.reward", "cannot import"),
+    ({"rollout.reward": "preflight_user:scor"}, "rollout.reward", "has no 'scor'"),
+    ({"rollout.reward": "preflight_user:score"}, "rollout.reward", "give a plain def"),
+    ({"rollout.task": "no_such_module:Task"}, "rollout.task", "put the directory that holds it on PYTHONPATH"),
+    ({"rollout.task": "preflight_user:score"}, "rollout.task", "not a subclass of moe_rl.tasks.Task"),
+    ({"rollout.task": "preflight_user:Chat", "rollout.task_options": {"lenght": 2}}, "rollout.task_options", "remove"),
+    ({"rollout.task": "preflight_user:Chat", "rollout.task_options": {"length": 4}}, "rollout.task", "raised KeyError"),
+    (
+        {"rollout.task": "dataset", "rollout.dataset": "{files}/chat_and_text.jsonl", **AGENT},
+        "chat_and_text.jsonl' row 1: 'prompt' (rollout.prompt_key) is text",
+        "set rollout.apply_chat_template: true",
+    ),
+    (
+        {"rollout.task": "dataset", "rollout.dataset": "{files}/ids.jsonl", **AGENT},
+        "ids.jsonl' row 0: 'prompt_ids' are token ids",
+        "chat messages in the rollout.prompt_key column",
+    ),
+    (
+        {"rollout.task": "dataset", "rollout.dataset": "{files}/no_role.jsonl", "model.tokenizer": CHAT},
+        "no_role.jsonl' row 1: 'prompt' (rollout.prompt_key) message 0 has no 'role'",
+        "a prompt is text or",
+    ),
+    (
+        {"rollout.task": "dataset", "rollout.dataset": "{files}/bad_tools.jsonl", "model.tokenizer": CHAT},
+        "bad_tools.jsonl' row 0: 'tools' (rollout.tools_key) tools[1] has no function name",
+        "OpenAI function definitions",
+    ),
+    (
+        {"rollout.task": "preflight_user:Chat", **AGENT, "rollout.episode.max_context_tokens": 8},
+        "leaves no room for a turn in rollout.episode.max_context_tokens=8",
+        "raise it",
+    ),
     (
         {"rollout.task": "lookup", "rollout.agent": "no_such_module:agent", "model.tokenizer": CHAT},
         "rollout.agent",
@@ -182,7 +250,8 @@ def refusal(capsys, argv: list[str]) -> str:
 
 
 @pytest.mark.parametrize("overrides,field,fix", BAD, ids=[f"{i:02d}-{case[1]}" for i, case in enumerate(BAD)])
-def test_bad_config_is_refused_before_start(tmp_path, files, capsys, overrides, field, fix):
+def test_bad_config_is_refused_before_start(tmp_path, files, capsys, monkeypatch, overrides, field, fix):
+    monkeypatch.syspath_prepend(str(files))  # preflight_user.py
     err = refusal(capsys, ["train", write_config(tmp_path, files, overrides)])
     assert field in err and fix in err, err
     assert not (tmp_path / "run").exists()  # nothing written, nothing started

@@ -5,12 +5,13 @@ Owns the token-in-token-out contract of episodes:
   template (`apply_chat_template` with `tools` and the generation prompt; local files only).
 - `extension_ids(history, messages, tools, turn_ended)`: what a new call adds. `history` is the
   conversation the record already holds, ending with the assistant turn the model sampled. If
-  `messages` starts with `history` (same roles, contents and tool calls) and the template's
-  rendering of `messages` starts with its rendering of `history`, only the new text is tokenized:
-  the template's glue after the sampled end-of-turn token (plus that token when the turn was cut
-  by its budget), the new messages, and the generation prompt. Sampled tokens are never
-  re-tokenized. Otherwise it returns None: the agent rewrote its history and the episode starts
-  a new sequence (`moe_rl.agents.episode`).
+  `messages` starts with `history` (same roles, contents and tool calls), the new messages are
+  rendered after that assistant turn and only the text after the turn's end is tokenized (plus
+  the end-of-turn token when the turn was cut by its budget): tool results, user turns, the
+  template's glue and the generation prompt. Sampled tokens are never re-tokenized, and what the
+  template does to earlier turns (think blocks dropped or moved) does not split the sequence:
+  `moe_rl.agents.templates` holds each family's rule. Otherwise it returns None: the agent
+  rewrote its history and the episode starts a new sequence (`moe_rl.agents.episode`).
 - `parse(ids, tools)`: the assistant message of a sampled turn: its text, reasoning, content and
   tool calls, read by the family's reasoning parser and then its tool-call parser
   (`moe_rl.agents.parsers`, SGLang's names and behaviour: `rollout.episode.reasoning_parser`,
@@ -26,6 +27,7 @@ from typing import Any
 
 from moe_rl.agents import parsers
 from moe_rl.agents.parsers import ToolCall
+from moe_rl.agents.templates import CONTEXT, family_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +53,13 @@ class ParsedTurn:
 
 
 class ChatFormat:
-    def __init__(self, tokenizer, tool_call_format: str = "qwen25", reasoning_parser: str = "qwen3"):
+    def __init__(
+        self,
+        tokenizer,
+        tool_call_format: str = "qwen25",
+        reasoning_parser: str = "qwen3",
+        template_kwargs: dict | None = None,
+    ):
         """`tool_call_format`, `reasoning_parser`: SGLang's parser names (`moe_rl.agents.parsers`)."""
         self.tool_parser = parsers.tool_parser(tool_call_format)
         self.reasoning_parser = parsers.reasoning_parser(reasoning_parser)
@@ -64,16 +72,26 @@ class ChatFormat:
             raise ValueError(f"the tokenizer {tokenizer.name_or_path!r} has no eos_token (the end of a turn)")
         self.tokenizer = tokenizer
         self.eos_text, self.eos_id = tokenizer.eos_token, tokenizer.eos_token_id
+        self.family = family_of(tokenizer)
+        self.template_kwargs = dict(template_kwargs or {})  # e.g. Qwen3's enable_thinking
 
     @classmethod
     def load(
-        cls, directory: str | Path, tool_call_format: str = "qwen25", reasoning_parser: str = "qwen3"
+        cls,
+        directory: str | Path,
+        tool_call_format: str = "qwen25",
+        reasoning_parser: str = "qwen3",
+        template_kwargs: dict | None = None,
     ) -> "ChatFormat":
-        return cls(load_tokenizer(directory), tool_call_format, reasoning_parser)
+        return cls(load_tokenizer(directory), tool_call_format, reasoning_parser, template_kwargs)
 
     def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
+            messages,
+            tools=tools or None,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+            **self.template_kwargs,
         )
 
     def encode(self, text: str) -> list[int]:
@@ -86,21 +104,16 @@ class ChatFormat:
         self, history: list[dict], messages: list[dict], tools: list[dict] | None, turn_ended: bool
     ) -> list[int] | None:
         """Ids that make a record of `history` read as `messages` + the generation prompt, or None
-        when `messages` does not extend `history` (see the module docstring)."""
+        when `messages` does not extend `history` or the template does not show where the turn
+        ends (see the module docstring and `moe_rl.agents.templates`)."""
         if len(messages) <= len(history) or not all(map(same_message, history, messages)):
             return None
-        before = self.render(history, tools, False)
-        after = self.render(messages, tools, True)
-        if not after.startswith(before):
+        head = self.render([CONTEXT], tools, False)
+        text = self.render([CONTEXT, history[-1], *messages[len(history) :]], tools, True)
+        start = self.family.environment_start(text, len(head)) if text.startswith(head) else None
+        if start is None:
             return None
-        end = before.rfind(self.eos_text)
-        if end < 0:
-            raise ValueError(
-                f"the chat template does not end an assistant turn with the eos token {self.eos_text!r}: "
-                "a sampled turn cannot be joined to the next message"
-            )
-        glue = before[end + len(self.eos_text) :]
-        return self.encode(("" if turn_ended else self.eos_text) + glue + after[len(before) :])
+        return self.encode(("" if turn_ended else self.eos_text) + text[start:])
 
     def parse(self, ids: list[int], tools: list[dict] | None = None) -> ParsedTurn:
         """The turn of sampled `ids`; `tools` (the request's) types arguments where the format

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moe_rl.agents import parsers
 
@@ -28,6 +28,9 @@ class EpisodeConfig:
     """How the model writes reasoning, by SGLang's `--reasoning-parser` name ("qwen3",
     "qwen3-thinking", "deepseek-r1", "deepseek-v3", "glm45", "kimi_k2", "gpt-oss"); it becomes
     the turn's `reasoning_content`. "none": the whole turn is content; "auto": the model type's."""
+    chat_template_kwargs: dict = field(default_factory=dict)
+    """Extra arguments of the chat template, for prompts and every turn, e.g. `{enable_thinking:
+    false}` for Qwen3's non-thinking mode (an empty think block opens each turn)."""
     endpoint_host: str = "127.0.0.1"
     """Bind address of the OpenAI-compatible endpoint (loopback; "0.0.0.0" for agents in other
     processes, containers or machines)."""
@@ -44,6 +47,11 @@ class EpisodeConfig:
             parsers.tool_parser(self.tool_call_format)
         if self.reasoning_parser != "auto":
             parsers.reasoning_parser(self.reasoning_parser)
+        if not isinstance(self.chat_template_kwargs, dict):
+            raise ValueError(
+                f"rollout.episode.chat_template_kwargs={self.chat_template_kwargs!r}: must be a mapping of "
+                "template arguments, e.g. {enable_thinking: false}"
+            )
         if not 0 <= self.endpoint_port < 65536:
             raise ValueError(f"rollout.episode.endpoint_port={self.endpoint_port}: use 0 (any) or a port number")
 

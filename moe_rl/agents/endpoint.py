@@ -13,6 +13,11 @@ tokenizer), `n` = 1, no streaming. Each call is one `Episode.generate` (token-in
 the answer is OpenAI's schema: `choices[0].message` with `content` and `tool_calls`,
 `finish_reason` ("tool_calls", "stop", "length"), `usage`. A limit reached answers 400 with
 code `episode_limit` (the episode ends truncated). Errors use OpenAI's `{"error": {...}}` body.
+
+`usage` agrees with the episode record: `prompt_tokens` is the number of ids the turn's engine
+request held (the sequence before the turn plus the environment ids this call adds; a call that
+starts a new sequence: its rendered prompt), `completion_tokens` the ids sampled in the turn (the
+record keeps them with loss mask 1), `total_tokens` their sum: the sequence's length after it.
 """
 
 from __future__ import annotations
@@ -97,7 +102,6 @@ class ChatEndpoint:
         self.calls += 1
         message = turn.message() if body.get("tool_choice") != "none" else {"role": "assistant", "content": turn.text}
         finish = "tool_calls" if message.get("tool_calls") else turn.finish_reason
-        prompt_tokens = len(episode.current.prompt_ids) + len(episode.current.response_ids) - len(turn.token_ids)
         return web.json_response(
             {
                 "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -106,9 +110,9 @@ class ChatEndpoint:
                 "model": body.get("model") or "moe-rl-policy",
                 "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
                 "usage": {
-                    "prompt_tokens": prompt_tokens,
+                    "prompt_tokens": turn.prompt_tokens,
                     "completion_tokens": len(turn.token_ids),
-                    "total_tokens": prompt_tokens + len(turn.token_ids),
+                    "total_tokens": turn.prompt_tokens + len(turn.token_ids),
                 },
             }
         )

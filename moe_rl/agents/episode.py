@@ -57,6 +57,9 @@ class Turn:
     token_ids: list[int]
     finish_reason: str
     """"stop" (end-of-turn token), "length" (turn budget), as the engine ended it."""
+    prompt_tokens: int
+    """Ids the turn's request held: its sequence before the turn plus the new environment ids (the
+    OpenAI endpoint's `usage.prompt_tokens`; `len(token_ids)` is its `completion_tokens`)."""
     reasoning: str | None = None
     """The turn's reasoning (`reasoning_content`), None without one."""
 
@@ -178,7 +181,15 @@ class Episode:
         ids = after.response_ids[before:]
         parsed = self.chat.parse(ids, tools)
         finish = "stop" if ids and ids[-1] in self._stops(stop_token_ids) else "length"
-        turn = Turn(parsed.text, parsed.content, parsed.tool_calls, ids, finish, parsed.reasoning)
+        turn = Turn(
+            parsed.text,
+            parsed.content,
+            parsed.tool_calls,
+            ids,
+            finish,
+            len(sample.prompt_ids) + before,
+            parsed.reasoning,
+        )
         self.last_text = parsed.text
         self.turns += 1
         self.tool_calls += len(parsed.tool_calls)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import importlib
+import inspect
 import logging
 import math
 import time
@@ -34,24 +34,19 @@ from moe_rl.agents.config import EpisodeConfig
 from moe_rl.agents.endpoint import ChatEndpoint
 from moe_rl.agents.episode import Episode, EpisodeLimit, TurnFn
 from moe_rl.sample import Sample
+from moe_rl.tasks.registry import import_object
 
 log = logging.getLogger(__name__)
 AgentFn = Callable[[Episode], Awaitable[Any]]
 STATS = ("turns", "tool_calls", "tool_errors", "forks", "replayed_turns", "generate_s", "env_s", "truncated")
 
 
-def resolve_agent(name: str) -> AgentFn:
+def resolve_agent(name: str, field: str = "rollout.agent") -> AgentFn:
     """`package.module:function` -> the async agent function (ValueError naming the fix)."""
-    module_name, sep, attr = name.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"rollout.agent={name!r}: use 'package.module:function' (an async function of an Episode)")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"rollout.agent={name!r}: cannot import {module_name!r} ({error})") from error
-    fn = getattr(module, attr, None)
-    if not asyncio.iscoroutinefunction(fn):
-        raise ValueError(f"rollout.agent={name!r}: {module_name}.{attr} is not an async function (async def)")
+    wants = "an async function of an Episode (async def agent(episode))"
+    fn = import_object(name, field, wants)
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"{field}={name!r} is not an async function: give {wants}")
     return fn
 
 
@@ -93,7 +88,9 @@ class AgentRunner:
     ) -> "AgentRunner":
         """The runner of `agent` ("package.module:function") with the model's chat format (from
         `tokenizer_dir`) and an OpenAI endpoint per `config`."""
-        chat = ChatFormat.load(tokenizer_dir, config.tool_call_format, config.reasoning_parser)
+        chat = ChatFormat.load(
+            tokenizer_dir, config.tool_call_format, config.reasoning_parser, config.chat_template_kwargs
+        )
         endpoint = ChatEndpoint(config.endpoint_host, config.endpoint_port)
         return cls(resolve_agent(agent), chat, config, max_new_tokens=max_new_tokens, score=score, endpoint=endpoint)
 

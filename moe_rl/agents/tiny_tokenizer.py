@@ -15,8 +15,8 @@ models (< 128 ids):
   samples is a token.
 
 The template is Qwen's ChatML layout: `<|im_start|>{role}\\n{content}<|im_end|>\\n`, the tool
-names in a system turn when `tools` are given, assistant tool calls as
-`<tool_call>{json}</tool_call>`, tool results as role `tool`.
+names in a system turn when `tools` are given, assistant tool calls as Qwen writes them
+(`<tool_call>\\n{json}\\n</tool_call>`), tool results as role `tool`.
 
 `python -m moe_rl.agents.tiny_tokenizer DIR` writes it; `configs/tokenizers/tiny_chat/` is that
 output (a test checks they agree).

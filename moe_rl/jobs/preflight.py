@@ -8,10 +8,12 @@ from inside a Ray actor minutes later:
 
 1. the model: an HF `model.path` holds its weights (safetensors), the tokenizer directory loads;
 2. the weight-sync transport has what it needs (`sync.disk_dir` for `disk`);
-3. the task: its options are ones it takes, its dataset's files, keys and rows are valid
-   (`moe_rl.tasks.dataset`), its reward (`rollout.reward`) and agent import, the chat template exists where
-   prompts or agents need it, and prompts + `max_new_tokens` (or an episode's context) fit
-   the model;
+3. the task: a user's `package.module:Class` imports and is a `Task` subclass, its options are
+   ones it takes, its dataset's files, keys and rows are valid (`moe_rl.tasks.dataset`), its
+   reward (`rollout.reward`) and agent import and are functions of the right kind, the chat
+   template exists where prompts or agents need it, an agent's task gives chat messages that
+   render within the episode's context, and prompts + `max_new_tokens` (or an episode's
+   context) fit the model;
 4. every eval dataset, the same way;
 5. the engines can run here (`engines.kind: sglang` needs GPUs);
 6. a token budget per micro-batch (`trainer.max_tokens_per_microbatch`) holds the longest
@@ -55,12 +57,17 @@ def check_run(config: RunConfig) -> None:
         return
     check_sync(config)
     rollout = config.rollout
-    check_task_options(rollout.task, rollout.task_options, "rollout.task_options")
+    check_task_options(rollout.task, rollout.task_options, "rollout")
     try:
         task = rollout.make_task(config.model.tokenizer_dir)
     except ValueError as error:  # a built-in task's own option check names only the option
         message = str(error)
         raise ValueError(message if message.startswith(FIELDS) else f"rollout.task_options: {message}") from None
+    except Exception as error:  # a user's task class failed in its constructor
+        raise ValueError(
+            f"rollout.task={rollout.task!r}: building it with rollout.task_options raised "
+            f"{type(error).__name__}: {error}; fix the options or the class"
+        ) from error
     if rollout.reward:
         get_reward(rollout.reward)
     longest = check_prompts(config, task, rollout.agent, rollout.max_new_tokens, "rollout")
@@ -80,13 +87,10 @@ def check_eval(config: RunConfig) -> None:
     for dataset in config.eval.datasets:
         resolved = dataset.resolved(rollout)
         if resolved.task is not None:
-            check_task_options(resolved.task, resolved.task_options, f"{dataset.field}.task_options")
+            check_task_options(resolved.task, resolved.task_options, dataset.field)
         task = resolved.make_task(config.model.tokenizer_dir)
         if resolved.reward:
-            try:
-                get_reward(resolved.reward)
-            except ValueError as error:
-                raise ValueError(resolved.named(error)) from None
+            get_reward(resolved.reward, f"{dataset.field}.reward")
         check_prompts(config, task, resolved.agent, resolved.max_new_tokens, dataset.field)
 
 
@@ -114,12 +118,11 @@ def check_sync(config: RunConfig) -> None:
         )
 
 
-def check_task_options(name: str, options: dict, field: str) -> None:
-    """Every option is a keyword the task's constructor takes (a CLI override of the task keeps
-    the config's options, which may belong to another task)."""
-    if ":" in name:
-        return  # a user's class: its constructor reports its own options
-    parameters = inspect.signature(task_class(name)).parameters
+def check_task_options(name: str, options: dict, section: str) -> None:
+    """The task (`{section}.task`) resolves, and every option is a keyword its constructor takes
+    (a CLI override of the task keeps the config's options, which may belong to another task)."""
+    field = f"{section}.task_options"
+    parameters = inspect.signature(task_class(name, f"{section}.task")).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return
     unknown = sorted(set(options) - set(parameters))
@@ -145,26 +148,47 @@ def check_prompts(config: RunConfig, task: Task, agent: str | None, max_new_toke
                 f"{limit - longest}"
             )
         return longest + max_new_tokens
-    try:
-        resolve_agent(agent)
-    except ValueError as error:
-        raise ValueError(str(error).replace("rollout.agent", f"{field}.agent")) from None
+    resolve_agent(agent, f"{field}.agent")
     rollout = config.rollout_or_default
     if config.model.tokenizer_dir is None:
         raise ValueError(f"{field}.agent needs a tokenizer with a chat template: set model.tokenizer (or model.path)")
     try:
-        ChatFormat.load(config.model.tokenizer_dir, rollout.episode.tool_call_format, rollout.episode.reasoning_parser)
+        episode = rollout.episode
+        chat = ChatFormat.load(
+            config.model.tokenizer_dir, episode.tool_call_format, episode.reasoning_parser, episode.chat_template_kwargs
+        )
     except ValueError as error:
         raise ValueError(f"model.tokenizer={config.model.tokenizer_dir!r} for {field}.agent: {error}") from None
-    if not prompts or not prompts[0].messages:
-        raise ValueError(f"{field}.agent: task {task.name!r} gives token prompts; agents need chat messages")
+    if not prompts or not all(p.messages for p in prompts):
+        raise ValueError(
+            f"{field}.agent: the task ({field}.task) gives token prompts; agents need chat messages "
+            "(Prompt(messages=[...], tools=[...]))"
+        )
     context = rollout.episode.max_context_tokens
     if limit is not None and context > limit:
         raise ValueError(
             f"rollout.episode.max_context_tokens={context} exceeds the model's max_position_embeddings "
             f"{limit}: lower it to at most {limit}"
         )
+    longest = max(len(rendered(chat, p, field)) for p in prompts)
+    if longest >= context:
+        raise ValueError(
+            f"{field}: the task's chat prompts render to up to {longest} tokens with the chat template, which "
+            f"leaves no room for a turn in rollout.episode.max_context_tokens={context}: raise it (up to the "
+            "model's max_position_embeddings), or shorten the prompts"
+        )
     return context
+
+
+def rendered(chat: ChatFormat, prompt, field: str) -> list[int]:
+    """The ids of an agent prompt's first turn (its messages and tools through the chat template)."""
+    try:
+        return chat.prompt_ids(prompt.messages, prompt.tools)
+    except Exception as error:  # jinja's own errors (a template that refuses these messages)
+        raise ValueError(
+            f"{field}: the chat template cannot render a prompt of the task ({type(error).__name__}: {error}); "
+            f"first message: {prompt.messages[0]!r}"
+        ) from error
 
 
 def check_token_budget(config: RunConfig, longest: int, source: str) -> None:

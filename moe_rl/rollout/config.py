@@ -14,7 +14,8 @@ from moe_rl.tasks import make_task
 @dataclass(kw_only=True)
 class RolloutConfig:
     task: str = "copy_digits"
-    """A registered task (`moe_rl.tasks.task_names()`); "dataset" reads `rollout.dataset`."""
+    """A registered task (`moe_rl.tasks.task_names()`), or "package.module:Class" (a `Task` subclass of
+    your own, docs/agents.md); "dataset" reads `rollout.dataset`."""
     task_options: dict[str, Any] = field(default_factory=dict)
     """Keyword options of the task, e.g. {"length": 3} for the digit tasks."""
     dataset: str | None = None
@@ -113,7 +114,7 @@ class RolloutConfig:
 
     def make_task(self, tokenizer_dir: str | None = None):
         """The configured task (for "dataset": the dataset read and checked, text prompts tokenized
-        with `tokenizer_dir`'s tokenizer)."""
+        with `tokenizer_dir`'s tokenizer, every row a chat when an agent drives the episodes)."""
         options = dict(self.task_options)
         if self.task == "dataset":
             options.update(
@@ -125,6 +126,7 @@ class RolloutConfig:
                 answer_key=self.answer_key,
                 tools_key=self.tools_key,
                 metadata_keys=self.metadata_keys,
+                for_agents=self.agent is not None,
             )
         return make_task(self.task, **options)
 

@@ -27,7 +27,8 @@ class EvalDatasetConfig:
     """A dataset in any format `rollout.dataset` takes (JSONL, Parquet, a saved HF dataset); every
     row is evaluated once (or the first `num_prompts`)."""
     task: str | None = None
-    """Instead of `path`: a registered task, e.g. copy_digits with task_options {split: eval}."""
+    """Instead of `path`: a registered task, e.g. copy_digits with task_options {split: eval}, or
+    "package.module:Class"."""
     task_options: dict[str, Any] = field(default_factory=dict)
     """Options of `task`."""
     num_prompts: int | None = None
@@ -91,6 +92,7 @@ class EvalDatasetConfig:
                 tokenizer_dir=tokenizer_dir,
                 reward=self.reward or "math",
                 apply_chat_template=bool(self.apply_chat_template),
+                for_agents=self.agent is not None,
                 **keys,
             )
         except ValueError as error:

@@ -14,23 +14,31 @@ Columns, named by `RolloutConfig`'s keys (dotted paths reach into nested columns
   (verl's and slime's layout) rendered with the model's chat template, the row's tools and the
   generation prompt; the Prompt keeps `messages` and `tools` for agents. Text is tokenised as it
   is, or with `apply_chat_template` rendered as one user message. Alternatively a `prompt_ids`
-  column of token ids; each row gives exactly one of the two.
+  column of token ids; each row gives exactly one of the two. A message has a `role` and a
+  `content` (text or a list of parts; null only on an assistant message with `tool_calls`, each
+  naming its function).
 - `answer_key` ("answer"): what the reward compares the response with; null counts as missing.
-- `tools_key` ("tools"), optional column: an OpenAI function list, or its JSON text (slime).
+- `tools_key` ("tools"), optional column: an OpenAI function list (`{"type": "function",
+  "function": {"name": ..., "parameters": {...}}}`), or its JSON text (slime).
   Keys whose value is null are dropped from tools and messages: Arrow gives every row the union
   of the keys of all rows.
 - `metadata_keys`: columns copied into the prompt's metadata; the `metadata` column's fields go
   to its top level, any other column under its name. None: `metadata` if present, plus verl's
   `data_source`, `ability` and `extra_info` where present.
 
+With `for_agents` (`rollout.agent` is set) every row must be a chat (or text, with
+`apply_chat_template`): the Prompt carries the messages, tools and metadata, no ids (each episode
+renders the messages with its own chat format, turn by turn).
+
 A column holds one type across rows; `datasets` reads a JSONL column whose rows mix types (text
 and lists) as JSON, and then a text value that parses as JSON comes back parsed ("4" as 4).
 Everything cheap is checked up front, before any process starts: the columns exist (the error
 names the key and the columns the file has), and every row's prompt, answer, tools and metadata,
-scanned in Arrow batches of `SCAN_ROWS` rows. Errors are `ValueError`s naming `rollout.dataset`
-and the row (`row N` is `dataset[N]`, counted from 0). Prompts are tokenised with the HF
-tokenizer of `tokenizer_dir` (model.tokenizer or model.path; local files only). The reward is
-named by `reward` (see `moe_rl.tasks.registry.get_reward`; default `"math"`).
+scanned in Arrow batches of `SCAN_ROWS` rows (vectorised where Arrow typed the column; the first
+bad row is then decoded to say what is wrong with it). Errors are `ValueError`s naming
+`rollout.dataset`, the row (`row N` is `dataset[N]`, counted from 0) and the key. Prompts are
+tokenised with the HF tokenizer of `tokenizer_dir` (model.tokenizer or model.path; local files
+only). The reward is named by `reward` (see `moe_rl.tasks.registry.get_reward`; default "math").
 """
 
 from __future__ import annotations
@@ -121,6 +129,7 @@ class DatasetTask(Task):
         answer_key: str = "answer",
         tools_key: str = "tools",
         metadata_keys: list[str] | None = None,
+        for_agents: bool = False,
     ):
         if path is None:
             raise ValueError(
@@ -147,7 +156,7 @@ class DatasetTask(Task):
                 raise self._no_column(schema, key, "metadata_keys")
         self.metadata_keys = list(metadata_keys)
         self._reward = get_reward(reward)
-        self.apply_chat_template = apply_chat_template
+        self.apply_chat_template, self.for_agents = apply_chat_template, for_agents
         keys = [self.prompt_key, self.ids_key, self.answer_key, self.tools_key, *self.metadata_keys]
         self.data = data.select_columns(list(dict.fromkeys(key.split(".")[0] for key in keys if key)))
         chats = self._scan(schema)
@@ -177,7 +186,8 @@ class DatasetTask(Task):
 
     def _scan(self, schema: pa.Schema) -> bool:
         """Check every row, SCAN_ROWS at a time: typed columns as Arrow arrays, columns holding JSON
-        (rows of mixed types) decoded. Returns whether any prompt is a list of chat messages."""
+        (rows of mixed types) decoded; the first bad row is decoded to say what is wrong with it.
+        Returns whether any prompt is a list of chat messages."""
         metadata = "metadata" if "metadata" in self.metadata_keys else None
         typed = [
             (self.prompt_key, "prompt"),
@@ -207,26 +217,40 @@ class DatasetTask(Task):
                 f"no {self.answer_key!r} (rollout.answer_key): what the reward compares the response with",
             )
             if self.prompt_key:
-                bad, row_chats = batch.prompt_errors(self.prompt_key)
-                self._fail(start, bad, COLUMN_TYPES["prompt"][1])
-                chats = chats or row_chats
+                bad, chat_rows = batch.prompt_errors(self.prompt_key)
+                self._fail(start, bad, COLUMN_TYPES["prompt"][1], self.prompt_key, prompt_problem)
+                chats = chats or bool(chat_rows.any())
+                if self.for_agents and not self.apply_chat_template:
+                    self._fail(start, ~no_text & ~chat_rows, AGENT_TEXT, self.prompt_key, prompt_problem)
             if self.ids_key:
                 self._fail(start, batch.ids_errors(self.ids_key), COLUMN_TYPES["prompt_ids"][1])
+                if self.for_agents:
+                    self._fail(start, ~no_ids, AGENT_IDS)
             if self.tools_key:
-                self._fail(start, batch.python_errors(self.tools_key, _tools_ok), COLUMN_TYPES["tools"][1])
+                bad = batch.tools_errors(self.tools_key)
+                self._fail(start, bad, COLUMN_TYPES["tools"][1], self.tools_key, tools_problem)
             if "metadata" in self.metadata_keys:
                 self._fail(start, batch.python_errors("metadata", _metadata_ok), COLUMN_TYPES["metadata"][1])
         return chats
 
-    def _fail(self, start: int, bad: np.ndarray, reason: str) -> None:
-        if bad.any():
-            raise ValueError(f"{self.where} row {start + int(np.argmax(bad))}: {reason}")
+    def _fail(self, start: int, bad: np.ndarray, reason: str, key: str | None = None, problem=None) -> None:
+        """Raise for the first `bad` row, naming the row, the column `key` (with its rollout field)
+        and what `problem(value)` finds wrong with that row's value."""
+        if not bad.any():
+            return
+        row = start + int(np.argmax(bad))
+        if key is not None:
+            label = f"{key!r} (rollout.{'tools_key' if key == self.tools_key else 'prompt_key'})"
+            detail = problem(_get(self.data[row], key)) if problem else None
+            reason = f"{label} {detail}: {reason}" if detail else f"{label}: {reason}"
+        raise ValueError(f"{self.where} row {row}: {reason}")
 
     def __len__(self) -> int:
         return len(self.data)
 
     def prompt(self, index: int) -> Prompt:
-        """Row `index`, read from the memory-mapped table and tokenised now (nothing is cached)."""
+        """Row `index`, read from the memory-mapped table and tokenised now (nothing is cached). For
+        agents the messages are not tokenised here: each episode renders them with its chat format."""
         row = self.data[index]
         text, ids = _get(row, self.prompt_key), row.get(self.ids_key) if self.ids_key else None
         tools = clean_tools(_get(row, self.tools_key))
@@ -236,7 +260,7 @@ class DatasetTask(Task):
         elif text is not None and self.apply_chat_template:
             messages = [{"role": "user", "content": text}]
         if messages is not None:
-            ids = self.chat.prompt_ids(messages, tools)
+            ids = [] if self.for_agents else self.chat.prompt_ids(messages, tools)
         elif text is not None:
             ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
         metadata = {}
@@ -349,23 +373,60 @@ class _Batch:
             return np.zeros(self.table.num_rows, bool)  # typed by Arrow: every row has the column's type
         return np.array([value is not None and not ok(value) for value in self.decoded(key)], bool)
 
-    def prompt_errors(self, key: str) -> tuple[np.ndarray, bool]:
-        """Bad prompt rows and whether any row is a chat; Arrow-typed chats: a role in every message."""
+    def prompt_errors(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """Bad prompt rows, and which rows are chats. Arrow-typed chats: every message has a role,
+        and content unless it is an assistant message with tool calls."""
         if not self.plain(key):
             values = self.decoded(key)
-            bad = [value is not None and not (isinstance(value, str) or _messages_ok(value)) for value in values]
-            return np.array(bad, bool), any(isinstance(value, list) for value in values)
+            bad = [value is not None and not isinstance(value, str) and prompt_problem(value) for value in values]
+            return np.array(bad, bool), np.array([isinstance(value, list) for value in values], bool)
         array = _column(self.table, key)
         if not pa.types.is_list(array.type) and not pa.types.is_large_list(array.type):
-            return np.zeros(len(array), bool), False
-        bad = _rows_with(array, pc.is_null(pc.struct_field(array.flatten(), ["role"])))
+            return np.zeros(len(array), bool), np.zeros(len(array), bool)
+        messages = array.flatten()
+        role, content, calls = (_field(messages, name) for name in ("role", "content", "tool_calls"))
+        flags = pc.or_kleene(pc.is_null(role), pc.equal(role, ""))
+        no_content = pc.is_null(content)
+        if calls is not None and (pa.types.is_list(calls.type) or pa.types.is_large_list(calls.type)):
+            calling = pc.and_kleene(pc.equal(role, "assistant"), pc.greater(pc.list_value_length(calls), 0))
+            no_content = pc.and_kleene(no_content, pc.invert(calling.fill_null(False)))
+        bad = _rows_with(array, pc.or_kleene(flags, no_content))
         bad |= pc.equal(pc.list_value_length(array), 0).fill_null(False).to_numpy(zero_copy_only=False)
-        return bad, array.null_count < len(array)
+        return bad, array.is_valid().to_numpy(zero_copy_only=False)
+
+    def tools_errors(self, key: str) -> np.ndarray:
+        """Bad tools rows. Arrow-typed tools: each has type "function" and a function name."""
+        dtype = _type_at(self.table.schema, key)
+        if not self.plain(key) or pa.types.is_string(dtype) or pa.types.is_large_string(dtype):
+            return np.array([value is not None and tools_problem(value) is not None for value in self.decoded(key)])
+        array = _column(self.table, key)
+        tools = array.flatten()
+        kind, name = _field(tools, "type"), _field(tools, "function", "name")
+        if kind is None or name is None or not _is_text(kind.type) or not _is_text(name.type):
+            return _rows_with(array, pa.repeat(True, len(tools)))  # no tool names a function
+        flags = pc.invert(pc.and_kleene(pc.equal(kind, "function"), pc.greater(pc.utf8_length(name), 0)))
+        parameters = _field(tools, "function", "parameters")
+        if parameters is not None and not (pa.types.is_struct(parameters.type) or pa.types.is_null(parameters.type)):
+            flags = pc.or_kleene(flags, parameters.is_valid())
+        return _rows_with(array, flags)
 
     def ids_errors(self, key: str) -> np.ndarray:
         array = _column(self.table, key)
         bad = _rows_with(array, pc.less(array.flatten(), 0))
         return bad | pc.equal(pc.list_value_length(array), 0).fill_null(False).to_numpy(zero_copy_only=False)
+
+
+def _field(array: pa.Array, *path: str) -> pa.Array | None:
+    """The struct field at `path` of a struct array; None where its type has no such field."""
+    for name in path:
+        if not pa.types.is_struct(array.type) or array.type.get_field_index(name) < 0:
+            return None
+        array = pc.struct_field(array, [name])
+    return array
+
+
+def _is_text(dtype: pa.DataType) -> bool:
+    return pa.types.is_string(dtype) or pa.types.is_large_string(dtype)
 
 
 def _rows_with(lists: pa.Array, flags: pa.Array) -> np.ndarray:
@@ -388,12 +449,16 @@ def _plain(dtype: pa.DataType | None) -> bool:
 
 
 def _prompt_type(dtype: pa.DataType) -> bool:
-    if not _plain(dtype) or pa.types.is_string(dtype) or pa.types.is_large_string(dtype):
+    if not _plain(dtype) or _is_text(dtype):
         return True
     if not (pa.types.is_list(dtype) or pa.types.is_large_list(dtype)) or not pa.types.is_struct(dtype.value_type):
         return False
     message = dtype.value_type
-    return message.get_field_index("content") >= 0 and message.get_field_index("role") >= 0
+    if message.get_field_index("content") < 0 or message.get_field_index("role") < 0:
+        return False
+    content = message.field("content").type
+    is_list = pa.types.is_list(content) or pa.types.is_large_list(content)
+    return _is_text(message.field("role").type) and (_is_text(content) or is_list or pa.types.is_null(content))
 
 
 def _ids_type(dtype: pa.DataType) -> bool:
@@ -401,7 +466,9 @@ def _ids_type(dtype: pa.DataType) -> bool:
 
 
 def _tools_type(dtype: pa.DataType) -> bool:
-    return not _plain(dtype) or pa.types.is_list(dtype) or pa.types.is_string(dtype) or pa.types.is_large_string(dtype)
+    if not _plain(dtype) or _is_text(dtype):
+        return True
+    return (pa.types.is_list(dtype) or pa.types.is_large_list(dtype)) and pa.types.is_struct(dtype.value_type)
 
 
 def _metadata_type(dtype: pa.DataType) -> bool:
@@ -409,27 +476,72 @@ def _metadata_type(dtype: pa.DataType) -> bool:
 
 
 COLUMN_TYPES = {  # kind -> (whether an Arrow type can hold it, what a row or column must be)
-    "prompt": (_prompt_type, "a prompt is text or a non-empty list of {'role': ..., 'content': ...} chat messages"),
+    "prompt": (
+        _prompt_type,
+        "a prompt is text or a non-empty list of {'role': ..., 'content': ...} chat messages (content may be "
+        "null only on an assistant message with tool_calls)",
+    ),
     "prompt_ids": (_ids_type, "'prompt_ids' is a non-empty list of token ids >= 0"),
-    "tools": (_tools_type, "tools are a list of OpenAI function definitions (objects), or its JSON text"),
+    "tools": (
+        _tools_type,
+        "tools are a list of OpenAI function definitions "
+        "({'type': 'function', 'function': {'name': ..., 'parameters': {...}}}), or its JSON text",
+    ),
     "metadata": (_metadata_type, "'metadata' is an object"),
 }
+AGENT_TEXT = (
+    "rollout.agent needs chat messages: give a list of {'role': ..., 'content': ...} messages, or set "
+    "rollout.apply_chat_template: true to send the text as one user message"
+)
+AGENT_IDS = "'prompt_ids' are token ids, and rollout.agent needs chat messages in the rollout.prompt_key column"
 
 
-def _messages_ok(value: Any) -> bool:
-    return (
-        bool(value)
-        and isinstance(value, list)
-        and all(isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in value)
-    )
+def prompt_problem(value: Any) -> str | None:
+    """What is wrong with a row's prompt (text, or chat messages); None when nothing is."""
+    if isinstance(value, str):
+        return "is text"  # only wrong for agents (the scan asks only then)
+    if not isinstance(value, list) or not value:
+        return "is an empty list" if isinstance(value, list) else f"is a {type(value).__name__}"
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            return f"message {i} is not an object"
+        role, content, calls = message.get("role"), message.get("content"), message.get("tool_calls")
+        if not isinstance(role, str) or not role:
+            return f"message {i} has no 'role'"
+        if content is None and not (role == "assistant" and calls):
+            return f"message {i} ({role}) has no 'content'"
+        if content is not None and not isinstance(content, (str, list)):
+            return f"message {i} ({role}) has a {type(content).__name__} 'content', not text"
+        if calls is not None and not isinstance(calls, list):
+            return f"message {i} ({role}) has 'tool_calls' that are not a list"
+        for j, call in enumerate(calls or []):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                return f"message {i} ({role}) tool_calls[{j}] has no function name"
+    return None
 
 
-def _tools_ok(value: Any) -> bool:
-    try:
-        tools = json.loads(value) if isinstance(value, str) else value
-    except ValueError:
-        return False
-    return isinstance(tools, list) and all(isinstance(tool, dict) for tool in tools)
+def tools_problem(value: Any) -> str | None:
+    """What is wrong with a row's tools (OpenAI function definitions, or their JSON text); None
+    when nothing is."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as error:
+            return f"is not valid JSON ({error})"
+    if not isinstance(value, list):
+        return f"is a {type(value).__name__}, not a list"
+    for i, tool in enumerate(_drop_nulls(value)):
+        if not isinstance(tool, dict):
+            return f"tools[{i}] is not an object"
+        if tool.get("type") != "function":
+            return f"tools[{i}] has type {tool.get('type')!r}, not 'function'"
+        function = tool.get("function")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            return f"tools[{i}] has no function name"
+        if not isinstance(function.get("parameters", {}), dict):
+            return f"tools[{i}] has parameters that are not an object (a JSON Schema)"
+    return None
 
 
 def _metadata_ok(value: Any) -> bool:

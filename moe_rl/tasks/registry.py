@@ -3,16 +3,23 @@
 A `Task` gives a prompt source (`prompts(seed)` yields `Prompt`s), a `decode` from response ids
 to text, and a verifiable `reward`. Built-in tasks register with `@register_task("name")`; user
 data (JSONL, Parquet, a saved HF dataset) is the task `"dataset"` (`moe_rl.tasks.dataset`).
-Rewards resolve by name with `get_reward`: a registered reward (`"math"`), a task name (that
-task's own reward), or `"package.module:function"` (imported). Every reward has the signature
-`reward(response: str, answer, sample: Sample) -> float` and runs in a worker thread, off the
-rollout event loop.
+Tasks resolve by name with `task_class`: a registered name, or `"package.module:Class"` (a `Task`
+subclass, imported). Rewards resolve with `get_reward`: a registered reward (`"math"`), a task
+name (that task's own reward), or `"package.module:function"` (imported). Every reward has the
+signature `reward(response: str, answer, sample: Sample) -> float` and runs in a worker thread,
+off the rollout event loop.
+
+User code (`rollout.task`, `rollout.reward`, `rollout.agent`) is imported by `import_object`, in
+every process that uses it: the driver's checks before start, then the rollout actor. A module
+imports there from PYTHONPATH or from the directory `moe-rl` runs in (the CLI puts it on
+`sys.path`, and Ray puts the driver's working directory on every worker's).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from typing import Any, Callable, Iterator
 
 from moe_rl.sample import Sample
@@ -90,35 +97,83 @@ def task_names() -> list[str]:
     return sorted(_TASKS)
 
 
-def task_class(name: str) -> Callable[..., Task]:
-    """The registered task class `name`."""
+def import_object(spec: str, field: str, wants: str) -> Any:
+    """`package.module:attribute` imported; ValueError naming `field`, what it `wants` and the fix
+    (module not found, failing on import, attribute missing). The caller checks the kind."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{field}={spec!r}: use 'package.module:name' ({wants})")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name != module_name and not module_name.startswith(f"{error.name}."):
+            raise ValueError(f"{field}={spec!r}: importing {module_name!r} failed ({error})") from error
+        raise ValueError(
+            f"{field}={spec!r}: cannot import {module_name!r} ({error}): put the directory that holds it on "
+            "PYTHONPATH, or run moe-rl from that directory"
+        ) from error
+    except Exception as error:  # the user's module raised while importing (a syntax error, a failing import)
+        reason = f"{type(error).__name__}: {error}"
+        raise ValueError(f"{field}={spec!r}: importing {module_name!r} failed ({reason})") from error
+    value: Any = module
+    for part in attr.split("."):
+        if not hasattr(value, part):
+            raise ValueError(f"{field}={spec!r}: {module_name} ({module.__file__}) has no {attr!r} ({wants})")
+        value = getattr(value, part)
+    return value
+
+
+def task_class(name: str, field: str = "rollout.task") -> Callable[..., Task]:
+    """The registered task class `name`, or the `Task` subclass `package.module:Class`."""
+    if ":" in name:
+        cls = import_object(name, field, "a moe_rl.tasks.Task subclass")
+        if not (isinstance(cls, type) and issubclass(cls, Task)):
+            raise ValueError(f"{field}={name!r} is {_kind(cls)}, not a subclass of moe_rl.tasks.Task")
+        return cls
     if name not in _TASKS:
-        raise ValueError(f"rollout.task={name!r} is not a registered task; use one of {task_names()}")
+        raise ValueError(
+            f"{field}={name!r} is not a registered task; use one of {task_names()}, or 'package.module:Class' "
+            "for a Task subclass of your own"
+        )
     return _TASKS[name]
 
 
 def make_task(name: str, **kwargs) -> Task:
-    """Build the registered task `name` with its keyword options."""
+    """Build the task `name` (registered, or `package.module:Class`) with its keyword options."""
     return task_class(name)(**kwargs)
 
 
-def get_reward(name: str) -> RewardFn:
-    """A registered reward, a task's reward (by task name), or `module:function` imported."""
+def get_reward(name: str, field: str = "rollout.reward") -> RewardFn:
+    """A registered reward, a task's reward (by task name), or `package.module:function` imported:
+    a plain function (it runs on a worker thread, not the event loop) of (response, answer, sample)."""
     if name in _REWARDS:
         return _REWARDS[name]
     if name in _TASKS:
         return _TASKS[name]().reward
-    module_name, sep, attr = name.partition(":")
-    if not sep or not module_name or not attr:
+    if ":" not in name:
         raise ValueError(
-            f"rollout.reward={name!r}: use a registered reward {sorted(_REWARDS)}, a task name "
+            f"{field}={name!r}: use a registered reward {sorted(_REWARDS)}, a task name "
             f"{task_names()}, or 'package.module:function'"
         )
+    wants = "a function reward(response, answer, sample) -> float"
+    fn = import_object(name, field, wants)
+    if isinstance(fn, type) or not callable(fn):
+        raise ValueError(f"{field}={name!r} is {_kind(fn)}; give {wants}")
+    if inspect.iscoroutinefunction(fn):
+        raise ValueError(f"{field}={name!r} is an async function; rewards run on worker threads: give a plain def")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"rollout.reward={name!r}: cannot import {module_name!r} ({error})") from error
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"rollout.reward={name!r}: {module_name} has no function {attr!r}")
+        inspect.signature(fn).bind("response", "answer", "sample")
+    except TypeError:
+        raise ValueError(f"{field}={name!r} takes {inspect.signature(fn)}; give {wants}") from None
+    except ValueError:  # no signature to read (some builtins): called as it is
+        pass
     return fn
+
+
+def _kind(value: Any) -> str:
+    """How an error names what a user's name resolved to."""
+    if isinstance(value, type):
+        return f"the class {value.__qualname__}"
+    if inspect.isroutine(value):
+        return f"the function {value.__qualname__}"
+    return f"an object of type {type(value).__name__}"

@@ -83,6 +83,32 @@ async def openai_tools(episode: Episode) -> float:
     return float(episode.index)
 
 
+CONVERSATIONS: dict[tuple[str, int], list[dict]] = {}
+
+
+async def openai_three_calls(episode: Episode) -> float:
+    """Three calls through the OpenAI SDK with the lookup tool offered: the first reply is answered
+    by a tool result, the second by a user follow-up; the conversation lands in CONVERSATIONS."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=episode.base_url, api_key="-", max_retries=0)
+    messages = list(episode.messages)
+    try:
+        for follow in (
+            {"role": "tool", "tool_call_id": "call_1", "content": "7"},
+            {"role": "user", "content": "and now?"},
+            None,
+        ):
+            reply = await client.chat.completions.create(model="p", messages=messages, tools=[TOOL], max_tokens=4)
+            messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+            if follow is not None:
+                messages.append(follow)
+    finally:
+        await client.close()
+    CONVERSATIONS[episode.group_id, episode.index] = messages
+    return float(episode.index)
+
+
 async def openai_rewrites_history(episode: Episode) -> float:
     """An OpenAI-SDK agent that rewrites its first message before the second call (a fork)."""
     from openai import AsyncOpenAI
@@ -132,3 +158,31 @@ async def probes_the_endpoint(episode: Episode) -> float:
             async with session.post(f"{url}/chat/completions", json={**body, **extra}) as response:
                 PROBES[name] = response.status
     return 1.0
+
+
+USAGE: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
+"""(group id, episode index) -> each call's usage (prompt, completion, total tokens)."""
+
+
+async def openai_usage(episode: Episode) -> float:
+    """An OpenAI-SDK agent of three calls (tool results or user turns between them) that keeps each
+    answer's `usage`."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=episode.base_url, api_key="-", max_retries=0)
+    messages, usage = list(episode.messages), USAGE.setdefault((episode.group_id, episode.index), [])
+    try:
+        for max_tokens in (3, 1, 2):
+            reply = await client.chat.completions.create(
+                model="p", messages=messages, tools=[TOOL], max_tokens=max_tokens
+            )
+            usage.append((reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens))
+            message = reply.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            if message.tool_calls:
+                messages += [{"role": "tool", "tool_call_id": c.id, "content": "7"} for c in message.tool_calls]
+            else:
+                messages.append({"role": "user", "content": "again"})
+    finally:
+        await client.close()
+    return float(episode.index)

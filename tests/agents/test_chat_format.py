@@ -1,5 +1,5 @@
 """The chat template path, without an engine: the shipped tiny tokenizer, token-in-token-out
-extensions of a record, Hermes tool calls, chat-format JSONL prompts, and the checks a run makes
+extensions of a record, tool calls and reasoning, chat-format JSONL prompts, and the checks a run makes
 before any process starts."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from moe_rl.agents.tiny_tokenizer import lookup_call
 from moe_rl.engine.process import launch_embedded
 from tests.agents import agents_for_tests
 from tests.agents.conftest import CHAT_DIR, agent_config, rounds, save_chat_model
-from tests.agents.test_episode_record import check_record
+from tests.agents.test_episode_record import check_record, engine_calls_of
 
 pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
@@ -68,6 +68,32 @@ def test_rewritten_history_forks_a_new_sequence(chat_engine):
         assert CHAT.tokenizer.decode(second.prompt_ids).startswith("<|im_start|>user\na shorter prompt")
         check_record(first, pool.calls), check_record(second, pool.calls)
     assert manager.metrics()["agents/forked_sequences"] == 2
+
+
+def model_segments(sample) -> list[tuple[int, int]]:
+    """(ids before it, length) of every run of sampled ids (loss mask 1) in the record."""
+    segments, start = [], None
+    for i, mask in enumerate([*sample.loss_mask, 0]):
+        if mask and start is None:
+            start = i
+        elif not mask and start is not None:
+            segments.append((len(sample.prompt_ids) + start, i - start))
+            start = None
+    return segments
+
+
+def test_usage_of_each_call_agrees_with_the_record(chat_engine):
+    """Three calls of 3, 1 and 2 tokens, after tool results or user turns: each call's usage counts
+    the ids its engine request held and the ids it sampled, as the record and the engine saw them."""
+    config = agent_config("openai_usage", groups_per_step=2)
+    (batch,), _, pool = asyncio.run(rounds(config, chat_engine.url))
+    for sample in [s for group in batch for s in group]:
+        usage = agents_for_tests.USAGE[(sample.group_id, sample.metadata["episode"])]
+        assert [(p, c) for p, c, _ in usage] == model_segments(sample)
+        calls = engine_calls_of(sample, pool.calls)
+        assert [(p, c) for p, c, _ in usage] == [(len(ids), len(result.output_ids)) for ids, _, result in calls]
+        assert all(total == p + c for p, c, total in usage)
+        assert usage[-1][2] == len(sample.prompt_ids) + len(sample.response_ids)
 
 
 def test_unknown_finished_and_bad_requests(chat_engine):

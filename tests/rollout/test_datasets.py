@@ -171,9 +171,17 @@ def error_cases(tmp_path: Path) -> list[tuple[Path, dict, str]]:
             {},
             "both.jsonl' row 0: give either 'prompt' (rollout.prompt_key) or 'prompt_ids', not both",
         ),
-        (tmp_path / "empty_chat.jsonl", {}, "empty_chat.jsonl' row 1: a prompt is text or a non-empty list of"),
+        (
+            tmp_path / "empty_chat.jsonl",
+            {},
+            "empty_chat.jsonl' row 1: 'prompt' (rollout.prompt_key) is an empty list: a prompt is text or a non-empty",
+        ),
         (tmp_path / "meta.jsonl", {}, "meta.jsonl': column 'metadata' is string: 'metadata' is an object"),
-        (tmp_path / "tools.jsonl", {}, "tools.jsonl' row 0: tools are a list of OpenAI function definitions"),
+        (
+            tmp_path / "tools.jsonl",
+            {},
+            "tools.jsonl' row 0: 'tools' (rollout.tools_key) is not valid JSON (",
+        ),
     ]
 
 
@@ -220,3 +228,102 @@ def test_a_large_parquet_is_memory_mapped_not_materialised(tmp_path):
     assert grown < 24 * 2**20, f"{grown / 2**20:.1f} MiB"
     assert task.data.cache_files  # served from an Arrow file on disk, memory-mapped
     assert not any(isinstance(v, (list, tuple, dict)) and len(v) >= n for v in vars(task).values())
+
+
+def chat_rows() -> list[dict]:
+    """Rows for agents: a system turn, a few-shot assistant tool call (content null) and its result."""
+    call = {"id": "c0", "type": "function", "function": {"name": "lookup", "arguments": '{"key": "A"}'}}
+    return [
+        {
+            "prompt": [
+                {"role": "system", "content": f"row {i}"},
+                {"role": "user", "content": "key A"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": str(i), "tool_call_id": "c0"},
+                {"role": "user", "content": f"key {'BC'[i % 2]}"},
+            ],
+            "tools": TOOLS,
+            "answer": str(i),
+            "metadata": {"key": "BC"[i % 2]},
+        }
+        for i in range(4)
+    ]
+
+
+def write_each_format(tmp_path: Path, rows: list[dict]) -> list[Path]:
+    """The same rows as JSONL, a JSON array, Parquet, a directory of Parquet files, save_to_disk."""
+    paths = [write_jsonl(tmp_path / "rows.jsonl", rows), tmp_path / "rows.json", tmp_path / "rows.parquet"]
+    paths[1].write_text(json.dumps(rows))
+    pq.write_table(pa.Table.from_pylist(rows), paths[2])
+    (tmp_path / "shards").mkdir()
+    for i in range(2):
+        pq.write_table(pa.Table.from_pylist(rows[2 * i : 2 * i + 2]), tmp_path / "shards" / f"part-{i}.parquet")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    return [*paths, tmp_path / "shards", tmp_path / "saved"]
+
+
+def test_chat_rows_give_agents_messages_tools_and_metadata_in_every_format(tmp_path):
+    rows = chat_rows()
+    for path in write_each_format(tmp_path, rows):
+        task = dataset(path, for_agents=True)
+        prompts = sorted((task.prompt(i) for i in range(len(task))), key=lambda p: p.answer)
+        for row, prompt in zip(rows, prompts):
+            expected = [{k: v for k, v in m.items() if v is not None} for m in row["prompt"]]
+            assert prompt.messages == expected, path
+            assert prompt.tools == TOOLS and prompt.metadata == row["metadata"] and prompt.answer == row["answer"]
+            assert prompt.prompt_ids == []  # each episode renders them with its chat format
+        # without an agent the same rows are rendered here, tool call and tool result included
+        single = dataset(path).prompt(0)
+        text = CHAT.tokenizer.decode(single.prompt_ids)
+        assert '<tool_call>\n{"name": "lookup", "arguments": {"key": "A"}}\n</tool_call>' in text
+        assert single.prompt_ids == CHAT.prompt_ids(single.messages, TOOLS)
+
+
+def test_chat_messages_and_tools_are_checked_row_by_row(tmp_path):
+    """Arrow-typed columns (JSONL, Parquet) and JSON-typed ones (a JSONL column mixing text and lists)
+    alike: the error names the file, the row, the key and what is wrong."""
+    good = {"prompt": [{"role": "user", "content": "a"}], "answer": "1"}
+    tool = TOOLS[0]
+    cases = [
+        ({"prompt": [{"content": "b"}]}, "'prompt' (rollout.prompt_key) message 0 has no 'role'"),
+        ({"prompt": [{"role": "user", "content": None}]}, "'prompt' (rollout.prompt_key) message 0 (user) has no"),
+        (
+            {"prompt": [{"role": "user", "content": "b"}, {"role": "assistant", "content": None}]},
+            "message 1 (assistant)",
+        ),
+        ({"tools": [{"type": "function", "function": {"description": "x"}}]}, "tools[0] has no function name"),
+        ({"tools": [tool, {**tool, "type": "retrieval"}]}, "tools[1] has type 'retrieval', not 'function'"),
+    ]
+    for i, (change, message) in enumerate(cases):
+        rows = [dict(good, tools=TOOLS), {**good, "tools": TOOLS, **change}]
+        jsonl = write_jsonl(tmp_path / f"case{i}.jsonl", rows)
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / f"case{i}.parquet")
+        for path in (jsonl, tmp_path / f"case{i}.parquet"):
+            with pytest.raises(ValueError, match=re.escape(f"{path.name}' row 1: ") + ".*" + re.escape(message)):
+                dataset(path)
+    mixed = write_jsonl(
+        tmp_path / "mixed.jsonl", [{"prompt": "text", "answer": 1}, {"prompt": [{"role": "u"}], "answer": 1}]
+    )
+    with pytest.raises(
+        ValueError, match=re.escape("mixed.jsonl' row 1: 'prompt' (rollout.prompt_key) message 0 (u) has no")
+    ):
+        dataset(mixed)
+    text_tools = '[{"type": "function", "function": {"name": "f", "parameters": "x"}}]'
+    bad_params = write_jsonl(tmp_path / "params.jsonl", [{**good, "tools": text_tools}])
+    with pytest.raises(ValueError, match=re.escape("row 0: 'tools' (rollout.tools_key) tools[0] has parameters that")):
+        dataset(bad_params)
+
+
+def test_agents_refuse_rows_without_chat_messages(tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": "a"}], "answer": 1}, {"prompt": "plain text", "answer": 2}]
+    path = write_jsonl(tmp_path / "text.jsonl", rows)
+    with pytest.raises(
+        ValueError,
+        match=re.escape("text.jsonl' row 1: 'prompt' (rollout.prompt_key) is text: rollout.agent needs chat"),
+    ):
+        dataset(path, for_agents=True)
+    as_user = dataset(path, for_agents=True, apply_chat_template=True).prompt(1)  # the text as one user turn
+    assert as_user.messages == [{"role": "user", "content": "plain text"}] and as_user.prompt_ids == []
+    ids = write_jsonl(tmp_path / "ids.jsonl", [{"prompt_ids": [5, 6], "answer": 1}])
+    with pytest.raises(ValueError, match=re.escape("ids.jsonl' row 0: 'prompt_ids' are token ids, and rollout.agent")):
+        dataset(ids, for_agents=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 
 import pytest
 
@@ -47,6 +48,79 @@ def test_reward_registry_resolves_names_tasks_and_module_functions():
             get_reward(bad)
     with pytest.raises(ValueError, match="rollout.task"):
         make_task("nope")
+
+
+USER_CODE = """
+from moe_rl.tasks import Prompt, Task
+
+
+class Copy(Task):
+    def __init__(self, n: int = 1):
+        self.n = n
+
+    def prompts(self, seed):
+        while True:
+            yield Prompt(prompt_ids=[seed + 1] * self.n, answer="x")
+
+    def decode(self, ids):
+        return "".join(map(str, ids))
+
+    def reward(self, response, answer, sample):
+        return 0.0
+
+
+def score(response, answer, sample):
+    return 1.0
+
+
+async def async_score(response, answer, sample):
+    return 1.0
+
+
+def two_args(response, answer):
+    return 1.0
+
+
+async def agent(episode):
+    return 1.0
+
+
+NOT_CALLABLE = 3
+"""
+
+
+def test_user_tasks_rewards_and_agents_import_from_modules_and_are_checked(tmp_path, monkeypatch):
+    from moe_rl.agents import resolve_agent
+    from moe_rl.tasks.registry import task_class
+
+    (tmp_path / "user_code_a.py").write_text(USER_CODE)
+    (tmp_path / "broken_on_import.py").write_text("raise RuntimeError('no GPU here')\n")
+    (tmp_path / "needs_missing.py").write_text("import no_such_dependency_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    task = make_task("user_code_a:Copy", n=2)
+    assert next(task.prompts(4)).prompt_ids == [5, 5] and task.decode([1, 2]) == "12"
+    assert get_reward("user_code_a:score")("", None, SAMPLE) == 1.0
+    assert resolve_agent("user_code_a:agent").__name__ == "agent"
+    refusals = [
+        (task_class, "user_code_a:score", "rollout.task='user_code_a:score' is the function score, not a subclass"),
+        (task_class, "user_code_a:Nope", "user_code_a (" + str(tmp_path / "user_code_a.py") + ") has no 'Nope'"),
+        (task_class, "no_such_mod_q:X", "cannot import 'no_such_mod_q' (No module named 'no_such_mod_q'): put"),
+        (task_class, "broken_on_import:X", "importing 'broken_on_import' failed (RuntimeError: no GPU here)"),
+        (task_class, "needs_missing:X", "importing 'needs_missing' failed (No module named 'no_such_dependency_xyz')"),
+        (get_reward, "user_code_a:Copy", "rollout.reward='user_code_a:Copy' is the class Copy; give a function"),
+        (
+            get_reward,
+            "user_code_a:NOT_CALLABLE",
+            "is an object of type int; give a function reward(response, answer, sample)",
+        ),
+        (get_reward, "user_code_a:async_score", "is an async function; rewards run on worker threads"),
+        (get_reward, "user_code_a:two_args", "takes (response, answer); give a function reward(response, answer"),
+        (resolve_agent, "user_code_a:score", "rollout.agent='user_code_a:score' is not an async function"),
+        (resolve_agent, "user_code_a", "rollout.agent='user_code_a': use 'package.module:name'"),
+    ]
+    for resolve, spec, message in refusals:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            resolve(spec)
 
 
 def test_digit_tasks_are_seeded_and_score_positions():

@@ -1,13 +1,15 @@
-"""The parser registries, `auto` by model type, and the errors that name the field. What each format
-reads is checked against SGLang's own detectors in tests/conformance/test_tool_parsers.py."""
+"""The parser registries, `auto` by model type, the errors that name the field, Kimi's call ids, and
+Qwen3's real template read back by its parsers. What each format reads is checked against SGLang's
+own detectors in tests/conformance/test_tool_parsers.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from moe_rl.agents import EpisodeConfig, parsers
+from moe_rl.agents import ChatFormat, EpisodeConfig, parsers
 from moe_rl.config import RunConfig, from_dict
 from tests.agents.conftest import CHAT_DIR
+from tests.real_tokenizers import tokenizer_dir
 from tests.tiny_models import DEEPSEEK_V3, GLM4_MOE, MIXTRAL, QWEN3_MOE_SMALL, hf_fields
 
 ALIASES = {"qwen": "qwen25", "glm": "glm45"}  # SGLang's other names of one detector
@@ -100,3 +102,19 @@ def test_kimi_calls_keep_the_id_the_model_wrote():
     _, (call,), errors = parsers.tool_parser("kimi_k2").parse(text)
     assert (call.name, call.arguments, call.id, errors) == ("lookup", {"key": "C"}, "functions.lookup:4", 0)
     assert call.openai()["id"] == "functions.lookup:4"  # Kimi's template renders it back
+
+
+def test_qwen3s_real_template_is_read_back_by_its_auto_parsers():
+    """An assistant turn with reasoning, content and two calls, as Qwen3's own template writes it,
+    parses back into the same message (reasoning keeps the template's newlines, as SGLang's)."""
+    chat = ChatFormat.load(tokenizer_dir("qwen3"), *parsers.FAMILY_FORMATS["qwen3_moe"])
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    arguments = [{"city": "Paris", "days": 3}, {"city": "Rome"}]
+    calls = [{"type": "function", "function": {"name": "get_weather", "arguments": a}} for a in arguments]
+    user = [{"role": "user", "content": "weather?"}]
+    reply = {"role": "assistant", "content": "Checking.", "reasoning_content": "The user asks.", "tool_calls": calls}
+    prompt = chat.render(user, tools, True)
+    turn = chat.render([*user, reply], tools, False)[len(prompt) :]
+    parsed = chat.parse(chat.encode(turn[: turn.index(chat.eos_text)]) + [chat.eos_id], tools)
+    assert (parsed.reasoning, parsed.content, parsed.tool_errors) == ("\nThe user asks.\n", "Checking.", 0)
+    assert [(call.name, call.arguments) for call in parsed.tool_calls] == [("get_weather", a) for a in arguments]

@@ -162,7 +162,7 @@ class TrainerConfig(ParallelLayout):
     """Run each token-budget micro-batch packed: its rows' real tokens concatenated into one
     sequence (THD, megatron-core's PackedSeqParams with cu_seqlens), no padding between rows.
     Needs the Transformer Engine spec (GPUs with TE installed: the CPU local spec cannot pack) and
-    max_tokens_per_microbatch (the plan is the same; docs/trainer.md). Not with MTP layers."""
+    max_tokens_per_microbatch (the plan is the same; docs/trainer.md). MTP layers follow the packing."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
 
     def __post_init__(self):

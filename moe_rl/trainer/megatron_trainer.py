@@ -10,7 +10,8 @@ copy of the initial policy on the same ranks for the KL term (moe_rl.trainer.ref
 With trainer.max_tokens_per_microbatch, micro-batches are cut by a token budget and balanced over
 DP ranks (moe_rl.trainer.microbatches); per-row outputs come back in the batch's order. With
 trainer.pack_sequences each one runs packed (THD, `PackedSeqParams`; Transformer Engine attention):
-the model sees [1, T] and the logprobs are unpacked into the micro-batch's rows before the loss.
+the model sees [1, T] and the logprobs are unpacked into the micro-batch's rows before the loss;
+MTP layers shift their inputs and labels within each row of the packed sequence.
 """
 
 from __future__ import annotations
@@ -76,20 +77,15 @@ def _expert_params_own_optimizer(model) -> None:
 
 
 def _check_packable(model, which: str) -> None:
-    """trainer.pack_sequences needs attention that runs THD (Transformer Engine's) and no MTP."""
+    """trainer.pack_sequences needs attention that runs THD: Transformer Engine's. MTP layers follow
+    the packing (megatron-core rolls their inputs, labels and loss mask within each cu_seqlens
+    segment, never across a row boundary); MLA runs THD through TE's attention too."""
     if not uses_transformer_engine(model):
         raise ValueError(
             f"trainer.pack_sequences=true, but {which} was built with megatron-core's local spec, whose "
             "attention cannot run packed (THD) sequences: it needs the Transformer Engine spec (GPUs with "
             "transformer_engine installed). Set trainer.pack_sequences=false: the token-budget "
             "micro-batches still apply"
-        )
-    if getattr(model, "module", model).config.mtp_num_layers:
-        # megatron-core 0.16.1 rolls the MTP inputs per cu_seqlens segment, but the MTP path is
-        # not checked against the unpacked one here
-        raise ValueError(
-            f"trainer.pack_sequences=true with MTP layers in {which}: not supported; set "
-            "trainer.pack_sequences=false, or model.mtp=drop to run without the MTP layers"
         )
 
 
@@ -99,9 +95,9 @@ def _keep_logprobs(logprobs: torch.Tensor, microbatch: Batch):
 
 
 def _taken_mtp_losses(microbatches: int) -> list[dict]:
-    """The MTP losses megatron-core logged for this rank's `microbatches` training microbatches,
-    as one more report (none without MTP), its tracker then zeroed. The tracker holds, per MTP
-    layer, the sum over microbatches of each one's token-mean cross entropy."""
+    """The MTP losses megatron-core logged for this rank's training micro-batches, `microbatches`
+    of them with rows, as one more report (none without MTP), its tracker then zeroed. The tracker
+    holds, per MTP layer, the sum over micro-batches of each one's token-mean cross entropy."""
     # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
@@ -117,8 +113,9 @@ def _taken_mtp_losses(microbatches: int) -> list[dict]:
     finite = bool(torch.isfinite(values).all())
     taken = {"mtp_loss": float(values.mean()), "mtp_microbatches": float(microbatches)}
     clean()
-    # a token-budget padding micro-batch (no loss tokens) logs 0/0: that step reports no mtp_loss
-    # (its gradient is unaffected: the loss itself is a per-token sum)
+    # a token-budget padding micro-batch (no loss tokens) logs 0 on 0.19, so it is not counted, and
+    # 0/0 on <= 0.18: this rank then reports no mtp_loss (gradients are unaffected either way: the
+    # loss itself is a per-token sum)
     return [taken] if finite else []
 
 
@@ -285,7 +282,8 @@ class MegatronTrainer:
             )
             updated, grad_norm, _ = self.optimizer.step()
             self.step += 1
-            for key, value in self._reduce_reports(reports + _taken_mtp_losses(len(reports))).items():
+            mtp = _taken_mtp_losses(sum(1 for report in reports if report["rows"]))
+            for key, value in self._reduce_reports(reports + mtp).items():
                 sums[key] = sums.get(key, 0.0) + value
             norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
             skipped |= not updated

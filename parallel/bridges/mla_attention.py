@@ -9,7 +9,9 @@ different q/k and v head sizes. `softmax_scale` comes from MLASelfAttention (1/s
 times mscale^2 for YaRN), which is what transformers' DeepseekV3Attention uses.
 
 It holds no parameters, so checkpoints and the bridge tables are unaffected. The TE spec keeps
-TEDotProductAttention, which accepts both head sizes.
+TEDotProductAttention, which accepts both head sizes and packed (THD) sequences. This module, like
+the rest of the local spec, runs [s, b] batches only and refuses packed ones: packing needs the TE
+spec for every attention (the trainer refuses it on the local spec before building a model).
 """
 
 from __future__ import annotations

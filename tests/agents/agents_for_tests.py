@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 from moe_rl.agents import Episode
 
@@ -186,3 +187,27 @@ async def openai_usage(episode: Episode) -> float:
     finally:
         await client.close()
     return float(episode.index)
+
+
+async def openai_lookup_from_metadata(episode: Episode) -> float:
+    """A dataset-driven OpenAI-SDK agent: a call with the row's tools, answered by a tool result from
+    the row's `metadata.table` (the model's call when it made one, else the table's first entry),
+    then the answering call; reward 1 when the answer holds the row's value."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=episode.base_url, api_key="-", max_retries=0)
+    table = episode.metadata["prompt"]["table"]
+    messages = list(episode.messages)
+    try:
+        reply = await client.chat.completions.create(model="p", messages=messages, tools=episode.tools)
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        calls = message.tool_calls or []
+        key = json.loads(calls[0].function.arguments).get("key") if calls else next(iter(table))
+        messages.append(
+            {"role": "tool", "tool_call_id": calls[0].id if calls else "none", "content": table.get(key, "no such key")}
+        )
+        reply = await client.chat.completions.create(model="p", messages=messages, tools=episode.tools)
+    finally:
+        await client.close()
+    return float(str(episode.answer) in (reply.choices[0].message.content or ""))

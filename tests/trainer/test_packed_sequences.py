@@ -10,15 +10,27 @@ test_token_budget's tolerance (1e-4 of the largest entry, from n u sum|x| with n
 Cases: token-mean with TIS, seq-mean-token-mean (GSPO: per-row losses read the unpacked rows),
 R3 (routing replay rows packed in the model's token order). Also TP2 + sequence parallel (the
 packed length padded to the TP multiple) and the refusals (local spec, no budget).
+
+MTP: a TE-spec DeepSeek-V3 (MLA attention, which runs thd through TE's attention) with one MTP layer
+trained (mtp_loss_weight 0.3). megatron-core shifts the MTP layer's inputs, labels and loss mask by
+one token within each cu_seqlens segment; every other row's prompt is a single token, so its first
+trained label sits right after a row boundary and a shift across the boundary would train the
+previous row's last MTP position on it. Logprobs, gradients and the MTP loss (compared between runs
+of the same micro-batches: it is a mean of per-micro-batch means) must match. On megatron-core 0.19
+the MTP gradients depend on the micro-batches themselves (`_mtp_tokens_weigh_alike`), so there
+they are compared only between packed and unpacked runs of the same micro-batches.
 """
 
 import dataclasses
+import math
+from importlib.metadata import version
 
 import pytest
 import torch
 from test_lora_te import under_te
 from test_token_budget import BUDGETS, LENGTHS, VOCAB, compare, make_batch, real_positions
 
+from moe_rl.trainer.microbatches import budget_plan
 from parallel.world import spawn
 from tests import tiny_models
 
@@ -28,15 +40,31 @@ PATHS = {  # name: (max_tokens_per_microbatch, pack_sequences)
     "padded": (None, False),
     "budget": (BUDGETS[0], False),
     "packed": (BUDGETS[0], True),
-    "packed-small": (BUDGETS[1], True),  # a DP rank runs a padding micro-batch
+    "packed-small": (BUDGETS[2], True),  # at DP2 a rank runs padding micro-batches
 }
+# With MTP each packed path is also compared with the unpacked path that cuts the same micro-batches.
+MTP_PATHS = {**PATHS, "budget-small": (BUDGETS[2], False)}
+SAME_MICROBATCHES = {"packed": "budget", "packed-small": "budget-small"}
+# DeepSeek-V3: a dense and an MoE layer; head sizes multiples of 8 (q/k 16 + 8, v 16), as TE's
+# fused attention needs on a GPU
+MTP_MODEL = dict(num_hidden_layers=2, num_nextn_predict_layers=1, v_head_dim=16)
+MTP_ROUTING = (2, 8)  # routing rows for both layers (the dense one's unused), 8 routed experts
 
 
-def save_model(path):
-    return tiny_models.save_random_model(tiny_models.hf_config(tiny_models.QWEN3_MOE_SMALL, vocab_size=VOCAB), path)
+def save_model(path, mtp: bool = False):
+    if not mtp:
+        config = tiny_models.hf_config(tiny_models.QWEN3_MOE_SMALL, vocab_size=VOCAB)
+        return tiny_models.save_random_model(config, path)
+    from safetensors.torch import load_file, save_file
+
+    config = tiny_models.hf_config(tiny_models.DEEPSEEK_V3, **MTP_MODEL)
+    tiny_models.save_random_model(config, path)
+    (file,) = path.glob("*.safetensors")  # transformers saves no MTP layer: add DeepSeek's
+    save_file(tiny_models.with_mtp_layer(load_file(file), config.to_dict()), str(file), metadata={"format": "pt"})
+    return path
 
 
-def _rank(hf_dir: str, layout: dict, case_names: list[str]):
+def _rank(hf_dir: str, layout: dict, case_names: list[str], mtp: bool = False):
     from moe_rl.algorithms import AlgorithmConfig, make_policy_loss
     from moe_rl.config import OptimizerConfig, TrainerConfig
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
@@ -49,22 +77,27 @@ def _rank(hf_dir: str, layout: dict, case_names: list[str]):
         micro_batch_size=2,
         routing_replay=True,
         max_tokens_per_microbatch=BUDGETS[0],
-        pack_sequences=True,  # checked at construction: the TE spec, no MTP
+        pack_sequences=True,  # checked at construction: the TE spec
+        mtp_loss_weight=0.3 if mtp else 0.0,
         optimizer=OptimizerConfig(lr=1e-30, clip_grad=0.0),
     )
     trainer = MegatronTrainer(config, load_hf_config(hf_dir))
     assert uses_transformer_engine(trainer.model)
     trainer.load_hf_weights(hf_dir)
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    full = {key: value.to(device) for key, value in make_batch().items()}
+    full = make_batch(*MTP_ROUTING) if mtp else make_batch()
+    if mtp:  # every other row's prompt is one token: its first trained label follows a row boundary
+        full["loss_mask"][::2, 1] = 1
+    full = {key: value.to(device) for key, value in full.items()}
     natural = {key: value for key, value in full.items() if key != "routed_experts"}
+    paths = MTP_PATHS if mtp else PATHS
 
     def use(path: str) -> None:
-        budget, pack = PATHS[path]
+        budget, pack = paths[path]
         trainer.config = dataclasses.replace(config, max_tokens_per_microbatch=budget, pack_sequences=pack)
 
     logprobs = {}
-    for path in PATHS:
+    for path in paths:
         use(path)
         logprobs[path] = trainer.forward_logprobs(natural)
     old = torch.cat([logprobs["padded"].new_zeros(len(LENGTHS), 1), logprobs["padded"]], dim=1)
@@ -78,39 +111,80 @@ def _rank(hf_dir: str, layout: dict, case_names: list[str]):
     for name in case_names:
         algorithm, batch = cases[name]
         runs = {}
-        for path in PATHS:
+        for path in paths:
             use(path)
             result = trainer.train_step(batch, make_policy_loss(algorithm))
             params = trainer.model.module.named_parameters()
             grads = {n: p.main_grad.detach().cpu().clone() for n, p in params if p.requires_grad}
-            runs[path] = (result.loss, result.num_tokens, grads)
+            runs[path] = (result.loss, result.num_tokens, grads, result.mtp_loss)
         out["cases"][name] = runs
     out["logprobs"] = {path: values.cpu() for path, values in logprobs.items()}
     return out
 
 
-def check(results) -> None:
+def check(results, mtp: bool = False) -> None:
     width = max(LENGTHS)
     real = real_positions()
     for rank in results:
         logprobs = rank["logprobs"]
-        for path in PATHS:
+        for path in logprobs:
             assert logprobs[path].shape == (len(LENGTHS), width - 1)
             assert torch.allclose(logprobs[path][real], logprobs["padded"][real], rtol=0, atol=1e-5), path
         assert not logprobs["packed"][~real].any()  # packed: 0 past each row's length
         for name, runs in rank["cases"].items():
-            loss, tokens, grads = runs["padded"]
+            loss, tokens, grads, _ = runs["padded"]
             assert any(float(g.abs().max()) > 0 for g in grads.values()), name
-            for path in PATHS:
-                p_loss, p_tokens, p_grads = runs[path]
+            for path, (p_loss, p_tokens, p_grads, _) in runs.items():
                 assert p_tokens == tokens, (name, path)
                 assert abs(p_loss - loss) <= 1e-5 * abs(loss) + 1e-7, (name, path, p_loss, loss)
-                compare(grads, p_grads)
+                if not mtp or _mtp_tokens_weigh_alike():  # else check_mtp compares equal micro-batches
+                    compare(grads, p_grads)
+            if mtp:
+                check_mtp(name, runs)
+
+
+def check_mtp(name: str, runs: dict) -> None:
+    """The MTP layer was trained, and each packed path's MTP loss and gradients equal those of the
+    unpacked path with the same micro-batches. The MTP loss is a mean of per-token cross entropies,
+    each as far from the other path's as a logprob is (1e-5, above): their mean no further."""
+    assert any(float(g.abs().max()) > 0 for n, g in runs["padded"][2].items() if ".mtp." in f".{n}"), name
+    assert runs["packed"][3] is not None, name  # no padding micro-batch at BUDGETS[0]: a loss to compare
+    for path, (*_, mtp_loss) in runs.items():  # near-uniform model: ~ln(vocab); padding micro-batches count for none
+        assert mtp_loss is None or abs(mtp_loss - math.log(VOCAB)) < 0.5, (name, path, mtp_loss)
+    for packed, unpacked in SAME_MICROBATCHES.items():
+        loss, tokens, grads, mtp_loss = runs[unpacked]
+        p_loss, p_tokens, p_grads, p_mtp_loss = runs[packed]
+        assert p_tokens == tokens and abs(p_loss - loss) <= 1e-5 * abs(loss) + 1e-7, (name, packed)
+        assert (p_mtp_loss is None) == (mtp_loss is None), (name, packed, p_mtp_loss, mtp_loss)
+        if mtp_loss is not None:
+            assert abs(p_mtp_loss - mtp_loss) <= 1e-5, (name, packed, p_mtp_loss, mtp_loss)
+        compare(grads, p_grads)
+
+
+def _mtp_tokens_weigh_alike() -> bool:
+    """megatron-core 0.19 scales each micro-batch's MTP loss by its loss tokens before / after the
+    one-token shift (`process_mtp_loss`): with a one-token prompt (the shift drops that row's first
+    trained label) that factor depends on which rows share a micro-batch, so only paths with the
+    same micro-batches give the same MTP gradients. 0.16 weighs every MTP token alike."""
+    return int(version("megatron-core").split(".")[1]) < 19
+
+
+def test_the_small_budget_runs_padding_microbatches():
+    """What the packed-small path is for: at DP2 one rank runs micro-batches without rows."""
+    plan = budget_plan(LENGTHS, 2, PATHS["packed-small"][0])
+    assert any(not rows for share in plan for rows in share)
 
 
 def test_packed_gradients_equal_the_token_budget_and_padded_paths(tmp_path):
     hf_dir = str(save_model(tmp_path / "hf"))
     check(spawn(under_te, 2, _rank, hf_dir, {"ep": 2}, ["token-mean+tis", "seq-mean-token-mean", "r3"], fresh=True))
+
+
+def test_packed_with_an_mtp_layer(tmp_path):
+    """DeepSeek-V3 (MLA) with a trained MTP layer: MTP inputs, labels and loss mask shift within
+    each packed row."""
+    hf_dir = str(save_model(tmp_path / "hf", mtp=True))
+    check(spawn(under_te, 2, _rank, hf_dir, {"ep": 2}, ["token-mean+tis", "r3"], True, fresh=True), mtp=True)
 
 
 def test_packed_under_sequence_parallel(tmp_path):
@@ -149,3 +223,5 @@ def test_packed_gradients_with_the_real_transformer_engine(tmp_path):
         pytest.skip("needs a CUDA GPU")
     hf_dir = str(save_model(tmp_path / "hf"))
     check(spawn(_rank, 1, hf_dir, {"world_size": 1}, ["token-mean+tis", "seq-mean-token-mean", "r3"]))
+    hf_dir = str(save_model(tmp_path / "hf-mtp", mtp=True))
+    check(spawn(_rank, 1, hf_dir, {"world_size": 1}, ["token-mean+tis", "r3"], True), mtp=True)

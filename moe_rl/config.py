@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 import yaml
 
+from moe_rl.agents.config import EpisodeConfig
 from moe_rl.algorithms.config import AlgorithmConfig
 from moe_rl.converted import HF_FILES_DIR, is_converted, read_meta
 from moe_rl.cpu_pools import CpuPoolsConfig
@@ -80,6 +81,16 @@ class ModelConfig:
         if self.tokenizer is None and self.path is not None and is_converted(self.path):
             return str(Path(self.path) / HF_FILES_DIR)
         return self.tokenizer or self.path
+
+    @property
+    def model_type(self) -> str:
+        """The HF `model_type` (of hf_config, config.json or a converted checkpoint's), read without
+        transformers."""
+        if self.hf_config is not None:
+            return self.hf_config["model_type"]
+        if is_converted(self.path):
+            return read_meta(self.path)["hf_config"]["model_type"]
+        return json.loads((Path(self.path) / "config.json").read_text())["model_type"]
 
     def load_hf_config(self):
         """The transformers config object (reads config.json; no weights)."""
@@ -416,6 +427,7 @@ class RunConfig:
         self.trainer.check_model(bridge_for(self.model.load_hf_config()).model_shape())
         if self.rollout is not None:
             self._check_rl()
+            self.rollout.episode = self._episode(self.rollout.episode)
         if self.cpu_pools is not None:
             self.cpu_pools.check(self.trainer.world_size, self.engines.count, self.engines.kind)
         if self.cluster is not None:
@@ -424,6 +436,17 @@ class RunConfig:
     @property
     def is_rl(self) -> bool:
         return self.rollout is not None
+
+    @property
+    def rollout_or_default(self) -> RolloutConfig:
+        """`rollout`, or the defaults an eval-only config (`moe-rl eval`) runs its datasets with."""
+        return self.rollout or RolloutConfig(episode=self._episode(EpisodeConfig()))
+
+    def _episode(self, episode: EpisodeConfig) -> EpisodeConfig:
+        """`episode` with its "auto" chat formats resolved for the model, when agents run."""
+        agents = [self.rollout.agent] if self.rollout else []
+        agents += [dataset.agent for dataset in self.eval.datasets] if self.eval else []
+        return episode.resolved(self.model.model_type) if any(agents) else episode
 
     def _check_rl(self) -> None:
         rollout, mode = self.rollout, self.rl.mode

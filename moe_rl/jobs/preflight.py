@@ -35,7 +35,6 @@ from pathlib import Path
 from moe_rl.agents import ChatFormat, resolve_agent
 from moe_rl.config import ModelConfig, RunConfig
 from moe_rl.converted import is_converted
-from moe_rl.rollout.config import RolloutConfig
 from moe_rl.tasks import Task, get_reward
 from moe_rl.tasks.registry import task_class
 from parallel.hf_checkpoint import HFCheckpointReader
@@ -88,7 +87,7 @@ def check_eval(config: RunConfig) -> None:
     """Every eval dataset builds (files, keys, rows, reward, agent) and fits the model's context."""
     if config.eval is None:
         return
-    rollout = config.rollout or RolloutConfig()
+    rollout = config.rollout_or_default
     for dataset in config.eval.datasets:
         resolved = dataset.resolved(rollout)
         if resolved.task is not None:
@@ -154,12 +153,13 @@ def check_prompts(config: RunConfig, task: Task, agent: str | None, max_new_toke
             )
         return longest + max_new_tokens
     resolve_agent(agent, f"{field}.agent")
-    rollout = config.rollout or RolloutConfig()
+    rollout = config.rollout_or_default
     if config.model.tokenizer_dir is None:
         raise ValueError(f"{field}.agent needs a tokenizer with a chat template: set model.tokenizer (or model.path)")
     try:
+        episode = rollout.episode
         chat = ChatFormat.load(
-            config.model.tokenizer_dir, rollout.episode.tool_call_format, rollout.episode.chat_template_kwargs
+            config.model.tokenizer_dir, episode.tool_call_format, episode.reasoning_parser, episode.chat_template_kwargs
         )
     except ValueError as error:
         raise ValueError(f"model.tokenizer={config.model.tokenizer_dir!r} for {field}.agent: {error}") from None

@@ -202,8 +202,9 @@ def save_hf_checkpoint(
     dist.all_gather_object(maps, weight_map)
     if dist.get_rank() == 0:
         merged = {name: file for part in maps for name, file in part.items()}
-        config = {key: value for key, value in hf_config.items() if key not in ("quantization_config", "torch_dtype")}
-        config["dtype"] = str(model_chunks(model)[0].config.params_dtype).removeprefix("torch.")  # the weights'
+        config = {key: value for key, value in hf_config.items() if key != "quantization_config"}
+        # the weights' dtype: transformers >= 4.56 reads `dtype`, older ones (engines') `torch_dtype`
+        config["dtype"] = config["torch_dtype"] = str(model_chunks(model)[0].config.params_dtype).removeprefix("torch.")
         if fp8 is not None:
             config["quantization_config"] = fp8.hf_config()
         finalize_hf_checkpoint(tmp, out_dir, merged, config, extra_files=extra_files)

@@ -7,7 +7,8 @@ checkpoint into an fp32 trainer and a bf16 trainer:
 - the bf16 logprobs agree with the fp32 model's within `bf16_logprob_tol` (derived below), and
   differ from them (bf16 really computes);
 - the export (the weight sync's and HF checkpoints' stream) has the fp32 export's HF names and
-  shapes, in bf16, and equals the fp32 export rounded to bf16, bit for bit;
+  shapes, in bf16, and equals the fp32 export rounded to bf16, bit for bit; an HF checkpoint holds
+  bf16 tensors and says so (`dtype`);
 - a few Adam steps on one fixed batch: the loss is finite and falls, the main parameters stay
   fp32 and the model's bf16 parameters are them rounded;
 - a dist checkpoint resumes exactly (the next loss bit-equal), refuses a resume under fp32 with its
@@ -18,10 +19,12 @@ PP2 and TP2 + SP train in bf16 with the distributed optimizer (fp32 main-param s
 sequences in bf16 are compared with unpacked ones through the TE stand-in in test_packed_sequences.
 """
 
+import json
 import math
 
 import pytest
 import torch
+from safetensors import safe_open
 from test_token_budget import LAYERS, LENGTHS, VOCAB, make_batch, real_positions
 
 from parallel.world import spawn
@@ -101,6 +104,7 @@ def _export(trainer) -> dict[str, torch.Tensor]:
 
 def _rank(hf_dir: str, directory: str) -> dict:
     from moe_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
+    from parallel.hf_checkpoint import load_hf_config
 
     batch = {key: value for key, value in make_batch().items() if key in ("tokens", "loss_mask")}
     fp32 = _trainer(hf_dir, "fp32")
@@ -108,6 +112,7 @@ def _rank(hf_dir: str, directory: str) -> dict:
     bf16 = _trainer(hf_dir, "bf16")
     out["logprobs"] = bf16.forward_logprobs(batch)
     out["export"] = _export(bf16)
+    bf16.save_hf_checkpoint(f"{directory}-hf", load_hf_config(hf_dir))
     out["model_dtypes"] = {p.dtype for p in bf16.gpt_model.parameters()}
     out["wrapped_in"] = type(bf16.model.module).__name__
     pairs = _main_params(bf16)
@@ -178,6 +183,11 @@ def test_bf16_trains_with_fp32_main_params_and_exports_bf16(tmp_path):
         assert tensor.shape == reference.shape and tensor.dtype == torch.bfloat16, name
         assert torch.equal(tensor, reference.bfloat16()), name
     assert not results[1]["export"]  # only the source receives
+    saved = tmp_path / "ckpt-hf"  # an HF checkpoint says its weights are bf16
+    assert json.loads((saved / "config.json").read_text())["dtype"] == "bfloat16"
+    (shard,) = saved.glob("*.safetensors")
+    with safe_open(shard, "pt") as f:
+        assert {f.get_slice(name).get_dtype() for name in f.keys()} == {"BF16"}
 
 
 def _layout_rank(layout: dict) -> tuple[list[float], set]:

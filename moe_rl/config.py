@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 import yaml
 
+from moe_rl.agents.config import EpisodeConfig
 from moe_rl.algorithms.config import AlgorithmConfig
 from moe_rl.conversion.directory import HF_FILES_DIR, is_converted, read_meta
 from moe_rl.cpu_pools import CpuPoolsConfig
@@ -28,6 +29,7 @@ from parallel.bridges import bridge_for, without_mtp
 from parallel.hf_checkpoint import as_stored
 from parallel.layout import ParallelLayout
 from parallel.lora import LoRAConfig
+from parallel.model import PRECISIONS
 from sync.config import SyncConfig
 
 
@@ -80,6 +82,16 @@ class ModelConfig:
             return str(Path(self.path) / HF_FILES_DIR)
         return self.tokenizer or self.path
 
+    @property
+    def model_type(self) -> str:
+        """The HF `model_type` (of hf_config, config.json or a converted checkpoint's), read without
+        transformers."""
+        if self.hf_config is not None:
+            return self.hf_config["model_type"]
+        if is_converted(self.path):
+            return read_meta(self.path)["hf_config"]["model_type"]
+        return json.loads((Path(self.path) / "config.json").read_text())["model_type"]
+
     def load_hf_config(self):
         """The transformers config object (reads config.json; no weights)."""
         # heavy: transformers, only where an HF config, model or tokenizer is read
@@ -97,7 +109,8 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
-    """Megatron's Adam optimizer (fp32 here; bf16 with fp32 main params on GPUs)."""
+    """Megatron's Adam optimizer. Its state is fp32 in either trainer.precision: with bf16 it keeps
+    fp32 main parameters beside the model's bf16 ones and steps those."""
 
     lr: float = 1e-3
     """Peak learning rate."""
@@ -126,6 +139,14 @@ class TrainerConfig(ParallelLayout):
 
     seed: int = 1234
     """Seed of every RNG (Megatron's tracker forks per TP/EP rank from it)."""
+    precision: str = "fp32"
+    """"fp32": parameters, activations and optimizer in fp32 (the CPU default). "bf16": mixed
+    precision as Megatron-LM and slime train on GPUs: bf16 parameters and activations
+    (megatron-core's Float16Module), fp32 main parameters and Adam state in the optimizer, gradients
+    accumulated and reduced in fp32, logprobs and the loss from fp32 logits; exports, weight syncs
+    and HF checkpoints carry the bf16 parameters the trainer computes with. Needed with
+    pack_sequences on GPUs: Transformer Engine's attention runs packed sequences only in fp16/bf16
+    (docs/trainer.md)."""
     recompute: bool = False
     """Full activation recompute of every layer (less memory, one more forward)."""
     routing_replay: bool = False
@@ -156,6 +177,8 @@ class TrainerConfig(ParallelLayout):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"trainer.precision={self.precision!r}: use one of {sorted(PRECISIONS)}")
         budget = self.max_tokens_per_microbatch
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 2):
             raise ValueError(f"trainer.max_tokens_per_microbatch={budget!r}: must be an integer >= 2 (tokens), or null")
@@ -172,6 +195,17 @@ class TrainerConfig(ParallelLayout):
         if self.mtp_loss_weight < 0:
             raise ValueError(
                 f"trainer.mtp_loss_weight={self.mtp_loss_weight}: must be >= 0 (0 leaves MTP layers untrained)"
+            )
+
+    def check_packing_precision(self, gpu_te: bool) -> None:
+        """Refuse pack_sequences in fp32 where the model runs Transformer Engine's attention on GPUs
+        (`gpu_te`): its flash and fused backends take only fp16/bf16, and it turns its unfused
+        backend off for packed (thd) input, so no backend would run. (The CPU test stand-in packs in fp32.)"""
+        if gpu_te and self.pack_sequences and self.precision == "fp32":
+            raise ValueError(
+                "trainer.pack_sequences=true with trainer.precision='fp32': Transformer Engine's attention "
+                "runs packed (thd) sequences only in bf16/fp16 on GPUs. Set trainer.precision: bf16 "
+                "(or pack_sequences: false)"
             )
 
 
@@ -261,7 +295,8 @@ class ClusterConfig:
     gpu_memory_gb: float = 80.0
     """Memory of one GPU in GB (1e9 bytes), e.g. 80 (H100), 141 (H200)."""
     param_dtype: str = "bfloat16"
-    """Dtype of the trained weights on GPUs, of the engines' weights and of the sync buckets."""
+    """Dtype of the engines' weights (`moe-rl plan` sizes the engines by it); the trainer's weights
+    and the syncs it sends are in trainer.precision."""
     nic_gbps: float = 400.0
     """Bandwidth in Gb/s of one GPU's network card (400: InfiniBand NDR); `moe-rl plan` models the
     weight sync from the bytes each link carries (`moe_rl.plan.sync_links`)."""
@@ -392,6 +427,7 @@ class RunConfig:
         self.trainer.check_model(bridge_for(self.model.load_hf_config()).model_shape())
         if self.rollout is not None:
             self._check_rl()
+            self.rollout.episode = self._episode(self.rollout.episode)
         if self.cpu_pools is not None:
             self.cpu_pools.check(self.trainer.world_size, self.engines.count, self.engines.kind)
         if self.cluster is not None:
@@ -400,6 +436,17 @@ class RunConfig:
     @property
     def is_rl(self) -> bool:
         return self.rollout is not None
+
+    @property
+    def rollout_or_default(self) -> RolloutConfig:
+        """`rollout`, or the defaults an eval-only config (`moe-rl eval`) runs its datasets with."""
+        return self.rollout or RolloutConfig(episode=self._episode(EpisodeConfig()))
+
+    def _episode(self, episode: EpisodeConfig) -> EpisodeConfig:
+        """`episode` with its "auto" chat formats resolved for the model, when agents run."""
+        agents = [self.rollout.agent] if self.rollout else []
+        agents += [dataset.agent for dataset in self.eval.datasets] if self.eval else []
+        return episode.resolved(self.model.model_type) if any(agents) else episode
 
     def _check_rl(self) -> None:
         rollout, mode = self.rollout, self.rl.mode

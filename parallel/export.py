@@ -159,8 +159,8 @@ def _export_chunk(
             for task in bucket:
                 if ctx.in_expert_source_replica if task.mapping.expert else ctx.in_source_replica:
                     local = params[task.name]
-                    if task.name in lora:  # this rank's shard of base + scale * B A
-                        local = local + lora[task.name].delta()
+                    if task.name in lora:  # this rank's shard of base + scale * B A, summed in fp32
+                        local = (local.float() + lora[task.name].delta().float()).to(local.dtype)
                     gathered.extend(task.mapping.export(local, ctx, task.indices, fp8))
             gathered.reverse()
             while gathered:  # empty except on the source (the first member of all its groups)
@@ -180,7 +180,8 @@ def save_hf_checkpoint(
     merge_adapters: bool = True,
     fp8: BlockFP8 | None = None,
 ) -> None:
-    """Write the model as an HF checkpoint (safetensors shards + index + config) to `out_dir`.
+    """Write the model as an HF checkpoint (safetensors shards + index + config) to `out_dir`,
+    in the model's parameter dtype (config `dtype`; fp32 buffers such as routers' score biases stay fp32).
     `fp8`: decoder linear weights as block-scaled FP8 (`BlockFP8.quantize_stream`), the config
     saying so; otherwise full precision and no `quantization_config`, whatever was imported.
 
@@ -202,6 +203,8 @@ def save_hf_checkpoint(
     if dist.get_rank() == 0:
         merged = {name: file for part in maps for name, file in part.items()}
         config = {key: value for key, value in hf_config.items() if key != "quantization_config"}
+        # the weights' dtype: transformers >= 4.56 reads `dtype`, older ones (engines') `torch_dtype`
+        config["dtype"] = config["torch_dtype"] = str(model_chunks(model)[0].config.params_dtype).removeprefix("torch.")
         if fp8 is not None:
             config["quantization_config"] = fp8.hf_config()
         finalize_hf_checkpoint(tmp, out_dir, merged, config, extra_files=extra_files)

@@ -1,4 +1,11 @@
-"""Build this rank's part of a Megatron GPTModel from an HF config and a parallel layout."""
+"""Build this rank's part of a Megatron GPTModel from an HF config and a parallel layout.
+
+Training precision (`PRECISIONS`): "fp32" builds fp32 parameters and activations; "bf16" builds
+bf16 parameters and activations (`precision_config`: TransformerConfig bf16, params_dtype and
+pipeline_dtype), and `with_precision` wraps the model in megatron-core's Float16Module, which hands
+the last stage's logits back in fp32, as Megatron-LM does. The fp32 main parameters and fp32
+gradient reduction of bf16 training belong to the optimizer and DDP (moe_rl.trainer).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +20,44 @@ from parallel.bridges import Bridge
 from parallel.context import init_ep_rails
 from parallel.layout import ParallelLayout
 from parallel.world import node_names
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""Training precision -> dtype of the model's parameters and activations."""
+
+
+def precision_config(precision: str) -> dict[str, Any]:
+    """The TransformerConfig fields of a training precision (a key of `PRECISIONS`)."""
+    dtype = PRECISIONS[precision]
+    return dict(params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16)
+
+
+def with_precision(model):
+    """`model` (a GPTModel) as megatron-core runs it in its config's precision: in bf16 wrapped in
+    Float16Module (logits upcast to fp32 on the last stage), in fp32 unchanged. Float16Module casts
+    buffers too; the fp32 ones (routers' score biases and token counts) are kept fp32, so weights
+    imported before the first forward are not rounded (megatron-core itself restores only the bias,
+    at the router's forward)."""
+    if not model.config.bf16:
+        return model
+    # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
+    from megatron.core.transformer.module import Float16Module
+
+    fp32 = [(m, n) for m in model.modules() for n, b in m.named_buffers(recurse=False) if b.dtype == torch.float32]
+    wrapped = Float16Module(model.config, model)
+    for module, name in fp32:
+        setattr(module, name, getattr(module, name).float())
+    return wrapped
+
+
+def unwrap(model):
+    """The GPTModel inside its wrappers (DDP, Float16Module)."""
+    # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    while isinstance(model, (DistributedDataParallel, Float16Module)):
+        model = model.module
+    return model
 
 
 def use_transformer_engine() -> bool:
@@ -123,7 +168,7 @@ def forward(
     `labels` (the next tokens, [b, s]) and `loss_mask` are what an MTP block trains on; a model
     without MTP ignores them. `packed_seq_params` (megatron-core's PackedSeqParams, THD): `inputs`
     is [1, T], several sequences delimited by its cu_seqlens (Transformer Engine attention only)."""
-    core = getattr(model, "module", model)  # DDP wraps the GPTModel
+    core = unwrap(model)
     packed = {} if packed_seq_params is None else dict(packed_seq_params=packed_seq_params)
     if core.config.mtp_num_layers is None:
         return model(inputs, positions, attention_mask=None, **packed)

@@ -54,6 +54,7 @@ def test_yaml_and_overrides_build_typed_config(config_file):
         (["trainer.tp=two"], r"trainer.tp='two': expected int"),
         (["trainer.optimizer.lr=-1"], r"optimizer.lr=-1.0: must be > 0"),
         (["trainer.pack_sequences=true"], r"pack_sequences=true packs the token-budget.*max_tokens_per_microbatch"),
+        (["trainer.precision=fp16"], r"trainer.precision='fp16': use one of \['bf16', 'fp32'\]"),
         (["steps"], r"write it as dotted.key=value"),
     ],
 )
@@ -107,3 +108,16 @@ def test_a_fresh_run_never_mixes_with_an_earlier_one(config_file, tmp_path, monk
 
     fresh_run_dir(earlier, overwrite=True)  # what --overwrite does before the job starts
     assert not earlier.exists()
+
+
+def test_fp32_packing_is_refused_on_transformer_engine_gpus(config_file):
+    """Transformer Engine's thd attention takes no fp32: refused where it would run, allowed on the
+    CPU (whose TE test stand-in packs in fp32) and in bf16."""
+    config = load_config(config_file, ["trainer.max_tokens_per_microbatch=64", "trainer.pack_sequences=true"])
+    with pytest.raises(ValueError, match=r"pack_sequences=true with trainer.precision='fp32'.*trainer.precision: bf16"):
+        config.trainer.check_packing_precision(gpu_te=True)
+    config.trainer.check_packing_precision(gpu_te=False)
+    bf16 = load_config(
+        config_file, ["trainer.max_tokens_per_microbatch=64", "trainer.pack_sequences=true", "trainer.precision=bf16"]
+    )
+    bf16.trainer.check_packing_precision(gpu_te=True)

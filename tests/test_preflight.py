@@ -194,6 +194,11 @@ BAD = [
     ({"rollout.max_new_tokens": 100}, "rollout.max_new_tokens", "lower rollout.max_new_tokens to at most"),
     ({"rollout.reward_timeout_s": 0}, "rollout.reward_timeout_s", "> 0"),
     ({"trainer.max_tokens_per_microbatch": 4}, "trainer.max_tokens_per_microbatch", "raise"),
+    (  # on GPUs (a cluster section): Transformer Engine's attention packs only in bf16
+        {"cluster": {"nodes": 1}, "trainer.max_tokens_per_microbatch": 64, "trainer.pack_sequences": True},
+        "trainer.pack_sequences",
+        "trainer.precision: bf16",
+    ),
     ({"engines.kind": "sglang"}, "engines.kind", "use engines.kind: embedded"),
     ({"trainer.tpp": 2}, "trainer.tpp", "did you mean"),
     ({"trainer.global_batch_size": 16}, "trainer.global_batch_size", "make them equal"),

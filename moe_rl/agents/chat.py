@@ -12,45 +12,22 @@ Owns the token-in-token-out contract of episodes:
   template does to earlier turns (think blocks dropped or moved) does not split the sequence:
   `moe_rl.agents.templates` holds each family's rule. Otherwise it returns None: the agent
   rewrote its history and the episode starts a new sequence (`moe_rl.agents.episode`).
-- `parse(ids)`: the assistant message of a sampled turn: its text, content and tool calls in the
-  family's format.
-
-Tool-call formats (`TOOL_CALL_FORMATS`): "hermes", `<tool_call>{"name": ..., "arguments":
-{...}}</tool_call>` (Qwen2.5, Qwen3, Hermes, and the tiny tokenizer). Any other name is refused
-with the list; a turn whose call text is not valid JSON keeps it as content and counts a tool
-error.
+- `parse(ids, tools)`: the assistant message of a sampled turn: its text, reasoning, content and
+  tool calls, read by the family's reasoning parser and then its tool-call parser
+  (`moe_rl.agents.parsers`, SGLang's names and behaviour: `rollout.episode.reasoning_parser`,
+  `rollout.episode.tool_call_format`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
-import uuid
 from pathlib import Path
 from typing import Any
 
+from moe_rl.agents import parsers
+from moe_rl.agents.parsers import ToolCall
 from moe_rl.agents.templates import CONTEXT, family_of
-
-TOOL_CALL_FORMATS = ("hermes",)
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-@dataclasses.dataclass(frozen=True)
-class ToolCall:
-    """One parsed call: the tool's name and its arguments (a JSON object)."""
-
-    name: str
-    arguments: dict[str, Any]
-    id: str = dataclasses.field(default_factory=lambda: f"call_{uuid.uuid4().hex[:16]}")
-
-    def openai(self) -> dict:
-        """OpenAI's `tool_calls[]` entry (arguments as a JSON string)."""
-        return {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": json.dumps(self.arguments)},
-        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,26 +35,34 @@ class ParsedTurn:
     text: str
     """The sampled text, end-of-turn token removed."""
     content: str
-    """The text outside tool calls, stripped."""
+    """The text outside reasoning and tool calls, as SGLang's parsers leave it."""
     tool_calls: list[ToolCall]
     tool_errors: int
-    """Call blocks that were not a JSON object with a name and arguments."""
+    """Calls the model began that did not parse (`moe_rl.agents.parsers.base`)."""
+    reasoning: str | None = None
+    """The turn's reasoning (a think block, harmony's analysis channel), None without one."""
 
     def message(self) -> dict:
         """The assistant message in OpenAI's form (what the agent sends back next turn)."""
         message: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning is not None:
+            message["reasoning_content"] = self.reasoning
         if self.tool_calls:
             message["tool_calls"] = [call.openai() for call in self.tool_calls]
         return message
 
 
 class ChatFormat:
-    def __init__(self, tokenizer, tool_call_format: str = "hermes", template_kwargs: dict | None = None):
-        if tool_call_format not in TOOL_CALL_FORMATS:
-            raise ValueError(
-                f"rollout.episode.tool_call_format={tool_call_format!r} is not supported; use one of "
-                f"{TOOL_CALL_FORMATS} (Qwen2.5/Qwen3/Hermes <tool_call> JSON)"
-            )
+    def __init__(
+        self,
+        tokenizer,
+        tool_call_format: str = "qwen25",
+        reasoning_parser: str = "qwen3",
+        template_kwargs: dict | None = None,
+    ):
+        """`tool_call_format`, `reasoning_parser`: SGLang's parser names (`moe_rl.agents.parsers`)."""
+        self.tool_parser = parsers.tool_parser(tool_call_format)
+        self.reasoning_parser = parsers.reasoning_parser(reasoning_parser)
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 f"the tokenizer {tokenizer.name_or_path!r} has no chat template: agents and chat-format "
@@ -92,9 +77,13 @@ class ChatFormat:
 
     @classmethod
     def load(
-        cls, directory: str | Path, tool_call_format: str = "hermes", template_kwargs: dict | None = None
+        cls,
+        directory: str | Path,
+        tool_call_format: str = "qwen25",
+        reasoning_parser: str = "qwen3",
+        template_kwargs: dict | None = None,
     ) -> "ChatFormat":
-        return cls(load_tokenizer(directory), tool_call_format, template_kwargs)
+        return cls(load_tokenizer(directory), tool_call_format, reasoning_parser, template_kwargs)
 
     def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -126,26 +115,15 @@ class ChatFormat:
             return None
         return self.encode(("" if turn_ended else self.eos_text) + text[start:])
 
-    def parse(self, ids: list[int]) -> ParsedTurn:
+    def parse(self, ids: list[int], tools: list[dict] | None = None) -> ParsedTurn:
+        """The turn of sampled `ids`; `tools` (the request's) types arguments where the format
+        writes them as text."""
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         if ids and ids[-1] == self.eos_id:
             text = text[: -len(self.eos_text)] if text.endswith(self.eos_text) else text
-        calls, errors = [], 0
-
-        def take(match: re.Match) -> str:  # a parsed call leaves the content; a broken one stays in it
-            nonlocal errors
-            try:
-                call = json.loads(match.group(1))
-                if not isinstance(call.get("name"), str) or not isinstance(call.get("arguments", {}), dict):
-                    raise ValueError(match.group(1))
-            except (ValueError, AttributeError):
-                errors += 1
-                return match.group(0)
-            calls.append(ToolCall(call["name"], call.get("arguments", {})))
-            return ""
-
-        content = _HERMES.sub(take, text).strip()
-        return ParsedTurn(text=text, content=content, tool_calls=calls, tool_errors=errors)
+        reasoning, rest = self.reasoning_parser.split(text) if self.reasoning_parser else (None, text)
+        content, calls, errors = self.tool_parser.parse(rest, tools)
+        return ParsedTurn(text, content, calls, errors, reasoning)
 
 
 def load_tokenizer(directory: str | Path):

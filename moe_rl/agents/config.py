@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from moe_rl.agents.chat import TOOL_CALL_FORMATS
+from moe_rl.agents import parsers
 
 
 @dataclass(kw_only=True)
@@ -19,9 +20,14 @@ class EpisodeConfig:
     (`agent_timeout`)."""
     tool_workers: int = 8
     """Threads for blocking tool code (`Episode.run_tool`), off the rollout loop."""
-    tool_call_format: str = "hermes"
-    """How tool calls are written in the model's text: "hermes" (<tool_call>{json}</tool_call>:
-    Qwen2.5, Qwen3, Hermes)."""
+    tool_call_format: str = "auto"
+    """How the model writes tool calls, by SGLang's `--tool-call-parser` name ("qwen25",
+    "qwen3_coder", "deepseekv3", "deepseekv31", "glm45", "kimi_k2", "gpt-oss", "hermes":
+    `moe_rl.agents.parsers.TOOL_PARSERS`); "auto": the model type's (`FAMILY_FORMATS`)."""
+    reasoning_parser: str = "auto"
+    """How the model writes reasoning, by SGLang's `--reasoning-parser` name ("qwen3",
+    "qwen3-thinking", "deepseek-r1", "deepseek-v3", "glm45", "kimi_k2", "gpt-oss"); it becomes
+    the turn's `reasoning_content`. "none": the whole turn is content; "auto": the model type's."""
     chat_template_kwargs: dict = field(default_factory=dict)
     """Extra arguments of the chat template, for prompts and every turn, e.g. `{enable_thinking:
     false}` for Qwen3's non-thinking mode (an empty think block opens each turn)."""
@@ -37,11 +43,10 @@ class EpisodeConfig:
                 raise ValueError(f"rollout.episode.{name}={getattr(self, name)!r}: must be an integer >= 1")
         if not self.timeout_s > 0:
             raise ValueError(f"rollout.episode.timeout_s={self.timeout_s}: must be > 0 seconds")
-        if self.tool_call_format not in TOOL_CALL_FORMATS:
-            raise ValueError(
-                f"rollout.episode.tool_call_format={self.tool_call_format!r}: supported formats are "
-                f"{TOOL_CALL_FORMATS} (<tool_call>{{json}}</tool_call>)"
-            )
+        if self.tool_call_format != "auto":
+            parsers.tool_parser(self.tool_call_format)
+        if self.reasoning_parser != "auto":
+            parsers.reasoning_parser(self.reasoning_parser)
         if not isinstance(self.chat_template_kwargs, dict):
             raise ValueError(
                 f"rollout.episode.chat_template_kwargs={self.chat_template_kwargs!r}: must be a mapping of "
@@ -49,3 +54,15 @@ class EpisodeConfig:
             )
         if not 0 <= self.endpoint_port < 65536:
             raise ValueError(f"rollout.episode.endpoint_port={self.endpoint_port}: use 0 (any) or a port number")
+
+    def resolved(self, model_type: str) -> "EpisodeConfig":
+        """This config with "auto" formats replaced by those of HF `model_type` (ValueError naming
+        the fields when the type has none)."""
+        if "auto" not in (self.tool_call_format, self.reasoning_parser):
+            return self
+        tool_call_format, reasoning_parser = parsers.family_formats(model_type)
+        return dataclasses.replace(
+            self,
+            tool_call_format=tool_call_format if self.tool_call_format == "auto" else self.tool_call_format,
+            reasoning_parser=reasoning_parser if self.reasoning_parser == "auto" else self.reasoning_parser,
+        )

@@ -60,9 +60,11 @@ class Turn:
     prompt_tokens: int
     """Ids the turn's request held: its sequence before the turn plus the new environment ids (the
     OpenAI endpoint's `usage.prompt_tokens`; `len(token_ids)` is its `completion_tokens`)."""
+    reasoning: str | None = None
+    """The turn's reasoning (`reasoning_content`), None without one."""
 
     def message(self) -> dict:
-        return ParsedTurn(self.text, self.content, self.tool_calls, 0).message()
+        return ParsedTurn(self.text, self.content, self.tool_calls, 0, self.reasoning).message()
 
 
 class Episode:
@@ -177,9 +179,17 @@ class Episode:
         self.generate_s += time.perf_counter() - start
         self.current, self.pending = after, []
         ids = after.response_ids[before:]
-        parsed = self.chat.parse(ids)
+        parsed = self.chat.parse(ids, tools)
         finish = "stop" if ids and ids[-1] in self._stops(stop_token_ids) else "length"
-        turn = Turn(parsed.text, parsed.content, parsed.tool_calls, ids, finish, len(sample.prompt_ids) + before)
+        turn = Turn(
+            parsed.text,
+            parsed.content,
+            parsed.tool_calls,
+            ids,
+            finish,
+            len(sample.prompt_ids) + before,
+            parsed.reasoning,
+        )
         self.last_text = parsed.text
         self.turns += 1
         self.tool_calls += len(parsed.tool_calls)

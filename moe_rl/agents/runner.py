@@ -88,7 +88,9 @@ class AgentRunner:
     ) -> "AgentRunner":
         """The runner of `agent` ("package.module:function") with the model's chat format (from
         `tokenizer_dir`) and an OpenAI endpoint per `config`."""
-        chat = ChatFormat.load(tokenizer_dir, config.tool_call_format, config.chat_template_kwargs)
+        chat = ChatFormat.load(
+            tokenizer_dir, config.tool_call_format, config.reasoning_parser, config.chat_template_kwargs
+        )
         endpoint = ChatEndpoint(config.endpoint_host, config.endpoint_port)
         return cls(resolve_agent(agent), chat, config, max_new_tokens=max_new_tokens, score=score, endpoint=endpoint)
 

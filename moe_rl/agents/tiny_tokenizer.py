@@ -1,22 +1,22 @@
 """The tiny chat tokenizer: a real `tokenizers` BPE with a chat template, for the tiny models.
 
 The CPU demos and tests go through the same path as a real model (`apply_chat_template` with
-`tools`, Hermes tool calls, `<|im_end|>` ending a turn), with a vocabulary that fits the tiny
+`tools`, Qwen tool calls, `<|im_end|>` ending a turn), with a vocabulary that fits the tiny
 models (< 128 ids):
 - the specials `<|endoftext|>` (pad), `<|im_start|>`, `<|im_end|>` (EOS, ends a turn);
 - printable ASCII and newline, one id per character, plus a few merges (`ke`, `key`, ...), so
   decoding sampled ids and encoding the text again can give other ids (the drift a
   token-in-token-out record avoids);
-- one added token per whole `lookup` tool call (`<tool_call>{"name": "lookup", "arguments":
-  {"key": "C"}}</tool_call>` for each key A..J): a random-init model can emit a valid Hermes
-  call in one token, so the agent demo learns in minutes. A real tokenizer spells a call in many
-  tokens; the same parser reads both;
+- one added token per whole `lookup` tool call (`<tool_call>\\n{"name": "lookup", "arguments":
+  {"key": "C"}}\\n</tool_call>` for each key A..J): a random-init model can emit a valid call in
+  one token, so the agent demo learns in minutes. A real tokenizer spells a call in many tokens;
+  the same parser (Qwen's, "qwen25") reads both;
 - reserved specials up to `VOCAB_SIZE` (128), the tiny models' vocabulary, so every id a model
   samples is a token.
 
 The template is Qwen's ChatML layout: `<|im_start|>{role}\\n{content}<|im_end|>\\n`, the tool
-names in a system turn when `tools` are given, assistant tool calls as
-`<tool_call>{json}</tool_call>`, tool results as role `tool`.
+names in a system turn when `tools` are given, assistant tool calls as Qwen writes them
+(`<tool_call>\\n{json}\\n</tool_call>`), tool results as role `tool`.
 
 `python -m moe_rl.agents.tiny_tokenizer DIR` writes it; `configs/tokenizers/tiny_chat/` is that
 output (a test checks they agree).
@@ -37,8 +37,8 @@ MERGES = (("k", "e"), ("ke", "y"), ("o", "o"), ("t", "oo"), ("too", "l"))
 
 
 def lookup_call(key: str) -> str:
-    """The Hermes text of one `lookup` call (what the tiny tokenizer holds as one token)."""
-    return "<tool_call>" + json.dumps({"name": "lookup", "arguments": {"key": key}}) + "</tool_call>"
+    """The text of one `lookup` call, as Qwen writes it (what the tiny tokenizer holds as one token)."""
+    return "<tool_call>\n" + json.dumps({"name": "lookup", "arguments": {"key": key}}) + "\n</tool_call>"
 
 
 CHAT_TEMPLATE = (  # no whitespace control: every newline below is part of the rendering
@@ -48,8 +48,8 @@ CHAT_TEMPLATE = (  # no whitespace control: every newline below is part of the r
     "{% if message.content %}{{ message.content }}{% endif %}"
     "{% if message.tool_calls %}{% for call in message.tool_calls %}"
     "{% set fn = call.function if call.function is defined else call %}"
-    '<tool_call>{"name": "{{ fn.name }}", "arguments": '
-    "{{ fn.arguments if fn.arguments is string else fn.arguments | tojson }}}</tool_call>"
+    '<tool_call>\n{"name": "{{ fn.name }}", "arguments": '
+    "{{ fn.arguments if fn.arguments is string else fn.arguments | tojson }}}\n</tool_call>"
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

@@ -55,11 +55,17 @@ def run(options: TrainBench) -> dict:
         "driver_bytes_fraction": driver / batch_bytes,
     }
     paths = [("padded", None, False), ("dynamic", budget, False)]
-    if use_transformer_engine():  # packing needs TE's attention (GPUs); the CPU local spec cannot pack
+    # packing needs TE's attention (GPUs; the CPU local spec cannot pack), which packs in bf16 only
+    skipped = None
+    if not use_transformer_engine():
+        skipped = "packed sequences need Transformer Engine on GPUs"
+    elif trainer.precision == "fp32":
+        skipped = "packed sequences on Transformer Engine need trainer.precision: bf16"
+    if skipped is None:
         paths.append(("packed", budget, True))
     else:
-        results["packed"] = {"skipped": "packed sequences need Transformer Engine on GPUs"}
-        print("packed   skipped: packed sequences need Transformer Engine on GPUs", flush=True)
+        results["packed"] = {"skipped": skipped}
+        print(f"packed   skipped: {skipped}", flush=True)
     for name, path_budget, pack in paths:
         layout = dataclasses.replace(trainer, max_tokens_per_microbatch=path_budget, pack_sequences=pack)
         ranks = spawn(measure, trainer.world_size, layout, hf_config, batch, config.algorithm, options.steps)

@@ -21,7 +21,6 @@ from moe_rl.conversion.directory import HF_FILES_DIR, is_converted
 from moe_rl.engine.client import EngineClient, engine_name
 from moe_rl.engine.pool import EnginePool
 from moe_rl.metrics import MetricsLogger
-from moe_rl.rollout.config import RolloutConfig
 from moe_rl.rollout.dump import SampleDump
 from moe_rl.rollout.evaluation import EvalResult, Evaluator
 
@@ -116,7 +115,7 @@ def start_engines(config: RunConfig, hf_dir: str, output: Path, step: int) -> li
 async def _evaluate(config: RunConfig, urls: list[str], tokenizer_dir: str | None, step: int) -> list[EvalResult]:
     clients = [EngineClient(url, kind=config.engines.kind, name=engine_name(i)) for i, url in enumerate(urls)]
     pool = EnginePool(clients)
-    evaluator = Evaluator(config.eval, config.rollout or RolloutConfig(), pool, tokenizer_dir)
+    evaluator = Evaluator(config.eval, config.rollout_or_default, pool, tokenizer_dir)
     try:
         await evaluator.start()
         return await evaluator.evaluate(step)

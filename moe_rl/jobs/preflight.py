@@ -7,16 +7,18 @@ one line naming the field and the fix (the CLI prints it and exits 2) instead of
 from inside a Ray actor minutes later:
 
 1. the model: an HF `model.path` holds its weights (safetensors), the tokenizer directory loads;
-2. the weight-sync transport has what it needs (`sync.disk_dir` for `disk`);
-3. the task: a user's `package.module:Class` imports and is a `Task` subclass, its options are
+2. packed sequences run where the trainer will be: on GPUs (Transformer Engine here, or a
+   `cluster:` section) `trainer.pack_sequences` needs `trainer.precision: bf16`;
+3. the weight-sync transport has what it needs (`sync.disk_dir` for `disk`);
+4. the task: a user's `package.module:Class` imports and is a `Task` subclass, its options are
    ones it takes, its dataset's files, keys and rows are valid (`moe_rl.tasks.dataset`), its
    reward (`rollout.reward`) and agent import and are functions of the right kind, the chat
    template exists where prompts or agents need it, an agent's task gives chat messages that
    render within the episode's context, and prompts + `max_new_tokens` (or an episode's
    context) fit the model;
-4. every eval dataset, the same way;
-5. the engines can run here (`engines.kind: sglang` needs GPUs);
-6. a token budget per micro-batch (`trainer.max_tokens_per_microbatch`) holds the longest
+5. every eval dataset, the same way;
+6. the engines can run here (`engines.kind: sglang` needs GPUs);
+7. a token budget per micro-batch (`trainer.max_tokens_per_microbatch`) holds the longest
    sequence a step can carry (the probed prompts + `max_new_tokens`, an episode's context, or
    `data.seq_length` for a supervised run).
 
@@ -33,10 +35,10 @@ from pathlib import Path
 from moe_rl.agents import ChatFormat, resolve_agent
 from moe_rl.config import ModelConfig, RunConfig
 from moe_rl.conversion.directory import is_converted
-from moe_rl.rollout.config import RolloutConfig
 from moe_rl.tasks import Task, get_reward
 from moe_rl.tasks.registry import task_class
 from parallel.hf_checkpoint import HFCheckpointReader
+from parallel.model import use_transformer_engine
 
 FIELDS = ("rollout.", "model.", "eval.")
 """How a message that already names its config field begins."""
@@ -48,6 +50,7 @@ CONTEXT_PROBE_PROMPTS = 256
 def check_run(config: RunConfig) -> None:
     """Everything `moe-rl train` would find wrong once its processes run (ValueError)."""
     check_model(config.model)
+    check_packing(config)
     if not config.is_rl:
         check_token_budget(config, config.data.seq_length, "data.seq_length")
         if config.eval is not None:
@@ -84,7 +87,7 @@ def check_eval(config: RunConfig) -> None:
     """Every eval dataset builds (files, keys, rows, reward, agent) and fits the model's context."""
     if config.eval is None:
         return
-    rollout = config.rollout or RolloutConfig()
+    rollout = config.rollout_or_default
     for dataset in config.eval.datasets:
         resolved = dataset.resolved(rollout)
         if resolved.task is not None:
@@ -150,12 +153,13 @@ def check_prompts(config: RunConfig, task: Task, agent: str | None, max_new_toke
             )
         return longest + max_new_tokens
     resolve_agent(agent, f"{field}.agent")
-    rollout = config.rollout or RolloutConfig()
+    rollout = config.rollout_or_default
     if config.model.tokenizer_dir is None:
         raise ValueError(f"{field}.agent needs a tokenizer with a chat template: set model.tokenizer (or model.path)")
     try:
+        episode = rollout.episode
         chat = ChatFormat.load(
-            config.model.tokenizer_dir, rollout.episode.tool_call_format, rollout.episode.chat_template_kwargs
+            config.model.tokenizer_dir, episode.tool_call_format, episode.reasoning_parser, episode.chat_template_kwargs
         )
     except ValueError as error:
         raise ValueError(f"model.tokenizer={config.model.tokenizer_dir!r} for {field}.agent: {error}") from None
@@ -206,6 +210,13 @@ def check_token_budget(config: RunConfig, longest: int, source: str) -> None:
             f"{needed} tokens ({source}, padded for sequence parallel): raise "
             f"trainer.max_tokens_per_microbatch to at least {needed}, or set it to null"
         )
+
+
+def check_packing(config: RunConfig) -> None:
+    """trainer.pack_sequences in fp32 is refused where the trainer runs Transformer Engine's attention
+    on GPUs (`TrainerConfig.check_packing_precision`): TE installed here, or a `cluster:` section."""
+    gpu_te = config.cluster is not None or use_transformer_engine()
+    config.trainer.check_packing_precision(gpu_te=gpu_te)
 
 
 def check_engines(config: RunConfig) -> None:

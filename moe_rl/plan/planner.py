@@ -11,37 +11,39 @@ DeepSeek-V3) and its unique parameters are classified by layer and as routed exp
 (`.experts.` in the HF name) or not; the embedding goes to the first pipeline stage, the final
 norm and `lm_head` to the last.
 
-Trainer memory per GPU, for the worst pipeline stage (bytes; B = bytes of `cluster.param_dtype`;
-D, X = dense and routed-expert parameters of the stage):
+Trainer memory per GPU, for the worst pipeline stage (bytes; B = bytes of `trainer.precision`,
+2 for bf16, 4 for fp32; D, X = dense and routed-expert parameters of the stage):
   local params   Pd = D / tp,  Pe = X / (etp * ep)
   weights        B * (Pd + Pe)
   gradients      4 * (Pd + Pe)                 fp32 main-grad buffers (Megatron DDP)
-  optimizer      12 * (Pd / dp + Pe / edp)     fp32 master + Adam m, v; distributed optimizer
-                 12 * (Pd + Pe)                without it
+  optimizer      O * (Pd / dp + Pe / edp)      Adam m, v in fp32 (8), plus the fp32 main params in
+                                                bf16 (O = 12; fp32: O = 8); distributed optimizer
+                 O * (Pd + Pe)                 without it
   reference      B * (Pd + Pe)                 the frozen KL reference (algorithm.kl_coef > 0; none with
                                                 lora: the reference is the base with its adapters off)
   activations    per microbatch and layer, s = data.seq_length, b = micro_batch_size, h = hidden
                  (with trainer.max_tokens_per_microbatch: s b = that budget, a micro-batch's
                  padded tokens; every term below is linear in s b),
                  sequence parallel dividing by tp (Korthikanti et al. 2022, flash attention: no
-                 s^2 term, SwiGLU MLPs):
+                 s^2 term, SwiGLU MLPs; bytes of 16-bit activations, twice that in fp32):
                    attention + norms  15 s b h
                    dense MLP          2 s b h + 6 s b f                   (f = intermediate_size)
                    MoE MLP            2 s b h + k (2 s b h + 6 s b f_e) + shared expert MLP
                  times the layers of the stage times the microbatches 1F1B keeps in flight on
                  stage p (min(pp - p, microbatches)); with `trainer.recompute` only each layer's
-                 input (2 s b h) is kept, plus one layer's full activations; the last stage
+                 input (B s b h) is kept, plus one layer's full activations; the last stage
                  adds fp32 logits (4 s b vocab / tp).
 Not counted: CUDA context, NCCL buffers, allocator fragmentation (keep ~10 GB of headroom).
 
 Sync buffers: the trainer's stage sources hold two buckets (`sync.bucket_bytes`, packed while the
 other is on the wire), each relay one; every engine GPU one receive buffer per bucket.
 
-Engine memory per GPU (SGLang): weights B * (dense / (tp / attn_dp) + experts / tp) (DP attention
-replicates attention over attn_dp groups), one sync bucket; the rest of
-`engines.mem_fraction_static` of the GPU is KV cache, which must be positive.
+Engine memory per GPU (SGLang): weights E * (dense / (tp / attn_dp) + experts / tp) (E = bytes of
+`cluster.param_dtype`, what the engines hold; DP attention replicates attention over attn_dp
+groups), one sync bucket; the rest of `engines.mem_fraction_static` of the GPU is KV cache, which
+must be positive.
 
-Bytes per sync: every engine receives the whole exported HF state dict in `param_dtype`
+Bytes per sync: every engine receives the whole exported HF state dict in the trainer's precision
 (broadcast), i.e. B x the model's unique parameters; with `sync.fp8_blocks` N, decoder linears
 travel as FP8 (1 byte + a 4-byte scale per N x N block, `fp8_sync_bytes`).
 
@@ -68,6 +70,7 @@ from pathlib import Path
 
 from moe_rl.config import PARAM_DTYPES, RunConfig
 from moe_rl.plan.sync_links import StageBytes, SyncLinks, model_sync
+from parallel.model import PRECISIONS
 
 GB = 1e9
 HEADROOM_GB = 10.0
@@ -198,10 +201,10 @@ def make_plan(config: RunConfig, gpu_metrics: Path = GPU_METRICS) -> Plan:
     hf = config.model.load_hf_config()
     _check_engine_model(config, hf)
     counts = count_parameters(hf)
-    dtype_bytes = PARAM_DTYPES[config.cluster.param_dtype]
+    dtype_bytes = PRECISIONS[config.trainer.precision].itemsize  # what the trainer holds and exports
     adapter = None if config.lora is None else lora_parameters(hf, counts, config.lora.rank, config.lora.targets)
     stage, trainer = trainer_memory(config, hf, counts, dtype_bytes, adapter)
-    engine = engine_memory(config, counts, dtype_bytes) if config.is_rl else {}
+    engine = engine_memory(config, counts, PARAM_DTYPES[config.cluster.param_dtype]) if config.is_rl else {}
     sync_bytes = (sum(adapter) if adapter else counts.total) * dtype_bytes
     if adapter is None and config.sync.fp8_blocks:
         sync_bytes = fp8_sync_bytes(counts, config.sync.fp8_blocks, dtype_bytes)
@@ -231,6 +234,11 @@ def make_plan(config: RunConfig, gpu_metrics: Path = GPU_METRICS) -> Plan:
     if measured:
         shown = ", ".join(f"{name} {m['value']:.3g} {m['unit'].split(' ')[0]}" for name, m in sorted(measured.items()))
         plan.notes.append(f"measured on GPU ({gpu_metrics.name}): {shown}")
+    if config.trainer.precision == "fp32":
+        plan.notes.append(
+            "trainer.precision=fp32: weights, activations and syncs at 4 bytes a value, and no packed "
+            "sequences; GPUs train in bf16 (trainer.precision: bf16)"
+        )
     if adapter is not None:
         plan.notes.append(
             f"lora: {sum(adapter) / 1e6:.1f} M adapter parameters ({adapter[1] / 1e6:.1f} M in routed "
@@ -297,8 +305,8 @@ def sync_anchor(hf, counts: ParamCounts) -> str | None:
 
 def fp8_sync_bytes(counts: ParamCounts, block: int, dtype_bytes: int) -> int:
     """Bytes of a `sync.fp8_blocks` update: decoder layers at 1 byte a parameter plus a float32
-    scale per block x block (their norms and routers, which stay in `param_dtype`, are counted as
-    FP8: a small underestimate), embedding and head in `param_dtype`."""
+    scale per block x block (their norms and routers, which stay in the trainer's precision, are
+    counted as FP8: a small underestimate), embedding and head in the trainer's precision."""
     layers = sum(counts.dense_per_layer) + counts.experts
     return int(layers * (1 + 4 / block**2)) + (counts.embedding + counts.head) * dtype_bytes
 
@@ -414,16 +422,19 @@ def lora_parameters(hf, counts: ParamCounts, rank: int, targets: list[str]) -> t
 def trainer_memory(
     config: RunConfig, hf, counts: ParamCounts, dtype_bytes: int, adapter: tuple[int, int] | None = None
 ) -> tuple[int, dict[str, float]]:
-    """(worst stage, GB per GPU by component); raises when it exceeds the GPU. `adapter`: LoRA's
-    (dense, expert) parameters, the only ones with gradients and optimizer state."""
+    """(worst stage, GB per GPU by component); raises when it exceeds the GPU. `dtype_bytes`: of
+    trainer.precision. `adapter`: LoRA's (dense, expert) parameters, the only ones with gradients
+    and optimizer state."""
     t = config.trainer
     layers_per_stage = hf.num_hidden_layers // t.pp
     s, b, h = config.data.seq_length, t.micro_batch_size, hf.hidden_size
     if t.max_tokens_per_microbatch is not None:  # a micro-batch computes at most the budget's tokens
         s, b = t.max_tokens_per_microbatch, 1
     per_layer = [
-        _activation_bytes(hf, s, b, moe=counts.expert_per_layer[i] > 0) / t.tp for i in range(hf.num_hidden_layers)
+        _activation_bytes(hf, s, b, moe=counts.expert_per_layer[i] > 0) * dtype_bytes / 2 / t.tp
+        for i in range(hf.num_hidden_layers)
     ]
+    adam = 8 if dtype_bytes == 4 else 12  # m, v; + the fp32 main params of a 16-bit model
     worst = (0, {}, -1.0)
     for p in range(t.pp):
         layers = range(p * layers_per_stage, (p + 1) * layers_per_stage)
@@ -435,10 +446,10 @@ def trainer_memory(
         pd, pe = dense / t.tp, sum(counts.expert_per_layer[i] for i in layers) / (t.expert_tp * t.ep)
         # trained parameters: everything, or with LoRA this stage's share of the adapters
         td, te = (pd, pe) if adapter is None else (adapter[0] / t.pp / t.tp, adapter[1] / t.pp / (t.expert_tp * t.ep))
-        optimizer = 12 * (td / t.dp + te / t.expert_dp) if t.optimizer.distributed else 12 * (td + te)
+        optimizer = adam * (td / t.dp + te / t.expert_dp) if t.optimizer.distributed else adam * (td + te)
         in_flight = min(t.pp - p, t.num_microbatches)
         if t.recompute:
-            acts = in_flight * len(layers) * 2 * s * b * h / t.tp + max(per_layer[i] for i in layers)
+            acts = in_flight * len(layers) * dtype_bytes * s * b * h / t.tp + max(per_layer[i] for i in layers)
         else:
             acts = in_flight * sum(per_layer[i] for i in layers)
         if p == t.pp - 1:

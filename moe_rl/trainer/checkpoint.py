@@ -10,6 +10,12 @@ the seed, and a warning says so.
 With LoRA only the adapters (and their optimizer state) are saved: the frozen base is rebuilt
 from `model.path` or the seed.
 
+Precision: with trainer.precision bf16 the model state is the bf16 parameters and the optimizer
+state holds the fp32 main parameters, so a resume continues from the fp32 values. A checkpoint
+records its precision; resuming it with the optimizer needs the same trainer.precision (the two
+optimizers' states differ). Loading without the optimizer works across precisions: the fp32 main
+parameters are then rebuilt from the loaded model parameters.
+
 Writes go to `<dir>.tmp` and are renamed when every rank has finished, so a crash never
 leaves a half-written checkpoint under the final name.
 """
@@ -31,6 +37,7 @@ from parallel.lora import adapter_parameters, adapter_sharded_state_dict
 from parallel.staging import fresh_staging, publish, staging_dir
 
 LAYOUT_FILE = "moe_rl_layout.json"
+"""The saving trainer's layout (`_layout_record`) plus its trainer.precision."""
 _OPTIMIZER_METADATA = {
     "distrib_optim_sharding_type": "fully_reshardable",
     "chained_optim_avoid_prefix": True,  # same keys whether expert params get their own optimizer
@@ -60,7 +67,7 @@ def _rng_object(rank: int, world_size: int, state=None):
 
 
 def _sharded_state(trainer, with_rng: bool, is_loading: bool) -> dict:
-    model = trainer.model.module
+    model = trainer.gpt_model
     # with LoRA the frozen base comes from model.path / the seed, not from here
     model_state = model.sharded_state_dict() if trainer.lora is None else adapter_sharded_state_dict(model)
     state = {
@@ -83,7 +90,8 @@ def save_checkpoint(trainer, directory: str | Path) -> Path:
     dist.barrier()
     save_sharded(_sharded_state(trainer, with_rng=True, is_loading=False), staging)
     if dist.get_rank() == 0:
-        (staging / LAYOUT_FILE).write_text(json.dumps(_layout_record(trainer)))
+        record = {**_layout_record(trainer), "precision": trainer.config.precision}
+        (staging / LAYOUT_FILE).write_text(json.dumps(record))
         if trainer.lora is not None:  # `moe-rl convert megatron-to-peft` reads the adapters from here
             hf = trainer.bridge.hf
             write_lora_meta(staging, hf if isinstance(hf, dict) else hf.to_dict(), trainer.lora)
@@ -104,16 +112,24 @@ def load_checkpoint(trainer, directory: str | Path, load_optimizer: bool = True)
     if not (directory / LAYOUT_FILE).is_file():
         raise ValueError(f"{str(directory)!r} is not a moe-rl trainer checkpoint ({LAYOUT_FILE} missing)")
     saved_layout = json.loads((directory / LAYOUT_FILE).read_text())
+    saved_precision = saved_layout.pop("precision", "fp32")  # checkpoints before trainer.precision: fp32
+    if load_optimizer and saved_precision != trainer.config.precision:
+        raise ValueError(
+            f"{str(directory)!r} was trained with trainer.precision={saved_precision!r}, its optimizer state "
+            f"does not fit trainer.precision={trainer.config.precision!r}: resume with "
+            f"trainer.precision: {saved_precision}, or load the model alone (load_optimizer=False)"
+        )
     same_layout = saved_layout == _layout_record(trainer)
     request = _sharded_state(trainer, with_rng=same_layout, is_loading=True)
     if not load_optimizer:
         request.pop("optimizer")
     state = dist_checkpointing.load(request, str(directory))
+    model = trainer.gpt_model
     if trainer.lora is None:
-        trainer.model.module.load_state_dict(state["model"])
+        model.load_state_dict(state["model"])
     else:
-        result = trainer.model.module.load_state_dict(state["model"], strict=False)
-        missing = set(result.missing_keys) & set(adapter_parameters(trainer.model.module))
+        result = model.load_state_dict(state["model"], strict=False)
+        missing = set(result.missing_keys) & set(adapter_parameters(model))
         if missing or result.unexpected_keys:
             raise ValueError(
                 f"{str(directory)!r}: its adapters do not match lora: (missing {sorted(missing)[:3]}, "
@@ -121,6 +137,8 @@ def load_checkpoint(trainer, directory: str | Path, load_optimizer: bool = True)
             )
     if load_optimizer:
         trainer.optimizer.load_state_dict(state["optimizer"])
+    else:  # bf16: the fp32 main params start from the loaded model params
+        trainer.optimizer.reload_model_params()
     trainer.step = int(state["step"])
     if same_layout:
         rng = state["rng_state"]

@@ -12,6 +12,10 @@ DP ranks (moe_rl.trainer.microbatches); per-row outputs come back in the batch's
 trainer.pack_sequences each one runs packed (THD, `PackedSeqParams`; Transformer Engine attention):
 the model sees [1, T] and the logprobs are unpacked into the micro-batch's rows before the loss;
 MTP layers shift their inputs and labels within each row of the packed sequence.
+With trainer.precision "bf16" the model computes in bf16 (megatron-core's Float16Module, logits
+back in fp32) while DDP accumulates and reduces gradients in fp32 and the optimizer steps fp32 main
+parameters, copying them back to the bf16 ones after each step (Megatron-LM's mixed precision);
+weights loaded after the optimizer is built are copied into its main parameters.
 """
 
 from __future__ import annotations
@@ -44,7 +48,15 @@ from parallel.context import uses_transformer_engine
 from parallel.export import export_hf_weights, save_hf_checkpoint
 from parallel.fp8 import BlockFP8
 from parallel.lora import LoRAConfig, adapters_disabled, add_lora
-from parallel.model import build_gpt_model, forward, init_model_parallel
+from parallel.model import (
+    build_gpt_model,
+    forward,
+    init_model_parallel,
+    precision_config,
+    unwrap,
+    use_transformer_engine,
+    with_precision,
+)
 from parallel.peft import collect_adapter, load_adapter, save_adapter
 
 LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
@@ -144,6 +156,7 @@ class MegatronTrainer:
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        config.check_packing_precision(gpu_te=use_transformer_engine())
         self.config = config
         self.bridge = bridge_for(hf_config)
         init_model_parallel(config, config.seed)
@@ -161,6 +174,7 @@ class MegatronTrainer:
             config,
             calculate_per_token_loss=True,
             mtp_loss_scaling_factor=config.mtp_loss_weight,
+            **precision_config(config.precision),
             **recompute,
             **replay,
             **variable,
@@ -175,11 +189,11 @@ class MegatronTrainer:
         _expert_params_own_optimizer(model)
         self.routing = RoutingReplay(model) if config.routing_replay else None
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
+            grad_reduce_in_fp32=True,  # bf16 too: main_grad buffers accumulate and all-reduce in fp32
             use_distributed_optimizer=config.optimizer.distributed,
             average_in_collective=False,  # per-token loss: grads are summed, then / num_tokens
         )
-        self.model = DistributedDataParallel(model.config, ddp_config, model)
+        self.model = DistributedDataParallel(model.config, ddp_config, with_precision(model))
         opt = config.optimizer
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
@@ -191,6 +205,7 @@ class MegatronTrainer:
                 adam_eps=opt.adam_eps,
                 clip_grad=opt.clip_grad,
                 use_distributed_optimizer=opt.distributed,
+                bf16=model.config.bf16,  # fp32 main params (and Adam state) beside the bf16 model's
                 params_dtype=model.config.params_dtype,
             ),
             [self.model],
@@ -216,6 +231,12 @@ class MegatronTrainer:
 
         return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
 
+    @property
+    def gpt_model(self):
+        """This rank's GPTModel stage, without its DDP (and, in bf16, Float16Module) wrappers: what
+        the bridges' tables name and what exports, imports and checkpoints read."""
+        return unwrap(self.model)
+
     # -- weights ------------------------------------------------------------------------------
     def load_hf_weights(self, hf_dir: str) -> None:
         """Fill this rank's shards from an HF safetensors directory, or a checkpoint `moe-rl convert
@@ -225,27 +246,29 @@ class MegatronTrainer:
                 f"model.path={hf_dir!r} is a converted checkpoint; with lora the base loads from the HF "
                 "model for now: point model.path at it"
             )
-        load_model_weights(self.model.module, self.bridge, hf_dir)
+        load_model_weights(self.gpt_model, self.bridge, hf_dir)
+        self.optimizer.reload_model_params()  # bf16: the fp32 main params were copied at build
 
     def export_hf_weights(self, bucket_bytes: int, fp8: BlockFP8 | None = None):
         """`(hf_name, tensor)` stream of the current weights on each stage's source rank, FP8 blocks
         quantized where each weight lives (`fp8`). Collective: every rank iterates it to the end
         (see parallel.export)."""
-        return export_hf_weights(self.model.module, self.bridge, bucket_bytes=bucket_bytes, fp8=fp8)
+        return export_hf_weights(self.gpt_model, self.bridge, bucket_bytes=bucket_bytes, fp8=fp8)
 
     def export_adapter(self) -> tuple[dict, dict[str, torch.Tensor]] | None:
         """(PEFT adapter_config, {PEFT name: tensor}) of the adapters on global rank 0, None on the
         other ranks (collective; see parallel.peft)."""
-        return collect_adapter(self.model.module, self.bridge, self._require_lora("export_adapter"))
+        return collect_adapter(self.gpt_model, self.bridge, self._require_lora("export_adapter"))
 
     def save_adapter(self, out_dir: str, base_model: str | None = None) -> None:
         """Write the adapters as a PEFT adapter directory (collective)."""
-        save_adapter(self.model.module, self.bridge, self._require_lora("save_adapter"), out_dir, base_model)
+        save_adapter(self.gpt_model, self.bridge, self._require_lora("save_adapter"), out_dir, base_model)
 
     def load_adapter(self, adapter_dir: str) -> None:
         """Fill the adapters from a PEFT adapter directory (collective)."""
         self._require_lora("load_adapter")
-        load_adapter(self.model.module, self.bridge, adapter_dir)
+        load_adapter(self.gpt_model, self.bridge, adapter_dir)
+        self.optimizer.reload_model_params()
 
     def _require_lora(self, what: str) -> LoRAConfig:
         if self.lora is None:
@@ -256,7 +279,7 @@ class MegatronTrainer:
         """Write the current weights as an HF checkpoint the engines can serve (collective); with
         LoRA the adapters are merged in (base + scale * B A) unless `merged=False` (the frozen base).
         `fp8` (a parallel.fp8.BlockFP8): linear weights as FP8 blocks."""
-        save_hf_checkpoint(self.model.module, self.bridge, out_dir, hf_config, merge_adapters=merged, fp8=fp8)
+        save_hf_checkpoint(self.gpt_model, self.bridge, out_dir, hf_config, merge_adapters=merged, fp8=fp8)
 
     # -- training -----------------------------------------------------------------------------
     def train_step(self, batch: Batch, loss_fn: LossFn = next_token_loss, mini_batches: int = 1) -> StepResult:

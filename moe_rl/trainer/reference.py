@@ -20,10 +20,11 @@ every RouterReplay in one process-global list, but `RoutingReplay` never goes th
 reference forward (replaying the rollout's routing like the policy does) leaves the policy's
 replay actions and FIFOs untouched.
 
-Memory (without LoRA): one more copy of the parameters per rank (the policy's share of the model, in the
-training dtype), no gradients or optimizer state: with Adam in fp32 that is about 1/4 more than
-the policy's parameters + grads + optimizer states (4 + 4 + 8 bytes per parameter, + 4 for the
-reference). Collective: every rank of the trainer world calls `build_reference`.
+Memory (without LoRA): one more copy of the parameters per rank (the policy's share of the model, in
+trainer.precision), no gradients or optimizer state: in fp32 that is about 1/4 more than the
+policy's parameters + grads + Adam states (4 + 4 + 8 bytes per parameter, + 4 for the reference);
+in bf16 about 1/9 (2 + 4 + 12 with fp32 main params, + 2). Collective: every rank of the trainer
+world calls `build_reference`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 
 from moe_rl.conversion.directory import load_model_weights
 from moe_rl.trainer.routing_replay import RoutingReplay
-from parallel.model import build_gpt_model
+from parallel.model import build_gpt_model, precision_config, with_precision
 
 
 @dataclass
@@ -72,7 +73,9 @@ def _seeded_as_at_init(seed: int):
 def build_reference(bridge, config, hf_dir: str | None) -> FrozenModel:
     """This rank's stage of the frozen reference (see the module docstring). `config` is the
     trainer's `TrainerConfig` (its layout and seed). Collective."""
-    overrides = dict(moe_enable_routing_replay=True) if config.routing_replay else {}
+    overrides = precision_config(config.precision)
+    if config.routing_replay:
+        overrides["moe_enable_routing_replay"] = True
     if config.max_tokens_per_microbatch is not None:  # micro-batches of different lengths (pipeline p2p)
         overrides["variable_seq_lengths"] = True
     if hf_dir is None:
@@ -81,6 +84,6 @@ def build_reference(bridge, config, hf_dir: str | None) -> FrozenModel:
     else:
         model = build_gpt_model(bridge, config, calculate_per_token_loss=True, **overrides)
         load_model_weights(model, bridge, hf_dir)  # an HF directory or a converted checkpoint
-    model.eval()
     model.requires_grad_(False)
-    return FrozenModel(model, RoutingReplay(model) if config.routing_replay else None)
+    routing = RoutingReplay(model) if config.routing_replay else None
+    return FrozenModel(with_precision(model).eval(), routing)

@@ -48,6 +48,8 @@ def chat_engine(chat_model):
 
 
 def agent_config(agent: str, **changes) -> RolloutConfig:
+    """A rollout of `agent` on the lookup task; its chat formats resolved as a run config resolves
+    them for the tiny Qwen3-MoE."""
     fields = dict(
         task="lookup",
         agent=f"{AGENTS}:{agent}" if ":" not in agent else agent,
@@ -56,7 +58,9 @@ def agent_config(agent: str, **changes) -> RolloutConfig:
         max_new_tokens=8,
         max_staleness=0,
     )
-    return RolloutConfig(**{**fields, **changes})
+    config = RolloutConfig(**{**fields, **changes})
+    config.episode = config.episode.resolved("qwen3_moe")
+    return config
 
 
 async def rounds(config: RolloutConfig, url: str, n_batches: int = 1, manager_hook=None):

@@ -1,5 +1,5 @@
 """The chat template path, without an engine: the shipped tiny tokenizer, token-in-token-out
-extensions of a record, Hermes tool calls, chat-format JSONL prompts, and the checks a run makes
+extensions of a record, tool calls and reasoning, chat-format JSONL prompts, and the checks a run makes
 before any process starts."""
 
 from __future__ import annotations
@@ -43,17 +43,23 @@ def test_extension_adds_only_the_new_messages_and_the_template_glue():
     assert CHAT.extension_ids([*user, reply], [*user, reply], TOOLS, turn_ended=True) is None  # nothing new
 
 
-def test_hermes_tool_calls():
-    text = 'x <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call> <tool_call>{bad}</tool_call>'
-    parsed = CHAT.parse(CHAT.encode(text) + [CHAT.eos_id])
+def test_a_turn_parses_into_reasoning_content_and_tool_calls():
+    """The tiny tokenizer's family (Qwen3-MoE): qwen25 tool calls, qwen3 reasoning."""
+    good = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    text = "<think>check f</think>x " + good + "\n<tool_call>\n{bad}\n</tool_call>\nafter"
+    parsed = CHAT.parse(CHAT.encode(text) + [CHAT.eos_id], TOOLS)
     assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("f", {"a": 1})]
-    assert parsed.tool_errors == 1 and parsed.content == "x  <tool_call>{bad}</tool_call>"
+    assert (parsed.reasoning, parsed.content, parsed.tool_errors) == ("check f", "x", 1)
     message = parsed.message()
+    assert message["reasoning_content"] == "check f"
     assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"a": 1}
-    plain = CHAT.parse(CHAT.encode("hello"))
-    assert plain.tool_calls == [] and plain.content == "hello" and "tool_calls" not in plain.message()
-    with pytest.raises(ValueError, match="tool_call_format='mistral' is not supported.*hermes"):
+    plain = CHAT.parse(CHAT.encode("hello <tool_call>{}"))  # no think block, no call: the text as it is
+    assert (plain.reasoning, plain.content, plain.tool_calls) == (None, "hello <tool_call>{}", [])
+    assert set(plain.message()) == {"role", "content"}
+    with pytest.raises(ValueError, match="tool_call_format='mistral': not a tool-call format.*qwen25"):
         ChatFormat(CHAT.tokenizer, "mistral")
+    with pytest.raises(ValueError, match="reasoning_parser='auto' is resolved from the model's type"):
+        ChatFormat(CHAT.tokenizer, "qwen25", "auto")
 
 
 def test_dataset_chat_prompts_render_with_the_template(tmp_path):

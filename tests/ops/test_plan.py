@@ -120,6 +120,25 @@ def test_activations_follow_the_token_budget():
     assert double.trainer_memory["activations"] == pytest.approx(2 * rows.trainer_memory["activations"])
 
 
+def test_trainer_memory_and_sync_bytes_follow_the_trainer_precision():
+    """bf16 (the shipped GPU configs): 2-byte weights, activations and syncs, Adam with fp32 main
+    params (12 bytes); fp32: all at 4 bytes, Adam without main params (8 bytes)."""
+    path, big = "configs/models/qwen3_30b_a3b.yaml", "cluster.gpu_memory_gb=1000"
+    config = load_config(path, [big])
+    bf16, fp32 = make_plan(config), make_plan(load_config(path, [big, "trainer.precision=fp32"]))
+    for part, ratio in (("weights", 2), ("optimizer", 8 / 12), ("grads", 1)):
+        assert fp32.trainer_memory[part] == pytest.approx(ratio * bf16.trainer_memory[part]), part
+    # the last stage's logits are fp32 in both (micro-batches of one sequence)
+    logits = 4 * config.data.seq_length * config.model.hf_config["vocab_size"] / config.trainer.tp / 1e9
+    assert fp32.trainer_memory["activations"] - logits == pytest.approx(
+        2 * (bf16.trainer_memory["activations"] - logits)
+    )
+    assert fp32.sync_bytes == 2 * bf16.sync_bytes
+    assert fp32.engine_memory["weights"] == bf16.engine_memory["weights"]  # cluster.param_dtype
+    assert any("trainer.precision=fp32" in note for note in fp32.notes)
+    assert not any("trainer.precision" in note for note in bf16.notes)
+
+
 def test_distributed_optimizer_and_recompute_lower_the_estimate():
     base = make_plan(
         load_config("configs/models/qwen3_30b_a3b.yaml", ["trainer.recompute=false", "cluster.gpu_memory_gb=200"])
@@ -200,7 +219,7 @@ def _tiny_run(tmp_path):
             {
                 "model": {"hf_config": TINY},
                 "cluster": {"nodes": 1, "gpus_per_node": 2, "gpu_memory_gb": 8},
-                "trainer": {"world_size": 1, "global_batch_size": 4},
+                "trainer": {"world_size": 1, "global_batch_size": 4, "precision": "bf16"},
                 "rollout": {"groups_per_step": 1, "n_samples_per_prompt": 4},
                 "engines": {"kind": "sglang", "count": 1},
             }

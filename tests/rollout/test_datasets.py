@@ -275,7 +275,7 @@ def test_chat_rows_give_agents_messages_tools_and_metadata_in_every_format(tmp_p
         # without an agent the same rows are rendered here, tool call and tool result included
         single = dataset(path).prompt(0)
         text = CHAT.tokenizer.decode(single.prompt_ids)
-        assert '<tool_call>{"name": "lookup", "arguments": {"key": "A"}}</tool_call>' in text
+        assert '<tool_call>\n{"name": "lookup", "arguments": {"key": "A"}}\n</tool_call>' in text
         assert single.prompt_ids == CHAT.prompt_ids(single.messages, TOOLS)
 
 

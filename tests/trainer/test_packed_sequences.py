@@ -23,12 +23,14 @@ they are compared only between packed and unpacked runs of the same micro-batche
 
 import dataclasses
 import math
+from dataclasses import dataclass
 from importlib.metadata import version
 
 import pytest
 import torch
 from test_lora_te import under_te
-from test_token_budget import BUDGETS, LENGTHS, VOCAB, compare, make_batch, real_positions
+from test_precision import bf16_grad_tol, bf16_logprob_tol, logprob_scale
+from test_token_budget import BUDGETS, LAYERS, LENGTHS, RTOL_OF_MAX, VOCAB, compare, make_batch, real_positions
 
 from moe_rl.trainer.microbatches import budget_plan
 from parallel.world import spawn
@@ -64,7 +66,7 @@ def save_model(path, mtp: bool = False):
     return path
 
 
-def _rank(hf_dir: str, layout: dict, case_names: list[str], mtp: bool = False):
+def _rank(hf_dir: str, layout: dict, case_names: list[str], mtp: bool = False, precision: str = "fp32"):
     from moe_rl.algorithms import AlgorithmConfig, make_policy_loss
     from moe_rl.config import OptimizerConfig, TrainerConfig
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
@@ -79,6 +81,7 @@ def _rank(hf_dir: str, layout: dict, case_names: list[str], mtp: bool = False):
         max_tokens_per_microbatch=BUDGETS[0],
         pack_sequences=True,  # checked at construction: the TE spec
         mtp_loss_weight=0.3 if mtp else 0.0,
+        precision=precision,
         optimizer=OptimizerConfig(lr=1e-30, clip_grad=0.0),
     )
     trainer = MegatronTrainer(config, load_hf_config(hf_dir))
@@ -114,7 +117,7 @@ def _rank(hf_dir: str, layout: dict, case_names: list[str], mtp: bool = False):
         for path in paths:
             use(path)
             result = trainer.train_step(batch, make_policy_loss(algorithm))
-            params = trainer.model.module.named_parameters()
+            params = trainer.gpt_model.named_parameters()
             grads = {n: p.main_grad.detach().cpu().clone() for n, p in params if p.requires_grad}
             runs[path] = (result.loss, result.num_tokens, grads, result.mtp_loss)
         out["cases"][name] = runs
@@ -122,31 +125,59 @@ def _rank(hf_dir: str, layout: dict, case_names: list[str], mtp: bool = False):
     return out
 
 
-def check(results, mtp: bool = False) -> None:
+@dataclass(frozen=True)
+class Tolerance:
+    """How far two paths' results may be apart."""
+
+    logprob: float
+    """|a - b| of a logprob at a real position; an MTP loss, a mean of cross entropies, too."""
+    loss_rel: float
+    loss_abs: float
+    """|a - b| of the loss <= loss_rel |b| + loss_abs."""
+    grad_of_max: float
+    """|a - b| of a gradient entry, as a fraction of the parameter's largest entry (`compare`)."""
+
+
+FP32 = Tolerance(logprob=1e-5, loss_rel=1e-5, loss_abs=1e-7, grad_of_max=RTOL_OF_MAX)
+"""fp32: only the summation order differs (test_token_budget)."""
+
+
+def bf16_tolerance(layers: int, logprobs: torch.Tensor) -> Tolerance:
+    """bf16: each path lies within test_precision's bf16 bounds of the exact result, so two paths
+    within twice them (`logprobs`: one path's, for the logits' scale). The loss is a token mean of
+    advantage (|A| <= 1) x ratio terms, each ratio as far off as its logprob."""
+    logprob = 2 * bf16_logprob_tol(layers, logprob_scale(logprobs))
+    return Tolerance(logprob=logprob, loss_rel=0.0, loss_abs=logprob, grad_of_max=2 * bf16_grad_tol(layers))
+
+
+def check(results, mtp: bool = False, precision: str = "fp32") -> None:
     width = max(LENGTHS)
     real = real_positions()
+    layers = MTP_MODEL["num_hidden_layers"] + MTP_MODEL["num_nextn_predict_layers"] if mtp else LAYERS
     for rank in results:
         logprobs = rank["logprobs"]
+        tol = FP32 if precision == "fp32" else bf16_tolerance(layers, logprobs["padded"][real])
         for path in logprobs:
             assert logprobs[path].shape == (len(LENGTHS), width - 1)
-            assert torch.allclose(logprobs[path][real], logprobs["padded"][real], rtol=0, atol=1e-5), path
+            error = float((logprobs[path][real] - logprobs["padded"][real]).abs().max())
+            assert error <= tol.logprob, (path, error, tol.logprob)
         assert not logprobs["packed"][~real].any()  # packed: 0 past each row's length
         for name, runs in rank["cases"].items():
             loss, tokens, grads, _ = runs["padded"]
             assert any(float(g.abs().max()) > 0 for g in grads.values()), name
             for path, (p_loss, p_tokens, p_grads, _) in runs.items():
                 assert p_tokens == tokens, (name, path)
-                assert abs(p_loss - loss) <= 1e-5 * abs(loss) + 1e-7, (name, path, p_loss, loss)
+                assert abs(p_loss - loss) <= tol.loss_rel * abs(loss) + tol.loss_abs, (name, path, p_loss, loss)
                 if not mtp or _mtp_tokens_weigh_alike():  # else check_mtp compares equal micro-batches
-                    compare(grads, p_grads)
+                    compare(grads, p_grads, tol.grad_of_max)
             if mtp:
-                check_mtp(name, runs)
+                check_mtp(name, runs, tol)
 
 
-def check_mtp(name: str, runs: dict) -> None:
+def check_mtp(name: str, runs: dict, tol: Tolerance) -> None:
     """The MTP layer was trained, and each packed path's MTP loss and gradients equal those of the
     unpacked path with the same micro-batches. The MTP loss is a mean of per-token cross entropies,
-    each as far from the other path's as a logprob is (1e-5, above): their mean no further."""
+    each as far from the other path's as a logprob is (`tol.logprob`): their mean no further."""
     assert any(float(g.abs().max()) > 0 for n, g in runs["padded"][2].items() if ".mtp." in f".{n}"), name
     assert runs["packed"][3] is not None, name  # no padding micro-batch at BUDGETS[0]: a loss to compare
     for path, (*_, mtp_loss) in runs.items():  # near-uniform model: ~ln(vocab); padding micro-batches count for none
@@ -154,11 +185,11 @@ def check_mtp(name: str, runs: dict) -> None:
     for packed, unpacked in SAME_MICROBATCHES.items():
         loss, tokens, grads, mtp_loss = runs[unpacked]
         p_loss, p_tokens, p_grads, p_mtp_loss = runs[packed]
-        assert p_tokens == tokens and abs(p_loss - loss) <= 1e-5 * abs(loss) + 1e-7, (name, packed)
+        assert p_tokens == tokens and abs(p_loss - loss) <= tol.loss_rel * abs(loss) + tol.loss_abs, (name, packed)
         assert (p_mtp_loss is None) == (mtp_loss is None), (name, packed, p_mtp_loss, mtp_loss)
         if mtp_loss is not None:
-            assert abs(p_mtp_loss - mtp_loss) <= 1e-5, (name, packed, p_mtp_loss, mtp_loss)
-        compare(grads, p_grads)
+            assert abs(p_mtp_loss - mtp_loss) <= tol.logprob, (name, packed, p_mtp_loss, mtp_loss)
+        compare(grads, p_grads, tol.grad_of_max)
 
 
 def _mtp_tokens_weigh_alike() -> bool:
@@ -194,6 +225,14 @@ def test_packed_under_sequence_parallel(tmp_path):
     check(spawn(under_te, 2, _rank, hf_dir, layout, ["token-mean+tis", "r3"], fresh=True))
 
 
+def test_packed_in_bf16(tmp_path):
+    """trainer.precision bf16, what GPUs pack in (TE's thd attention takes no fp32): the same
+    comparison within bf16's tolerance."""
+    hf_dir = str(save_model(tmp_path / "hf"))
+    results = spawn(under_te, 2, _rank, hf_dir, {"ep": 2}, ["token-mean+tis", "r3"], False, "bf16", fresh=True)
+    check(results, precision="bf16")
+
+
 def _refusal(hf_dir: str) -> str:
     from moe_rl.config import TrainerConfig
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
@@ -217,11 +256,13 @@ def test_pack_sequences_is_refused_on_the_local_spec(tmp_path):
 @pytest.mark.gpu_te
 def test_packed_gradients_with_the_real_transformer_engine(tmp_path):
     """The same comparison on one GPU with the real Transformer Engine (its thd attention and RoPE
-    kernels against its sbhd ones): what the stand-in stands for."""
+    kernels against its sbhd ones): what the stand-in stands for. In bf16: TE's attention runs thd
+    only in bf16/fp16 (fp32 packing is refused, `TrainerConfig.check_packing_precision`)."""
     pytest.importorskip("transformer_engine")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     hf_dir = str(save_model(tmp_path / "hf"))
-    check(spawn(_rank, 1, hf_dir, {"world_size": 1}, ["token-mean+tis", "seq-mean-token-mean", "r3"]))
+    cases = ["token-mean+tis", "seq-mean-token-mean", "r3"]
+    check(spawn(_rank, 1, hf_dir, {"world_size": 1}, cases, False, "bf16"), precision="bf16")
     hf_dir = str(save_model(tmp_path / "hf-mtp", mtp=True))
-    check(spawn(_rank, 1, hf_dir, {"world_size": 1}, ["token-mean+tis", "r3"], True), mtp=True)
+    check(spawn(_rank, 1, hf_dir, {"world_size": 1}, ["token-mean+tis", "r3"], True, "bf16"), True, "bf16")

@@ -125,10 +125,10 @@ def _rank(layout: dict, case_names: list[str] | None = None, family: str = "qwen
     return out
 
 
-def compare(reference, other):
+def compare(reference, other, rtol_of_max: float = RTOL_OF_MAX):
     worst = 0.0
     for name, grad in reference.items():
-        bound = RTOL_OF_MAX * float(grad.abs().max()) + ATOL
+        bound = rtol_of_max * float(grad.abs().max()) + ATOL
         error = float((other[name] - grad).abs().max())
         assert error <= bound, (name, error, bound)
         worst = max(worst, error / bound)

@@ -205,12 +205,7 @@ class RolloutManager:
                 Sample(
                     prompt_ids=list(prompt.prompt_ids),
                     group_id=gid,
-                    metadata={
-                        "answer": prompt.answer,
-                        "prompt": prompt.metadata,
-                        "round": round_index,
-                        "num_segments": 0,
-                    },
+                    metadata={"answer": prompt.answer, "prompt": prompt.metadata, "round": round_index},
                 )
                 for _ in range(self.config.n_samples_per_prompt)
             ]

@@ -1,25 +1,15 @@
 """The benchmarks' options: one kw-only dataclass per `moe-rl bench` command, checked when built.
 
 The command modules take their defaults from here to build the CLI's parser, so this module
-imports nothing heavy (no torch); `from_args` builds an options object from the parsed arguments,
-`moe_rl.config.load_config(path, cls=SyncBench)` one from a YAML file.
+imports nothing heavy (no torch); `moe_rl.commands.options_from` builds an options object from the
+parsed arguments, `moe_rl.config.load_config(path, cls=SyncBench)` one from a YAML file.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 from dataclasses import dataclass
-from typing import TypeVar
 
 from parallel.layout import ParallelLayout
-
-Options = TypeVar("Options")
-
-
-def from_args(cls: type[Options], args: argparse.Namespace) -> Options:
-    """`cls` from the parsed arguments of the same names (`--max-new-tokens` -> `max_new_tokens`)."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
 def _positive(options, *names: str) -> None:

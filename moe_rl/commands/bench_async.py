@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from moe_rl.bench.options import AsyncBench, from_args
+from moe_rl.bench.options import AsyncBench
+from moe_rl.commands import options_from
 
 COMMAND = ("bench", "async")
 HELP = (
@@ -64,7 +65,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    options = from_args(AsyncBench, args)
+    options = options_from(AsyncBench, args)
     # heavy: torch and Ray (the RL job); the CLI imports every command module to build its parser
     from moe_rl.bench import asynchrony
 

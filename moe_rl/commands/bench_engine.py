@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from moe_rl.bench.options import EngineBench, from_args
+from moe_rl.bench.options import EngineBench
+from moe_rl.commands import options_from
 
 COMMAND = ("bench", "engine")
 HELP = (
@@ -28,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    options = from_args(EngineBench, args)
+    options = options_from(EngineBench, args)
     # heavy: torch and the engine (the CLI imports every command module to build its parser)
     from moe_rl.bench import engine
 

@@ -3,7 +3,8 @@ long-tailed RL batch, padded micro-batches against token-budget ones (`moe_rl.be
 
 from __future__ import annotations
 
-from moe_rl.bench.options import TrainBench, from_args
+from moe_rl.bench.options import TrainBench
+from moe_rl.commands import options_from
 
 COMMAND = ("bench", "train")
 HELP = "trainer throughput on long-tailed RL batches: padded vs token-budget micro-batches"
@@ -22,7 +23,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    options = from_args(TrainBench, args)
+    options = options_from(TrainBench, args)
     # heavy: torch and megatron-core (the CLI imports every command module to build its parser)
     from moe_rl.bench import train
 

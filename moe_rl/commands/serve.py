@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from moe_rl.commands import options_from
 from moe_rl.cpu_pools import pin_process
 from moe_rl.engine.process import EmbeddedConfig
 
@@ -12,7 +13,7 @@ HELP = "serve an HF MoE model directory with the embedded CPU engine (SGLang's H
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_dir", help="HF model directory (config.json + *.safetensors)")
+    parser.add_argument("model_path", metavar="MODEL_DIR", help="HF model directory (config.json + *.safetensors)")
     parser.add_argument("--host", default=EmbeddedConfig.host)
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--weight-version", default=EmbeddedConfig.weight_version, help="initial weight version")
@@ -36,15 +37,7 @@ def _core_list(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = EmbeddedConfig(
-        model_path=args.model_dir,
-        host=args.host,
-        port=args.port,
-        weight_version=args.weight_version,
-        max_batch=args.max_batch,
-        device=args.device,
-        cpus=args.cpus,
-    )
+    config = options_from(EmbeddedConfig, args)
     if config.cpus:  # before torch starts its thread pool, so every thread inherits the pinning
         pin_process(config.cpus)
     # heavy: torch and transformers (the engine); the CLI imports every command module to build its parser

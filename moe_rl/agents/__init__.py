@@ -4,7 +4,7 @@
   (token-in-token-out), and `load_tokenizer`.
 - `parsers`: tool-call and reasoning parsing per model family (SGLang's names), `ToolCall`.
 - `episode`: `Episode`, the record of one trajectory and the handle agents drive.
-- `runner`: `AgentRunner`, one group's episodes with limits and outcomes; `resolve_agent`.
+- `runner`: `AgentRunner`, one group's episodes with limits and outcomes.
 - `endpoint`: `ChatEndpoint`, `/v1/chat/completions` per episode for OpenAI-SDK agents.
 - `config`: `EpisodeConfig` (`rollout.episode`).
 - `tiny_tokenizer`: the small chat tokenizer of the CPU demos and tests.
@@ -16,7 +16,7 @@ from moe_rl.agents.config import EpisodeConfig
 from moe_rl.agents.endpoint import ChatEndpoint
 from moe_rl.agents.episode import Episode, EpisodeLimit, Turn
 from moe_rl.agents.parsers import ToolCall
-from moe_rl.agents.runner import AgentFailure, AgentRunner, resolve_agent
+from moe_rl.agents.runner import AgentFailure, AgentRunner
 
 __all__ = [
     "AgentFailure",
@@ -29,5 +29,4 @@ __all__ = [
     "ToolCall",
     "Turn",
     "load_tokenizer",
-    "resolve_agent",
 ]

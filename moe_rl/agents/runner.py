@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import inspect
 import logging
 import math
 import time
@@ -34,20 +33,10 @@ from moe_rl.agents.config import EpisodeConfig
 from moe_rl.agents.endpoint import ChatEndpoint
 from moe_rl.agents.episode import Episode, EpisodeLimit, TurnFn
 from moe_rl.sample import Sample
-from moe_rl.tasks.registry import import_object
 
 log = logging.getLogger(__name__)
 AgentFn = Callable[[Episode], Awaitable[Any]]
 STATS = ("turns", "tool_calls", "tool_errors", "forks", "replayed_turns", "generate_s", "env_s", "truncated")
-
-
-def resolve_agent(name: str, field: str = "rollout.agent") -> AgentFn:
-    """`package.module:function` -> the async agent function (ValueError naming the fix)."""
-    wants = "an async function of an Episode (async def agent(episode))"
-    fn = import_object(name, field, wants)
-    if not inspect.iscoroutinefunction(fn):
-        raise ValueError(f"{field}={name!r} is not an async function: give {wants}")
-    return fn
 
 
 class AgentFailure(Exception):
@@ -79,20 +68,20 @@ class AgentRunner:
     @classmethod
     def for_agent(
         cls,
-        agent: str,
+        agent: AgentFn,
         tokenizer_dir,
         config: EpisodeConfig,
         *,
         max_new_tokens: int,
         score: Callable[[str, Any, Sample], float],
     ) -> "AgentRunner":
-        """The runner of `agent` ("package.module:function") with the model's chat format (from
-        `tokenizer_dir`) and an OpenAI endpoint per `config`."""
+        """The runner of `agent` (resolved by `moe_rl.tasks.registry.resolve_agent`) with the model's
+        chat format (from `tokenizer_dir`) and an OpenAI endpoint per `config`."""
         chat = ChatFormat.load(
             tokenizer_dir, config.tool_call_format, config.reasoning_parser, config.chat_template_kwargs
         )
         endpoint = ChatEndpoint(config.endpoint_host, config.endpoint_port)
-        return cls(resolve_agent(agent), chat, config, max_new_tokens=max_new_tokens, score=score, endpoint=endpoint)
+        return cls(agent, chat, config, max_new_tokens=max_new_tokens, score=score, endpoint=endpoint)
 
     def close(self) -> None:
         self.tool_pool.shutdown(wait=False, cancel_futures=True)

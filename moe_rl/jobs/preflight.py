@@ -32,11 +32,11 @@ import inspect
 import itertools
 from pathlib import Path
 
-from moe_rl.agents import ChatFormat, resolve_agent
+from moe_rl.agents import ChatFormat
 from moe_rl.config import ModelConfig, RunConfig
 from moe_rl.conversion.directory import is_converted
 from moe_rl.tasks import Task, get_reward
-from moe_rl.tasks.registry import task_class
+from moe_rl.tasks.registry import resolve_agent, task_class
 from parallel.hf_checkpoint import HFCheckpointReader
 from parallel.model import use_transformer_engine
 

@@ -42,6 +42,7 @@ from moe_rl.rollout.partial import continuation_request, continue_sample
 from moe_rl.rollout.scoring import RewardScorer
 from moe_rl.sample import Sample
 from moe_rl.tasks import Prompt, get_reward
+from moe_rl.tasks.registry import resolve_agent
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -89,7 +90,7 @@ class EvalDataset:
         self.agents: AgentRunner | None = None
         if config.agent is not None:
             self.agents = AgentRunner.for_agent(
-                config.agent,
+                resolve_agent(config.agent),
                 tokenizer_dir,
                 rollout.episode,
                 max_new_tokens=config.max_new_tokens,

@@ -39,6 +39,7 @@ from moe_rl.rollout.partial import continuation_request, continue_sample, mask_o
 from moe_rl.rollout.scoring import RewardScorer
 from moe_rl.sample import Sample
 from moe_rl.tasks import Prompt, Task, get_reward
+from moe_rl.tasks.registry import resolve_agent
 from sync.lora import adapter_name
 
 
@@ -64,7 +65,7 @@ class RolloutManager:
             if tokenizer_dir is None:
                 raise ValueError("rollout.agent needs the model's tokenizer: set model.tokenizer (or model.path)")
             self.agents = AgentRunner.for_agent(
-                config.agent,
+                resolve_agent(config.agent),
                 tokenizer_dir,
                 config.episode,
                 max_new_tokens=config.max_new_tokens,

@@ -177,3 +177,12 @@ def _kind(value: Any) -> str:
     if inspect.isroutine(value):
         return f"the function {value.__qualname__}"
     return f"an object of type {type(value).__name__}"
+
+
+def resolve_agent(name: str, field: str = "rollout.agent") -> Callable:
+    """`package.module:function` -> the async agent function (ValueError naming the fix)."""
+    wants = "an async function of an Episode (async def agent(episode))"
+    fn = import_object(name, field, wants)
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"{field}={name!r} is not an async function: give {wants}")
+    return fn

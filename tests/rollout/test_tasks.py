@@ -90,8 +90,7 @@ NOT_CALLABLE = 3
 
 
 def test_user_tasks_rewards_and_agents_import_from_modules_and_are_checked(tmp_path, monkeypatch):
-    from moe_rl.agents import resolve_agent
-    from moe_rl.tasks.registry import task_class
+    from moe_rl.tasks.registry import resolve_agent, task_class
 
     (tmp_path / "user_code_a.py").write_text(USER_CODE)
     (tmp_path / "broken_on_import.py").write_text("raise RuntimeError('no GPU here')\n")

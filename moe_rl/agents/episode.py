@@ -67,6 +67,17 @@ class Turn:
         return ParsedTurn(self.text, self.content, self.tool_calls, 0, self.reasoning).message()
 
 
+@dataclasses.dataclass(frozen=True)
+class EpisodeSetting:
+    """What every episode of a runner shares: the chat format, the limits, the default turn budget
+    and the tool worker pool."""
+
+    chat: ChatFormat
+    config: EpisodeConfig
+    max_new_tokens: int
+    tool_pool: concurrent.futures.Executor
+
+
 class Episode:
     def __init__(
         self,
@@ -77,19 +88,16 @@ class Episode:
         tools: list[dict] | None,
         answer: Any,
         metadata: dict,
-        chat: ChatFormat,
+        setting: EpisodeSetting,
         turn: TurnFn,
-        config: EpisodeConfig,
-        max_new_tokens: int,
-        tool_pool: concurrent.futures.Executor,
-        base_url: str = "",
         replay: list[dict] | None = None,
     ):
         self.group_id, self.index = group_id, index
         self.messages, self.tools = [dict(m) for m in messages], tools
         self.answer, self.metadata = answer, metadata
-        self.chat, self._turn, self.config = chat, turn, config
-        self.max_new_tokens, self.tool_pool, self.base_url = max_new_tokens, tool_pool, base_url
+        self.chat, self.config, self._turn = setting.chat, setting.config, turn
+        self.max_new_tokens, self.tool_pool = setting.max_new_tokens, setting.tool_pool
+        self.base_url = ""  # the endpoint's URL of this episode, set when its runner opens it
         self.reward: float | None = None
         self.sequences: list[Sample] = []  # closed by a history rewrite
         self.current: Sample | None = None
@@ -219,7 +227,7 @@ class Episode:
         self.current = Sample(
             prompt_ids=prompt,
             group_id=self.group_id,
-            metadata={**self.metadata, "answer": self.answer, "episode": self.index, "num_segments": 0},
+            metadata={**self.metadata, "answer": self.answer, "episode": self.index},
         )
         self.pending, self.turn_ended = [], True
         return [], True

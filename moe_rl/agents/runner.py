@@ -31,7 +31,7 @@ from typing import Any, Awaitable, Callable
 from moe_rl.agents.chat import ChatFormat
 from moe_rl.agents.config import EpisodeConfig
 from moe_rl.agents.endpoint import ChatEndpoint
-from moe_rl.agents.episode import Episode, EpisodeLimit, TurnFn
+from moe_rl.agents.episode import Episode, EpisodeLimit, EpisodeSetting, TurnFn
 from moe_rl.sample import Sample
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class AgentRunner:
         self.agent, self.chat, self.config = agent, chat, config
         self.max_new_tokens, self.score, self.endpoint = max_new_tokens, score, endpoint
         self.tool_pool = concurrent.futures.ThreadPoolExecutor(config.tool_workers, thread_name_prefix="tool")
+        self.setting = EpisodeSetting(chat, config, max_new_tokens, self.tool_pool)
         self.open: dict[str, list[Episode]] = {}  # group id -> its running episodes (run checkpoints)
         self.totals = collections.Counter()
         self._reported = collections.Counter()  # totals at the previous `metrics()`
@@ -98,11 +99,8 @@ class AgentRunner:
                 tools=prompt.tools,
                 answer=prompt.answer,
                 metadata={"prompt": prompt.metadata},
-                chat=self.chat,
+                setting=self.setting,
                 turn=turn,
-                config=self.config,
-                max_new_tokens=self.max_new_tokens,
-                tool_pool=self.tool_pool,
                 replay=replay[i] if replay else None,
             )
             for i in range(n)

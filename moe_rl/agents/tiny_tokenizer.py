@@ -7,6 +7,9 @@ models (< 128 ids):
 - printable ASCII and newline, one id per character, plus a few merges (`ke`, `key`, ...), so
   decoding sampled ids and encoding the text again can give other ids (the drift a
   token-in-token-out record avoids);
+- the role names and the tool's name as one token each (`system`, `user`, `assistant`,
+  `lookup`), as in a real vocabulary: spelled by characters they would make every turn ten
+  tokens longer, and a tiny model's attention harder to aim at what the turns hold;
 - one added token per whole `lookup` tool call (`<tool_call>\\n{"name": "lookup", "arguments":
   {"key": "C"}}\\n</tool_call>` for each key A..J): a random-init model can emit a valid call in
   one token, so the agent demo learns in minutes. A real tokenizer spells a call in many tokens;
@@ -34,6 +37,7 @@ SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 KEYS = "ABCDEFGHIJ"
 VOCAB_SIZE = 128
 MERGES = (("k", "e"), ("ke", "y"), ("o", "o"), ("t", "oo"), ("too", "l"))
+WORDS = ("system", "user", "assistant", "lookup")
 
 
 def lookup_call(key: str) -> str:
@@ -68,6 +72,7 @@ def build(out_dir: str | Path) -> Path:
     tokenizer.decoder = decoders.Fuse()
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
     tokenizer.add_tokens([AddedToken(lookup_call(k), normalized=False) for k in KEYS])
+    tokenizer.add_tokens([AddedToken(word, normalized=False) for word in WORDS])  # after the calls: their ids stay
     reserved = [f"<|reserved_{i}|>" for i in range(VOCAB_SIZE - tokenizer.get_vocab_size())]
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in reserved])
     fast = PreTrainedTokenizerFast(

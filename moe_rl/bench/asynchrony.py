@@ -127,7 +127,7 @@ def run(options: AsyncBench) -> dict:
         "long_tail_partial": [*tail, "rl.mode=fully_async"],
     }
     if load_config(options.config, options.overrides).rollout.agent is not None:
-        tools = [*base, f"rollout.task_options={{latency_s: {options.tool_latency_s}}}"]
+        tools = [*base, f"rollout.task_options.latency_s={options.tool_latency_s}"]
         plan = {"agent_sync": [*tools, *sync], "agent_fully_async": [*tools, *fully_async]}
     for overrides in plan.values():  # a bad option, override or input fails now, not after minutes of runs
         check_run(load_config(options.config, overrides))

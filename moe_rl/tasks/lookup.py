@@ -3,8 +3,12 @@
 The prompt names a key ("key C"); the model must call the `lookup` tool with it, read the value
 the tool returns (a digit, drawn per prompt, so it cannot be memorised) and answer with that
 value. The task is written twice, as a plain agent function (`lookup_agent`) and as an
-OpenAI-SDK agent against the episode's endpoint (`lookup_openai_agent`); both score the same:
-- `CALL_CREDIT` for a `lookup` call, plus `KEY_CREDIT` when it names the prompt's key;
+OpenAI-SDK agent against the episode's endpoint (`lookup_openai_agent`); both score the same
+(`score`):
+- `CALL_CREDIT` for a `lookup` call, unless the answering turn calls again (both turns open
+  the same way, so a model that has just learned to call would call there too: the task is to
+  call once, then answer);
+- `KEY_CREDIT` when the call names the prompt's key;
 - `ANSWER_CREDIT` when the final answer's first character is the value.
 The partial credit gives a random-init model a signal at each step of the skill (the tiny
 tokenizer holds each whole call as one token: `moe_rl.agents.tiny_tokenizer`). The tool sleeps
@@ -73,6 +77,12 @@ def answered(text: str, answer: str) -> bool:
     return text.strip()[:1] == answer
 
 
+def score(right_key: bool, called_again: bool, final_content: str, answer: str) -> float:
+    """An episode that called `lookup`: the call credit unless the answering turn called again,
+    the key credit, the answer credit."""
+    return CALL_CREDIT * (not called_again) + KEY_CREDIT * right_key + ANSWER_CREDIT * answered(final_content, answer)
+
+
 async def lookup_agent(episode: Episode) -> float:
     """The plain agent: one turn, at most one lookup, one answering turn."""
     task = episode.metadata["prompt"]
@@ -84,7 +94,7 @@ async def lookup_agent(episode: Episode) -> float:
     value = await episode.run_tool(lookup, task["table"], key, task["latency_s"])
     episode.add([{"role": "tool", "tool_call_id": calls[0].id, "content": value}])
     final = await episode.generate(max_tokens=2)
-    return CALL_CREDIT + KEY_CREDIT * (key == task["key"]) + ANSWER_CREDIT * answered(final.content, episode.answer)
+    return score(key == task["key"], bool(final.tool_calls), final.content, episode.answer)
 
 
 async def lookup_openai_agent(episode: Episode) -> float:
@@ -111,7 +121,7 @@ async def lookup_openai_agent(episode: Episode) -> float:
         final = await client.chat.completions.create(
             model="policy", messages=messages, tools=episode.tools, max_tokens=2
         )
-        answer = final.choices[0].message.content or ""
+        last = final.choices[0].message
     finally:
         await client.close()
-    return CALL_CREDIT + KEY_CREDIT * (key == task["key"]) + ANSWER_CREDIT * answered(answer, episode.answer)
+    return score(key == task["key"], bool(last.tool_calls), last.content or "", episode.answer)

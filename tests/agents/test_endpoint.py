@@ -12,6 +12,7 @@ import pytest
 from moe_rl.agents import ChatFormat
 from moe_rl.agents.tiny_tokenizer import lookup_call
 from moe_rl.engine.process import EmbeddedConfig, launch_embedded
+from moe_rl.tasks.lookup import KEY_CREDIT
 from tests.agents import agents_for_tests
 from tests.agents.conftest import CHAT_DIR, agent_config, rounds, save_chat_model
 from tests.agents.test_episode_record import check_record, engine_calls_of
@@ -44,6 +45,19 @@ def test_openai_sdk_agent_with_tool_calls(emitting_engines):
         assert sampled == [CALL_C] * 6
         assert "<|im_start|>tool\n7<|im_end|>" in CHAT.tokenizer.decode(sample.response_ids)
     assert manager.agents.endpoint.calls == 6
+
+
+@pytest.mark.parametrize("agent", ["lookup_agent", "lookup_openai_agent"])
+def test_lookup_scores_an_episode_that_calls_again_without_the_call_credit(emitting_engines, agent):
+    """The model calls `lookup` in its answering turn too: both lookup agents keep only the key
+    credit (the call spells key C)."""
+    config = agent_config(f"moe_rl.tasks.lookup:{agent}", groups_per_step=3, task_options={"num_keys": 3})
+    (batch,), _, _ = asyncio.run(rounds(config, emitting_engines["call"]))
+    samples = [sample for group in batch for sample in group]
+    assert len(samples) == 6
+    for sample in samples:
+        assert sample.metadata["tool_calls"] == 4  # two calls a turn, two turns
+        assert sample.reward == KEY_CREDIT * (sample.metadata["prompt"]["key"] == "C")
 
 
 def test_sampled_ids_are_kept_where_text_would_retokenize_differently(emitting_engines):

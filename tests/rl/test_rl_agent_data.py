@@ -23,7 +23,7 @@ import yaml
 from moe_rl.agents import ChatFormat
 from moe_rl.agents.tiny_tokenizer import lookup_call
 from moe_rl.rollout.dump import SampleDump
-from moe_rl.tasks.lookup import LOOKUP_TOOL
+from moe_rl.tasks.lookup import KEY_CREDIT, LOOKUP_TOOL
 from tests.agents.conftest import CHAT_DIR, save_chat_model
 from tests.tiny_models import QWEN3_MOE_SMALL, hf_fields
 
@@ -96,7 +96,8 @@ def test_a_jsonl_of_chat_prompts_with_tools_drives_agent_episodes(tmp_path):
         assert record["episode"]["calls"][0] == {"turn": 1, "name": "lookup", "arguments": {"key": "C"}}
         assert f"<|im_start|>tool\n{row['metadata']['table']['C']}<|im_end|>" in record["response_text"]
         assert record["answer"] == row["answer"]
-        assert record["reward"] == pytest.approx(0.2 + 0.3 * (row["metadata"]["key"] == "C"))  # no answer given
+        # it calls again where it should answer: only the key credit
+        assert record["reward"] == pytest.approx(KEY_CREDIT * (row["metadata"]["key"] == "C"))
 
 
 USER_MODULE = '''

@@ -121,9 +121,13 @@ class ChatFormat:
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         if ids and ids[-1] == self.eos_id:
             text = text[: -len(self.eos_text)] if text.endswith(self.eos_text) else text
-        reasoning, rest = self.reasoning_parser.split(text) if self.reasoning_parser else (None, text)
+        reasoning, rest = self.split_reasoning(text)
         content, calls, errors = self.tool_parser.parse(rest, tools)
         return ParsedTurn(text, content, calls, errors, reasoning)
+
+    def split_reasoning(self, text: str) -> tuple[str | None, str]:
+        """(reasoning, the rest) of a turn's text; (None, text) where the format has no reasoning parser."""
+        return self.reasoning_parser.split(text) if self.reasoning_parser else (None, text)
 
 
 def load_tokenizer(directory: str | Path):

@@ -6,8 +6,9 @@ unchanged (`AsyncOpenAI(base_url=episode.base_url, api_key="-")`) and every call
 episode; unknown or finished episodes get 404. Loopback by default
 (`rollout.episode.endpoint_host`).
 
-`POST {base}/chat/completions` takes `messages`, `tools`, `tool_choice` ("auto", "none"; a
-template cannot force a call: "required" and named functions are refused), `temperature`,
+`POST {base}/chat/completions` takes `messages`, `tools`, `tool_choice` ("auto", "none": calls
+are left in the content, as SGLang leaves them; a template cannot force a call: "required" and
+named functions are refused), `temperature`,
 `top_p`, `max_tokens` / `max_completion_tokens`, `stop` (strings that are single tokens of the
 tokenizer), `n` = 1, no streaming. Each call is one `Episode.generate` (token-in-token-out), and
 the answer is OpenAI's schema: `choices[0].message` with `content` and `tool_calls`,
@@ -30,7 +31,8 @@ import uuid
 
 from aiohttp import web
 
-from moe_rl.agents.episode import Episode, EpisodeLimit
+from moe_rl.agents.chat import ChatFormat
+from moe_rl.agents.episode import Episode, EpisodeLimit, Turn
 
 
 class RequestError(ValueError):
@@ -100,7 +102,7 @@ class ChatEndpoint:
         except ValueError as error:
             return _error(400, str(error))
         self.calls += 1
-        message = turn.message() if body.get("tool_choice") != "none" else {"role": "assistant", "content": turn.text}
+        message = completion_message(turn, episode.chat, body.get("tool_choice"))
         finish = "tool_calls" if message.get("tool_calls") else turn.finish_reason
         return web.json_response(
             {
@@ -159,6 +161,18 @@ class ChatEndpoint:
                 ids.append(encoded[0])
             kwargs["stop_token_ids"] = ids
         return kwargs
+
+
+def completion_message(turn: Turn, chat: ChatFormat, tool_choice: str | None) -> dict:
+    """The answer's `choices[0].message`. As SGLang's chat server: the reasoning is split off
+    always, tool calls are parsed unless `tool_choice` is "none" (then they stay in the content)."""
+    if tool_choice != "none":
+        return turn.message()
+    reasoning, content = chat.split_reasoning(turn.text)
+    message = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    return message
 
 
 def _error(status: int, message: str, code: str = "invalid_request_error") -> web.Response:

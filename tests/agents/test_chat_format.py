@@ -9,6 +9,8 @@ import json
 import pytest
 
 from moe_rl.agents import ChatFormat
+from moe_rl.agents.endpoint import completion_message
+from moe_rl.agents.episode import Turn
 from moe_rl.agents.tiny_tokenizer import build, lookup_call
 from moe_rl.config import RunConfig, from_dict
 from moe_rl.tasks import make_task
@@ -56,6 +58,10 @@ def test_a_turn_parses_into_reasoning_content_and_tool_calls():
     plain = CHAT.parse(CHAT.encode("hello <tool_call>{}"))  # no think block, no call: the text as it is
     assert (plain.reasoning, plain.content, plain.tool_calls) == (None, "hello <tool_call>{}", [])
     assert set(plain.message()) == {"role", "content"}
+    turn = Turn(parsed.text, parsed.content, parsed.tool_calls, [], "stop", 0, parsed.reasoning)
+    assert completion_message(turn, CHAT, "auto") == message
+    untooled = completion_message(turn, CHAT, "none")  # as SGLang: reasoning split off, calls left as text
+    assert untooled == {"role": "assistant", "content": text.split("</think>")[1], "reasoning_content": "check f"}
     with pytest.raises(ValueError, match="tool_call_format='mistral': not a tool-call format.*qwen25"):
         ChatFormat(CHAT.tokenizer, "mistral")
     with pytest.raises(ValueError, match="reasoning_parser='auto' is resolved from the model's type"):

@@ -24,6 +24,7 @@ record keeps them with loss mask 1), `total_tokens` their sum: the sequence's le
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import socket
 import time
@@ -169,10 +170,7 @@ def completion_message(turn: Turn, chat: ChatFormat, tool_choice: str | None) ->
     if tool_choice != "none":
         return turn.message()
     reasoning, content = chat.split_reasoning(turn.text)
-    message = {"role": "assistant", "content": content}
-    if reasoning is not None:
-        message["reasoning_content"] = reasoning
-    return message
+    return dataclasses.replace(turn, content=content, tool_calls=[], reasoning=reasoning).message()
 
 
 def _error(status: int, message: str, code: str = "invalid_request_error") -> web.Response:

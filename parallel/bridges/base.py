@@ -280,7 +280,11 @@ class Bridge:
 
     def transformer_config(self, layout: ParallelLayout, **overrides: Any):
         """Megatron TransformerConfig for this model under `layout` (fp32 unless overridden)."""
+        # heavy: megatron-core, loaded only where a model is built
+        from megatron.core.utils import init_method_normal
+
         layout.check_model(self.model_shape())
+        std = float(self.get("initializer_range", 0.02))
         kwargs: dict[str, Any] = dict(
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
@@ -301,7 +305,8 @@ class Bridge:
             apply_rope_fusion=False,
             gradient_accumulation_fusion=False,
             use_cpu_initialization=True,  # layout-independent init, and CPU-only machines
-            init_method_std=float(self.get("initializer_range", 0.02)),
+            init_method_std=std,
+            output_layer_init_method=init_method_normal(std),
             moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=False,
             moe_router_dtype="fp32",

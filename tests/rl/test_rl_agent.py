@@ -14,13 +14,15 @@ from moe_rl.config import load_config
 pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-STEPS = 80
+STEPS = 100
 """Quiet, a step takes about 0.4 s here. With a busy loop per core it took 4-9 s: every step hands
 work between six processes (two trainer ranks, the engine, the driver, Ray) through many small
-collectives, and each hand-off waits for a time slice. The time limit allows 80 of the slowest."""
+collectives, and each hand-off waits for a time slice. The time limit allows 100 of the slowest.
+The call is learnt around steps 50-100 (reward 0.04 -> 0.13-0.18 over steps 71-80 in four runs of
+the demo): 100 steps leave a margin over the test's 0.1."""
 
 
-@pytest.mark.timeout(80 * 15 + 300)
+@pytest.mark.timeout(STEPS * 15 + 300)
 def test_agent_demo_learns_to_call_the_tool(tmp_path):
     from moe_rl.jobs import rl
 

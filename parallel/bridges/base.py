@@ -280,7 +280,7 @@ class Bridge:
 
     def transformer_config(self, layout: ParallelLayout, **overrides: Any):
         """Megatron TransformerConfig for this model under `layout` (fp32 unless overridden)."""
-        # heavy: megatron-core, loaded only where a model is built
+        # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
         from megatron.core.utils import init_method_normal
 
         layout.check_model(self.model_shape())
@@ -306,6 +306,7 @@ class Bridge:
             gradient_accumulation_fusion=False,
             use_cpu_initialization=True,  # layout-independent init, and CPU-only machines
             init_method_std=std,
+            # as transformers draws it: megatron-core would scale attention out / MLP down by 1/sqrt(2L)
             output_layer_init_method=init_method_normal(std),
             moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=False,

@@ -47,15 +47,15 @@ def test_random_init_has_the_hf_models_spread(tmp_path, initializer_range):
         reference.update(load_file(str(file)))
     (megatron,) = spawn(_megatron_init, 1, config.to_dict())
     assert set(megatron) == set(reference)
-    for name, hf in reference.items():
-        ours = megatron[name].float()
-        if hf.float().std() == 0:  # norms: ones in both
-            assert torch.equal(ours, hf.float()), name
+    for name, tensor in reference.items():
+        hf, ours = tensor.float(), megatron[name].float()
+        if hf.std() == 0:  # norms: ones in both
+            assert torch.equal(ours, hf), name
             continue
         # both stds are estimates from n draws: each is off by ~1/sqrt(2n) relative; allow 5 sigma
         # of their ratio (0.31 for the router's 256 weights, 0.02 for the embedding's 16k; the
         # scaled init would be off by 1 - 1/sqrt(8) = 0.65)
         tolerance = 5 / math.sqrt(hf.numel())
-        ratio = float(ours.std() / hf.float().std())
+        ratio = float(ours.std() / hf.std())
         assert abs(ratio - 1) < tolerance, f"{name}: std {float(ours.std()):.4f}, transformers' {float(hf.std()):.4f}"
-        assert abs(float(hf.float().std()) / initializer_range - 1) < tolerance, name
+        assert abs(float(hf.std()) / initializer_range - 1) < tolerance, name

@@ -155,8 +155,8 @@ class TrainerConfig(ParallelLayout):
     no_replay_forward_every: int = 1
     """With routing_replay: every this many RL steps (logged steps N, 2N, ...) run one forward of
     the whole batch with routing off, recorded, for the `consistency/logprob_diff_no_replay_*` and
-    `routing/agreement/*` metrics; `time/no_replay_forward_s` is its cost (about
-    `time/old_logprobs_s`). 0 = never. Without routing_replay it is ignored."""
+    `routing/agreement/*` metrics; `time/no_replay_forward_s` is its cost (one forward of the
+    batch). 0 = never. Without routing_replay it is ignored."""
     mtp_loss_weight: float = 0.0
     """Weight of the multi-token-prediction loss (megatron-core's mtp_loss_scaling_factor, split
     over the MTP layers; DeepSeek-V3 trained with 0.1-0.3): the MTP layers learn to predict the

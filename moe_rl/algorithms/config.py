@@ -43,9 +43,11 @@ class AlgorithmConfig:
     num_mini_batches: int = 1
     """PPO mini-batches: the rollout batch (trainer.global_batch_size rows) is split into this
     many row blocks, one optimizer step each, all against the old logprobs computed once before
-    the first (verl's ppo_mini_batch_size, slime's steps per rollout). 1: one step per batch,
-    where the ratio stays ~1 and clipping rarely acts. The weight version still advances once
-    per rollout batch: engines get the weights after the last mini-batch."""
+    the first (verl's ppo_mini_batch_size, slime's steps per rollout). 1: one step per batch: the
+    old policy is then the policy being trained, so the step takes its old logprobs from its own
+    forward (detached; the ratio is exactly 1) and the separate recompute pass is skipped. The
+    weight version still advances once per rollout batch: engines get the weights after the last
+    mini-batch."""
     kl_coef: float = 0.0
     """Weight of the per-token KL to the frozen reference policy, added to each token's loss;
     0 means no reference model. A reference costs one more forward per step and one more copy

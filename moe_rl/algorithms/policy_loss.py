@@ -7,6 +7,8 @@ one sequence (no packing). The microbatch carries:
 - `loss_mask`: 1 on response tokens to train on;
 - `advantages`: the sequence's advantage broadcast over its tokens (see advantages.py);
 - `old_logprobs`: pi_old, recomputed by the trainer with the weights before this update;
+  optional with one mini-batch (`num_mini_batches` 1): pi_old is then the policy being
+  trained, and its logprobs, detached, stand in (the same values; `rl_step` skips the pass);
 - `rollout_logprobs`: the engine's logprobs (required unless off_policy="none");
 - `ref_logprobs`: the frozen reference model's (required when kl_coef > 0).
 
@@ -66,7 +68,7 @@ def policy_loss(logprobs: torch.Tensor, microbatch: dict[str, torch.Tensor], *, 
     maskf = mask.to(logprobs.dtype)
     # Padding and prompt columns may hold anything (even -inf): zero them before any exp.
     logp = torch.where(mask, logprobs, 0.0)
-    old = torch.where(mask, microbatch["old_logprobs"].detach(), 0.0)
+    old = torch.where(mask, microbatch.get("old_logprobs", logprobs).detach(), 0.0)
     advantages = microbatch["advantages"].to(logprobs.dtype)
 
     weight, off_report = off_policy_weights(old, microbatch.get("rollout_logprobs"), mask, config)
@@ -157,11 +159,9 @@ def _aggregate(token_loss, mask, config):
 
 
 def _check_inputs(logprobs, microbatch, config):
-    needed = {
-        "loss_mask": "the batch builder",
-        "advantages": "advantages.py, per token",
-        "old_logprobs": "the trainer's recompute pass",
-    }
+    needed = {"loss_mask": "the batch builder", "advantages": "advantages.py, per token"}
+    if config.num_mini_batches > 1:
+        needed["old_logprobs"] = "the trainer's recompute pass (num_mini_batches > 1)"
     if config.off_policy != "none":
         needed["rollout_logprobs"] = f"the engine (off_policy={config.off_policy!r})"
     if config.kl_coef > 0:
@@ -169,7 +169,7 @@ def _check_inputs(logprobs, microbatch, config):
     for key, source in needed.items():
         if key not in microbatch:
             raise ValueError(f"microbatch lacks {key!r}: add it [mb, L] from {source}")
-    for key in (*needed, "rollout_logprobs"):
+    for key in (*needed, "old_logprobs", "rollout_logprobs"):
         if key in microbatch and microbatch[key].shape != logprobs.shape:
             raise ValueError(
                 f"microbatch[{key!r}] has shape {tuple(microbatch[key].shape)}, logprobs has "

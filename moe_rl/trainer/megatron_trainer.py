@@ -106,6 +106,12 @@ def _keep_logprobs(logprobs: torch.Tensor, microbatch: Batch):
     return torch.zeros(()), torch.zeros((), dtype=torch.int), {"logprobs": logprobs.detach()}
 
 
+def _with_logprobs(loss_fn: LossFn, logprobs: torch.Tensor, microbatch: Batch):
+    """`loss_fn`, its report carrying the logprobs it was given (detached) back as well."""
+    loss_sum, num_tokens, report = loss_fn(logprobs, microbatch)
+    return loss_sum, num_tokens, {**report, "logprobs": logprobs.detach()}
+
+
 def _taken_mtp_losses(microbatches: int) -> list[dict]:
     """The MTP losses megatron-core logged for this rank's training micro-batches, `microbatches`
     of them with rows, as one more report (none without MTP), its tracker then zeroed. The tracker
@@ -147,6 +153,8 @@ class StepResult:
     mtp_loss: float | None = None
     """Mean cross entropy of the MTP layers (megatron-core's own: per microbatch over its loss
     mask, then averaged over layers, microbatches and DP ranks); None without MTP layers."""
+    logprobs: torch.Tensor | None = None
+    """[B, S-1] the logprobs of the step's forward, before its update (`keep_logprobs`)."""
 
 
 class MegatronTrainer:
@@ -282,15 +290,22 @@ class MegatronTrainer:
         save_hf_checkpoint(self.gpt_model, self.bridge, out_dir, hf_config, merge_adapters=merged, fp8=fp8)
 
     # -- training -----------------------------------------------------------------------------
-    def train_step(self, batch: Batch, loss_fn: LossFn = next_token_loss, mini_batches: int = 1) -> StepResult:
+    def train_step(
+        self, batch: Batch, loss_fn: LossFn = next_token_loss, mini_batches: int = 1, keep_logprobs: bool = False
+    ) -> StepResult:
         """Optimizer steps on a global batch (every rank passes the same whole batch): one, or one
         per block of rows with `mini_batches` (PPO mini-batches), each normalised by its own
         tokens. The result sums the blocks' reports; `grad_norm` is their mean. The batch holds
         trainer.global_batch_size sequences, or more in whole multiples of the mini-batches'
-        microbatches (agent episodes forked by history edits add rows; see rollout.train_batch)."""
+        microbatches (agent episodes forked by history edits add rows; see rollout.train_batch).
+        `keep_logprobs` (one mini-batch): the result also holds the forward's logprobs, gathered
+        like `forward_logprobs` gives them (the RL step's old logprobs, without a pass of their own)."""
         rows = self._check_rows(batch, mini_batches)
+        if keep_logprobs and mini_batches != 1:
+            raise ValueError(f"train_step keep_logprobs with mini_batches={mini_batches}: it keeps one forward's, use 1")
+        step_loss = partial(_with_logprobs, loss_fn) if keep_logprobs else loss_fn
         sums: dict[str, float] = {}
-        norms, skipped = [], False
+        norms, skipped, logprobs = [], False, None
         for index in range(mini_batches):
             block = split_rows(batch, mini_batches, index)
             self.model.train()
@@ -298,11 +313,14 @@ class MegatronTrainer:
             self.optimizer.zero_grad()
             reports = self._run_schedule(
                 block,
-                partial(self._forward_step, loss_fn, self.routing),
+                partial(self._forward_step, step_loss, self.routing),
                 forward_only=False,
                 routing=self._routing_mode(block, None),
                 rows=rows // mini_batches,
             )
+            if keep_logprobs:
+                logprobs = self._gather_rows(reports, "logprobs", batch["tokens"].shape[1] - 1)
+                reports = [{key: value for key, value in report.items() if key != "logprobs"} for report in reports]
             updated, grad_norm, _ = self.optimizer.step()
             self.step += 1
             mtp = _taken_mtp_losses(sum(1 for report in reports if report["rows"]))
@@ -321,6 +339,7 @@ class MegatronTrainer:
             skipped=skipped,
             sums=sums,
             mtp_loss=mtp_loss,
+            logprobs=logprobs,
         )
 
     @torch.no_grad()

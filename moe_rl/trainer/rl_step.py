@@ -31,16 +31,20 @@ def rl_step(
     """Old logprobs (behaviour policy, with R3 when configured), reference logprobs (kl_coef > 0),
     consistency metrics, then one optimizer step per PPO mini-batch, all against these old
     logprobs (collective: every rank calls it with the same batch). Returns the step's metrics.
+    With one mini-batch the old policy is the one being trained: the old logprobs come from the
+    training forward itself (`train_step(keep_logprobs=True)`), not from a pass of their own.
     `model_path`: where the KL reference comes from unless algorithm.ref_model_path says.
     `step`: the RL step being trained (the logged step, version + 1); with R3 the routing-off
     forward runs when `no_replay_forward_due(step)`."""
     mask = batch.loss_mask[:, 1:].bool()
-    start = time.perf_counter()
-    old = trainer.forward_logprobs(batch.tensors())
-    metrics = {
-        "time/old_logprobs_s": time.perf_counter() - start,
-        **_logprob_diff(old, batch, mask, "consistency/logprob_diff"),
-    }
+    recompute = algorithm.num_mini_batches > 1
+    metrics: dict[str, float] = {}
+    if recompute:
+        start = time.perf_counter()
+        old = trainer.forward_logprobs(batch.tensors())
+        metrics["time/old_logprobs_s"] = time.perf_counter() - start
+        metrics.update(_logprob_diff(old, batch, mask, "consistency/logprob_diff"))
+        batch = dataclasses.replace(batch, old_logprobs=torch.cat([torch.zeros_like(old[:, :1]), old], dim=1))
     if algorithm.needs_reference:
         ref = _reference_logprobs(trainer, batch, algorithm, model_path, metrics)
         batch = dataclasses.replace(batch, ref_logprobs=ref)
@@ -51,10 +55,13 @@ def rl_step(
         for layer, share in agreement.items():
             metrics[f"routing/agreement/layer{layer}"] = float(share)
         metrics["time/no_replay_forward_s"] = time.perf_counter() - start
-    batch = dataclasses.replace(batch, old_logprobs=torch.cat([torch.zeros_like(old[:, :1]), old], dim=1))
     start = time.perf_counter()
-    result = trainer.train_step(batch.tensors(), make_policy_loss(algorithm), algorithm.num_mini_batches)
+    result = trainer.train_step(
+        batch.tensors(), make_policy_loss(algorithm), algorithm.num_mini_batches, keep_logprobs=not recompute
+    )
     metrics["time/train_step_s"] = time.perf_counter() - start
+    if not recompute:
+        metrics.update(_logprob_diff(result.logprobs, batch, mask, "consistency/logprob_diff"))
     metrics.update({f"policy/{k}": v for k, v in policy_metrics(result.sums, result.num_tokens).items()})
     if algorithm.needs_reference:
         metrics["loss/kl"] = metrics["policy/kl"]  # mean over the trained tokens

@@ -68,6 +68,43 @@ def test_rl_step_on_two_ranks():
     assert metrics["consistency/logprob_diff_mean"] < 0.5  # a fresh tiny model is near uniform
 
 
+def _one_update_rank():
+    import dataclasses
+
+    from moe_rl.algorithms import AlgorithmConfig, make_policy_loss
+    from moe_rl.trainer.rl_step import rl_step
+
+    algorithm = AlgorithmConfig(num_mini_batches=1)
+    batch = _batch()
+    skipping = _trainer()
+    metrics = rl_step(skipping, batch, algorithm)
+    # the same update with the old logprobs from a pass of their own
+    recomputing = _trainer()
+    old = recomputing.forward_logprobs(batch.tensors())
+    batch = dataclasses.replace(batch, old_logprobs=torch.cat([torch.zeros_like(old[:, :1]), old], dim=1))
+    result = recomputing.train_step(batch.tensors(), make_policy_loss(algorithm))
+    mask = batch.loss_mask[:, 1:].bool()
+    diff = (old - batch.rollout_logprobs[:, 1:]).abs()[mask]
+    params = [
+        (mine, theirs)
+        for mine, theirs in zip(skipping.model.parameters(), recomputing.model.parameters(), strict=True)
+    ]
+    return metrics, result, [float(diff.mean()), float(diff.max())], max((a - b).abs().max().item() for a, b in params)
+
+
+def test_one_update_takes_its_old_logprobs_from_its_own_forward():
+    """num_mini_batches 1: no old-logprob pass; the update and the consistency metrics equal those
+    of the same step with the old logprobs recomputed first (the forward is the same function)."""
+    for metrics, result, (diff_mean, diff_max), weight_gap in spawn(_one_update_rank, 2):
+        assert "time/old_logprobs_s" not in metrics
+        assert metrics["train/loss"] == pytest.approx(result.loss, rel=1e-6)
+        assert metrics["train/grad_norm"] == pytest.approx(result.grad_norm, rel=1e-6)
+        assert metrics["policy/ratio"] == 1.0 and metrics["policy/clip_fraction"] == 0.0
+        assert metrics["consistency/logprob_diff_mean"] == pytest.approx(diff_mean, rel=1e-6)
+        assert metrics["consistency/logprob_diff_max"] == pytest.approx(diff_max, rel=1e-6)
+        assert weight_gap < 1e-6
+
+
 def test_the_routing_off_forward_runs_every_n_steps():
     """trainer.no_replay_forward_every: steps N, 2N, ...; 0 never; nothing without R3."""
     from moe_rl.config import TrainerConfig

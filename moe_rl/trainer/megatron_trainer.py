@@ -302,7 +302,7 @@ class MegatronTrainer:
         like `forward_logprobs` gives them (the RL step's old logprobs, without a pass of their own)."""
         rows = self._check_rows(batch, mini_batches)
         if keep_logprobs and mini_batches != 1:
-            raise ValueError(f"train_step keep_logprobs with mini_batches={mini_batches}: it keeps one forward's, use 1")
+            raise ValueError(f"train_step keep_logprobs with mini_batches={mini_batches}: it keeps one forward, use 1")
         step_loss = partial(_with_logprobs, loss_fn) if keep_logprobs else loss_fn
         sums: dict[str, float] = {}
         norms, skipped, logprobs = [], False, None

@@ -86,8 +86,7 @@ def _one_update_rank():
     mask = batch.loss_mask[:, 1:].bool()
     diff = (old - batch.rollout_logprobs[:, 1:]).abs()[mask]
     params = [
-        (mine, theirs)
-        for mine, theirs in zip(skipping.model.parameters(), recomputing.model.parameters(), strict=True)
+        (mine, theirs) for mine, theirs in zip(skipping.model.parameters(), recomputing.model.parameters(), strict=True)
     ]
     return metrics, result, [float(diff.mean()), float(diff.max())], max((a - b).abs().max().item() for a, b in params)
 

@@ -6,8 +6,9 @@ routing agreement between trainer and engine without replay, and the logprob gap
 without replay), `time.png` (per-step time breakdown: trainer wait, old logprobs, train step,
 drain, weight sync), `utilization.png` (per step, the fraction of wall time each pool was busy,
 and the engines' paused and idle time: `perf/*`), and for agent runs `agents.png` (turns, tool
-calls, tool errors, forked sequences and dropped groups per episode and step) and
-`agent_time.png` (environment vs generation seconds per episode; trained vs masked tokens), and
+calls, tool errors, forked sequences and dropped groups per episode and step),
+`agent_time.png` (environment vs generation seconds per episode; trained vs masked tokens) and,
+when the agent sets its own `episode.metrics`, `agent_metrics.png` (each one's moving average), and
 for runs with `eval:` `eval.png` (per eval dataset: mean reward and pass@k against the step
 evaluated). A plot whose metrics the run did not log is skipped. Returns the paths.
 """
@@ -43,6 +44,7 @@ def write_report(run_dir: str | Path) -> list[Path]:
         ("utilization", _utilization),
         ("agents", _agents),
         ("agent_time", _agent_time),
+        ("agent_metrics", _agent_metrics),
         ("eval", _eval),
     ):
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -59,15 +61,17 @@ def _series(rows, key):
     return [p[0] for p in points], [p[1] for p in points]
 
 
+def _moving_average(values: list[float]) -> tuple[list[float], int]:
+    """Each value's mean with the ones before it, over a twentieth of the run; and that window."""
+    window = max(1, len(values) // 20)
+    return [sum(values[max(0, i - window + 1) : i + 1]) / min(i + 1, window) for i in range(len(values))], window
+
+
 def _reward(ax, rows) -> bool:
     steps, reward = _series(rows, "rollout/reward_mean")
     if not steps:
         return False
-    window = max(1, len(reward) // 20)
-    smooth = [
-        sum(reward[max(0, i - window + 1) : i + 1]) / len(reward[max(0, i - window + 1) : i + 1])
-        for i in range(len(reward))
-    ]
+    smooth, window = _moving_average(reward)
     ax.plot(steps, reward, alpha=0.35, label="mean reward")
     ax.plot(steps, smooth, label=f"moving average ({window})")
     ax.set(xlabel="step", ylabel="reward", title="Reward")
@@ -179,6 +183,18 @@ def _agents(ax, rows) -> bool:
         ax.set(xlabel="step", ylabel="count", title="Agent episodes")
         ax.legend(fontsize=8)
     return plotted
+
+
+def _agent_metrics(ax, rows) -> bool:
+    names = sorted({key for row in rows for key in row if key.startswith("agents/metric/")})
+    for key in names:
+        steps, values = _series(rows, key)
+        smooth, window = _moving_average(values)
+        ax.plot(steps, smooth, label=key.removeprefix("agents/metric/"))
+    if names:
+        ax.set(xlabel="step", ylabel=f"mean over episodes (moving average, {window} steps)", title="Agent metrics")
+        ax.legend(fontsize=8)
+    return bool(names)
 
 
 def _agent_time(ax, rows) -> bool:

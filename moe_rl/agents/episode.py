@@ -19,8 +19,9 @@ Owns the episode record (the multi-turn `Sample` contract of `moe_rl.sample`):
   request equals a recorded finished turn returns that turn (tokens, logprobs, versions, routing)
   without the engine. The first request that differs ends the replay; the rest runs live.
 
-Agents use `generate(...)`, `add(...)`, `run_tool(...)`, `reward`, `base_url` (the OpenAI
-endpoint of this episode, `moe_rl.agents.endpoint`) and the prompt's `messages`, `tools`, `answer`.
+Agents use `generate(...)`, `add(...)`, `run_tool(...)`, `reward`, `metrics`, `base_url` (the
+OpenAI endpoint of this episode, `moe_rl.agents.endpoint`) and the prompt's `messages`, `tools`,
+`answer`.
 """
 
 from __future__ import annotations
@@ -99,6 +100,9 @@ class Episode:
         self.max_new_tokens, self.tool_pool = setting.max_new_tokens, setting.tool_pool
         self.base_url = ""  # the endpoint's URL of this episode, set when its runner opens it
         self.reward: float | None = None
+        self.metrics: dict[str, float] = {}
+        """The agent's own figures for this episode (a skill shown, a count), by name: logged each
+        step as `agents/metric/<name>`, the mean over the finished episodes that set it."""
         self.sequences: list[Sample] = []  # closed by a history rewrite
         self.current: Sample | None = None
         self.pending: list[int] = []  # environment ids not yet read by a turn
@@ -267,6 +271,7 @@ class Episode:
                 "turns": self.turns,
                 "tool_calls": self.tool_calls,
                 "calls": list(self.calls),
+                "metrics": dict(self.metrics),
                 "sequence": i,
                 "sequences": len(sequences),
             }

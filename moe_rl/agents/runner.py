@@ -5,8 +5,10 @@ An agent is a plain async function, named `package.module:function` in `rollout.
     async def agent(episode: Episode) -> float | None
 
 called once per episode with its handle (`moe_rl.agents.episode`). It returns the reward, or sets
-`episode.reward` and returns None. A group is `rollout.n_samples_per_prompt` episodes of one
-prompt, run concurrently on the rollout loop; each ends one of four ways:
+`episode.reward` and returns None; it may put its own figures in `episode.metrics` (numbers or
+bools by name), logged per step as their mean over the episodes (`agents/metric/<name>`). A group
+is `rollout.n_samples_per_prompt` episodes of one prompt, run concurrently on the rollout loop;
+each ends one of four ways:
 - completed: the agent returned a reward (a finite number);
 - truncated: a limit (`max_turns`, `max_context_tokens`) ended it: the episode keeps its tokens
   and is scored by the task's reward on its last turn's text (`Task.reward`, through the
@@ -63,6 +65,9 @@ class AgentRunner:
         self.open: dict[str, list[Episode]] = {}  # group id -> its running episodes (run checkpoints)
         self.totals = collections.Counter()
         self._reported = collections.Counter()  # totals at the previous `metrics()`
+        # the agents' own metrics: name -> [sum, episodes that set it], and at the previous `metrics()`
+        self.agent_metrics: dict[str, list[float]] = {}
+        self._agent_reported: dict[str, list[float]] = {}
         self.failures: list[str] = []  # the latest failure messages
         self.succeeded = self.failed_groups = 0
 
@@ -156,6 +161,10 @@ class AgentRunner:
                 "agent_error", f"episode {episode.index} returned {result!r} and set reward={episode.reward!r}"
             )
         episode.reward = float(reward)
+        episode.metrics = _checked_metrics(episode)
+        for name, value in episode.metrics.items():
+            total = self.agent_metrics.setdefault(name, [0.0, 0])
+            total[0], total[1] = total[0] + value, total[1] + 1
         for key, value in episode.stats(time.perf_counter() - start).items():
             self.totals[key] += value
         self.totals["episodes"] += 1
@@ -175,7 +184,8 @@ class AgentRunner:
 
     def metrics(self) -> dict[str, float]:
         """The episodes finished since the previous call (the RL job calls it once a step): their
-        count, means per episode (absent when none finished), truncations, forks and dropped groups."""
+        count, means per episode (absent when none finished), truncations, forks, dropped groups
+        and the mean of each of the agents' own metrics (absent when no episode set it)."""
         window = self.totals - self._reported
         window.update({key: 0 for key in self.totals if key not in window})  # Counter subtraction drops zeros
         self._reported = collections.Counter(self.totals)
@@ -186,4 +196,23 @@ class AgentRunner:
         out["agents/forked_sequences"] = window["forks"]
         out["agents/dropped_agent_error"] = window["dropped_agent_error"]
         out["agents/dropped_agent_timeout"] = window["dropped_agent_timeout"]
+        for name, (total, episodes) in self.agent_metrics.items():
+            before, since = self._agent_reported.get(name, (0.0, 0))
+            if episodes > since:
+                out[f"agents/metric/{name}"] = (total - before) / (episodes - since)
+        self._agent_reported = {name: list(total) for name, total in self.agent_metrics.items()}
         return out
+
+
+def _checked_metrics(episode: Episode) -> dict[str, float]:
+    """`episode.metrics` as floats, or AgentFailure naming the entry that is not a finite number."""
+    out = {}
+    for name, value in episode.metrics.items():
+        number = float(value) if isinstance(value, (bool, int, float)) else math.nan
+        if not isinstance(name, str) or not name or not math.isfinite(number):
+            raise AgentFailure(
+                "agent_error",
+                f"episode {episode.index} set metrics[{name!r}] = {value!r}: give a finite number under a string name",
+            )
+        out[name] = number
+    return out

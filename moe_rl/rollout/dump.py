@@ -13,7 +13,8 @@ results, user turns, template glue), `trainer_version`, `staleness` (trainer ver
 oldest token version, as the batch counts it), `status` (completed | truncated | aborted),
 `segments` (engine requests behind it; > 1 = continued across a weight swap) and, for agent
 episodes, `episode` = {index, sequence, sequences, turns, tool_calls (a count), calls (each
-parsed call: turn, name, arguments)} as `moe_rl.agents.episode` records them (None for single-turn samples).
+parsed call: turn, name, arguments), metrics (the agent's own, `Episode.metrics`)} as
+`moe_rl.agents.episode` records them (None for single-turn samples).
 
 Files are written under a temporary name and renamed, so a reader or a crash never sees half a
 file. A resumed run redoes the steps after its checkpoint, so `remove_after(step)` drops their files
@@ -191,6 +192,7 @@ def _episode(meta: dict[str, Any]) -> dict[str, Any] | None:
         "turns": meta["turns"],
         "tool_calls": meta.get("tool_calls", 0),
         "calls": meta.get("calls", []),
+        "metrics": meta.get("metrics", {}),
     }
 
 

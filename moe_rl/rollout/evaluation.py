@@ -227,4 +227,5 @@ def _agent_metrics(agents: AgentRunner, prefix: str) -> dict[str, float]:
     window = agents.metrics()  # the episodes since the previous evaluation of this dataset
     keys = {"agents/episodes": "episodes", "agents/turns_per_episode": "turns_per_episode"}
     keys["agents/tool_calls_per_episode"] = "tool_calls_per_episode"
+    keys.update({key: key.removeprefix("agents/") for key in window if key.startswith("agents/metric/")})
     return {f"{prefix}/{name}": window[key] for key, name in keys.items() if key in window}

@@ -10,6 +10,8 @@ OpenAI-SDK agent against the episode's endpoint (`lookup_openai_agent`); both sc
   call once, then answer);
 - `KEY_CREDIT` when the call names the prompt's key;
 - `ANSWER_CREDIT` when the final answer's first character is the value.
+Each episode also records which skills it showed (`episode.metrics`: `called`, `right_key`,
+`right_answer`), logged per step as `agents/metric/<name>`.
 The partial credit gives a random-init model a signal at each step of the skill (the tiny
 tokenizer holds each whole call as one token: `moe_rl.agents.tiny_tokenizer`). The tool sleeps
 `latency_s` (a task option) in the tool worker pool, to model tools that take real time.
@@ -77,10 +79,19 @@ def answered(text: str, answer: str) -> bool:
     return text.strip()[:1] == answer
 
 
-def score(right_key: bool, called_again: bool, final_content: str, answer: str) -> float:
+def score(episode: Episode, right_key: bool, called_again: bool, final_content: str) -> float:
     """An episode that called `lookup`: the call credit unless the answering turn called again,
-    the key credit, the answer credit."""
-    return CALL_CREDIT * (not called_again) + KEY_CREDIT * right_key + ANSWER_CREDIT * answered(final_content, answer)
+    the key credit, the answer credit; the skills go to `episode.metrics`."""
+    right_answer = answered(final_content, episode.answer)
+    episode.metrics.update(called=True, right_key=right_key, right_answer=right_answer)
+    return CALL_CREDIT * (not called_again) + KEY_CREDIT * right_key + ANSWER_CREDIT * right_answer
+
+
+def no_call(episode: Episode, content: str) -> float:
+    """An episode that answered without calling `lookup`: the answer credit (a lucky guess)."""
+    right_answer = answered(content, episode.answer)
+    episode.metrics.update(called=False, right_key=False, right_answer=right_answer)
+    return ANSWER_CREDIT * right_answer
 
 
 async def lookup_agent(episode: Episode) -> float:
@@ -89,12 +100,12 @@ async def lookup_agent(episode: Episode) -> float:
     turn = await episode.generate(max_tokens=2)
     calls = [call for call in turn.tool_calls if call.name == "lookup"]
     if not calls:
-        return ANSWER_CREDIT * answered(turn.content, episode.answer)
+        return no_call(episode, turn.content)
     key = calls[0].arguments.get("key")
     value = await episode.run_tool(lookup, task["table"], key, task["latency_s"])
     episode.add([{"role": "tool", "tool_call_id": calls[0].id, "content": value}])
     final = await episode.generate(max_tokens=2)
-    return score(key == task["key"], bool(final.tool_calls), final.content, episode.answer)
+    return score(episode, key == task["key"], bool(final.tool_calls), final.content)
 
 
 async def lookup_openai_agent(episode: Episode) -> float:
@@ -111,7 +122,7 @@ async def lookup_openai_agent(episode: Episode) -> float:
         message = reply.choices[0].message
         calls = [call for call in message.tool_calls or [] if call.function.name == "lookup"]
         if not calls:
-            return ANSWER_CREDIT * answered(message.content or "", episode.answer)
+            return no_call(episode, message.content or "")
         key = json.loads(calls[0].function.arguments).get("key")
         value = await episode.run_tool(lookup, task["table"], key, task["latency_s"])
         messages += [
@@ -124,4 +135,4 @@ async def lookup_openai_agent(episode: Episode) -> float:
         last = final.choices[0].message
     finally:
         await client.close()
-    return score(key == task["key"], bool(last.tool_calls), last.content or "", episode.answer)
+    return score(episode, key == task["key"], bool(last.tool_calls), last.content or "")

@@ -17,6 +17,7 @@ async def three_turns(episode: Episode) -> float:
     await episode.generate(max_tokens=4)
     episode.add([{"role": "user", "content": "and now?"}])
     last = await episode.generate(max_tokens=4)
+    episode.metrics["first"] = episode.index == 0
     return float(len(last.token_ids) + episode.index)  # rewards that differ within a group
 
 
@@ -53,6 +54,15 @@ async def fails_by_group(episode: Episode) -> float:
         await asyncio.sleep(3600)
     if group == 2:
         return "not a reward"
+    return float(episode.index)
+
+
+async def with_metrics(episode: Episode) -> float:
+    """Sets its own metrics: group g0-0 a NaN (its group is dropped), the others the episode's index
+    and whether it is the first of its group."""
+    await episode.generate(max_tokens=2)
+    first = episode.index == 0
+    episode.metrics.update(index=float("nan") if episode.group_id.endswith("-0") else episode.index, first=first)
     return float(episode.index)
 
 

@@ -1,5 +1,5 @@
 """Evaluation of an agent dataset: episodes through the agent on a real embedded engine, pass@k over
-episodes, turns and tool calls per episode, and records that carry each episode's turns."""
+episodes, turns and tool calls per episode, the agent's own metrics, and records that carry each episode's turns."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ def test_an_agent_eval_runs_episodes_and_reports_turns(chat_engine):
     assert metrics["eval/lookup/episodes"] == prompts * n
     assert metrics["eval/lookup/turns_per_episode"] == 3
     assert "eval/lookup/pass@2" in metrics and "eval/lookup/tool_calls_per_episode" in metrics
+    assert metrics["eval/lookup/metric/first"] == 1 / n  # the agent's own metric: one first episode of n
     episodes = {(r["group_id"], r["episode"]["index"]) for r in result.records}
     assert len(episodes) == prompts * n
     for record in result.records:

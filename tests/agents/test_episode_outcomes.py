@@ -28,6 +28,19 @@ def test_failing_agents_drop_their_groups_and_the_round_goes_on(chat_engine):
     assert any("not a reward" in failure for failure in manager.agents.failures)
 
 
+def test_agent_metrics_are_logged_as_means_over_episodes(chat_engine):
+    """`episode.metrics`: per step the mean of each over the finished episodes, in each sample's
+    metadata (the dumps' `episode.metrics`); a value that is not a finite number drops the group."""
+    (batch,), manager, _ = asyncio.run(rounds(agent_config("with_metrics", groups_per_step=2), chat_engine.url))
+    assert manager.buffer.dropped["g0-0"] == "agent_error"
+    assert any("metrics['index'] = nan" in failure for failure in manager.agents.failures)
+    for group in batch:
+        assert [s.metadata["metrics"] for s in group] == [{"index": 0.0, "first": 1.0}, {"index": 1.0, "first": 0.0}]
+    metrics = manager.metrics()  # two episodes a group: index 0 and 1, one first
+    assert metrics["agents/metric/index"] == 0.5 and metrics["agents/metric/first"] == 0.5
+    assert "agents/metric/index" not in manager.metrics()  # no episode finished since
+
+
 def test_every_episode_failing_stops_the_run(chat_engine):
     with pytest.raises(RuntimeError, match="every agent episode failed.*broken agent"):
         asyncio.run(rounds(agent_config("always_raises", groups_per_step=2), chat_engine.url))

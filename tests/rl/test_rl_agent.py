@@ -1,6 +1,7 @@
 """The agent demo's RL run, shortened (Ray, Megatron EP2, a real embedded engine): multi-turn
 lookup episodes train, the reward rises (the mean of the first 10 steps against the last 10),
-agent metrics and plots are written, and every group is trained once or dropped with a reason."""
+agent metrics (the lookup agent's skills among them) and plots are written, and every group is
+trained once or dropped with a reason."""
 
 from __future__ import annotations
 
@@ -35,8 +36,12 @@ def test_agent_demo_learns_to_call_the_tool(tmp_path):
     assert mean(rows[-10:]) > mean(rows[:10]) + 0.1, (mean(rows[:10]), mean(rows[-10:]))
     calls = [r["agents/tool_calls_per_episode"] for r in rows if r["agents/episodes"]]
     assert sum(calls[-10:]) > sum(calls[:10])  # the policy calls the tool more
+    names = ("called", "right_key", "right_answer")
+    skills = [[r[f"agents/metric/{name}"] for name in names] for r in rows[-10:] if r["agents/episodes"]]
+    assert skills and all(0 <= right_key <= called <= 1 and 0 <= answer <= 1 for called, right_key, answer in skills)
     assert all(r["rollout/masked_tokens"] > 0 for r in rows[-10:])  # tool results are in the batches
     ledger = summary["ledger"]
     assert set(summary["trained_group_ids"]) == set(ledger["delivered"])
     assert set(ledger["started"]) == set(ledger["delivered"]) | set(ledger["dropped"])
-    assert {"agents.png", "agent_time.png"} <= {p.name for p in (tmp_path / "run" / "plots").iterdir()}
+    plots = {p.name for p in (tmp_path / "run" / "plots").iterdir()}
+    assert {"agents.png", "agent_time.png", "agent_metrics.png"} <= plots

@@ -85,6 +85,7 @@ def test_a_jsonl_of_chat_prompts_with_tools_drives_agent_episodes(tmp_path):
     metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert all(m["agents/forked_sequences"] == 0 and m["rollout/masked_tokens"] > 0 for m in metrics)
+    assert all(m["agents/metric/called"] == 1.0 and m["agents/metric/right_answer"] == 0.0 for m in metrics)
     assert set(summary["trained_group_ids"]) == set(summary["ledger"]["delivered"])
     by_prompt = {tuple(CHAT.prompt_ids(row["prompt"], row["tools"])): row for row in rows}
     records = [r for step in range(1, STEPS + 1) for r in SampleDump(tmp_path / "run" / "rollouts").read(step)]
@@ -97,7 +98,9 @@ def test_a_jsonl_of_chat_prompts_with_tools_drives_agent_episodes(tmp_path):
         assert f"<|im_start|>tool\n{row['metadata']['table']['C']}<|im_end|>" in record["response_text"]
         assert record["answer"] == row["answer"]
         # it calls again where it should answer: only the key credit
-        assert record["reward"] == pytest.approx(KEY_CREDIT * (row["metadata"]["key"] == "C"))
+        right_key = row["metadata"]["key"] == "C"
+        assert record["reward"] == pytest.approx(KEY_CREDIT * right_key)
+        assert record["episode"]["metrics"] == {"called": 1.0, "right_key": float(right_key), "right_answer": 0.0}
 
 
 USER_MODULE = '''

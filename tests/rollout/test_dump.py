@@ -73,11 +73,22 @@ def test_record_of_a_single_turn_sample():
 
 def test_record_of_an_episode_keeps_turns_tool_calls_and_environment_runs():
     calls = [{"turn": 1, "name": "lookup", "arguments": {"key": "C"}}]
+    skills = {"right_key": 1.0}
     episode = sample(
-        "g1", 1.0, [2, 2, None, None, 3], episode=1, sequence=0, sequences=1, turns=2, tool_calls=1, calls=calls
+        "g1",
+        1.0,
+        [2, 2, None, None, 3],
+        episode=1,
+        sequence=0,
+        sequences=1,
+        turns=2,
+        tool_calls=1,
+        calls=calls,
+        metrics=skills,
     )
     record = sample_record(episode, decode=decode, advantage=0.7, trainer_version=3)
     expected = {"index": 1, "sequence": 0, "sequences": 1, "turns": 2, "tool_calls": 1, "calls": calls}
+    expected["metrics"] = skills
     assert record["episode"] == expected
     assert record["versions"] == [[0, 2, 2], [2, 4, None], [4, 5, 3]]
     assert record["loss_mask_tokens"] == 3 and record["response_tokens"] == 5

@@ -74,18 +74,8 @@ def test_record_of_a_single_turn_sample():
 def test_record_of_an_episode_keeps_turns_tool_calls_and_environment_runs():
     calls = [{"turn": 1, "name": "lookup", "arguments": {"key": "C"}}]
     skills = {"right_key": 1.0}
-    episode = sample(
-        "g1",
-        1.0,
-        [2, 2, None, None, 3],
-        episode=1,
-        sequence=0,
-        sequences=1,
-        turns=2,
-        tool_calls=1,
-        calls=calls,
-        metrics=skills,
-    )
+    facts = dict(episode=1, sequence=0, sequences=1, turns=2, tool_calls=1, calls=calls, metrics=skills)
+    episode = sample("g1", 1.0, [2, 2, None, None, 3], **facts)
     record = sample_record(episode, decode=decode, advantage=0.7, trainer_version=3)
     expected = {"index": 1, "sequence": 0, "sequences": 1, "turns": 2, "tool_calls": 1, "calls": calls}
     expected["metrics"] = skills

@@ -120,7 +120,9 @@ class BlockFP8:
         padded[..., :rows, :cols] = weight.float()
         blocks = padded.unflatten(-1, (grid[-1], self.cols)).unflatten(-3, (grid[-2], self.rows))
         amax = blocks.abs().amax(dim=(-3, -1))
-        scale_inv = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        # divided by a tensor, not the Python scalar: CUDA divides by a scalar as a product with its
+        # reciprocal, 1 ulp off the CPU's quotient at times (seen on an H200), which moves ties
+        scale_inv = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
         expanded = scale_inv.repeat_interleave(self.rows, dim=-2).repeat_interleave(self.cols, dim=-1)
         quantized = (padded / expanded)[..., :rows, :cols].to(torch.float8_e4m3fn)
         return quantized, scale_inv

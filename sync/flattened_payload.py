@@ -128,6 +128,7 @@ class _Unpickler(pickle.Unpickler):
         _SGLANG_REBUILD: _rebuild_ipc_tensor,
         ("torch", "Tensor"): torch.Tensor,
         ("torch.storage", "UntypedStorage"): torch.UntypedStorage,
+        ("torch.storage", "TypedStorage"): torch.storage.TypedStorage,  # a CUDA-IPC tensor's storage class
         ("torch", "Size"): torch.Size,
         ("collections", "OrderedDict"): collections.OrderedDict,
         ("copyreg", "__newobj__"): copyreg.__newobj__,

@@ -69,7 +69,8 @@ class EngineProcess:
         raise RuntimeError(f"engine at {self.url} not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 40) -> str:
-        self._log.flush()
+        if not self._log.closed:  # `stop()` closes it; the file keeps what the engine wrote
+            self._log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self, timeout_s: float = 15.0) -> None:

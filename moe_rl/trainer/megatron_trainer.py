@@ -168,6 +168,8 @@ class MegatronTrainer:
         self.config = config
         self.bridge = bridge_for(hf_config)
         init_model_parallel(config, config.seed)
+        # where build_gpt_model puts the model: batches arrive on the host and move per micro-batch
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         recompute = (
             dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
             if config.recompute
@@ -485,6 +487,8 @@ class MegatronTrainer:
     def _forward_step(self, loss_fn: LossFn, routing: RoutingReplay | None, data_iterator, model):
         part: Microbatch = next(data_iterator)
         microbatch, packing = part.batch, part.packing
+        if self.device is not None:
+            microbatch = {key: tensor.to(self.device, non_blocking=True) for key, tensor in microbatch.items()}
         tokens = microbatch["tokens"]
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         aligned = {key: tensor[:, 1:] for key, tensor in microbatch.items()}
@@ -525,7 +529,7 @@ class MegatronTrainer:
 
         mine = []
         if self.is_last_stage and parallel_state.get_tensor_model_parallel_rank() == 0:
-            mine = [(r["rows"], r[key][:, :columns]) for r in reports if r["rows"]]
+            mine = [(r["rows"], r[key][:, :columns].cpu()) for r in reports if r["rows"]]  # host, as batches are
         shards: list = [None] * dist.get_world_size()
         dist.all_gather_object(shards, mine)
         parts = [part for shard in shards for part in shard]

@@ -28,6 +28,20 @@ def test_registry_lists_cuda_ipc_and_names_what_is_missing():
         assert requirement in str(info.value)
 
 
+def test_the_engine_side_decoder_admits_the_storage_class_of_a_cuda_ipc_tensor():
+    """torch's reduce_tensor names `type(tensor._typed_storage())` among rebuild_cuda_tensor's
+    arguments; the engine's restricted unpickler must let that class through (seen on an H200)."""
+    import io
+    import pickle
+
+    from sync.flattened_payload import _Unpickler
+
+    storage_cls = type(torch.zeros(1)._typed_storage())
+    assert _Unpickler(io.BytesIO(pickle.dumps(storage_cls))).load() is storage_cls
+    with pytest.raises(pickle.UnpicklingError, match="not allowed"):
+        _Unpickler(io.BytesIO(pickle.dumps(torch.storage.TypedStorage._new_shared))).load()
+
+
 def _sglang_side(conn) -> None:
     """FAKE SGLang rank: deserialize its own payload, rebuild the bucket, keep CPU copies."""
     from sglang.srt.utils import MultiprocessingSerializer

@@ -68,6 +68,8 @@ class ModelRunner:
         self.model_dir = str(model_dir)
         self.device = torch.device(device)  # the live model's; the checkpoint tensors stay in host memory
         if self.device.type == "cuda":  # an NCCL weight-update group uses the current device
+            if self.device.index is None:  # plain "cuda": set_device needs an index
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.config = AutoConfig.from_pretrained(self.model_dir)
         architectures = getattr(self.config, "architectures", None) or []

@@ -103,7 +103,9 @@ def _check_packable(model, which: str) -> None:
 
 def _keep_logprobs(logprobs: torch.Tensor, microbatch: Batch):
     """A forward-only "loss" that hands the logprobs back through the schedule."""
-    return torch.zeros(()), torch.zeros((), dtype=torch.int), {"logprobs": logprobs.detach()}
+    # on the logprobs' device: the schedule scales this "loss" by a loss scale on the model's device
+    zero = logprobs.new_zeros(())
+    return zero, zero.to(torch.int), {"logprobs": logprobs.detach()}
 
 
 def _with_logprobs(loss_fn: LossFn, logprobs: torch.Tensor, microbatch: Batch):

@@ -75,7 +75,7 @@ from parallel.model import PRECISIONS
 GB = 1e9
 HEADROOM_GB = 10.0
 """Memory the estimate leaves out (CUDA context, NCCL buffers, fragmentation): a note below it."""
-GPU_METRICS = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_metrics.json"
+GPU_METRICS = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_metrics.json"  # the checkout's
 """What the `gpu` tier measured on a real GPU (tests/gpu/metrics.py); absent until a GPU check ran."""
 SYNC_ANCHORS: dict[tuple[str, float], str] = {
     ("Qwen3MoeForCausalLM", 30.5): "verl Qwen3-30B-A3B ~7 s; NeMo-RL 0.74-1.0 s",

@@ -362,3 +362,13 @@ def test_gpu_measurements_model_fp8_quantization_and_link_efficiency(tmp_path):
     assert "NIC 0.40 (measured on NVIDIA H200" in measured.render()
     assert any("fp8_quantize_gb_per_s 50" in note for note in measured.notes)
     assert not any("measured" in note for note in without.notes)
+
+
+def test_the_plan_reads_the_file_the_gpu_check_writes():
+    """`scripts/gpu_check.sh` writes benchmarks/gpu_metrics.json at the checkout's root; the plan
+    reads that file by default (it read moe_rl/benchmarks/, where nothing is written)."""
+    from moe_rl.plan.planner import GPU_METRICS
+
+    root = Path(__file__).resolve().parents[2]
+    assert GPU_METRICS == root / "benchmarks" / "gpu_metrics.json"
+    assert 'MOE_RL_GPU_METRICS="$PWD/benchmarks/gpu_metrics.json"' in (root / "scripts" / "gpu_check.sh").read_text()

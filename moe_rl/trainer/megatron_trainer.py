@@ -171,6 +171,7 @@ class MegatronTrainer:
         self.bridge = bridge_for(hf_config)
         init_model_parallel(config, config.seed)
         # where build_gpt_model puts the model: batches arrive on the host and move per micro-batch
+        # (`Microbatch.to`, in `_run_schedule`)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         recompute = (
             dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -463,7 +464,8 @@ class MegatronTrainer:
         with nullcontext() if routing is None else replay.running(routing):
             reports = get_forward_backward_func()(
                 forward_step_func=forward_step,
-                data_iterator=iter(parts),
+                # each micro-batch moves to the model's device as the schedule takes it
+                data_iterator=iter(parts) if self.device is None else (part.to(self.device) for part in parts),
                 model=[model],
                 num_microbatches=len(parts),
                 seq_length=seq_length,
@@ -489,8 +491,6 @@ class MegatronTrainer:
     def _forward_step(self, loss_fn: LossFn, routing: RoutingReplay | None, data_iterator, model):
         part: Microbatch = next(data_iterator)
         microbatch, packing = part.batch, part.packing
-        if self.device is not None:
-            microbatch = {key: tensor.to(self.device, non_blocking=True) for key, tensor in microbatch.items()}
         tokens = microbatch["tokens"]
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         aligned = {key: tensor[:, 1:] for key, tensor in microbatch.items()}

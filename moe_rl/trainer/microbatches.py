@@ -19,7 +19,7 @@ rows' real tokens concatenated into one sequence with `cu_seqlens` (THD), no pad
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -91,6 +91,11 @@ class Microbatch:
     rows: list[int]
     batch: Batch
     packing: Packing | None = None
+
+    def to(self, device: torch.device) -> Microbatch:
+        """The same micro-batch with its tensors, its packing's too, on `device`."""
+        batch = {key: tensor.to(device, non_blocking=True) for key, tensor in self.batch.items()}
+        return Microbatch(self.rows, batch, None if self.packing is None else self.packing.to(device))
 
 
 def row_lengths(batch: Batch) -> list[int]:
@@ -224,6 +229,11 @@ class Packing:
     positions: torch.Tensor
     """long [1, T]: position ids, from 0 in each segment (RoPE itself reads cu_seqlens)."""
     max_seqlen: int
+
+    def to(self, device: torch.device) -> Packing:
+        """The same packing with its tensors on `device`, beside the micro-batch it indexes."""
+        moved = {name: getattr(self, name).to(device) for name in ("index", "cu_seqlens", "positions")}
+        return replace(self, **moved)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         """[rows, width, ...] (input side) -> [1, T, ...], the padding tail zero."""

@@ -148,3 +148,20 @@ def test_pack_microbatch_without_padding_and_for_a_padding_microbatch():
     empty = pack_microbatch(take_rows(batch, [], multiple=2), multiple=2).packing  # one row of padding
     assert empty.total == 2 and empty.cu_seqlens.tolist() == [0, 1, 2]
     assert packing.unpack(packing.pack(torch.ones(2, 4, requires_grad=True))).requires_grad
+
+
+def test_a_packed_microbatch_moves_whole_to_a_device():
+    """`Microbatch.to`: every tensor of its rows and of its packing lands on the device (the
+    trainer moves each micro-batch to its GPU as the schedule takes it; a packing left on the
+    host would index GPU rows from the host). The meta device stands in for a GPU here."""
+    part = pack_microbatch(take_rows(batch_of([7, 3, 5]), [0, 1, 2], multiple=2), multiple=2)
+    moved = part.to(torch.device("meta"))
+    packing = moved.packing
+    tensors = [*moved.batch.values(), packing.index, packing.cu_seqlens, packing.positions]
+    assert all(t.is_meta for t in tensors) and moved.rows == part.rows
+    assert (packing.lengths, packing.total, packing.max_seqlen) == (
+        part.packing.lengths,
+        part.packing.total,
+        part.packing.max_seqlen,
+    )
+    assert not part.batch["tokens"].is_meta  # the host micro-batch is left as it was

@@ -25,8 +25,9 @@ class ModelShape:
 class ParallelLayout:
     """How the trainer's ranks split the model.
 
-    Megatron's order: the dense part is world = TP x CP x DP x PP; the expert part is
-    world = ETP x EP x EDP x PP (EDP derived). CP is fixed at 1 here.
+    Megatron's order: the dense part is world = TP x CP x DP x PP (ranks ordered tp fastest, then
+    cp, dp, pp); the expert part is world = ETP x EP x EDP x PP (EDP derived), so EP groups are
+    formed across the DP x CP ranks of a stage.
     """
 
     config_name: ClassVar[str] = "layout"
@@ -38,6 +39,10 @@ class ParallelLayout:
     """Tensor parallel size for attention and dense layers."""
     pp: int = 1
     """Pipeline parallel size (stages, each a contiguous range of layers)."""
+    cp: int = 1
+    """Context parallel size: each sequence is cut into 2 x cp chunks and CP rank r holds chunks r
+    and 2cp-1-r (megatron-core's load-balanced split), so activations and attention compute per
+    rank fall by cp; attention gathers keys and values over the CP group."""
     ep: int = 1
     """Expert parallel size: experts are split into `ep` groups."""
     etp: int | None = None
@@ -53,17 +58,18 @@ class ParallelLayout:
     def __post_init__(self):
         if self.global_batch_size is None:
             self.global_batch_size = self.micro_batch_size * self.dp
-        for name in ("world_size", "tp", "pp", "ep", "micro_batch_size", "global_batch_size"):
+        for name in ("world_size", "tp", "pp", "cp", "ep", "micro_batch_size", "global_batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{self.config_name}.{name}={value!r}: must be a positive integer")
         if self.etp is not None and (not isinstance(self.etp, int) or self.etp < 1):
             raise ValueError(f"{self.config_name}.etp={self.etp!r}: must be a positive integer or null")
-        if self.world_size % (self.tp * self.pp):
+        model_parallel = self.tp * self.cp * self.pp
+        if self.world_size % model_parallel:
             raise ValueError(
-                f"{self.config_name}.world_size={self.world_size} is not divisible by tp*pp="
-                f"{self.tp}*{self.pp}={self.tp * self.pp}: change world_size to a multiple of "
-                f"{self.tp * self.pp} or lower tp/pp"
+                f"{self.config_name}.world_size={self.world_size} is not divisible by tp*cp*pp="
+                f"{self.tp}*{self.cp}*{self.pp}={model_parallel}: change world_size to a multiple of "
+                f"{model_parallel} or lower tp/cp/pp"
             )
         if self.world_size % (self.expert_tp * self.ep * self.pp):
             raise ValueError(
@@ -90,12 +96,18 @@ class ParallelLayout:
     @property
     def dp(self) -> int:
         """Data parallel size of the dense part."""
-        return self.world_size // (self.tp * self.pp)
+        return self.world_size // (self.tp * self.cp * self.pp)
 
     @property
     def expert_dp(self) -> int:
         """Data parallel size of the expert part."""
         return self.world_size // (self.expert_tp * self.ep * self.pp)
+
+    @property
+    def sequence_multiple(self) -> int:
+        """What a micro-batch's sequence length must be a multiple of: 2 x cp chunks, each split
+        over TP under sequence parallel."""
+        return (2 * self.cp if self.cp > 1 else 1) * (self.tp if self.sequence_parallel else 1)
 
     @property
     def num_microbatches(self) -> int:

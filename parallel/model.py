@@ -90,6 +90,7 @@ def init_model_parallel(layout: ParallelLayout, seed: int) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp,
     )

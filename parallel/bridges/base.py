@@ -288,6 +288,7 @@ class Bridge:
         kwargs: dict[str, Any] = dict(
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
+            context_parallel_size=layout.cp,
             expert_model_parallel_size=layout.ep,
             expert_tensor_parallel_size=layout.expert_tp,
             sequence_parallel=layout.sequence_parallel,

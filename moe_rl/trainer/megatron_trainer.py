@@ -508,7 +508,9 @@ class MegatronTrainer:
         params = None if part.packing is None else part.packing.packed_seq_params()
         if routing is not None:
             routing.before_forward(microbatch, view.to_model)
-        output = forward(model, inputs, view.positions(tokens), labels=targets, loss_mask=mask, packed_seq_params=params)
+        output = forward(
+            model, inputs, view.positions(tokens), labels=targets, loss_mask=mask, packed_seq_params=params
+        )
         if routing is not None:
             routing.after_forward(microbatch, view.to_model)
 

@@ -22,9 +22,9 @@ int64, megatron-core's index dtype, only where they are handed to a RouterReplay
   sequence-major: router row = s * mb + b. The rows are first mapped to the tokens the model runs
   (`before_forward(..., to_model)`, `moe_rl.trainer.microbatches.ModelTokens.to_model`): a packed
   micro-batch (trainer.pack_sequences) is [T, 1, H], and under context parallelism (trainer.cp)
-  this rank runs chunks r and 2cp-1-r of each sequence (segment). With sequence parallel, TP rank r sees the contiguous chunk [r * S'/tp, (r + 1) * S'/tp) of the
-  S' = S - 1 inputs (S' is padded to a multiple of tp by the trainer; packed, S' = T). Expert ids
-  are global (EP needs no mapping).
+  this rank runs chunks r and 2cp-1-r of each sequence (segment), S' tokens in all. With sequence
+  parallel, TP rank r sees the contiguous chunk [r * S'/tp, (r + 1) * S'/tp) of them (the trainer
+  pads the inputs to the sequence multiple, 2 x cp x tp). Expert ids are global (EP needs no mapping).
 
 megatron-core 0.16.1 quirks handled here (docs/algorithm.md, "Routing replay (R3)"): 0.16.1 never switches to
 REPLAY_BACKWARD itself, so `running("replay")` wraps the schedules' `backward_step`; activation

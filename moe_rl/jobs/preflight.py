@@ -197,17 +197,17 @@ def rendered(chat: ChatFormat, prompt, field: str) -> list[int]:
 
 def check_token_budget(config: RunConfig, longest: int, source: str) -> None:
     """trainer.max_tokens_per_microbatch holds the longest sequence (`longest` tokens, from
-    `source`): a micro-batch holds at least one whole sequence, padded to the sequence-parallel
-    multiple."""
+    `source`): a micro-batch holds at least one whole sequence, padded to the sequence multiple
+    (2 x cp chunks, x tp under sequence parallel). The budget counts tokens before the CP split."""
     budget = config.trainer.max_tokens_per_microbatch
     if budget is None:
         return
-    multiple = config.trainer.tp if config.trainer.sequence_parallel else 1
+    multiple = config.trainer.sequence_multiple
     needed = longest + (-(longest - 1)) % multiple  # microbatches.padded_length (no torch import here)
     if budget < needed:
         raise ValueError(
             f"trainer.max_tokens_per_microbatch={budget} is below the longest sequence a step can carry: "
-            f"{needed} tokens ({source}, padded for sequence parallel): raise "
+            f"{needed} tokens ({source}, padded for sequence and context parallel): raise "
             f"trainer.max_tokens_per_microbatch to at least {needed}, or set it to null"
         )
 

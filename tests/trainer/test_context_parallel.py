@@ -16,16 +16,19 @@ ranks), R3 (the replayed experts split with the same chunking). Attention: the l
 `parallel.eager_attention` (what the CPU demo runs), and the TE spec through the stand-in's CP
 attention (TE's all_gather communication), packed (THD, each row padded to 2 x cp) and not. A
 DeepSeek-V3 (MLA) with a trained MTP layer: megatron-core rolls the MTP labels across the CP chunks.
+On megatron-core 0.19 `process_mtp_loss` rescales each micro-batch's MTP loss by its loss tokens
+before / after the one-token shift counted on each CP rank's own chunks, so the MTP gradient depends
+on the chunking (on this batch's ~10-token chunks by ~10%; by ~1/chunk length in general): there the
+MTP case checks logprobs, loss and token counts only.
 """
 
 import dataclasses
-import math
 
 import pytest
 import torch
 from test_lora_te import under_te
-from test_packed_sequences import save_model
-from test_token_budget import BUDGETS, LENGTHS, RTOL_OF_MAX, VOCAB, compare, make_batch, real_positions
+from test_packed_sequences import _mtp_tokens_weigh_alike, save_model
+from test_token_budget import BUDGETS, LENGTHS, RTOL_OF_MAX, compare, make_batch, real_positions
 
 from parallel.world import spawn
 
@@ -92,9 +95,11 @@ def _rank(hf_dir: str, layout: dict, paths: dict, case_names: list[str], mtp: bo
 
 
 def check(reference: list[dict], context: list[dict], mtp: bool = False) -> None:
-    """Rank r of the CP world against rank r of the reference (the same EP rank: the same experts)."""
+    """Rank r of the CP world against rank r mod the reference's size (the same EP / ETP rank: the
+    same experts and shards)."""
     real = real_positions()
-    for ref, cp in zip(reference, context):
+    for rank, cp in enumerate(context):
+        ref = reference[rank % len(reference)]
         for path, values in cp["logprobs"].items():
             assert values.shape == (len(LENGTHS), max(LENGTHS) - 1)  # the batch's order and width
             error = float((values[real] - ref["logprobs"][path][real]).abs().max())
@@ -105,12 +110,12 @@ def check(reference: list[dict], context: list[dict], mtp: bool = False) -> None
                 assert any(float(g.abs().max()) > 0 for g in r_grads.values()), name
                 assert tokens == r_tokens, (name, path)  # the normaliser counted once over the CP ranks
                 assert abs(loss - r_loss) <= LOSS_REL * abs(r_loss) + LOSS_ABS, (name, path, loss, r_loss)
-                compare(r_grads, grads, RTOL_OF_MAX)
+                if not mtp or _mtp_tokens_weigh_alike():
+                    compare(r_grads, grads, RTOL_OF_MAX)
                 if mtp:  # the MTP layer trained, its gradients compared above
                     assert any(float(g.abs().max()) > 0 for n, g in grads.items() if ".mtp." in f".{n}")
-                    # the logged loss is a mean of CP ranks' chunk means (megatron-core's logging), so it
-                    # differs from CP1's; a chunk without trained tokens logs 0/0 on 0.16 (then none)
-                    assert mtp_loss is None or abs(mtp_loss - math.log(VOCAB)) < 0.5, (name, path, mtp_loss)
+                    # megatron-core logs CP ranks' chunk means, not the micro-batch's: none reported
+                    assert mtp_loss is None and r_mtp_loss is not None, (name, path)
 
 
 CASES = ["token-mean+tis", "seq-mean-token-mean", "r3"]
@@ -121,6 +126,16 @@ def test_cp2_equals_cp1_on_the_local_spec(tmp_path):
     hf_dir = str(save_model(tmp_path / "hf"))
     reference = spawn(_rank, 2, hf_dir, {"ep": 2}, PATHS, CASES)
     check(reference, spawn(_rank, 2, hf_dir, {"cp": 2, "ep": 2}, PATHS, CASES))
+
+
+def test_cp2_under_tensor_and_sequence_parallel(tmp_path):
+    """TP2 + SP x CP2 on 4 ranks against TP2 + SP: sequences padded to 2 x cp x tp, each CP chunk
+    split over the TP ranks (R3 rows too)."""
+    hf_dir = str(save_model(tmp_path / "hf"))
+    layout = {"tp": 2, "sequence_parallel": True}
+    reference = spawn(_rank, 2, hf_dir, layout, PATHS, ["token-mean+tis", "r3"])
+    context = spawn(_rank, 4, hf_dir, {**layout, "world_size": 4, "cp": 2}, PATHS, ["token-mean+tis", "r3"])
+    check(reference, context)
 
 
 def test_cp2_equals_cp1_on_the_te_spec_packed(tmp_path):

@@ -30,6 +30,15 @@ def test_yaml_and_overrides_build_typed_config(config_file):
     assert config.steps == 3
 
 
+def test_context_parallel_divides_data_parallel_and_pads_sequences(config_file):
+    """CP ranks share a DP replica (world = tp x cp x dp x pp); EP spans DP x CP; a sequence is padded
+    to 2 x cp chunks, each split over TP under sequence parallel."""
+    config = load_config(config_file, ["trainer.cp=2"])
+    assert (config.trainer.dp, config.trainer.expert_dp, config.trainer.sequence_multiple) == (2, 2, 4)
+    config = load_config(config_file, ["trainer.cp=2", "trainer.tp=2", "trainer.sequence_parallel=true"])
+    assert (config.trainer.dp, config.trainer.sequence_multiple) == (1, 8)
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -47,6 +56,12 @@ def test_yaml_and_overrides_build_typed_config(config_file):
             ["trainer.pp=3", "trainer.ep=1", "trainer.world_size=3"],
             r"trainer.pp=3 does not divide the model's 4 layers",
         ),
+        (["trainer.cp=3"], r"trainer.world_size=4 is not divisible by tp\*cp\*pp=1\*3\*1=3"),
+        (
+            ["trainer.cp=4", "trainer.ep=1", "trainer.cp_comm_type=a2a"],
+            r"cp_comm_type='a2a' splits heads over cp=4, but each TP rank has 2 KV groups.*'p2p'",
+        ),
+        (["trainer.cp_comm_type=ring"], r"trainer.cp_comm_type='ring': use one of \['p2p', 'all_gather', 'a2a'\]"),
         (["trainer.tp=2"], r"requires sequence parallel.*set trainer.sequence_parallel=true"),
         (["trainer.sequence_parallel=true"], r"sequence_parallel=true needs trainer.tp > 1"),
         (["trainer.global_batch_size=3"], r"global_batch_size=3 is not divisible by micro_batch_size\*dp"),

@@ -289,6 +289,7 @@ class Bridge:
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
             context_parallel_size=layout.cp,
+            cp_comm_type=layout.cp_comm_type,
             expert_model_parallel_size=layout.ep,
             expert_tensor_parallel_size=layout.expert_tp,
             sequence_parallel=layout.sequence_parallel,

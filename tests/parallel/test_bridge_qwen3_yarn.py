@@ -14,6 +14,8 @@ from parallel.layout import ParallelLayout
 from parallel.world import spawn
 from tests.tiny_models import QWEN3_MOE, hf_config
 
+pytestmark = pytest.mark.world  # starts processes: a gloo world (megatron-core 0.19 runs git at import)
+
 ORIGINAL, FACTOR = 8, 4.0
 """A tiny model's pretraining positions and YaRN factor: the tests run 4 x 8 = 32 positions."""
 SEQ = int(ORIGINAL * FACTOR)
@@ -113,7 +115,6 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.world
 def test_qwen3_yarn_roundtrip_and_logits(tmp_path):
     """All 32 positions (24 past the 8 pretrained ones): logits within the bridge tests' 1e-4 of
     transformers', which YaRN moves by far more than that."""

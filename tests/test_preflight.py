@@ -204,6 +204,11 @@ BAD = [
         "trainer.pack_sequences",
         "trainer.precision: bf16",
     ),
+    (  # likewise context parallelism
+        {"cluster": {"nodes": 1}, "trainer.cp": 2, "trainer.ep": 1},
+        "trainer.cp=2 with trainer.precision='fp32'",
+        "trainer.precision: bf16",
+    ),
     ({"engines.kind": "sglang"}, "engines.kind", "use engines.kind: embedded"),
     ({"trainer.tpp": 2}, "trainer.tpp", "did you mean"),
     ({"trainer.global_batch_size": 16}, "trainer.global_batch_size", "make them equal"),

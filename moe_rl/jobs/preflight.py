@@ -7,8 +7,9 @@ one line naming the field and the fix (the CLI prints it and exits 2) instead of
 from inside a Ray actor minutes later:
 
 1. the model: an HF `model.path` holds its weights (safetensors), the tokenizer directory loads;
-2. packed sequences run where the trainer will be: on GPUs (Transformer Engine here, or a
-   `cluster:` section) `trainer.pack_sequences` needs `trainer.precision: bf16`;
+2. packed sequences and context parallelism run where the trainer will be: on GPUs (Transformer
+   Engine here, or a `cluster:` section) `trainer.pack_sequences` and `trainer.cp` > 1 need
+   `trainer.precision: bf16`;
 3. the weight-sync transport has what it needs (`sync.disk_dir` for `disk`);
 4. the task: a user's `package.module:Class` imports and is a `Task` subclass, its options are
    ones it takes, its dataset's files, keys and rows are valid (`moe_rl.tasks.dataset`), its
@@ -232,10 +233,12 @@ def check_token_budget(config: RunConfig, longest: int, source: str) -> None:
 
 
 def check_packing(config: RunConfig) -> None:
-    """trainer.pack_sequences in fp32 is refused where the trainer runs Transformer Engine's attention
-    on GPUs (`TrainerConfig.check_packing_precision`): TE installed here, or a `cluster:` section."""
+    """trainer.pack_sequences and trainer.cp > 1 in fp32 are refused where the trainer runs Transformer
+    Engine's attention on GPUs (`TrainerConfig.check_packing_precision`,
+    `TrainerConfig.check_context_parallel_precision`): TE installed here, or a `cluster:` section."""
     gpu_te = config.cluster is not None or use_transformer_engine()
     config.trainer.check_packing_precision(gpu_te=gpu_te)
+    config.trainer.check_context_parallel_precision(gpu_te=gpu_te)
 
 
 def check_engines(config: RunConfig) -> None:

@@ -203,6 +203,7 @@ def make_plan(config: RunConfig, gpu_metrics: Path = GPU_METRICS) -> Plan:
         raise ValueError(
             f"engines.kind={config.engines.kind!r}: GPU plans place SGLang engines; set engines.kind: sglang"
         )
+    config.trainer.check_context_parallel_precision(gpu_te=True)  # a plan is for GPUs
     placement = place(config)
     hf = config.model.load_hf_config()
     _check_engine_model(config, hf)

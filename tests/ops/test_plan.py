@@ -266,6 +266,11 @@ def test_distributed_optimizer_and_recompute_lower_the_estimate():
             ["trainer.cp=16"],
             r"trainer.world_size=64 is not divisible by tp\*cp\*pp=4\*16\*2=128",
         ),
+        (
+            "qwen3_235b_a22b",
+            ["trainer.cp=2", "trainer.precision=fp32"],
+            r"trainer.cp=2 with trainer.precision='fp32': .* Set trainer.precision: bf16",
+        ),
     ],
 )
 def test_broken_configs_fail_with_the_reason(config, overrides, message, capsys):

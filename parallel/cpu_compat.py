@@ -202,8 +202,10 @@ class CudaLiteralsToCpu(TorchFunctionMode):
     Megatron creates tensors with `device="cuda"` / `torch.cuda.current_device()` literals in
     the pipeline schedules and p2p communication, the optimizer, DDP grad buffers, clip_grads
     and the MoE dispatcher, calls `.cuda()` on optimizer state and checks
-    `param.type() == 'torch.cuda.FloatTensor'` (all versions). Rewriting the device at the
-    torch-function boundary fixes every such site at once instead of copying each function.
+    `param.type() == 'torch.cuda.FloatTensor'` (all versions), and stages host tensors in pinned
+    memory (`pin_memory=True`, which a CPU-only torch refuses: context parallelism's
+    `get_pos_emb_on_this_cp_rank`). Rewriting the device at the torch-function boundary fixes every
+    such site at once instead of copying each function.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -215,6 +217,8 @@ class CudaLiteralsToCpu(TorchFunctionMode):
             return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)

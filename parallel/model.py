@@ -111,10 +111,17 @@ def build_gpt_model(bridge: Bridge, layout: ParallelLayout, use_te: bool | None 
     if use_te is None:
         use_te = use_transformer_engine()
     config = bridge.transformer_config(layout, **config_overrides)
+    layer_spec, mtp_spec = bridge.layer_spec(config, use_te=use_te), bridge.mtp_block_spec(config, use_te=use_te)
+    if not use_te and layout.cp > 1:  # the local spec's attention refuses CP: gather K/V eagerly
+        # heavy: the eager attention module imports megatron-core at its top
+        from parallel.eager_attention import use_eager_attention
+
+        use_eager_attention(layer_spec)
+        use_eager_attention(mtp_spec)
     model = _gpt_model_class()(
         config=config,
-        transformer_layer_spec=bridge.layer_spec(config, use_te=use_te),
-        mtp_block_spec=bridge.mtp_block_spec(config, use_te=use_te),
+        transformer_layer_spec=layer_spec,
+        mtp_block_spec=mtp_spec,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         **bridge.gpt_model_kwargs(layout),

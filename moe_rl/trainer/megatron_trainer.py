@@ -34,6 +34,7 @@ from moe_rl.trainer.logprobs import token_entropy, token_logprobs
 from moe_rl.trainer.microbatches import (
     Batch,
     Microbatch,
+    ModelTokens,
     budget_microbatches,
     check_batch,
     pack_microbatch,
@@ -114,10 +115,12 @@ def _with_logprobs(loss_fn: LossFn, logprobs: torch.Tensor, microbatch: Batch):
     return loss_sum, num_tokens, {**report, "logprobs": logprobs.detach()}
 
 
-def _taken_mtp_losses(microbatches: int) -> list[dict]:
+def _taken_mtp_losses(microbatches: int, cp_group=None) -> list[dict]:
     """The MTP losses megatron-core logged for this rank's training micro-batches, `microbatches`
     of them with rows, as one more report (none without MTP), its tracker then zeroed. The tracker
-    holds, per MTP layer, the sum over micro-batches of each one's token-mean cross entropy."""
+    holds, per MTP layer, the sum over micro-batches of each one's token-mean cross entropy; under
+    context parallelism (`cp_group`, collective over it) each CP rank's over its own chunks, so they
+    are averaged over the group, as megatron-core averages them over DP x CP."""
     # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
@@ -130,6 +133,10 @@ def _taken_mtp_losses(microbatches: int) -> list[dict]:
     clean = (
         getattr(MTPLossLoggingHelper, "clean_metrics_in_tracker", None) or MTPLossLoggingHelper.clean_loss_in_tracker
     )
+    if cp_group is not None:
+        values = values.clone()
+        dist.all_reduce(values, group=cp_group)
+        values /= dist.get_world_size(cp_group)
     finite = bool(torch.isfinite(values).all())
     taken = {"mtp_loss": float(values.mean()), "mtp_microbatches": float(microbatches)}
     clean()
@@ -328,7 +335,7 @@ class MegatronTrainer:
                 reports = [{key: value for key, value in report.items() if key != "logprobs"} for report in reports]
             updated, grad_norm, _ = self.optimizer.step()
             self.step += 1
-            mtp = _taken_mtp_losses(sum(1 for report in reports if report["rows"]))
+            mtp = _taken_mtp_losses(sum(1 for report in reports if report["rows"]), self._cp_group())
             for key, value in self._reduce_reports(reports + mtp).items():
                 sums[key] = sums.get(key, 0.0) + value
             norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
@@ -445,7 +452,7 @@ class MegatronTrainer:
             raise ValueError(f"batch has {batch['tokens'].shape[0]} sequences where {rows} are expected")
         if routing is not None:
             replay.check(batch)
-        multiple = self.config.tp if self.config.sequence_parallel else 1
+        multiple = self.config.sequence_multiple  # 2 x cp chunks, each split over TP under SP
         batch = pad_sequence_dim(batch, multiple)
         dp_rank, dp_size = self.dp_rank_and_size()
         budget = self.config.max_tokens_per_microbatch
@@ -454,7 +461,8 @@ class MegatronTrainer:
         else:
             parts = budget_microbatches(batch, dp_size, dp_rank, budget, multiple)
             if self.config.pack_sequences:
-                parts = [pack_microbatch(part, multiple) for part in parts]
+                segment = 2 * self.config.cp if self.config.cp > 1 else 1
+                parts = [pack_microbatch(part, multiple, segment) for part in parts]
         # the largest micro-batch (with variable_seq_lengths p2p sends the real shapes)
         if parts[0].packing is None:
             seq_length = max(part.batch["tokens"].shape[1] for part in parts) - 1
@@ -490,47 +498,68 @@ class MegatronTrainer:
 
     def _forward_step(self, loss_fn: LossFn, routing: RoutingReplay | None, data_iterator, model):
         part: Microbatch = next(data_iterator)
-        microbatch, packing = part.batch, part.packing
+        microbatch = part.batch
         tokens = microbatch["tokens"]
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
         aligned = {key: tensor[:, 1:] for key, tensor in microbatch.items()}
-        positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
-        mask, pack, params = aligned["loss_mask"], None, None
-        if packing is not None:  # the model sees [1, T]; the loss below still sees the rows
-            pack, params = packing.pack, packing.packed_seq_params()
-            inputs, targets, mask, positions = pack(inputs), pack(targets), pack(mask), packing.positions
+        # the model sees [1, T] when packed and this rank's CP chunks; the loss below still sees the rows
+        view = ModelTokens.of(part, self._cp_group())
+        inputs, targets = view.to_model(tokens[:, :-1]), view.to_model(tokens[:, 1:])
+        mask = view.to_model(aligned["loss_mask"])
+        params = None if part.packing is None else part.packing.packed_seq_params()
         if routing is not None:
-            routing.before_forward(microbatch, pack)
-        output = forward(model, inputs, positions, labels=targets, loss_mask=mask, packed_seq_params=params)
+            routing.before_forward(microbatch, view.to_model)
+        output = forward(
+            model, inputs, view.positions(tokens), labels=targets, loss_mask=mask, packed_seq_params=params
+        )
         if routing is not None:
-            routing.after_forward(microbatch, pack)
+            routing.after_forward(microbatch, view.to_model)
 
         def loss(logits):
-            logprobs = token_logprobs(logits, targets, self.bridge.vocab_size)
-            entropy = token_entropy(logits, self.bridge.vocab_size)
-            if packing is not None:  # back to [rows, width]: per-row losses (seq-mean, MIS) read rows
-                logprobs, entropy = packing.unpack(logprobs), packing.unpack(entropy)
+            # per-row losses (seq-mean, GSPO, MIS) read whole rows: under CP every rank gathers them
+            # and computes the same loss, keeping its own tokens' gradient
+            logprobs = view.to_rows(token_logprobs(logits, targets, self.bridge.vocab_size))
+            entropy = view.to_rows(token_entropy(logits, self.bridge.vocab_size).detach())
             loss_sum, num_tokens, report = loss_fn(logprobs, aligned)
             # entropy summed over trained tokens
             report = {**report, "entropy": (entropy * aligned["loss_mask"]).sum()}
             if not part.rows:  # a padding micro-batch: it runs (collectives stay in lockstep), weighs nothing
                 loss_sum, num_tokens = loss_sum * 0, torch.zeros_like(num_tokens)
                 report = {key: torch.zeros_like(value) for key, value in report.items()}
+            if self._cp_rank() != 0:  # counted once: megatron sums the normaliser over DP x CP
+                num_tokens = torch.zeros_like(num_tokens)
             return loss_sum, num_tokens, {**report, "num_tokens": num_tokens.detach()}
 
         return output, loss
 
+    def _cp_group(self):
+        """The context-parallel group when trainer.cp > 1, else None."""
+        # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
+        from megatron.core import parallel_state
+
+        return parallel_state.get_context_parallel_group() if self.config.cp > 1 else None
+
+    def _cp_rank(self) -> int:
+        # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
+        from megatron.core import parallel_state
+
+        return parallel_state.get_context_parallel_rank()
+
+    def _reports_here(self) -> bool:
+        """Whether this rank's micro-batch reports count: the last stage's first TP and CP rank (the
+        others hold the same whole rows)."""
+        # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
+        from megatron.core import parallel_state
+
+        return self.is_last_stage and parallel_state.get_tensor_model_parallel_rank() == 0 and self._cp_rank() == 0
+
     def _gather_rows(self, reports: list[dict], key: str, columns: int) -> torch.Tensor:
-        """Reassemble per-row tensors [rows, width] that the last stage's TP0 ranks reported per
+        """Reassemble per-row tensors [rows, width] that the last stage's TP0 (CP0) ranks reported per
         micro-batch (tagged with their batch rows by `_run_schedule`) into the whole batch
         [B, columns], rows in the batch's order, on every rank. Columns past a micro-batch's width
         (token-budget micro-batches stop at their longest row) are 0: they only predict padding;
         packed micro-batches give 0 past each row's length too."""
-        # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
-        from megatron.core import parallel_state
-
         mine = []
-        if self.is_last_stage and parallel_state.get_tensor_model_parallel_rank() == 0:
+        if self._reports_here():
             mine = [(r["rows"], r[key][:, :columns].cpu()) for r in reports if r["rows"]]  # host, as batches are
         shards: list = [None] * dist.get_world_size()
         dist.all_gather_object(shards, mine)
@@ -543,11 +572,8 @@ class MegatronTrainer:
 
     def _reduce_reports(self, reports: list[dict]) -> dict[str, float]:
         """Sum what the last stage's microbatches reported over DP; every rank gets the sums."""
-        # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
-        from megatron.core import parallel_state
-
         local: dict[str, float] = {}
-        if self.is_last_stage and parallel_state.get_tensor_model_parallel_rank() == 0:
+        if self._reports_here():
             for report in reports:
                 for key, value in report.items():
                     if key != "rows":

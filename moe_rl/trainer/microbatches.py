@@ -13,7 +13,9 @@ carry their row indices:
   micro-batch padded only to its longest row; the micro-batches are balanced over DP ranks by the
   tokens they compute, and every rank runs the same number of them (see `budget_plan`).
 With trainer.pack_sequences a token-budget micro-batch also runs packed (`pack_microbatch`): its
-rows' real tokens concatenated into one sequence with `cu_seqlens` (THD), no padding between them.
+rows' real tokens concatenated into one sequence with `cu_seqlens` (THD), no padding between them
+(under context parallelism each row is padded to a multiple of 2 x cp). `ModelTokens` maps a
+micro-batch's rows to the tokens this rank's model runs (packed, then its CP share) and back.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import heapq
 from dataclasses import dataclass, replace
 
 import torch
+
+from parallel.context_parallel import ContextSplit
 
 Batch = dict[str, torch.Tensor]
 
@@ -210,20 +214,24 @@ class Packing:
     """Where a micro-batch's model inputs lie in its packed sequence [1, T] (THD).
 
     Row r of the micro-batch [rows, W] contributes its first `lengths[r]` = real length - 1 inputs
-    (the columns a trained prediction can depend on, see `row_lengths`), rows in order, no gap;
-    a tail of padding (token 0, loss_mask 0) brings T to the sequence-parallel multiple and is a
-    segment of its own, so every position attends inside its segment. Tensors on the input side
-    ([rows, W - 1, ...], column t = token t, or the prediction made from it) go in with `pack`
-    and come back with `unpack`; columns past a row's inputs come back 0."""
+    (the columns a trained prediction can depend on, see `row_lengths`), rows in order. Each row is
+    a segment of its own, padded at its end to the segment multiple (2 x cp under context
+    parallelism, where every segment is split into 2 x cp chunks; else 1: no gap); a tail of
+    padding (token 0, loss_mask 0) brings T to the sequence multiple and is a segment of its own,
+    so every position attends inside its segment. Tensors on the input side ([rows, W - 1, ...],
+    column t = token t, or the prediction made from it) go in with `pack` and come back with
+    `unpack`; columns past a row's inputs come back 0."""
 
     lengths: list[int]
     """Model inputs of each row (its real length - 1)."""
     width: int
     """Columns of the row form's input side (W - 1)."""
     total: int
-    """T: the packed length, sum(lengths) padded to the multiple."""
+    """T: the packed length, the padded segments' sum padded to the multiple."""
     index: torch.Tensor
     """long [sum(lengths)]: the flat row-form position r * width + t of each packed input."""
+    slots: torch.Tensor
+    """long [sum(lengths)]: where each of those inputs lies in the packed sequence."""
     cu_seqlens: torch.Tensor
     """int32 [segments + 1]: segment starts, the rows then the padding tail (if any)."""
     positions: torch.Tensor
@@ -232,24 +240,30 @@ class Packing:
 
     def to(self, device: torch.device) -> Packing:
         """The same packing with its tensors on `device`, beside the micro-batch it indexes."""
-        moved = {name: getattr(self, name).to(device) for name in ("index", "cu_seqlens", "positions")}
+        moved = {name: getattr(self, name).to(device) for name in ("index", "slots", "cu_seqlens", "positions")}
         return replace(self, **moved)
 
+    @property
+    def segments(self) -> list[int]:
+        """The packed segments' lengths (padded rows, then the tail)."""
+        return self.cu_seqlens.diff().tolist()
+
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        """[rows, width, ...] (input side) -> [1, T, ...], the padding tail zero."""
+        """[rows, width, ...] (input side) -> [1, T, ...], the padding zero."""
         flat = tensor.reshape(-1, *tensor.shape[2:]).index_select(0, self.index)
-        tail = flat.new_zeros((self.total - flat.shape[0], *flat.shape[1:]))
-        return torch.cat([flat, tail])[None]
+        return flat.new_zeros((self.total, *flat.shape[1:])).index_copy(0, self.slots, flat)[None]
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """[1, T, ...] -> [rows, width, ...], 0 past each row's inputs (differentiable)."""
-        values = packed[0, : self.index.numel()]
+        values = packed[0].index_select(0, self.slots)
         rows = len(self.lengths)
         out = values.new_zeros((rows * self.width, *values.shape[1:])).index_copy(0, self.index, values)
         return out.reshape(rows, self.width, *values.shape[1:])
 
     def packed_seq_params(self):
-        """megatron-core's PackedSeqParams for these segments (self-attention: q and kv alike)."""
+        """megatron-core's PackedSeqParams for these segments (self-attention: q and kv alike). The
+        boundaries are the padded segments': under CP each splits into 2 x cp chunks, and a row's
+        padding comes after its tokens, which causal attention never lets them read."""
         # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
         from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -262,17 +276,68 @@ class Packing:
         )
 
 
-def pack_microbatch(part: Microbatch, multiple: int = 1) -> Microbatch:
-    """`part` with its `Packing`: its rows' inputs concatenated into one sequence whose length is a
-    multiple of `multiple` (sequence parallel). A padding micro-batch packs its one row like any."""
+def pack_microbatch(part: Microbatch, multiple: int = 1, segment_multiple: int = 1) -> Microbatch:
+    """`part` with its `Packing`: its rows' inputs concatenated into one sequence, each row padded
+    to a multiple of `segment_multiple` (2 x cp), the whole to a multiple of `multiple` (the
+    sequence multiple, itself a multiple of `segment_multiple`). A padding micro-batch packs its one
+    row like any."""
     tokens = part.batch["tokens"]
     width = tokens.shape[1] - 1
     lengths = [min(length - 1, width) for length in row_lengths(part.batch)]
-    real = sum(lengths)
-    total = real + (-real) % multiple
-    segments = lengths + ([total - real] if total > real else [])
+    padded = [length + (-length) % segment_multiple for length in lengths]
+    used = sum(padded)
+    total = used + (-used) % multiple
+    segments = padded + ([total - used] if total > used else [])
+    starts = [sum(padded[:row]) for row in range(len(padded))]
     cu_seqlens = torch.tensor([0, *segments], device=tokens.device).cumsum(0).to(torch.int32)
     index = torch.cat([row * width + torch.arange(length, device=tokens.device) for row, length in enumerate(lengths)])
+    slots = torch.cat([start + torch.arange(length, device=tokens.device) for start, length in zip(starts, lengths)])
     positions = torch.cat([torch.arange(length, device=tokens.device) for length in segments])[None]
-    packing = Packing(lengths, width, total, index, cu_seqlens, positions, max(segments))
+    packing = Packing(lengths, width, total, index, slots, cu_seqlens, positions, max(segments))
     return Microbatch(part.rows, part.batch, packing)
+
+
+# -- the tokens this rank's model runs (packing, context parallelism) ---------------------------
+
+
+@dataclass
+class ModelTokens:
+    """How a micro-batch's input-side rows [rows, W - 1, ...] map to the tokens this rank's model
+    runs, and back: packed into [1, T, ...] when the micro-batch has a `Packing`, then this rank's
+    context-parallel share (`split`, chunks r and 2cp-1-r of each segment) when cp > 1."""
+
+    packing: Packing | None
+    split: ContextSplit | None
+
+    @classmethod
+    def of(cls, part: Microbatch, cp_group=None) -> ModelTokens:
+        """The view of `part` on this rank; `cp_group`: the CP group when cp > 1."""
+        if cp_group is None:
+            return cls(part.packing, None)
+        tokens = part.batch["tokens"]
+        segments = part.packing.segments if part.packing is not None else [tokens.shape[1] - 1]
+        return cls(part.packing, ContextSplit(cp_group, segments, tokens.device))
+
+    def to_model(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[rows, W - 1, ...] -> [rows (1 packed), the tokens this rank runs, ...] (no communication)."""
+        if self.packing is not None:
+            tensor = self.packing.pack(tensor)
+        return tensor if self.split is None else self.split.local(tensor, dim=1)
+
+    def positions(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Position ids of the tokens this rank runs, for a micro-batch of `tokens` [rows, W]: from 0 in
+        each row (each packed segment)."""
+        if self.packing is not None:
+            positions = self.packing.positions
+        else:
+            positions = torch.arange(tokens.shape[1] - 1, device=tokens.device).expand(tokens.shape[0], -1)
+        return positions if self.split is None else self.split.local(positions, dim=1)
+
+    def to_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A per-token output of the model [rows (1 packed), this rank's tokens, ...] -> [rows, W - 1, ...]
+        in the batch's token order (differentiable). Under CP it is collective over the CP group (every
+        rank gets the whole rows) and every rank must compute the same function of the result: each
+        keeps the gradient of its own tokens (`ContextSplit.gather`, sum_grads=False)."""
+        if self.split is not None:
+            tensor = self.split.gather(tensor, dim=1, sum_grads=False)
+        return tensor if self.packing is None else self.packing.unpack(tensor)

@@ -19,11 +19,12 @@ int64, megatron-core's index dtype, only where they are handed to a RouterReplay
   so it replays HF layer `layer_number - 1`; only MoE layers have routers, dense layers' rows
   are ignored.
 - Router rows. A router sees this microbatch's hidden states [S_local, mb, H] flattened
-  sequence-major: router row = s * mb + b. A packed micro-batch (trainer.pack_sequences) is
-  [T, 1, H]: its rows are packed in the model's token order first (`before_forward(..., pack)`).
-  With sequence parallel, TP rank r sees the contiguous chunk [r * S'/tp, (r + 1) * S'/tp) of the
-  S' = S - 1 inputs (S' is padded to a multiple of tp by the trainer; packed, S' = T). Expert ids
-  are global (EP needs no mapping).
+  sequence-major: router row = s * mb + b. The rows are first mapped to the tokens the model runs
+  (`before_forward(..., to_model)`, `moe_rl.trainer.microbatches.ModelTokens.to_model`): a packed
+  micro-batch (trainer.pack_sequences) is [T, 1, H], and under context parallelism (trainer.cp)
+  this rank runs chunks r and 2cp-1-r of each sequence (segment), S' tokens in all. With sequence
+  parallel, TP rank r sees the contiguous chunk [r * S'/tp, (r + 1) * S'/tp) of them (the trainer
+  pads the inputs to the sequence multiple, 2 x cp x tp). Expert ids are global (EP needs no mapping).
 
 megatron-core 0.16.1 quirks handled here (docs/algorithm.md, "Routing replay (R3)"): 0.16.1 never switches to
 REPLAY_BACKWARD itself, so `running("replay")` wraps the schedules' `backward_step`; activation
@@ -43,8 +44,9 @@ import torch
 import torch.distributed as dist
 
 Batch = dict[str, torch.Tensor]
-Pack = Callable[[torch.Tensor], torch.Tensor]
-"""[mb, S-1, ...] input-side rows -> the packed [1, T, ...] the model runs (trainer.pack_sequences)."""
+ToModel = Callable[[torch.Tensor], torch.Tensor]
+"""[mb, S-1, ...] input-side rows -> the tokens this rank's model runs: packed [1, T, ...]
+(trainer.pack_sequences), then its context-parallel chunks (trainer.cp)."""
 
 
 def moe_layer_indices(config) -> list[int]:
@@ -131,31 +133,31 @@ class RoutingReplay:
         local = tensor.transpose(0, 1)[self.sp_index * chunk : (self.sp_index + 1) * chunk]
         return local.reshape(-1, *tensor.shape[2:])
 
-    def _targets(self, microbatch: Batch, pack: Pack | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _targets(self, microbatch: Batch, to_model: ToModel | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids [rows, local MoE layers, topk] with non-real rows filled, real [rows])."""
         real = real_input_rows(microbatch["loss_mask"])
         ids = microbatch["routed_experts"][:, :-1][:, :, self.layers].long()
-        if pack is not None:  # the model runs the rows packed: [1, T, ...] in the same token order
-            ids, real = pack(ids), pack(real)
+        if to_model is not None:  # packed and/or this rank's CP chunks, in the model's token order
+            ids, real = to_model(ids), to_model(real)
         filler = torch.arange(self.topk, device=ids.device)
         ids = torch.where(real[..., None, None], ids, filler)
         return self._local_rows(ids), self._local_rows(real)
 
     # -- schedule hooks ---------------------------------------------------------------------
-    def before_forward(self, microbatch: Batch, pack: Pack | None = None) -> None:
+    def before_forward(self, microbatch: Batch, to_model: ToModel | None = None) -> None:
         """Queue this microbatch's routing (forward target + recompute FIFO) when replaying.
-        `pack`: the micro-batch runs packed; it maps input-side [mb, S-1, ...] tensors to the
-        packed [1, T, ...] (`moe_rl.trainer.microbatches.Packing.pack`)."""
+        `to_model`: maps input-side [mb, S-1, ...] tensors to the tokens the model runs (packed,
+        CP chunks; `moe_rl.trainer.microbatches.ModelTokens.to_model`)."""
         if self._mode == "replay":
-            ids, _ = self._targets(microbatch, pack)
+            ids, _ = self._targets(microbatch, to_model)
             for index, replay in enumerate(self.replays):
                 replay.set_target_indices(ids[:, index].contiguous())
 
-    def after_forward(self, microbatch: Batch, pack: Pack | None = None) -> None:
+    def after_forward(self, microbatch: Batch, to_model: ToModel | None = None) -> None:
         """Tally recorded vs given top-k sets when recording (recorded data is per forward)."""
         if self._mode != "record":
             return
-        ids, real = self._targets(microbatch, pack)
+        ids, real = self._targets(microbatch, to_model)
         for index, (layer, replay) in enumerate(zip(self.layers, self.replays)):
             recorded = replay.get_recorded_indices()
             hits = (recorded[:, :, None] == ids[:, None, index]).any(-1).sum(-1)
@@ -208,7 +210,7 @@ class RoutingReplay:
     def agreement(self) -> dict[int, float]:
         """{HF layer index: mean |trainer top-k ∩ rollout top-k| / topk over real tokens} for every
         MoE layer of the model, from the last `running("record")`. Collective: every rank of the default
-        world calls it and gets the whole dict (PP stages own different layers, SP ranks and DP
+        world calls it and gets the whole dict (PP stages own different layers, SP, CP and DP
         ranks different tokens; TP ranks without SP count the same tokens, which the ratio cancels).
         """
         gathered: list[dict[int, list[float]]] = [{} for _ in range(dist.get_world_size())]

@@ -120,11 +120,10 @@ class DeepseekV3Bridge(Bridge):
             config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
         )
         if not use_te:  # the local spec's DotProductAttention cannot take MLA's head sizes
-            # heavy: MLA's attention module imports megatron-core at its top
-            from parallel.bridges.mla_attention import MLACoreAttention
+            # heavy: the eager attention module imports megatron-core at its top
+            from parallel.eager_attention import use_eager_attention
 
-            for layer in spec.layer_specs:
-                layer.submodules.self_attention.submodules.core_attention = MLACoreAttention
+            use_eager_attention(spec)
         return spec
 
     def mappings(self, te: bool = False) -> tuple:

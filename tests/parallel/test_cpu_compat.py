@@ -137,7 +137,7 @@ def _build_mla_layer() -> list[int]:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    from parallel.bridges.mla_attention import MLACoreAttention
+    from parallel.eager_attention import EagerAttention
 
     parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(0)  # the layer trains: attention dropout forks Megatron's RNG
@@ -157,7 +157,7 @@ def _build_mla_layer() -> list[int]:
         normalization="RMSNorm",
     )
     spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = MLACoreAttention
+    spec.submodules.self_attention.submodules.core_attention = EagerAttention
     from megatron.core.transformer.spec_utils import build_module
 
     layer = build_module(spec, config=config, layer_number=1)  # TypeError on the mock TELinear without patch 9

@@ -15,7 +15,8 @@ What it implements, in plain torch, after TE 2.9's `transformer_engine/pytorch/m
   `GroupedLinear` (`weight{i}` / `bias{i}`, forward(x, m_splits) splits the tokens by m_splits),
   `RMSNorm`, `LayerNorm`, and `DotProductAttention` (sbhd, GQA, causal or no mask, via SDPA; and
   packed sequences, thd with `cu_seqlens` as megatron's PackedSeqParams hands them: attention
-  computed sequence by sequence, causal within each, as TE's `padding_causal`);
+  computed sequence by sequence, causal within each, as TE's `padding_causal`; context parallelism
+  over megatron's CP group, sbhd and thd, keys and values gathered over it);
 - the tensor-parallel communication TE does inside its modules when megatron hands it a tp_group
   and parallel_mode: column-parallel gathers the sequence-parallel input (else copies it: its
   gradient is all-reduced), row-parallel reduce-scatters (else all-reduces) its output. They run
@@ -26,7 +27,8 @@ What it implements, in plain torch, after TE 2.9's `transformer_engine/pytorch/m
   `sequence_parallel`, an empty `_extra_state`.
 What it does not: FP8/FP4, fused kernels and ops (`te.pytorch.ops`, fused router and permute,
 TE's RoPE and cross entropy: megatron's unfused RoPE applies it per cu_seqlens segment), userbuffer
-overlap, context parallelism, padded packed sequences (`cu_seqlens_*_padded`), cross-attention
+overlap, CP communication other than p2p / all_gather (both computed by gathering keys and values),
+padded packed sequences (`cu_seqlens_*_padded`), cross-attention
 packing (cu_seqlens_q != cu_seqlens_kv), attention masks other than causal / none, attention
 dropout, sliding windows, TE's RNG tracker (weights are initialised without megatron's RNG fork;
 tests load them from a checkpoint), TE's
@@ -43,7 +45,10 @@ import types
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+
+from parallel.context_parallel import ContextSplit
 
 VERSION = "2.9.0"
 """The TE version reported to megatron-core (its wrappers branch on it)."""
@@ -527,7 +532,12 @@ class LayerNorm(_Norm):
 
 class DotProductAttention(torch.nn.Module):
     """Core attention on [s, b, heads, d] (sbhd) or packed [t, heads, d] (thd, sequences delimited
-    by cu_seqlens): this rank's heads, GQA, causal or no mask."""
+    by cu_seqlens): this rank's heads, GQA, causal or no mask. Context parallelism (a `cp_group` of
+    more than one rank, given at construction or by `set_context_parallel_group`): this rank holds
+    chunks r and 2cp-1-r of the sequence (of each thd segment, cu_seqlens being the whole
+    sequence's); keys and values are gathered over the group, as TE's `all_gather` CP communication
+    does (its `p2p` ring computes the same attention block by block), and the local queries attend
+    at their global positions. The gather's backward sums key/value gradients over the group."""
 
     def __init__(
         self,
@@ -544,6 +554,10 @@ class DotProductAttention(torch.nn.Module):
         layer_number=None,
         attention_type: str = "self",
         softmax_scale=None,
+        cp_group=None,
+        cp_global_ranks=None,
+        cp_stream=None,
+        cp_comm_type: str = "p2p",
         **options,
     ):
         _refuse("DotProductAttention", dict(attention_dropout=attention_dropout, **options))
@@ -553,6 +567,12 @@ class DotProductAttention(torch.nn.Module):
         key_channels = kv_channels[0] if isinstance(kv_channels, tuple) else kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else key_channels**-0.5
         self.attn_mask_type = attn_mask_type
+        self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type: str = "p2p") -> None:
+        if cp_comm_type not in ("p2p", "all_gather"):
+            raise NotImplementedError(f"cp_comm_type={cp_comm_type!r} not in the CPU stand-in")
+        self.cp_group = cp_group if cp_group is not None and dist.get_world_size(cp_group) > 1 else None
 
     def forward(
         self,
@@ -579,6 +599,10 @@ class DotProductAttention(torch.nn.Module):
         if mask_type not in ("causal", "no_mask"):
             raise NotImplementedError(f"attn_mask_type={mask_type!r}")
         seq, batch, heads, _ = query_layer.shape
+        if self.cp_group is not None:
+            segments = [seq * dist.get_world_size(self.cp_group)]
+            out = self._context_parallel(query_layer, key_layer, value_layer, segments, mask_type == "causal")
+            return out.reshape(seq, batch, -1)
         out = self._attend(*(t.permute(1, 2, 0, 3) for t in (query_layer, key_layer, value_layer)), mask_type)
         return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * value_layer.shape[-1])
 
@@ -596,13 +620,36 @@ class DotProductAttention(torch.nn.Module):
         if cu_seqlens_q is None or cu_seqlens_kv is None or not torch.equal(cu_seqlens_q, cu_seqlens_kv):
             raise NotImplementedError("thd self-attention needs cu_seqlens_q == cu_seqlens_kv")
         bounds = cu_seqlens_q.tolist()
-        if bounds[0] != 0 or bounds[-1] != query.shape[0]:
-            raise ValueError(f"cu_seqlens {bounds} do not cover the {query.shape[0]} packed tokens")
+        cp = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
+        if bounds[0] != 0 or bounds[-1] != query.shape[0] * cp:
+            raise ValueError(f"cu_seqlens {bounds} do not cover the {query.shape[0]} x {cp} packed tokens")
+        if self.cp_group is not None:
+            segments = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+            out = self._context_parallel(
+                query[:, None], key[:, None], value[:, None], segments, causal[mask_type] == "causal"
+            )
+            return out.reshape(query.shape[0], -1)
         outs = []
         for start, end in zip(bounds[:-1], bounds[1:]):
             q, k, v = (t[start:end].permute(1, 0, 2)[None] for t in (query, key, value))  # [1, h, n, d]
             outs.append(self._attend(q, k, v, causal[mask_type])[0].permute(1, 0, 2))  # [n, h, d]
         return torch.cat(outs).reshape(query.shape[0], -1)
+
+    def _context_parallel(self, query, key, value, segments: list[int], causal: bool) -> torch.Tensor:
+        """[s_local, b, heads, d] local queries against keys and values gathered over the CP group;
+        `segments`: the whole sequence's (one, or the thd cu_seqlens'); a query reads keys of its own
+        segment (at or before its position when causal). Returns [s_local, b, heads, v_d]."""
+        split = ContextSplit(self.cp_group, segments, query.device)
+        key, value = (split.gather(t, dim=0, sum_grads=True) for t in (key, value))
+        segment_of = torch.repeat_interleave(torch.arange(len(segments)), torch.tensor(segments)).to(query.device)
+        q_pos, k_pos = split.index, torch.arange(split.total, device=query.device)
+        allowed = segment_of[q_pos][:, None] == segment_of[k_pos][None, :]
+        if causal:
+            allowed &= k_pos[None, :] <= q_pos[:, None]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3)
 
 
 def _device(device):

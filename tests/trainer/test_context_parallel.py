@@ -1,0 +1,139 @@
+"""Context parallelism (trainer.cp) gives CP1's logprobs, losses and gradients.
+
+Two 2-rank gloo worlds load one HF checkpoint: the reference, DP2 x EP2, and CP2 x EP2 (one DP
+replica whose two CP ranks each hold chunks r and 2cp-1-r of every sequence; the EP group spans the
+CP ranks). Each runs the same steps (lr 1e-30: Adam moves no fp32 weight) on test_token_budget's
+batch of very unequal rows, padded and by token budget: every logprob at a real position, the loss,
+the token count and every parameter's summed gradient (DDP main_grad, reduced over DP x CP) must
+match. In exact arithmetic they are equal: the CP world computes every token's attention over the
+same keys, and its gradients are the same per-token terms summed over other ranks. Only the fp32
+summation order differs (attention rows split over ranks, K/V gradients summed over CP, the
+parameters' over DP x CP instead of DP), so test_token_budget's tolerance holds: 1e-4 of a
+parameter's largest gradient entry (n u sum|x| with n ~ 400 terms) and 1e-5 on a logprob.
+
+Cases: token-mean with TIS, seq-mean-token-mean (GSPO: a per-row ratio over tokens held by both CP
+ranks), R3 (the replayed experts split with the same chunking). Attention: the local spec through
+`parallel.eager_attention` (what the CPU demo runs), and the TE spec through the stand-in's CP
+attention (TE's all_gather communication), packed (THD, each row padded to 2 x cp) and not. A
+DeepSeek-V3 (MLA) with a trained MTP layer: megatron-core rolls the MTP labels across the CP chunks.
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from test_lora_te import under_te
+from test_packed_sequences import save_model
+from test_token_budget import BUDGETS, LENGTHS, RTOL_OF_MAX, VOCAB, compare, make_batch, real_positions
+
+from parallel.world import spawn
+
+pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
+
+LOGPROB_TOL, LOSS_REL, LOSS_ABS = 1e-5, 1e-5, 1e-7
+PATHS = {  # name: (max_tokens_per_microbatch, pack_sequences)
+    "padded": (None, False),
+    "budget": (BUDGETS[1], False),
+}
+PACKED_PATHS = {**PATHS, "packed": (BUDGETS[0], True), "packed-small": (BUDGETS[2], True)}
+MTP_ROUTING = (2, 8)  # DeepSeek-V3 test model: routing rows for both layers, 8 routed experts
+
+
+def _rank(hf_dir: str, layout: dict, paths: dict, case_names: list[str], mtp: bool = False):
+    from moe_rl.algorithms import AlgorithmConfig, make_policy_loss
+    from moe_rl.config import OptimizerConfig, TrainerConfig
+    from moe_rl.trainer.megatron_trainer import MegatronTrainer
+    from parallel.hf_checkpoint import load_hf_config
+
+    packs = any(pack for _, pack in paths.values())
+    config = TrainerConfig(
+        **{"world_size": 2, **layout},
+        global_batch_size=len(LENGTHS),
+        micro_batch_size=2,
+        routing_replay=True,
+        max_tokens_per_microbatch=BUDGETS[0],
+        pack_sequences=packs,  # checked at construction: the TE spec
+        mtp_loss_weight=0.3 if mtp else 0.0,
+        optimizer=OptimizerConfig(lr=1e-30, clip_grad=0.0),
+    )
+    trainer = MegatronTrainer(config, load_hf_config(hf_dir))
+    trainer.load_hf_weights(hf_dir)
+    full = make_batch(*MTP_ROUTING) if mtp else make_batch()
+    natural = {key: value for key, value in full.items() if key != "routed_experts"}
+
+    def use(path: str) -> None:
+        budget, pack = paths[path]
+        trainer.config = dataclasses.replace(config, max_tokens_per_microbatch=budget, pack_sequences=pack)
+
+    logprobs = {}
+    for path in paths:
+        use(path)
+        logprobs[path] = trainer.forward_logprobs(natural)
+    old = torch.cat([logprobs["padded"].new_zeros(len(LENGTHS), 1), logprobs["padded"]], dim=1)
+    natural["old_logprobs"] = full["old_logprobs"] = old
+    cases = {
+        "token-mean+tis": (AlgorithmConfig(), natural),
+        "seq-mean-token-mean": (AlgorithmConfig(advantage_estimator="gspo"), natural),
+        "r3": (AlgorithmConfig(), full),
+    }
+    out = {"cases": {}, "logprobs": logprobs}
+    for name in case_names:
+        algorithm, batch = cases[name]
+        runs = {}
+        for path in paths:
+            use(path)
+            result = trainer.train_step(batch, make_policy_loss(algorithm))
+            params = trainer.gpt_model.named_parameters()
+            grads = {n: p.main_grad.detach().cpu().clone() for n, p in params if p.requires_grad}
+            runs[path] = (result.loss, result.num_tokens, grads, result.mtp_loss)
+        out["cases"][name] = runs
+    return out
+
+
+def check(reference: list[dict], context: list[dict], mtp: bool = False) -> None:
+    """Rank r of the CP world against rank r of the reference (the same EP rank: the same experts)."""
+    real = real_positions()
+    for ref, cp in zip(reference, context):
+        for path, values in cp["logprobs"].items():
+            assert values.shape == (len(LENGTHS), max(LENGTHS) - 1)  # the batch's order and width
+            error = float((values[real] - ref["logprobs"][path][real]).abs().max())
+            assert error <= LOGPROB_TOL, (path, error)
+        for name, runs in cp["cases"].items():
+            for path, (loss, tokens, grads, mtp_loss) in runs.items():
+                r_loss, r_tokens, r_grads, r_mtp_loss = ref["cases"][name][path]
+                assert any(float(g.abs().max()) > 0 for g in r_grads.values()), name
+                assert tokens == r_tokens, (name, path)  # the normaliser counted once over the CP ranks
+                assert abs(loss - r_loss) <= LOSS_REL * abs(r_loss) + LOSS_ABS, (name, path, loss, r_loss)
+                compare(r_grads, grads, RTOL_OF_MAX)
+                if mtp:  # the MTP layer trained, its gradients compared above
+                    assert any(float(g.abs().max()) > 0 for n, g in grads.items() if ".mtp." in f".{n}")
+                    # the logged loss is a mean of CP ranks' chunk means (megatron-core's logging), so it
+                    # differs from CP1's; a chunk without trained tokens logs 0/0 on 0.16 (then none)
+                    assert mtp_loss is None or abs(mtp_loss - math.log(VOCAB)) < 0.5, (name, path, mtp_loss)
+
+
+CASES = ["token-mean+tis", "seq-mean-token-mean", "r3"]
+
+
+def test_cp2_equals_cp1_on_the_local_spec(tmp_path):
+    """What the CPU demo runs: megatron-core's local spec with the eager CP attention."""
+    hf_dir = str(save_model(tmp_path / "hf"))
+    reference = spawn(_rank, 2, hf_dir, {"ep": 2}, PATHS, CASES)
+    check(reference, spawn(_rank, 2, hf_dir, {"cp": 2, "ep": 2}, PATHS, CASES))
+
+
+def test_cp2_equals_cp1_on_the_te_spec_packed(tmp_path):
+    """The TE spec (stand-in: TE's all_gather CP attention, sbhd and thd): padded, by budget and packed,
+    each packed row padded to 2 x cp; at the small budget padding micro-batches run too."""
+    hf_dir = str(save_model(tmp_path / "hf"))
+    reference = spawn(under_te, 2, _rank, hf_dir, {"ep": 2}, PACKED_PATHS, CASES, fresh=True)
+    check(reference, spawn(under_te, 2, _rank, hf_dir, {"cp": 2, "ep": 2}, PACKED_PATHS, CASES, fresh=True))
+
+
+def test_cp2_with_mla_and_a_trained_mtp_layer(tmp_path):
+    """DeepSeek-V3 (MLA, eager attention with its q/k and v head sizes) with one MTP layer trained:
+    the MTP labels and loss mask roll across CP chunks (megatron-core's roll_tensor)."""
+    hf_dir = str(save_model(tmp_path / "hf", mtp=True))
+    reference = spawn(_rank, 2, hf_dir, {"ep": 2}, PATHS, ["token-mean+tis", "r3"], True)
+    check(reference, spawn(_rank, 2, hf_dir, {"cp": 2, "ep": 2}, PATHS, ["token-mean+tis", "r3"], True), mtp=True)

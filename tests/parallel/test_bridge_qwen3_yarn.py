@@ -125,3 +125,28 @@ def test_qwen3_yarn_roundtrip_and_logits(tmp_path):
     assert (reference - hf_reference(plain_dir, tokens)).abs().max() > 1e-2
     per_rank = spawn(check_layouts, 2, str(hf_dir), LAYOUTS, tokens, 4096)
     assert len(assert_layout_results(per_rank, hf_dir, reference, tokens)) == len(LAYOUTS)
+
+
+def _cp_logprobs(hf_dir: str, tokens: torch.Tensor, layout: dict) -> torch.Tensor:
+    """Rank function: the trainer's logprobs of `tokens` (natural routing) under `layout`."""
+    from moe_rl.config import TrainerConfig
+    from moe_rl.trainer.megatron_trainer import MegatronTrainer
+    from parallel.hf_checkpoint import load_hf_config
+
+    config = TrainerConfig(world_size=2, **layout, micro_batch_size=BATCH, global_batch_size=BATCH)
+    trainer = MegatronTrainer(config, load_hf_config(hf_dir))
+    trainer.load_hf_weights(hf_dir)
+    return trainer.forward_logprobs({"tokens": tokens, "loss_mask": torch.ones_like(tokens)}).numpy().copy()
+
+
+@pytest.mark.parametrize("layout", [{"cp": 2}, {"cp": 2, "ep": 2}], ids=["cp2", "cp2xep2"])
+def test_qwen3_yarn_under_context_parallelism(tmp_path, layout):
+    """CP splits each row into 2 x cp chunks; megatron-core's YaRN rotary embedding takes each CP
+    rank's positions (`get_pos_emb_on_this_cp_rank`), so every position past the pretrained 8 keeps
+    transformers' rotation: logprobs within 2e-4 of transformers' (a log-softmax moves at most twice
+    the logits' 1e-4)."""
+    hf_dir = save_tiny_hf_model(yarn_config(), tmp_path / "yarn")
+    tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    expected = torch.log_softmax(hf_reference(hf_dir, tokens)[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None])[..., 0]
+    for logprobs in spawn(_cp_logprobs, 2, str(hf_dir), tokens, layout):
+        assert float((torch.from_numpy(logprobs) - expected).abs().max()) <= 2e-4

@@ -208,6 +208,17 @@ class TrainerConfig(ParallelLayout):
                 "(or pack_sequences: false)"
             )
 
+    def check_context_parallel_precision(self, gpu_te: bool) -> None:
+        """Refuse cp > 1 in fp32 where the model runs Transformer Engine's attention on GPUs (`gpu_te`):
+        TE runs context parallelism only in its flash and fused backends, which take only fp16/bf16.
+        (On CPU the local spec's eager attention and the test stand-in run CP in fp32.)"""
+        if gpu_te and self.cp > 1 and self.precision == "fp32":
+            raise ValueError(
+                f"trainer.cp={self.cp} with trainer.precision='fp32': Transformer Engine runs context "
+                "parallelism only in its flash and fused attention, in bf16/fp16 on GPUs. Set "
+                "trainer.precision: bf16 (or cp: 1)"
+            )
+
 
 @dataclass(kw_only=True)
 class DataConfig:

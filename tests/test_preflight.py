@@ -192,11 +192,21 @@ BAD = [
         "chat_template",
     ),
     ({"rollout.max_new_tokens": 100}, "rollout.max_new_tokens", "lower rollout.max_new_tokens to at most"),
+    (  # YaRN covers factor x original positions (256 here), not beyond
+        {"model.hf_config.rope_parameters": {"rope_type": "yarn", "factor": 4.0}, "rollout.max_new_tokens": 300},
+        "rollout.max_new_tokens",
+        "YaRN factor 4 x original_max_position_embeddings 64 = 256",
+    ),
     ({"rollout.reward_timeout_s": 0}, "rollout.reward_timeout_s", "> 0"),
     ({"trainer.max_tokens_per_microbatch": 4}, "trainer.max_tokens_per_microbatch", "raise"),
     (  # on GPUs (a cluster section): Transformer Engine's attention packs only in bf16
         {"cluster": {"nodes": 1}, "trainer.max_tokens_per_microbatch": 64, "trainer.pack_sequences": True},
         "trainer.pack_sequences",
+        "trainer.precision: bf16",
+    ),
+    (  # likewise context parallelism
+        {"cluster": {"nodes": 1}, "trainer.cp": 2, "trainer.ep": 1},
+        "trainer.cp=2 with trainer.precision='fp32'",
         "trainer.precision: bf16",
     ),
     ({"engines.kind": "sglang"}, "engines.kind", "use engines.kind: embedded"),
@@ -278,3 +288,28 @@ def test_bad_eval_configs_are_refused_by_moe_rl_eval_too(tmp_path, files, capsys
     assert "no eval section" in refusal(capsys, ["eval", config, "--checkpoint", str(model)])
     config = write_config(tmp_path, files, {"eval.datasets": heldout(num_prompts=2)})
     assert "--checkpoint='/no/such'" in refusal(capsys, ["eval", config, "--checkpoint", "/no/such"])
+
+
+def test_yarn_positions_are_accepted_up_to_factor_x_original(tmp_path, files):
+    """max_position_embeddings 64 with YaRN factor 4: prompts + max_new_tokens up to 256 pass
+    preflight, up to 64 without it."""
+    from moe_rl.config import load_config
+    from moe_rl.jobs.preflight import check_run
+
+    yarn = {"model.hf_config.rope_parameters": {"rope_type": "yarn", "factor": 4.0}}
+    check_run(load_config(write_config(tmp_path, files, {**yarn, "rollout.max_new_tokens": 200})))
+    with pytest.raises(ValueError, match="max_position_embeddings 64"):
+        check_run(load_config(write_config(tmp_path, files, {"rollout.max_new_tokens": 200})))
+
+
+def test_the_token_budget_holds_a_sequence_padded_to_two_cp_chunks(tmp_path, files):
+    """Under context parallelism a sequence is padded so that its model input splits into 2 x cp
+    chunks: a budget of exactly the longest sequence holds it at cp 1, not at cp 2."""
+    from moe_rl.config import load_config
+    from moe_rl.jobs.preflight import check_token_budget
+
+    budget = {"trainer.max_tokens_per_microbatch": 10}
+    check_token_budget(load_config(write_config(tmp_path, files, budget)), 10, "data.seq_length")
+    cp2 = load_config(write_config(tmp_path, files, {**budget, "trainer.cp": 2}))
+    with pytest.raises(ValueError, match=r"13 tokens \(data.seq_length, padded to a multiple of 4 .* at least 13"):
+        check_token_budget(cp2, 10, "data.seq_length")  # model input 12 = 3 per chunk

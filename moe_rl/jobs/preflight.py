@@ -7,15 +7,16 @@ one line naming the field and the fix (the CLI prints it and exits 2) instead of
 from inside a Ray actor minutes later:
 
 1. the model: an HF `model.path` holds its weights (safetensors), the tokenizer directory loads;
-2. packed sequences run where the trainer will be: on GPUs (Transformer Engine here, or a
-   `cluster:` section) `trainer.pack_sequences` needs `trainer.precision: bf16`;
+2. packed sequences and context parallelism run where the trainer will be: on GPUs (Transformer
+   Engine here, or a `cluster:` section) `trainer.pack_sequences` and `trainer.cp` > 1 need
+   `trainer.precision: bf16`;
 3. the weight-sync transport has what it needs (`sync.disk_dir` for `disk`);
 4. the task: a user's `package.module:Class` imports and is a `Task` subclass, its options are
    ones it takes, its dataset's files, keys and rows are valid (`moe_rl.tasks.dataset`), its
    reward (`rollout.reward`) and agent import and are functions of the right kind, the chat
    template exists where prompts or agents need it, an agent's task gives chat messages that
    render within the episode's context, and prompts + `max_new_tokens` (or an episode's
-   context) fit the model;
+   context) fit the model's positions (with YaRN, factor x original_max_position_embeddings);
 5. every eval dataset, the same way;
 6. the engines can run here (`engines.kind: sglang` needs GPUs);
 7. a token budget per micro-batch (`trainer.max_tokens_per_microbatch`) holds the longest
@@ -37,6 +38,7 @@ from moe_rl.config import ModelConfig, RunConfig
 from moe_rl.conversion.directory import is_converted
 from moe_rl.tasks import Task, get_reward
 from moe_rl.tasks.registry import resolve_agent, task_class
+from parallel.bridges.rope import max_positions, yarn
 from parallel.hf_checkpoint import HFCheckpointReader
 from parallel.model import use_transformer_engine
 
@@ -141,15 +143,15 @@ def check_prompts(config: RunConfig, task: Task, agent: str | None, max_new_toke
     """Single-turn: the longest of the first prompts + `max_new_tokens` fits the model's context.
     Agents: the agent imports, the tokenizer has a chat template, the task gives chat messages and
     an episode's context fits. Returns the longest sequence a sample can be (tokens)."""
-    limit = getattr(config.model.load_hf_config().get_text_config(), "max_position_embeddings", None)
+    limit, covered_by = model_positions(config.model.load_hf_config().get_text_config())
     prompts = list(itertools.islice(task.prompts(0), CONTEXT_PROBE_PROMPTS))
     if agent is None:
         longest = max((len(p.prompt_ids) for p in prompts), default=0)
         if limit is not None and longest + max_new_tokens > limit:
             raise ValueError(
                 f"{field}.max_new_tokens={max_new_tokens} + the task's prompts (up to {longest} tokens) exceed "
-                f"the model's max_position_embeddings {limit}: lower {field}.max_new_tokens to at most "
-                f"{limit - longest}"
+                f"the model's positions ({covered_by}): lower {field}.max_new_tokens to at most "
+                f"{limit - longest}{LONGER}"
             )
         return longest + max_new_tokens
     resolve_agent(agent, f"{field}.agent")
@@ -171,8 +173,8 @@ def check_prompts(config: RunConfig, task: Task, agent: str | None, max_new_toke
     context = rollout.episode.max_context_tokens
     if limit is not None and context > limit:
         raise ValueError(
-            f"rollout.episode.max_context_tokens={context} exceeds the model's max_position_embeddings "
-            f"{limit}: lower it to at most {limit}"
+            f"rollout.episode.max_context_tokens={context} exceeds the model's positions ({covered_by}): "
+            f"lower it to at most {limit}{LONGER}"
         )
     longest = max(len(rendered(chat, p, field)) for p in prompts)
     if longest >= context:
@@ -182,6 +184,24 @@ def check_prompts(config: RunConfig, task: Task, agent: str | None, max_new_toke
             "model's max_position_embeddings), or shorten the prompts"
         )
     return context
+
+
+LONGER = (
+    ", or give the model YaRN rope scaling (rope_parameters: rope_type yarn, factor, original_max_position_embeddings "
+    "in its HF config) for factor x original positions"
+)
+"""The fix for a sequence longer than the model's positions, beside shortening it."""
+
+
+def model_positions(hf) -> tuple[int | None, str]:
+    """The longest sequence the model's positions cover (None: its config names no limit), and what
+    sets it, for messages: max_position_embeddings, or YaRN's factor x original_max_position_embeddings
+    where that is more (`parallel.bridges.rope.max_positions`)."""
+    limit, scaled = max_positions(hf), yarn(hf)
+    if scaled is not None and limit == scaled.scaled_positions:
+        original = scaled.original_max_position_embeddings
+        return limit, f"YaRN factor {scaled.factor:g} x original_max_position_embeddings {original} = {limit}"
+    return limit, f"max_position_embeddings {limit}"
 
 
 def rendered(chat: ChatFormat, prompt, field: str) -> list[int]:
@@ -197,8 +217,8 @@ def rendered(chat: ChatFormat, prompt, field: str) -> list[int]:
 
 def check_token_budget(config: RunConfig, longest: int, source: str) -> None:
     """trainer.max_tokens_per_microbatch holds the longest sequence (`longest` tokens, from
-    `source`): a micro-batch holds at least one whole sequence, padded to the sequence multiple
-    (2 x cp chunks, x tp under sequence parallel). The budget counts tokens before the CP split."""
+    `source`): a micro-batch holds at least one whole sequence, padded to the trainer's sequence
+    multiple (2 x cp chunks, each split over TP under sequence parallel)."""
     budget = config.trainer.max_tokens_per_microbatch
     if budget is None:
         return
@@ -207,16 +227,18 @@ def check_token_budget(config: RunConfig, longest: int, source: str) -> None:
     if budget < needed:
         raise ValueError(
             f"trainer.max_tokens_per_microbatch={budget} is below the longest sequence a step can carry: "
-            f"{needed} tokens ({source}, padded for sequence and context parallel): raise "
+            f"{needed} tokens ({source}, padded to a multiple of {multiple} for context and sequence parallel): raise "
             f"trainer.max_tokens_per_microbatch to at least {needed}, or set it to null"
         )
 
 
 def check_packing(config: RunConfig) -> None:
-    """trainer.pack_sequences in fp32 is refused where the trainer runs Transformer Engine's attention
-    on GPUs (`TrainerConfig.check_packing_precision`): TE installed here, or a `cluster:` section."""
+    """trainer.pack_sequences and trainer.cp > 1 in fp32 are refused where the trainer runs Transformer
+    Engine's attention on GPUs (`TrainerConfig.check_packing_precision`,
+    `TrainerConfig.check_context_parallel_precision`): TE installed here, or a `cluster:` section."""
     gpu_te = config.cluster is not None or use_transformer_engine()
     config.trainer.check_packing_precision(gpu_te=gpu_te)
+    config.trainer.check_context_parallel_precision(gpu_te=gpu_te)
 
 
 def check_engines(config: RunConfig) -> None:

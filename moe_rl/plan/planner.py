@@ -16,14 +16,17 @@ Trainer memory per GPU, for the worst pipeline stage (bytes; B = bytes of `train
   local params   Pd = D / tp,  Pe = X / (etp * ep)
   weights        B * (Pd + Pe)
   gradients      4 * (Pd + Pe)                 fp32 main-grad buffers (Megatron DDP)
-  optimizer      O * (Pd / dp + Pe / edp)      Adam m, v in fp32 (8), plus the fp32 main params in
-                                                bf16 (O = 12; fp32: O = 8); distributed optimizer
+  optimizer      O * (Pd / (dp cp) + Pe / edp) Adam m, v in fp32 (8), plus the fp32 main params in
+                                                bf16 (O = 12; fp32: O = 8); distributed optimizer,
+                                                dense state sharded over DP x CP
                  O * (Pd + Pe)                 without it
   reference      B * (Pd + Pe)                 the frozen KL reference (algorithm.kl_coef > 0; none with
                                                 lora: the reference is the base with its adapters off)
   activations    per microbatch and layer, s = data.seq_length, b = micro_batch_size, h = hidden
                  (with trainer.max_tokens_per_microbatch: s b = that budget, a micro-batch's
-                 padded tokens; every term below is linear in s b),
+                 padded tokens; every term below is linear in s b), divided by `trainer.cp`: each
+                 CP rank holds 1/cp of the tokens (the keys and values CP gathers for attention
+                 live inside one layer's attention and are not counted),
                  sequence parallel dividing by tp (Korthikanti et al. 2022, flash attention: no
                  s^2 term, SwiGLU MLPs; bytes of 16-bit activations, twice that in fp32):
                    attention + norms  15 s b h
@@ -63,13 +66,14 @@ the measured rate on the owners' GPUs.
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_rl.config import PARAM_DTYPES, RunConfig
+from moe_rl.plan.groups import layout_line, parallel_groups, span
 from moe_rl.plan.sync_links import StageBytes, SyncLinks, model_sync
+from parallel.bridges.rope import max_positions
 from parallel.model import PRECISIONS
 
 GB = 1e9
@@ -137,6 +141,7 @@ class Plan:
     """What `moe-rl plan` prints."""
 
     placement: dict[int, list[str]]  # node -> "GPUs a-b: role" lines
+    layout: str  # the trainer's axes in Megatron's order (`moe_rl.plan.groups.layout_line`)
     groups: dict[str, list[list[int]]]
     trainer_memory: dict[str, float]  # GB per GPU, worst stage
     trainer_stage: int
@@ -151,9 +156,10 @@ class Plan:
         lines = ["placement:"]
         for node, rows in self.placement.items():
             lines += [f"  node {node}: {row}" for row in rows]
+        lines.append(f"trainer layout: {self.layout}")
         lines.append("trainer parallel groups (global trainer ranks):")
         for name, groups in self.groups.items():
-            shown = ", ".join(_span(g) for g in groups[:3]) + (", ..." if len(groups) > 3 else "")
+            shown = ", ".join(span(g) for g in groups[:3]) + (", ..." if len(groups) > 3 else "")
             lines.append(f"  {name:4s} {len(groups)} x {len(groups[0])}: {shown}")
         lines.append(f"parameters: {self.params.total / 1e9:.2f} B ({self.params.experts / 1e9:.2f} B routed experts)")
         lines.append(
@@ -197,6 +203,7 @@ def make_plan(config: RunConfig, gpu_metrics: Path = GPU_METRICS) -> Plan:
         raise ValueError(
             f"engines.kind={config.engines.kind!r}: GPU plans place SGLang engines; set engines.kind: sglang"
         )
+    config.trainer.check_context_parallel_precision(gpu_te=True)  # a plan is for GPUs
     placement = place(config)
     hf = config.model.load_hf_config()
     _check_engine_model(config, hf)
@@ -211,6 +218,7 @@ def make_plan(config: RunConfig, gpu_metrics: Path = GPU_METRICS) -> Plan:
     measured = load_gpu_metrics(gpu_metrics)
     plan = Plan(
         placement=placement,
+        layout=layout_line(config.trainer),
         groups=parallel_groups(config.trainer),
         trainer_memory=trainer,
         trainer_stage=stage,
@@ -239,6 +247,8 @@ def make_plan(config: RunConfig, gpu_metrics: Path = GPU_METRICS) -> Plan:
             "trainer.precision=fp32: weights, activations and syncs at 4 bytes a value, and no packed "
             "sequences; GPUs train in bf16 (trainer.precision: bf16)"
         )
+    for note in sequence_notes(config, hf):
+        plan.notes.append(note)
     if adapter is not None:
         plan.notes.append(
             f"lora: {sum(adapter) / 1e6:.1f} M adapter parameters ({adapter[1] / 1e6:.1f} M in routed "
@@ -250,6 +260,26 @@ def make_plan(config: RunConfig, gpu_metrics: Path = GPU_METRICS) -> Plan:
     if trainer["total"] > config.cluster.gpu_memory_gb - HEADROOM_GB:
         plan.notes.append(f"trainer leaves < {HEADROOM_GB:g} GB per GPU for CUDA/NCCL/fragmentation: expect OOM risk")
     return plan
+
+
+def sequence_notes(config: RunConfig, hf) -> list[str]:
+    """What a micro-batch's sequence means per rank under CP, and sequences beyond the model's positions."""
+    t, notes = config.trainer, []
+    tokens = t.max_tokens_per_microbatch or config.data.seq_length * t.micro_batch_size
+    if t.cp > 1:
+        notes.append(
+            f"trainer.cp={t.cp}: each CP rank holds {tokens // t.cp} of a micro-batch's {tokens} tokens "
+            f"(2 x cp = {2 * t.cp} chunks); activations are sized per rank"
+        )
+    longest = max(config.data.seq_length, config.rollout.max_new_tokens if config.is_rl else 0)
+    positions = max_positions(hf.get_text_config())
+    if positions is not None and longest > positions:
+        notes.append(
+            f"sequences of {longest} tokens (data.seq_length, rollout.max_new_tokens) exceed the model's {positions} "
+            "positions (max_position_embeddings, or YaRN's factor x original_max_position_embeddings): `moe-rl "
+            "train` refuses them; give model.hf_config YaRN rope_parameters to cover them"
+        )
+    return notes
 
 
 def sync_model(
@@ -350,29 +380,6 @@ def place(config: RunConfig) -> dict[int, list[str]]:
     return rows
 
 
-def parallel_groups(layout) -> dict[str, list[list[int]]]:
-    """Megatron's groups (order tp-cp-ep-dp-pp): dense ranks = tp x dp x pp, expert ranks =
-    etp x ep x edp x pp, the first axis fastest."""
-    dense = [("tp", layout.tp), ("dp", layout.dp), ("pp", layout.pp)]
-    expert = [("etp", layout.expert_tp), ("ep", layout.ep), ("edp", layout.expert_dp), ("pp", layout.pp)]
-    groups = {axis: _groups(dense, axis) for axis in ("tp", "dp", "pp")}
-    groups.update({axis: _groups(expert, axis) for axis in ("ep", "etp", "edp")})
-    return groups
-
-
-def _groups(dims: list[tuple[str, int]], axis: str) -> list[list[int]]:
-    strides, stride = {}, 1
-    for name, size in dims:
-        strides[name], stride = stride, stride * size
-    others = [(name, size) for name, size in dims if name != axis]
-    size = dict(dims)[axis]
-    result = []
-    for coords in itertools.product(*(range(s) for _, s in reversed(others))):
-        base = sum(c * strides[name] for c, (name, _) in zip(coords, reversed(others)))
-        result.append([base + i * strides[axis] for i in range(size)])
-    return sorted(result)
-
-
 def lora_parameters(hf, counts: ParamCounts, rank: int, targets: list[str]) -> tuple[int, int]:
     """(dense, routed-expert) adapter parameters of the whole model for these Megatron targets."""
     from parallel.bridges import bridge_for
@@ -430,6 +437,7 @@ def trainer_memory(
     s, b, h = config.data.seq_length, t.micro_batch_size, hf.hidden_size
     if t.max_tokens_per_microbatch is not None:  # a micro-batch computes at most the budget's tokens
         s, b = t.max_tokens_per_microbatch, 1
+    s = s / t.cp  # each CP rank holds 1/cp of a micro-batch's tokens (the budget counts them before the split)
     per_layer = [
         _activation_bytes(hf, s, b, moe=counts.expert_per_layer[i] > 0) * dtype_bytes / 2 / t.tp
         for i in range(hf.num_hidden_layers)
@@ -446,7 +454,8 @@ def trainer_memory(
         pd, pe = dense / t.tp, sum(counts.expert_per_layer[i] for i in layers) / (t.expert_tp * t.ep)
         # trained parameters: everything, or with LoRA this stage's share of the adapters
         td, te = (pd, pe) if adapter is None else (adapter[0] / t.pp / t.tp, adapter[1] / t.pp / (t.expert_tp * t.ep))
-        optimizer = adam * (td / t.dp + te / t.expert_dp) if t.optimizer.distributed else adam * (td + te)
+        # the distributed optimizer shards dense state over DP x CP (megatron's dp-cp group), experts' over EDP
+        optimizer = adam * (td / (t.dp * t.cp) + te / t.expert_dp) if t.optimizer.distributed else adam * (td + te)
         in_flight = min(t.pp - p, t.num_microbatches)
         if t.recompute:
             acts = in_flight * len(layers) * dtype_bytes * s * b * h / t.tp + max(per_layer[i] for i in layers)
@@ -473,8 +482,8 @@ def trainer_memory(
             f"trainer: ~{total:.0f} GB per GPU on pipeline stage {stage} (weights {memory['weights']:.0f}, grads "
             f"{memory['grads']:.0f}, optimizer {memory['optimizer']:.0f}, activations {memory['activations']:.0f}) "
             f"exceeds cluster.gpu_memory_gb={config.cluster.gpu_memory_gb:g}: raise trainer.ep/pp/tp or world_size, "
-            "set trainer.optimizer.distributed: true or trainer.recompute: true, or lower micro_batch_size "
-            "(trainer.max_tokens_per_microbatch when set)"
+            "set trainer.optimizer.distributed: true or trainer.recompute: true, lower micro_batch_size "
+            "(trainer.max_tokens_per_microbatch when set), or for long sequences raise trainer.cp (activations / cp)"
         )
     return stage, memory
 
@@ -521,10 +530,3 @@ def _check_engine_model(config: RunConfig, hf) -> None:
         )
     if shape.num_experts and shape.num_experts % e.ep:
         raise ValueError(f"engines.ep={e.ep} does not divide the model's {shape.num_experts} experts: choose a divisor")
-
-
-def _span(group: list[int]) -> str:
-    if len(group) > 1 and all(b - a == group[1] - group[0] for a, b in zip(group, group[1:])):
-        step = group[1] - group[0]
-        return f"[{group[0]}..{group[-1]}{'' if step == 1 else f' step {step}'}]"
-    return str(group)

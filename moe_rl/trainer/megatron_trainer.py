@@ -171,6 +171,7 @@ class MegatronTrainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         config.check_packing_precision(gpu_te=use_transformer_engine())
+        config.check_context_parallel_precision(gpu_te=use_transformer_engine())
         self.config = config
         self.bridge = bridge_for(hf_config)
         init_model_parallel(config, config.seed)

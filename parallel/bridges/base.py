@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from parallel.bridges.rope import rope_parameters
 from parallel.layout import ModelShape, ParallelLayout
 from parallel.mappings import QKV, ColumnParallel, GatedColumn, Replicated, RowParallel, SharedWithMTP, VocabParallel
 
@@ -262,8 +263,7 @@ class Bridge:
 
     @property
     def rope_theta(self) -> float:
-        rope = self.get("rope_parameters", None) or {}
-        return float(rope.get("rope_theta", self.get("rope_theta", 10000.0)))
+        return float(rope_parameters(self.hf)["rope_theta"])
 
     def gqa_decoder_kwargs(self) -> dict[str, Any]:
         """TransformerConfig fields of a GQA decoder with RMSNorm (all but MLA models)."""

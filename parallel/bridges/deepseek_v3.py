@@ -16,6 +16,7 @@ from typing import Any
 
 from parallel.bridges.base import Bridge, register
 from parallel.bridges.glm4_moe import routed_and_shared_expert_mappings, sigmoid_router_kwargs
+from parallel.bridges.rope import rope_parameters
 from parallel.mappings import ColumnParallel, Replicated, RopeRows, RowParallel
 
 
@@ -49,8 +50,8 @@ class DeepseekV3Bridge(Bridge):
         return MLATransformerConfig
 
     def rope_kwargs(self) -> dict[str, Any]:
-        rope = self.get("rope_parameters", None) or {}
-        kind = rope.get("rope_type", "default")
+        rope = rope_parameters(self.hf)  # `rope_scaling` of DeepSeek's published config.json too
+        kind = rope["rope_type"]
         if kind == "default":
             return dict(rope_type="rope", rotary_base=self.rope_theta)
         if kind != "yarn":

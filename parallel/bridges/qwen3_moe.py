@@ -1,11 +1,17 @@
 """Qwen3-MoE: GQA with per-head q/k RMSNorm, RoPE, SwiGLU experts, softmax top-k router
-(top-k weights renormalised when `norm_topk_prob`), no shared expert."""
+(top-k weights renormalised when `norm_topk_prob`), no shared expert.
+
+Long context: Qwen3's HF config adds YaRN (`rope_scaling` / `rope_parameters` with rope_type "yarn",
+e.g. factor 4 over original_max_position_embeddings 32768), which maps to GPTModel's YaRN rotary
+embedding (`position_embedding_type="yarn"`, `parallel.bridges.yarn_config`); it holds no weights.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from parallel.bridges.base import Bridge, register
+from parallel.bridges.rope import Yarn, rope_parameters, yarn
 from parallel.mappings import Replicated
 
 
@@ -23,11 +29,35 @@ class Qwen3MoeBridge(Bridge):
         step = int(self.get("decoder_sparse_step", 1) or 1)
         return [int(layer not in dense and (layer + 1) % step == 0) for layer in range(self.get("num_hidden_layers"))]
 
+    @property
+    def yarn(self) -> Yarn | None:
+        rope = rope_parameters(self.hf)
+        if rope["rope_type"] not in ("default", "yarn"):
+            raise ValueError(
+                f"rope_parameters.rope_type={rope['rope_type']!r}: the Qwen3-MoE bridge supports 'default' and 'yarn'"
+            )
+        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError(
+                f"rope_parameters.partial_rotary_factor={rope['partial_rotary_factor']}: the Qwen3-MoE bridge "
+                "rotates whole heads; remove it (Qwen3 checkpoints do not set it)"
+            )
+        return yarn(self.hf)
+
+    def megatron_config_class(self):
+        if self.yarn is None:
+            return super().megatron_config_class()
+        # heavy: imports megatron-core at its top
+        from parallel.bridges.yarn_config import YarnTransformerConfig
+
+        return YarnTransformerConfig
+
     def transformer_config_kwargs(self) -> dict[str, Any]:
         if self.get("attention_bias", False):
             raise ValueError("Qwen3-MoE with attention_bias=true is not supported by this bridge")
+        scaled = self.yarn
         return dict(
             **self.gqa_decoder_kwargs(),
+            **({} if scaled is None else scaled.megatron_fields()),
             qk_layernorm=True,
             num_moe_experts=self.num_experts,
             moe_ffn_hidden_size=self.get("moe_intermediate_size"),
@@ -47,6 +77,12 @@ class Qwen3MoeBridge(Bridge):
         return get_gpt_decoder_block_spec(
             config, use_transformer_engine=use_te, normalization="RMSNorm", qk_l2_norm=False, vp_stage=vp_stage
         )
+
+    def gpt_model_kwargs(self, layout) -> dict[str, Any]:
+        kwargs = super().gpt_model_kwargs(layout)
+        if self.yarn is not None:
+            kwargs["position_embedding_type"] = "yarn"
+        return kwargs
 
     def mappings(self, te: bool = False) -> tuple:
         return (

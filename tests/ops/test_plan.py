@@ -10,7 +10,7 @@ import yaml
 
 from moe_rl import cli
 from moe_rl.config import load_config
-from moe_rl.plan.planner import make_plan, parallel_groups
+from moe_rl.plan.planner import HEADROOM_GB, make_plan, parallel_groups
 from tests.tiny_models import QWEN3_MOE, hf_fields
 
 MODELS = sorted(Path("configs/models").glob("*.yaml"))
@@ -53,20 +53,29 @@ def test_parallel_groups_match_megatron_rank_generator():
     from megatron.core.parallel_state import RankGenerator
 
     layout = load_config(MODELS[0]).trainer.__class__  # TrainerConfig
-    for tp, pp, ep, etp, world in [(2, 2, 4, 1, 16), (4, 2, 16, 1, 64), (1, 1, 8, 1, 16), (2, 1, 2, 2, 8)]:
-        t = layout(world_size=world, tp=tp, pp=pp, ep=ep, etp=etp, sequence_parallel=tp > 1)
-        dense = RankGenerator(tp=tp, ep=1, dp=t.dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    for tp, cp, pp, ep, etp, world in [
+        (2, 1, 2, 4, 1, 16),
+        (4, 1, 2, 16, 1, 64),
+        (1, 1, 1, 8, 1, 16),
+        (2, 1, 1, 2, 2, 8),
+        (2, 2, 2, 4, 1, 32),  # EP across CP and DP ranks
+        (4, 4, 2, 16, 1, 64),  # Qwen3-235B-A22B at 263K tokens (docs/trainer.md)
+        (8, 2, 1, 64, 1, 512),  # DeepSeek-V3 at 263K tokens
+    ]:
+        t = layout(world_size=world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, sequence_parallel=tp > 1)
+        dense = RankGenerator(tp=tp, ep=1, dp=t.dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
         expert = RankGenerator(tp=etp, ep=ep, dp=t.expert_dp, pp=pp, cp=1, order="tp-ep-dp-pp")
         groups = parallel_groups(t)
         for axis, gen, token in [
             ("tp", dense, "tp"),
+            ("cp", dense, "cp"),
             ("dp", dense, "dp"),
             ("pp", dense, "pp"),
             ("etp", expert, "tp"),
             ("ep", expert, "ep"),
             ("edp", expert, "dp"),
         ]:
-            assert groups[axis] == sorted(gen.get_ranks(token)), (axis, tp, pp, ep, etp)
+            assert groups[axis] == sorted(gen.get_ranks(token)), (axis, tp, cp, pp, ep, etp)
 
 
 def test_sync_bytes_equal_the_saved_hf_state_dict(tmp_path):
@@ -118,6 +127,54 @@ def test_activations_follow_the_token_budget():
     )
     assert same.trainer_memory["activations"] == pytest.approx(rows.trainer_memory["activations"])
     assert double.trainer_memory["activations"] == pytest.approx(2 * rows.trainer_memory["activations"])
+
+
+LONG = ["rollout.max_new_tokens=262144", "data.seq_length=263168", "trainer.max_tokens_per_microbatch=263168"]
+"""The 263K-token sequences of docs/trainer.md's "Planning long sequences" (issue 42's table)."""
+LONG_CP = {"deepseek_v3": 2, "qwen3_235b_a22b": 4}
+"""The trainer.cp docs/trainer.md gives for them."""
+
+
+@pytest.mark.parametrize("model", sorted(LONG_CP))
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_context_parallel_divides_activations_by_cp(model, cp):
+    """Each CP rank holds 1/cp of a micro-batch's tokens: activations (the fp32 logits included)
+    fall by exactly cp; weights, grads and optimizer state stay (the distributed optimizer shards
+    dense state over DP x CP, and DP x CP is the same GPUs), so does the sync."""
+    path, big = f"configs/models/{model}.yaml", "cluster.gpu_memory_gb=1000"
+    one = make_plan(load_config(path, [*LONG, big]))
+    split = make_plan(load_config(path, [*LONG, big, f"trainer.cp={cp}"]))
+    assert split.trainer_memory["activations"] == pytest.approx(one.trainer_memory["activations"] / cp, rel=1e-12)
+    for part in ("weights", "grads", "optimizer", "sync buffers"):
+        assert split.trainer_memory[part] == pytest.approx(one.trainer_memory[part], rel=1e-12), part
+    assert split.sync_bytes == one.sync_bytes and split.sync_seconds == pytest.approx(one.sync_seconds)
+
+
+@pytest.mark.parametrize("model", sorted(LONG_CP))
+def test_263k_token_sequences_fit_with_the_documented_cp(model, capsys):
+    """issue 42's proof: refused without CP; with docs/trainer.md's trainer.cp the plan passes, leaves
+    its headroom, and the sequences are within the model's positions where the model has them
+    (Qwen3-235B-A22B's YaRN; DeepSeek-V3's positions stop at 163,840: the plan says so)."""
+    path, cp = f"configs/models/{model}.yaml", LONG_CP[model]
+    assert cli.main(["plan", path, *LONG]) == 2
+    assert "raise trainer.cp" in capsys.readouterr().err
+    assert cli.main(["plan", path, *LONG, f"trainer.cp={cp}"]) == 0
+    out = capsys.readouterr().out
+    config = load_config(path, [*LONG, f"trainer.cp={cp}"])
+    plan = make_plan(config)
+    assert plan.trainer_memory["total"] <= config.cluster.gpu_memory_gb - HEADROOM_GB
+    assert f"each CP rank holds {263168 // cp} of a micro-batch's 263168 tokens" in out
+    assert ("exceed the model's 163840 positions" in out) == (model == "deepseek_v3")
+
+
+def test_the_layout_printout_places_cp_in_megatrons_order(capsys):
+    """tp fastest, then cp, dp, pp; EP groups formed across the TP x CP x DP ranks of a stage."""
+    assert cli.main(["plan", "configs/models/qwen3_235b_a22b.yaml", *LONG, "trainer.cp=4"]) == 0
+    out = capsys.readouterr().out
+    assert "trainer layout: tp 4 x cp 4 x dp 2 x pp 2 = 64 ranks (order tp-cp-ep-dp-pp)" in out
+    assert "experts etp 1 x ep 16 x edp 2 x pp 2" in out
+    assert "cp   16 x 4: [0..12 step 4], [1..13 step 4]" in out
+    assert "dp   32 x 2: [0..16 step 16]" in out and "ep   4 x 16: [0..15], [16..31]" in out
 
 
 def test_trainer_memory_and_sync_bytes_follow_the_trainer_precision():
@@ -199,6 +256,21 @@ def test_distributed_optimizer_and_recompute_lower_the_estimate():
         ),
         ("deepseek_v3", ["trainer.pp=2"], r"trainer.pp=2 does not divide the model's 61 layers"),
         ("qwen3_235b_a22b", ["trainer.tp=8"], r"trainer.tp=8 does not divide the model's 4 KV groups"),
+        (
+            "deepseek_v3",
+            ["trainer.cp=3"],
+            r"trainer.world_size=512 is not divisible by tp\*cp\*pp=8\*3\*1=24: change world_size to a multiple",
+        ),
+        (
+            "qwen3_235b_a22b",
+            ["trainer.cp=16"],
+            r"trainer.world_size=64 is not divisible by tp\*cp\*pp=4\*16\*2=128",
+        ),
+        (
+            "qwen3_235b_a22b",
+            ["trainer.cp=2", "trainer.precision=fp32"],
+            r"trainer.cp=2 with trainer.precision='fp32': .* Set trainer.precision: bf16",
+        ),
     ],
 )
 def test_broken_configs_fail_with_the_reason(config, overrides, message, capsys):

@@ -46,6 +46,7 @@ from moe_rl.engine.embedded.runner import ModelRunner, load_checkpoint_state
 from moe_rl.engine.embedded.scheduler import Scheduler
 from moe_rl.engine.process import EmbeddedConfig
 from moe_rl.engine.sampling import SamplingParams
+from parallel.bridges.rope import max_positions
 from sync.flattened_payload import decode
 from sync.receiver import WeightReceiver
 
@@ -85,7 +86,7 @@ class EmbeddedServer:
         self.receiver = WeightReceiver(version=int(weight_version) if weight_version.isdigit() else 0)
         eos = getattr(self.runner.config.get_text_config(), "eos_token_id", None)
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
-        self.max_positions = getattr(self.runner.config.get_text_config(), "max_position_embeddings", 1 << 30)
+        self.max_positions = max_positions(self.runner.config.get_text_config()) or 1 << 30  # YaRN's scaled ones too
         self._rids: set[str] = set()
         self._session = False  # a /begin_weight_update ... /end_weight_update session is open
         self.released: set[str] = set()  # memory tags released by /release_memory_occupation
@@ -232,7 +233,7 @@ class EmbeddedServer:
         if len(ids) + params.max_new_tokens > self.max_positions:
             raise BadRequest(
                 f"len(input_ids) + max_new_tokens = {len(ids) + params.max_new_tokens} exceeds the model's "
-                f"max_position_embeddings {self.max_positions}"
+                f"{self.max_positions} positions (max_position_embeddings, or with YaRN factor x original)"
             )
         rid = body.get("rid") or uuid.uuid4().hex
         if not isinstance(rid, str) or rid in self._rids:

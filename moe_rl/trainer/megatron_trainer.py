@@ -169,6 +169,7 @@ class MegatronTrainer:
         config.check_packing_precision(gpu_te=use_transformer_engine())
         self.config = config
         self.bridge = bridge_for(hf_config)
+        config.moe.check_model(self.bridge)
         init_model_parallel(config, config.seed)
         # where build_gpt_model puts the model: batches arrive on the host and move per micro-batch
         # (`Microbatch.to`, in `_run_schedule`)
@@ -182,9 +183,11 @@ class MegatronTrainer:
         # token-budget micro-batches differ in length: pipeline p2p sends each one's shape first
         variable = dict(variable_seq_lengths=True) if config.max_tokens_per_microbatch is not None else {}
         # LoRA adapts both specs (parallel.lora): the TE spec where TE is installed, as without LoRA
+        # trainer.moe: frozen routers get no grad before DDP and the optimizer see them (parallel.router)
         model = build_gpt_model(
             self.bridge,
             config,
+            router=config.moe.router(),
             calculate_per_token_loss=True,
             mtp_loss_scaling_factor=config.mtp_loss_weight,
             **precision_config(config.precision),

@@ -29,6 +29,8 @@ def megatron_at_least(major: int, minor: int) -> bool:
 @register
 class DeepseekV3Bridge(Bridge):
     architectures = ("DeepseekV3ForCausalLM",)
+    has_expert_bias = True
+    aux_loss_type = "seq_aux_loss"  # DeepSeek-V3's complementary sequence-wise balance loss
 
     @property
     def num_experts(self) -> int:
@@ -101,7 +103,7 @@ class DeepseekV3Bridge(Bridge):
             **sigmoid_router_kwargs(self),
         )
 
-    def transformer_config(self, layout, **overrides):
+    def transformer_config(self, layout, router=None, **overrides):
         latent = self.get("kv_lora_rank") + self.get("qk_rope_head_dim")
         for field, rows in (("q_lora_rank", self.q_lora_rank), ("kv_lora_rank + qk_rope_head_dim", latent)):
             if rows is not None and rows % layout.tp:
@@ -109,7 +111,7 @@ class DeepseekV3Bridge(Bridge):
                     f"{field}={rows} is not divisible by tp={layout.tp}: the local spec splits "
                     f"MLA's down projections over TP; pick a tp that divides it"
                 )
-        return super().transformer_config(layout, **overrides)
+        return super().transformer_config(layout, router, **overrides)
 
     def layer_spec(self, config, use_te: bool, vp_stage: int | None = None):
         # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)

@@ -14,6 +14,8 @@ from parallel.mappings import GatedColumn, Replicated, RowParallel
 @register
 class Glm4MoeBridge(Bridge):
     architectures = ("Glm4MoeForCausalLM",)
+    has_expert_bias = True
+    aux_loss_type = "seq_aux_loss"  # GLM-4.5 trained with a sequence-level balance loss beside the bias
 
     @property
     def num_experts(self) -> int:
@@ -72,8 +74,7 @@ def sigmoid_router_kwargs(bridge: Bridge) -> dict[str, Any]:
         moe_ffn_hidden_size=bridge.get("moe_intermediate_size"),
         moe_router_topk=top_k,
         moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True,
-        moe_router_bias_update_rate=0.0,  # HF's correction bias is loaded, never updated here
+        moe_router_enable_expert_bias=True,  # HF's correction bias; its update: parallel.router
         moe_router_num_groups=groups if groups > 1 else None,
         moe_router_group_topk=group_topk if groups > 1 else None,
         moe_router_topk_scaling_factor=float(bridge.get("routed_scaling_factor", 1.0)),

@@ -412,6 +412,12 @@ class MegatronTrainer:
         self.model.train()
         return self._gather_rows(reports, "logprobs", batch["tokens"].shape[1] - 1), self.routing.agreement()
 
+    def natural_load(self) -> dict[int, torch.Tensor]:
+        """{HF layer index: routed slots per expert} of the last `natural_forward`'s routing, over the
+        real tokens, for every MoE layer (collective; see RoutingReplay.load)."""
+        self._require_routing("natural_load")
+        return self.routing.load()
+
     def _require_routing(self, what: str) -> None:
         if self.routing is None:
             raise ValueError(f"{what} needs routers built for replay: set trainer.routing_replay=true")

@@ -104,6 +104,15 @@ class Bridge:
             vocab_size=self.vocab_size,
         )
 
+    def moe_layer_pattern(self) -> list[int]:
+        """Per decoder layer, 1 for an MoE layer and 0 for a dense one (megatron's moe_layer_freq)."""
+        return [1] * int(self.get("num_hidden_layers"))
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """HF indices of the MoE layers (the rows of routing data that name experts)."""
+        return [layer for layer, moe in enumerate(self.moe_layer_pattern()) if moe]
+
     def transformer_config_kwargs(self) -> dict[str, Any]:
         """Architecture-specific TransformerConfig fields."""
         raise NotImplementedError

@@ -70,6 +70,9 @@ class DeepseekV3Bridge(Bridge):
             mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)),
         )
 
+    def moe_layer_pattern(self) -> list[int]:
+        return [int(i >= self.get("first_k_dense_replace")) for i in range(self.get("num_hidden_layers"))]
+
     def transformer_config_kwargs(self) -> dict[str, Any]:
         if self.get("attention_bias", False):
             raise ValueError(
@@ -98,7 +101,7 @@ class DeepseekV3Bridge(Bridge):
             qk_head_dim=self.get("qk_nope_head_dim"),
             qk_pos_emb_head_dim=self.get("qk_rope_head_dim"),
             v_head_dim=self.get("v_head_dim"),
-            moe_layer_freq=[int(i >= self.get("first_k_dense_replace")) for i in range(self.get("num_hidden_layers"))],
+            moe_layer_freq=self.moe_layer_pattern(),
             **self.rope_kwargs(),
             **sigmoid_router_kwargs(self),
         )

@@ -21,12 +21,15 @@ class Glm4MoeBridge(Bridge):
     def num_experts(self) -> int:
         return int(self.get("n_routed_experts"))
 
+    def moe_layer_pattern(self) -> list[int]:
+        return [int(i >= self.get("first_k_dense_replace")) for i in range(self.get("num_hidden_layers"))]
+
     def transformer_config_kwargs(self) -> dict[str, Any]:
         return dict(
             **self.gqa_decoder_kwargs(),
             qk_layernorm=bool(self.get("use_qk_norm", False)),
             add_qkv_bias=bool(self.get("attention_bias", False)),
-            moe_layer_freq=[int(i >= self.get("first_k_dense_replace")) for i in range(self.get("num_hidden_layers"))],
+            moe_layer_freq=self.moe_layer_pattern(),
             **sigmoid_router_kwargs(self),
         )
 

@@ -5,7 +5,7 @@ import yaml
 
 from moe_rl import cli
 from moe_rl.config import RunConfig, load_config
-from tests.tiny_models import QWEN3_MOE, hf_fields
+from tests.tiny_models import DEEPSEEK_V3, QWEN3_MOE, hf_fields
 
 pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
@@ -71,11 +71,32 @@ def test_context_parallel_divides_data_parallel_and_pads_sequences(config_file):
         (["trainer.pack_sequences=true"], r"pack_sequences=true packs the token-budget.*max_tokens_per_microbatch"),
         (["trainer.precision=fp16"], r"trainer.precision='fp16': use one of \['bf16', 'fp32'\]"),
         (["steps"], r"write it as dotted.key=value"),
+        (
+            ["trainer.moe.router_bias_update_rate=0.001"],
+            r"router_bias_update_rate=0.001, but Qwen3MoeForCausalLM routers have no expert bias.*"
+            r"set trainer.moe.router_bias_update_rate: 0",
+        ),
+        (["trainer.moe.aux_loss_coeff=-0.01"], r"trainer.moe.aux_loss_coeff=-0.01: must be a number >= 0"),
+        (
+            ["trainer.moe.freeze_router=true", "trainer.moe.router_bias_update_rate=0.001"],
+            r"freeze_router=true with trainer.moe.router_bias_update_rate=0.001.*set router_bias_update_rate: 0",
+        ),
     ],
 )
 def test_impossible_configs_name_the_field_and_fix(config_file, overrides, message):
     with pytest.raises(ValueError, match=message):
         load_config(config_file, overrides)
+
+
+def test_router_controls_reach_the_model_build(config_file):
+    """trainer.moe defaults to today's behaviour; a model with an expert bias takes an update rate."""
+    defaults = load_config(config_file).trainer.moe.router()
+    assert (defaults.freeze, defaults.bias_update_rate, defaults.aux_loss_coeff) == (False, 0.0, 0.0)
+    config_file.write_text(yaml.safe_dump({"model": {"hf_config": DEEPSEEK_V3}, "trainer": {"world_size": 2, "ep": 2}}))
+    router = load_config(
+        config_file, ["trainer.moe.router_bias_update_rate=0.001", "trainer.moe.aux_loss_coeff=0.0001"]
+    ).trainer.moe.router()
+    assert (router.freeze, router.bias_update_rate, router.aux_loss_coeff) == (False, 0.001, 0.0001)
 
 
 def test_unknown_architecture_is_named(config_file):

@@ -174,6 +174,7 @@ class MegatronTrainer:
         config.check_context_parallel_precision(gpu_te=use_transformer_engine())
         self.config = config
         self.bridge = bridge_for(hf_config)
+        config.moe.check_model(self.bridge)
         init_model_parallel(config, config.seed)
         # where build_gpt_model puts the model: batches arrive on the host and move per micro-batch
         # (`Microbatch.to`, in `_run_schedule`)
@@ -187,9 +188,11 @@ class MegatronTrainer:
         # token-budget micro-batches differ in length: pipeline p2p sends each one's shape first
         variable = dict(variable_seq_lengths=True) if config.max_tokens_per_microbatch is not None else {}
         # LoRA adapts both specs (parallel.lora): the TE spec where TE is installed, as without LoRA
+        # trainer.moe: frozen routers get no grad before DDP and the optimizer see them (parallel.router)
         model = build_gpt_model(
             self.bridge,
             config,
+            router=config.moe.router(),
             calculate_per_token_loss=True,
             mtp_loss_scaling_factor=config.mtp_loss_weight,
             **precision_config(config.precision),
@@ -413,6 +416,12 @@ class MegatronTrainer:
         )
         self.model.train()
         return self._gather_rows(reports, "logprobs", batch["tokens"].shape[1] - 1), self.routing.agreement()
+
+    def natural_load(self) -> dict[int, torch.Tensor]:
+        """{HF layer index: routed slots per expert} of the last `natural_forward`'s routing, over the
+        real tokens, for every MoE layer (collective; see RoutingReplay.load)."""
+        self._require_routing("natural_load")
+        return self.routing.load()
 
     def _require_routing(self, what: str) -> None:
         if self.routing is None:

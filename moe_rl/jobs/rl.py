@@ -25,6 +25,7 @@ from moe_rl.report import write_report
 from moe_rl.rl import resume as resume_state
 from moe_rl.rl.cluster import RLCluster
 from moe_rl.rl.colocate import engines_released
+from moe_rl.rl.consistency_probe import probe_due, run_probe
 from moe_rl.rl.rollout_actor import BatchRequest
 from moe_rl.rl.step_clock import StepClock
 from moe_rl.rl.trainer_group import SaveHFRequest
@@ -92,14 +93,18 @@ def run(config: RunConfig, resume: bool = False) -> dict:
                 # 4. admit: the engines serve version + 1, so the rounds it allows may start
                 cluster.set_rollout_version(version + 1)
                 metrics.update(evaluations.step_done(version + 1, config.steps))
-                # 5. log
+                # 5. every trainer.consistency_probe_every steps: an engine scores a few of the batch's
+                #    sequences under version + 1 and the trainer runs the same ids (the rollout goes on)
+                if probe_due(config.trainer.consistency_probe_every, version + 1):
+                    metrics.update(run_probe(cluster, config, batch.tensors, version + 1))
+                # 6. log
                 metrics.update({**info.metrics(), **rollout_metrics})
                 metrics.update(clock.finish(metrics, rollout_metrics))
                 logger.log(version + 1, metrics)
                 resume_state.record_trained(run_dir, version + 1, info.group_ids)
                 if dumps is not None:  # rollout.dump: the samples trained at this step (before its checkpoint)
                     dumps.write(version + 1, batch.records)
-                # 6. checkpoint the run every `rl.checkpoint_every` steps and at the last
+                # 7. checkpoint the run every `rl.checkpoint_every` steps and at the last
                 every = config.rl.checkpoint_every
                 if every and ((version + 1) % every == 0 or version + 1 == config.steps):
                     evaluations.collect(wait=True)  # every evaluation up to here is logged before it

@@ -14,6 +14,7 @@ train command runs it before anything starts).
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -25,11 +26,14 @@ from moe_rl.report import write_report
 from moe_rl.rl import resume as resume_state
 from moe_rl.rl.cluster import RLCluster
 from moe_rl.rl.colocate import engines_released
-from moe_rl.rl.consistency_probe import probe_due, run_probe
+from moe_rl.rl.consistency_probe import PROBE_PREFIX, ProbeRequest, probe_due
 from moe_rl.rl.rollout_actor import BatchRequest
 from moe_rl.rl.step_clock import StepClock
 from moe_rl.rl.trainer_group import SaveHFRequest
 from moe_rl.rollout.dump import ROLLOUTS_DIR, SampleDump
+from sync.lora import adapter_name
+
+log = logging.getLogger(__name__)
 
 
 def run(config: RunConfig, resume: bool = False) -> dict:
@@ -96,7 +100,7 @@ def run(config: RunConfig, resume: bool = False) -> dict:
                 # 5. every trainer.consistency_probe_every steps: an engine scores a few of the batch's
                 #    sequences under version + 1 and the trainer runs the same ids (the rollout goes on)
                 if probe_due(config.trainer.consistency_probe_every, version + 1):
-                    metrics.update(run_probe(cluster, config, batch.tensors, version + 1))
+                    metrics.update(_probe(cluster, config, batch.tensors, version + 1))
                 # 6. log
                 metrics.update({**info.metrics(), **rollout_metrics})
                 metrics.update(clock.finish(metrics, rollout_metrics))
@@ -149,4 +153,25 @@ def _update_weights(cluster: RLCluster, config: RunConfig, version: int) -> dict
     #    (an engine that died is dropped, the others commit; it is restarted and caught up later)
     metrics["time/sync_s"] = cluster.sync(version)
     metrics["engines/restarts"] = cluster.restarts
+    return metrics
+
+
+def _probe(cluster: RLCluster, config: RunConfig, batch, version: int) -> dict[str, float]:
+    """The consistency probe of `version` (the engines serve it now; `moe_rl.rl.consistency_probe`):
+    the rollout worker scores a few of `batch`'s sequences (the step's RLBatch ref), the trainer
+    ranks compare. A probe the engines cannot answer on `version` is skipped, and says so."""
+    start = time.perf_counter()
+    request = ProbeRequest(
+        config.trainer.consistency_probe_samples,
+        version,
+        routing=config.trainer.routing_replay,
+        lora_path=adapter_name(version) if config.lora is not None else None,
+    )
+    scored = cluster.score_probe(batch, request)
+    if isinstance(scored, str):
+        log.warning("consistency probe of version %d skipped: %s", version, scored)
+        metrics = {f"{PROBE_PREFIX}skipped": 1.0}
+    else:
+        metrics = {**cluster.trainer.probe(scored), f"{PROBE_PREFIX}skipped": 0.0}
+    metrics["time/consistency_probe_s"] = time.perf_counter() - start
     return metrics

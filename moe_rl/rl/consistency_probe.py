@@ -17,33 +17,28 @@ hold the same version until the next step):
      token: each token after the first of each sequence), `logprob_diff_no_replay_mean` and
      `routing_agreement` (trainer natural top-k vs the engine's, over those tokens of MoE layers),
      and the probe's cost, `time/consistency_probe_s`.
+The driver runs the steps in order (`moe_rl.jobs.rl`); the rollout worker does 1-2 (`score_rows`),
+every trainer rank 3-4 (`compare`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-import ray
 import torch
 
 from moe_rl.engine.client import EngineError
 from moe_rl.engine.pool import EnginePool
 from moe_rl.rollout.train_batch import RLBatch
 from moe_rl.trainer.microbatches import row_lengths
-from sync.lora import adapter_name
 
-if TYPE_CHECKING:  # the driver's and the trainer ranks' sides; megatron-core loads only on a rank
-    from moe_rl.config import RunConfig
-    from moe_rl.rl.cluster import RLCluster
+if TYPE_CHECKING:  # megatron-core loads only where a trainer runs, not in the rollout worker
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
 
-logger = logging.getLogger(__name__)
-PREFIX = "consistency/probe/"
+PROBE_PREFIX = "consistency/probe/"
 
 
 @dataclass(frozen=True)
@@ -141,13 +136,16 @@ def compare(trainer: MegatronTrainer, probe: ProbeBatch) -> dict[str, float]:
     replay = trainer.routing is not None and probe.routed_experts is not None
     logprobs = trainer.forward_logprobs(batch, replay=replay, rows=rows)
     diff = (logprobs - engine).abs()[mask]
-    metrics = {f"{PREFIX}logprob_diff_mean": float(diff.mean()), f"{PREFIX}logprob_diff_max": float(diff.max())}
+    metrics = {
+        f"{PROBE_PREFIX}logprob_diff_mean": float(diff.mean()),
+        f"{PROBE_PREFIX}logprob_diff_max": float(diff.max()),
+    }
     if replay:  # natural routing, recorded against the engine's (R3's routers record)
         natural, agreement = trainer.natural_forward(batch, rows=rows)
-        metrics[f"{PREFIX}logprob_diff_no_replay_mean"] = float((natural - engine).abs()[mask].mean())
+        metrics[f"{PROBE_PREFIX}logprob_diff_no_replay_mean"] = float((natural - engine).abs()[mask].mean())
         # every MoE layer counts the same tokens: the mean over layers is the mean over decisions
-        metrics[f"{PREFIX}routing_agreement"] = sum(agreement.values()) / len(agreement)
-    metrics[f"{PREFIX}tokens"] = float(mask.sum())
+        metrics[f"{PROBE_PREFIX}routing_agreement"] = sum(agreement.values()) / len(agreement)
+    metrics[f"{PROBE_PREFIX}tokens"] = float(mask.sum())
     return metrics
 
 
@@ -166,26 +164,3 @@ def _padded(trainer: MegatronTrainer, probe: ProbeBatch) -> dict[str, torch.Tens
         filler = torch.arange(routed.shape[-1]).expand(extra, *routed.shape[1:])
         batch["routed_experts"] = torch.cat([routed, filler])
     return batch
-
-
-# -- the driver ---------------------------------------------------------------------------------
-
-
-def run_probe(cluster: RLCluster, config: RunConfig, batch: ray.ObjectRef, version: int) -> dict[str, float]:
-    """Steps 1-4 for the step that made `version` (the engines serve it now); `batch`: the step's
-    `RLBatch` (the rollout worker's ObjectRef). Returns the probe's metrics."""
-    start = time.perf_counter()
-    request = ProbeRequest(
-        config.trainer.consistency_probe_samples,
-        version,
-        routing=config.trainer.routing_replay,
-        lora_path=adapter_name(version) if config.lora is not None else None,
-    )
-    scored = cluster.score_probe(batch, request)
-    if isinstance(scored, str):
-        logger.warning("consistency probe at version %d skipped: %s", version, scored)
-        metrics = {f"{PREFIX}skipped": 1.0}
-    else:
-        metrics = {**cluster.trainer.probe(scored), f"{PREFIX}skipped": 0.0}
-    metrics["time/consistency_probe_s"] = time.perf_counter() - start
-    return metrics

@@ -8,8 +8,10 @@ drain-before-sync, `fully_async` = staleness >= 1, generation paused only for th
 With `lora:`, each sync publishes only the new adapter and the run ends with `final_adapter/` (PEFT)
 next to the merged `final_hf/`. With `rl.checkpoint_every`, run checkpoints (`moe_rl.rl.resume`) let
 `--resume` continue a run. With `eval:`, evaluations run on the rollout engines
-(`moe_rl.jobs.evaluations`). The config must have passed `moe_rl.jobs.preflight.check_run` (the
-train command runs it before anything starts).
+(`moe_rl.jobs.evaluations`). Every `trainer.consistency_probe_every` steps the consistency probe
+measures train/inference mismatch on the step's own version (`moe_rl.rl.consistency_probe`).
+The config must have passed `moe_rl.jobs.preflight.check_run` (the train command runs it before
+anything starts).
 """
 
 from __future__ import annotations

@@ -23,6 +23,13 @@ pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 STEPS = 4
+PROBE_BOUND = 1e-4
+"""|engine - trainer| logprob on the same weights, tokens and routing (R3), both in fp32: transformers'
+forward against megatron-core's differ only in the order of sums (GEMM blocking, attention and norm
+formulas, the EP2 all-to-all's expert sums). fp32's unit roundoff is u = 2^-24 ~ 6e-8; a dot product
+of length n <= 128 (the tiny model's widest) is off by at most ~n u ~ 8e-6 relative, and a logprob
+(a logit minus a log-sum-exp over 256 tokens) passes ~10 such products in 2 layers: under 1e-4 in
+the worst case, ~1e-6 typically. A policy step moves logprobs by ~1e-2 (lr 1e-3 here)."""
 
 
 def tiny_config(
@@ -98,8 +105,11 @@ def check_ledger(summary: dict, groups: int = 4) -> None:
 
 @pytest.mark.parametrize("mode, bound", [("sync", 0), ("one_step_off", 1)])
 def test_sync_and_one_step_off(tmp_path, mode, bound):
-    summary, rows = run(tiny_config(tmp_path, mode))
+    summary, rows = run(tiny_config(tmp_path, mode, trainer={"consistency_probe_every": STEPS}))
     check_ledger(summary)
+    # the consistency probe of the last step, on its version, at the arithmetic's level (PROBE_BOUND)
+    assert [r["step"] for r in rows if "consistency/probe/skipped" in r] == [STEPS]
+    assert rows[-1]["consistency/probe/skipped"] == 0 and rows[-1]["consistency/probe/logprob_diff_max"] < PROBE_BOUND
     check_utilization(rows)
     assert max(r["rollout/staleness_max"] for r in rows) <= bound
     # generation was never cut mid-sample: drained (one_step_off) or not admitted (sync)
@@ -153,22 +163,16 @@ def test_sync_on_a_verl_parquet_dataset(tmp_path):
 def test_fp8_weight_sync(tmp_path):
     """sync.fp8_blocks: the engines start from an FP8 checkpoint and every sync sends FP8 blocks;
     the engine then serves the dequantized weights (the logprob gap to the fp32 trainer shows it)."""
-    config = tiny_config(tmp_path, "sync")
+    config = tiny_config(tmp_path, "sync", trainer={"consistency_probe_every": 2})
     config.sync.fp8_blocks = 8
     summary, rows = run(config)
     check_ledger(summary)
     initial = json.loads((tmp_path / "sync" / "initial_hf" / "config.json").read_text())
     assert initial["quantization_config"]["weight_block_size"] == [8, 8]
     assert all(0 < r["offpolicy/logprob_diff_mean"] < 0.5 for r in rows)
-
-
-PROBE_BOUND = 1e-4
-"""|engine - trainer| logprob on the same weights, tokens and routing (R3), both in fp32: transformers'
-forward against megatron-core's differ only in the order of sums (GEMM blocking, attention and norm
-formulas, the EP2 all-to-all's expert sums). fp32's unit roundoff is u = 2^-24 ~ 6e-8; a dot product
-of length n <= 128 (the tiny model's widest) is off by at most ~n u ~ 8e-6 relative, and a logprob
-(a logit minus a log-sum-exp over 256 tokens) passes ~10 such products in 2 layers: under 1e-4 in
-the worst case, ~1e-6 typically. A policy step moves logprobs by ~1e-2 (lr 1e-3 here)."""
+    # on the same version and tokens the probe sees FP8's rounding: far above fp32's arithmetic
+    probed = [r for r in rows if "consistency/probe/logprob_diff_mean" in r]
+    assert len(probed) == 2 and all(r["consistency/probe/logprob_diff_mean"] > 10 * PROBE_BOUND for r in probed)
 
 
 def test_fully_async_partial_rollouts_r3_and_final_checkpoint(tmp_path):

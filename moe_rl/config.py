@@ -203,9 +203,19 @@ class TrainerConfig(ParallelLayout):
     recompute (megatron-core's router replay), so training routes tokens as generation did."""
     no_replay_forward_every: int = 1
     """With routing_replay: every this many RL steps (logged steps N, 2N, ...) run one forward of
-    the whole batch with routing off, recorded, for the `consistency/logprob_diff_no_replay_*` and
+    the whole batch with routing off, recorded, for the `offpolicy/logprob_diff_no_replay_*` and
     `routing/agreement/*` metrics; `time/no_replay_forward_s` is its cost (one forward of the
     batch). 0 = never. Without routing_replay it is ignored."""
+    consistency_probe_every: int = 10
+    """Every this many RL steps (logged steps N, 2N, ...), after the weight sync, the consistency
+    probe (`moe_rl.rl.consistency_probe`): an engine serving the trainer's version scores
+    consistency_probe_samples of the step's sequences (prefill logprobs and routed experts of the
+    exact ids) and the trainer runs the same ids, replaying that routing with routing_replay. Logs
+    `consistency/probe/*`: train/inference mismatch on the same weights, where `offpolicy/*` adds
+    the policy's movement (docs/algorithm.md); `time/consistency_probe_s` is its cost. 0 = never."""
+    consistency_probe_samples: int = 4
+    """Sequences the probe scores: that many of the batch's rows with trained tokens, evenly spaced
+    (all of them when the batch has fewer)."""
     mtp_loss_weight: float = 0.0
     """Weight of the multi-token-prediction loss (megatron-core's mtp_loss_scaling_factor, split
     over the MTP layers; DeepSeek-V3 trained with 0.1-0.3): the MTP layers learn to predict the
@@ -243,6 +253,13 @@ class TrainerConfig(ParallelLayout):
                 f"trainer.no_replay_forward_every={self.no_replay_forward_every!r}: must be an integer >= 0 "
                 "(0 = never run the routing-off forward)"
             )
+        for name, low in (("consistency_probe_every", 0), ("consistency_probe_samples", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(
+                    f"trainer.{name}={value!r}: must be an integer >= {low} "
+                    "(consistency_probe_every 0 = never probe; consistency_probe_samples: sequences per probe)"
+                )
         if self.mtp_loss_weight < 0:
             raise ValueError(
                 f"trainer.mtp_loss_weight={self.mtp_loss_weight}: must be >= 0 (0 leaves MTP layers untrained)"

@@ -2,11 +2,13 @@
 
 Writes into `RUN_DIR/plots/`: `reward.png` (mean reward per step and a moving average),
 `staleness.png` (histogram of sample staleness over the run), `routing_agreement.png` (per-layer
-routing agreement between trainer and engine without replay, and the logprob gap with and
-without replay), `time.png` (per-step time breakdown: trainer wait, old logprobs, train step,
-drain, weight sync), `utilization.png` (per step, the fraction of wall time each pool was busy,
-and the engines' paused and idle time: `perf/*`), and for agent runs `agents.png` (turns, tool
-calls, tool errors, forked sequences and dropped groups per episode and step),
+routing agreement between trainer and engine without replay, and the consistency probe's),
+`consistency.png` (the probe's logprob gap on the same weights against the off-policy gap, which
+includes the policy's change: docs/algorithm.md), `time.png` (per-step time breakdown: trainer
+wait, old logprobs, train step, drain, weight sync), `utilization.png` (per step, the fraction of
+wall time each pool was busy, and the engines' paused and idle time: `perf/*`), and for agent
+runs `agents.png` (turns, tool calls, tool errors, forked sequences and dropped groups per episode
+and step),
 `agent_time.png` (environment vs generation seconds per episode; trained vs masked tokens) and,
 when the agent sets its own `episode.metrics`, `agent_metrics.png` (each one's moving average), and
 for runs with `eval:` `eval.png` (per eval dataset: mean reward and pass@k against the step
@@ -46,6 +48,7 @@ def write_report(run_dir: str | Path) -> list[Path]:
         ("reward", _reward),
         ("staleness", _staleness),
         ("routing_agreement", _routing),
+        ("consistency", _consistency),
         ("time", _time),
         ("utilization", _utilization),
         ("agents", _agents),
@@ -115,23 +118,37 @@ def _routing(ax, rows) -> bool:
     layers = sorted(
         {k for r in rows for k in r if k.startswith("routing/agreement/")}, key=lambda k: int(re.sub(r"\D", "", k) or 0)
     )
-    plotted = False
     for key in layers:
         steps, values = _series(rows, key)
         ax.plot(steps, values, label=key.rsplit("/", 1)[-1])
-        plotted = True
-    if plotted:
-        ax.set(xlabel="step", ylabel="agreement (top-k overlap)", title="Routing agreement without replay")
-        ax.legend(fontsize=7, ncol=2)
-        return True
-    for key in ("consistency/logprob_diff_mean", "consistency/logprob_diff_no_replay_mean"):
-        steps, values = _series(rows, key)
-        if steps:
-            ax.plot(steps, values, label=key.split("/")[-1])
+    steps, values = _series(rows, "consistency/probe/routing_agreement")
+    if steps:
+        ax.plot(steps, values, "k.", label="probe (same weights)")
+    if not layers and not steps:
+        return False
+    ax.set(xlabel="step", ylabel="agreement (top-k overlap)", title="Routing agreement without replay")
+    ax.legend(fontsize=7, ncol=2)
+    return True
+
+
+def _consistency(ax, rows) -> bool:
+    """The probe's gap (same weights, same tokens) against the off-policy gap (rollout logprobs
+    of older versions against the trainer's now), log scale: they differ by orders of magnitude."""
+    lines = {
+        "consistency/probe/logprob_diff_mean": ("probe mean (same weights)", "o-"),
+        "consistency/probe/logprob_diff_max": ("probe max", "o:"),
+        "offpolicy/logprob_diff_mean": ("off-policy mean (incl. policy change)", "-"),
+        "offpolicy/logprob_diff_no_replay_mean": ("off-policy mean, no replay", "--"),
+    }
+    plotted = False
+    for key, (label, style) in lines.items():
+        points = [(step, value) for step, value in zip(*_series(rows, key)) if value > 0]  # log scale
+        if points:
+            ax.plot(*zip(*points), style, label=label, markersize=3)
             plotted = True
     if plotted:
-        ax.set(xlabel="step", ylabel="|trainer - engine| logprob", title="Train/rollout logprob gap")
-        ax.legend()
+        ax.set(xlabel="step", ylabel="|trainer - engine| logprob", yscale="log", title="Train/inference logprob gap")
+        ax.legend(fontsize=8)
     return plotted
 
 

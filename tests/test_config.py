@@ -70,6 +70,8 @@ def test_context_parallel_divides_data_parallel_and_pads_sequences(config_file):
         (["trainer.optimizer.lr=-1"], r"optimizer.lr=-1.0: must be > 0"),
         (["trainer.pack_sequences=true"], r"pack_sequences=true packs the token-budget.*max_tokens_per_microbatch"),
         (["trainer.precision=fp16"], r"trainer.precision='fp16': use one of \['bf16', 'fp32'\]"),
+        (["trainer.consistency_probe_every=-1"], r"trainer.consistency_probe_every=-1: must be an integer >= 0"),
+        (["trainer.consistency_probe_samples=0"], r"trainer.consistency_probe_samples=0: must be an integer >= 1"),
         (["steps"], r"write it as dotted.key=value"),
         (
             ["trainer.moe.router_bias_update_rate=0.001"],

@@ -62,6 +62,19 @@ class GenerateResult:
     meta_info: dict[str, Any]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScoreResult:
+    """What `EngineClient.score` read from a prefill-only `/generate` of exact ids."""
+
+    logprobs: list[float]
+    """[len(ids) - 1]: log p(ids[t] | ids[:t]) for t = 1.. (temperature 1), under the served weights."""
+    routed_experts: np.ndarray | None
+    """[len(ids) - 1, num_hidden_layers, topk]: the experts of every token but the last (SGLang's rows),
+    or None when not asked for."""
+    weight_version: int
+    """The version the engine served the request with."""
+
+
 def engine_name(index: int) -> str:
     """The RL job's name of engine `index` (its clients, the weight sender, the rollout pool and
     the restart bookkeeping all use it); `engine_index` reads it back."""
@@ -185,6 +198,41 @@ class EngineClient:
             body["lora_path"] = lora_path
         data = await self._request("POST", "/generate", body, timeout_s=self.generate_timeout_s, idempotent=False)
         return await self._result(body["rid"], data)
+
+    async def score(
+        self, input_ids: list[int], *, return_routed_experts: bool = True, lora_path: str | None = None
+    ) -> ScoreResult:
+        """Score `input_ids` as they are: a prefill-only POST /generate (`max_new_tokens=0`,
+        `return_logprob`, `logprob_start_len=0`), SGLang's route for prompt logprobs, the one a served
+        teacher answers too. SGLang gives `meta_info.input_token_logprobs` [logprob, id, None] per
+        token (the first logprob None) and routed experts for every token but the last. Raises
+        EngineError when the engine answers otherwise (an aborted request, a short list)."""
+        body = {
+            "rid": uuid.uuid4().hex,
+            "input_ids": list(input_ids),
+            "sampling_params": SamplingParams(max_new_tokens=0).body(),
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "return_routed_experts": return_routed_experts,
+        }
+        if lora_path is not None:
+            body["lora_path"] = lora_path
+        data = await self._request("POST", "/generate", body, timeout_s=self.generate_timeout_s, idempotent=False)
+        result = await self._result(body["rid"], data)
+        entries = result.meta_info.get("input_token_logprobs") or []
+        if result.finish_reason == "abort" or [entry[1] for entry in entries] != list(input_ids):
+            raise EngineError(
+                self.name,
+                "/generate",
+                None,
+                f"scoring {len(input_ids)} ids: finish {result.finish_reason!r}, "
+                f"{len(entries)} prompt logprobs for the wrong ids or none",
+            )
+        return ScoreResult(
+            logprobs=[float(entry[0]) for entry in entries[1:]],
+            routed_experts=result.routed_experts,
+            weight_version=result.weight_version,
+        )
 
     async def _result(self, rid: str, data: dict) -> GenerateResult:
         meta = data["meta_info"]

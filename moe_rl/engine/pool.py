@@ -4,7 +4,7 @@ All samples of a group (same prompt, GRPO) go to one engine, so its prefix cache
 tree) computes the shared prompt once; a group's first request, and any request without a group,
 goes to the live engine with the fewest requests in flight (ties: the first). The mapping lives
 until `release_group`. Control calls (pause, continue, weight updates) go to every engine through
-the clients themselves (or `sync`'s sender); the pool only routes generation.
+the clients themselves (or `sync`'s sender); the pool only routes generation (and scoring: `score`).
 
 Faults: a generate call that gets no HTTP answer (connection refused or reset) makes the pool ask
 the engine's `/health` (one check shared by every request that failed on it). An engine that does
@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Awaitable, Callable, TypeVar
 
-from moe_rl.engine.client import EngineClient, EngineError, GenerateResult
+from moe_rl.engine.client import EngineClient, EngineError, GenerateResult, ScoreResult
 from moe_rl.engine.sampling import SamplingParams
+
+Served = TypeVar("Served")
 
 
 class EnginePool:
@@ -60,13 +63,24 @@ class EnginePool:
         self, input_ids: list[int], sampling: SamplingParams, *, group_id: str | None = None, **kwargs
     ) -> GenerateResult:
         """`EngineClient.generate` on the engine `pick(group_id)` chose; resubmitted if it dies."""
+        result = await self._on_live_engine(group_id, lambda client: client.generate(input_ids, sampling, **kwargs))
+        self.generated_tokens += len(result.output_ids)
+        return result
+
+    async def score(self, input_ids: list[int], **kwargs) -> ScoreResult:
+        """`EngineClient.score` (a prefill-only request of its own, in no group) on the live engine
+        with the fewest requests in flight; resubmitted if it dies."""
+        return await self._on_live_engine(None, lambda client: client.score(input_ids, **kwargs))
+
+    async def _on_live_engine(self, group_id: str | None, call: Callable[[EngineClient], Awaitable[Served]]) -> Served:
+        """`call(client)` on the engine `pick(group_id)` chose, again on another one if it died."""
         while True:
             await self._any_live.wait()
             index = self.pick(group_id)
             client = self.clients[index]
             self._enter(index)
             try:
-                result = await client.generate(input_ids, sampling, **kwargs)
+                result = await call(client)
             except EngineError as error:
                 if error.status is not None or not await self._died(index, client):
                     raise
@@ -75,7 +89,6 @@ class EnginePool:
             finally:
                 self._leave(index)
             self.served[index] += 1
-            self.generated_tokens += len(result.output_ids)
             return result
 
     def _enter(self, index: int) -> None:

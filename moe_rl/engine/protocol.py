@@ -260,8 +260,8 @@ no tags = all of them). SGLang frees them only when launched with `--enable-memo
 EMBEDDED_UNSUPPORTED = {
     # field -> SGLang's default (GenerateReqInput's, or SamplingParams' for a sampling field; `watermark`
     # is both, default None in both); the embedded engine serves the field at this value only.
-    # Generation: text (no tokenizer), multimodal and disaggregation inputs, streaming, prompt and top
-    # logprobs, hidden states, sessions, reasoning, DP routing.
+    # Generation: text (no tokenizer), multimodal and disaggregation inputs, streaming, top logprobs,
+    # hidden states, sessions, reasoning, DP routing.
     "text": None,
     "input_embeds": None,
     "image_data": None,
@@ -272,7 +272,6 @@ EMBEDDED_UNSUPPORTED = {
     "use_audio_in_video": False,
     "video_config": None,
     "watermark": None,
-    "logprob_start_len": None,
     "top_logprobs_num": None,
     "token_ids_logprob": None,
     "return_sampling_mask": None,
@@ -331,22 +330,21 @@ EMBEDDED_UNSUPPORTED = {
     "custom_params": None,
 }
 """The other GenerateReqInput / SamplingParams fields are honoured (`input_ids`, `rid`, `return_logprob`,
-`return_routed_experts`, `lora_path`, the sampler's) or have nothing to act on in the embedded engine
-and are accepted with any value: labels and bookkeeping (`session_id`, `routing_key`,
-`conversation_id`, `custom_labels`, `external_trace_header`, `received_time`, `log_metrics`,
-`no_logs`, `priority`, `lora_id`), cache keys and hints (no prefix cache: `extra_key`, `cache_salt`,
-`kv_hints`), `stream_interval` (no streaming) and `return_text_in_logprobs` (no tokenizer: the
-text entries are None)."""
+`logprob_start_len` (prompt logprobs), `return_routed_experts`, `lora_path`, the sampler's) or have
+nothing to act on in the embedded engine and are accepted with any value: labels and bookkeeping
+(`session_id`, `routing_key`, `conversation_id`, `custom_labels`, `external_trace_header`,
+`received_time`, `log_metrics`, `no_logs`, `priority`, `lora_id`), cache keys and hints (no prefix
+cache: `extra_key`, `cache_salt`, `kv_hints`), `stream_interval` (no streaming) and
+`return_text_in_logprobs` (no tokenizer: the text entries are None)."""
 
 DEFAULT_EQUIVALENTS = {
-    "logprob_start_len": -1,
     "top_logprobs_num": 0,
     "return_sampling_mask": False,
     "routed_dp_rank": 0,
     "data_parallel_rank": 0,
 }
 """A second spelling of SGLang's default, also served: what SGLang's normalisation turns the None
-default into (`logprob_start_len=-1`: output logprobs only; `top_logprobs_num=0`), or the only DP
+default into (`top_logprobs_num=0`), or the only DP
 rank of a dp_size 1 engine (SGLang 0.5.23 ignores `routed_dp_rank=0` there and refuses any other)."""
 
 

@@ -8,12 +8,15 @@ drain-before-sync, `fully_async` = staleness >= 1, generation paused only for th
 With `lora:`, each sync publishes only the new adapter and the run ends with `final_adapter/` (PEFT)
 next to the merged `final_hf/`. With `rl.checkpoint_every`, run checkpoints (`moe_rl.rl.resume`) let
 `--resume` continue a run. With `eval:`, evaluations run on the rollout engines
-(`moe_rl.jobs.evaluations`). The config must have passed `moe_rl.jobs.preflight.check_run` (the
-train command runs it before anything starts).
+(`moe_rl.jobs.evaluations`). Every `trainer.consistency_probe_every` steps the consistency probe
+measures train/inference mismatch on the step's own version (`moe_rl.rl.consistency_probe`).
+The config must have passed `moe_rl.jobs.preflight.check_run` (the train command runs it before
+anything starts).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -25,11 +28,15 @@ from moe_rl.report import write_report
 from moe_rl.rl import resume as resume_state
 from moe_rl.rl.cluster import RLCluster
 from moe_rl.rl.colocate import engines_released
+from moe_rl.rl.consistency_probe import PROBE_PREFIX, ProbeRequest, probe_due
 from moe_rl.rl.rollout_actor import BatchRequest
 from moe_rl.rl.step_clock import StepClock
 from moe_rl.rl.trainer_group import SaveHFRequest
 from moe_rl.rollout.dump import ROLLOUTS_DIR, SampleDump
 from moe_rl.rollout.expert_load import EXPERTS_FILE, write_expert_load
+from sync.lora import adapter_name
+
+log = logging.getLogger(__name__)
 
 
 def run(config: RunConfig, resume: bool = False) -> dict:
@@ -93,7 +100,11 @@ def run(config: RunConfig, resume: bool = False) -> dict:
                 # 4. admit: the engines serve version + 1, so the rounds it allows may start
                 cluster.set_rollout_version(version + 1)
                 metrics.update(evaluations.step_done(version + 1, config.steps))
-                # 5. log
+                # 5. every trainer.consistency_probe_every steps: an engine scores a few of the batch's
+                #    sequences under version + 1 and the trainer runs the same ids (the rollout goes on)
+                if probe_due(config.trainer.consistency_probe_every, version + 1):
+                    metrics.update(_probe(cluster, config, batch.tensors, version + 1))
+                # 6. log
                 metrics.update({**info.metrics(), **rollout_metrics})
                 metrics.update(clock.finish(metrics, rollout_metrics))
                 logger.log(version + 1, metrics)
@@ -102,7 +113,7 @@ def run(config: RunConfig, resume: bool = False) -> dict:
                 resume_state.record_trained(run_dir, version + 1, info.group_ids)
                 if dumps is not None:  # rollout.dump: the samples trained at this step (before its checkpoint)
                     dumps.write(version + 1, batch.records)
-                # 6. checkpoint the run every `rl.checkpoint_every` steps and at the last
+                # 7. checkpoint the run every `rl.checkpoint_every` steps and at the last
                 every = config.rl.checkpoint_every
                 if every and ((version + 1) % every == 0 or version + 1 == config.steps):
                     evaluations.collect(wait=True)  # every evaluation up to here is logged before it
@@ -147,4 +158,25 @@ def _update_weights(cluster: RLCluster, config: RunConfig, version: int) -> dict
     #    (an engine that died is dropped, the others commit; it is restarted and caught up later)
     metrics["time/sync_s"] = cluster.sync(version)
     metrics["engines/restarts"] = cluster.restarts
+    return metrics
+
+
+def _probe(cluster: RLCluster, config: RunConfig, batch, version: int) -> dict[str, float]:
+    """The consistency probe of `version` (the engines serve it now; `moe_rl.rl.consistency_probe`):
+    the rollout worker scores a few of `batch`'s sequences (the step's RLBatch ref), the trainer
+    ranks compare. A probe the engines cannot answer on `version` is skipped, and says so."""
+    start = time.perf_counter()
+    request = ProbeRequest(
+        config.trainer.consistency_probe_samples,
+        version,
+        routing=config.trainer.routing_replay,
+        lora_path=adapter_name(version) if config.lora is not None else None,
+    )
+    scored = cluster.score_probe(batch, request)
+    if isinstance(scored, str):
+        log.warning("consistency probe of version %d skipped: %s", version, scored)
+        metrics = {f"{PROBE_PREFIX}skipped": 1.0}
+    else:
+        metrics = {**cluster.trainer.probe(scored), f"{PROBE_PREFIX}skipped": 0.0}
+    metrics["time/consistency_probe_s"] = time.perf_counter() - start
     return metrics

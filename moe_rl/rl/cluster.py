@@ -42,6 +42,7 @@ from moe_rl.config import RunConfig
 from moe_rl.cpu_pools import pin_process, process_cores
 from moe_rl.engine.client import engine_index, engine_name
 from moe_rl.engine.sglang_launcher import SGLangLoRA
+from moe_rl.rl.consistency_probe import ProbeBatch, ProbeRequest
 from moe_rl.rl.ray_init import init_ray
 from moe_rl.rl.resume import RunCheckpoint
 from moe_rl.rl.rollout_actor import BatchRequest, EngineServer, RolloutWorker, TrainBatch, engine_placement
@@ -202,6 +203,11 @@ class RLCluster:
     def drain(self) -> float:
         """Wait until no group is generating (drain-before-sync); recovers engines meanwhile."""
         return self._wait(self.rollout.drain.remote())
+
+    def score_probe(self, batch: ray.ObjectRef, request: ProbeRequest) -> ProbeBatch | str:
+        """The rollout worker scores the consistency probe's sequences of `batch` (the step's RLBatch
+        ref; `moe_rl.rl.consistency_probe`); recovers engines while it waits."""
+        return self._wait(self.rollout.score_probe.remote(batch, request))
 
     def _wait(self, ref: ray.ObjectRef):
         while not ray.wait([ref], timeout=_POLL_S)[0]:

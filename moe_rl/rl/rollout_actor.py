@@ -31,13 +31,14 @@ from moe_rl.engine.client import EngineClient, engine_name
 from moe_rl.engine.pool import EnginePool
 from moe_rl.engine.process import EmbeddedConfig, launch_embedded
 from moe_rl.engine.sglang_launcher import SGLangConfig, launch_sglang
+from moe_rl.rl.consistency_probe import ProbeBatch, ProbeRequest, score_rows
 from moe_rl.rl.resume import RunCheckpoint
 from moe_rl.rollout import RolloutConfig, RolloutManager
 from moe_rl.rollout.dump import Decode, run_decoder, trained_records
 from moe_rl.rollout.eval_config import EvalConfig
 from moe_rl.rollout.evaluation import EvalResult, Evaluator
 from moe_rl.rollout.expert_load import MoELayers
-from moe_rl.rollout.train_batch import BatchInfo, build_batch
+from moe_rl.rollout.train_batch import BatchInfo, RLBatch, build_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,6 +282,12 @@ class RolloutWorker:
             step, version = request.version + 1, request.version
             records = trained_records(step, groups, info, decode=self.decode, trainer_version=version, moe=self.moe)
         return TrainBatch(ray.put(batch), info, batch.tensor_bytes(), records)
+
+    async def score_probe(self, batch: RLBatch, request: ProbeRequest) -> ProbeBatch | str:
+        """The consistency probe's engine side (`moe_rl.rl.consistency_probe`): a few of `batch`'s
+        sequences scored as they are, beside the running rollout; the probe batch or why it is
+        skipped. `batch` arrives resolved from the driver's ObjectRef (this worker put it)."""
+        return await score_rows(self.pool, batch, request)
 
     async def engine_states(self) -> list[dict]:
         """Per engine: live (gets work), requests in flight, requests served since (re)started."""

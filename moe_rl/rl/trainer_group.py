@@ -26,6 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from moe_rl.algorithms import AlgorithmConfig
 from moe_rl.cpu_pools import pin_process, process_cores
+from moe_rl.rl.consistency_probe import ProbeBatch, compare
 from moe_rl.rollout.train_batch import RLBatch
 from moe_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from moe_rl.trainer.megatron_trainer import MegatronTrainer
@@ -157,6 +158,11 @@ class TrainerRank:
         resolved: the driver passes the rollout worker's ObjectRef, Ray fetches it into this rank."""
         return rl_step(self.trainer, batch, algorithm, self.model_path, step=step)
 
+    @collective
+    def probe(self, probe: ProbeBatch) -> dict[str, float]:
+        """`moe_rl.rl.consistency_probe.compare` on this rank (collective)."""
+        return compare(self.trainer, probe)
+
     def close(self) -> None:
         if self.weight_sync is not None:
             self.weight_sync.close()
@@ -197,6 +203,7 @@ class TrainerGroup:
 
     sync_weights = on_every_rank(TrainerRank.sync_weights)
     connect = on_every_rank(TrainerRank.connect)
+    probe = on_every_rank(TrainerRank.probe)
     save_hf = on_every_rank(TrainerRank.save_hf)
     save_adapter = on_every_rank(TrainerRank.save_adapter)
     save_checkpoint = on_every_rank(TrainerRank.save_checkpoint)

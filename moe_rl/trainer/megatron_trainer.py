@@ -356,17 +356,20 @@ class MegatronTrainer:
         )
 
     @torch.no_grad()
-    def forward_logprobs(self, batch: Batch, replay: bool | None = None) -> torch.Tensor:
+    def forward_logprobs(self, batch: Batch, replay: bool | None = None, rows: int | None = None) -> torch.Tensor:
         """log p(tokens[:, t+1] | tokens[:, :t+1]) as [B, S-1] for the whole batch, returned on
         every rank (collective). Used for the PPO behaviour policy and the reference model.
         `replay`: route as `batch["routed_experts"]` says (True), naturally (False), or
-        (None) replay when trainer.routing_replay is on and the batch carries routed experts."""
+        (None) replay when trainer.routing_replay is on and the batch carries routed experts.
+        `rows`: a batch of this many sequences instead of a training batch's (a probe's few, in
+        whole micro-batches)."""
         self.model.eval()
         reports = self._run_schedule(
             batch,
             partial(self._forward_step, _keep_logprobs, self.routing),
             forward_only=True,
             routing=self._routing_mode(batch, replay),
+            rows=rows,
         )
         self.model.train()
         return self._gather_rows(reports, "logprobs", batch["tokens"].shape[1] - 1)
@@ -405,14 +408,19 @@ class MegatronTrainer:
         return self._gather_rows(reports, "logprobs", batch["tokens"].shape[1] - 1)
 
     @torch.no_grad()
-    def natural_forward(self, batch: Batch) -> tuple[torch.Tensor, dict[int, float]]:
+    def natural_forward(self, batch: Batch, rows: int | None = None) -> tuple[torch.Tensor, dict[int, float]]:
         """One forward with natural routing that records it (collective; every rank gets both):
         the logprobs [B, S-1], as `forward_logprobs(batch, replay=False)` gives them, and {HF layer
-        index: mean over real tokens of |trainer top-k ∩ batch top-k| / topk} for every MoE layer."""
+        index: mean over real tokens of |trainer top-k ∩ batch top-k| / topk} for every MoE layer.
+        `rows`: as in `forward_logprobs`."""
         self._require_routing("natural_forward")
         self.model.eval()
         reports = self._run_schedule(
-            batch, partial(self._forward_step, _keep_logprobs, self.routing), forward_only=True, routing="record"
+            batch,
+            partial(self._forward_step, _keep_logprobs, self.routing),
+            forward_only=True,
+            routing="record",
+            rows=rows,
         )
         self.model.train()
         return self._gather_rows(reports, "logprobs", batch["tokens"].shape[1] - 1), self.routing.agreement()

@@ -1,5 +1,9 @@
 """One RL optimizer step on a trainer rank: the behaviour policy's logprobs, the KL reference's,
-the consistency metrics between trainer and engines, then the PPO update (`rl_step`).
+the off-policy gap between trainer and rollout logprobs, then the PPO update (`rl_step`).
+
+`offpolicy/*` compares the trainer's logprobs now with the engine's at generation, so under
+`max_staleness >= 1` it includes how far the policy moved since; the mismatch on the same weights
+is the consistency probe's (`moe_rl.rl.consistency_probe`, docs/algorithm.md).
 
 Every rank of the trainer world calls it with the same batch (it runs collectives); the Ray
 actor (`moe_rl.rl.trainer_group.TrainerRank`) only forwards the call, and tests call it under
@@ -31,7 +35,7 @@ def rl_step(
     step: int = 1,
 ) -> dict[str, float]:
     """Old logprobs (behaviour policy, with R3 when configured), reference logprobs (kl_coef > 0),
-    consistency metrics, then one optimizer step per PPO mini-batch, all against these old
+    the off-policy gap, then one optimizer step per PPO mini-batch, all against these old
     logprobs (collective: every rank calls it with the same batch). Returns the step's metrics.
     With one mini-batch the old policy is the one being trained: the old logprobs come from the
     training forward itself (`train_step(keep_logprobs=True)`), not from a pass of their own.
@@ -45,7 +49,7 @@ def rl_step(
         start = time.perf_counter()
         old = trainer.forward_logprobs(batch.tensors())
         metrics["time/old_logprobs_s"] = time.perf_counter() - start
-        metrics.update(_logprob_diff(old, batch, mask, "consistency/logprob_diff"))
+        metrics.update(_logprob_diff(old, batch, mask, "offpolicy/logprob_diff"))
         batch = dataclasses.replace(batch, old_logprobs=torch.cat([torch.zeros_like(old[:, :1]), old], dim=1))
     if algorithm.needs_reference:
         ref = _reference_logprobs(trainer, batch, algorithm, model_path, metrics)
@@ -53,7 +57,7 @@ def rl_step(
     if no_replay_forward_due(trainer.config, step):
         start = time.perf_counter()
         natural, agreement = trainer.natural_forward(batch.tensors())
-        metrics.update(_logprob_diff(natural, batch, mask, "consistency/logprob_diff_no_replay"))
+        metrics.update(_logprob_diff(natural, batch, mask, "offpolicy/logprob_diff_no_replay"))
         for layer, share in agreement.items():
             metrics[f"routing/agreement/layer{layer}"] = float(share)
         load = trainer.natural_load()
@@ -65,8 +69,10 @@ def rl_step(
     )
     metrics["time/train_step_s"] = time.perf_counter() - start
     if not recompute:
-        metrics.update(_logprob_diff(result.logprobs, batch, mask, "consistency/logprob_diff"))
-    metrics.update({f"policy/{k}": v for k, v in policy_metrics(result.sums, result.num_tokens).items()})
+        metrics.update(_logprob_diff(result.logprobs, batch, mask, "offpolicy/logprob_diff"))
+    for key, value in policy_metrics(result.sums, result.num_tokens).items():
+        # |old - rollout| spans versions under staleness: the off-policy gap, beside the others
+        metrics[f"offpolicy/{key}" if key == "logprob_diff_abs" else f"policy/{key}"] = value
     if algorithm.needs_reference:
         metrics["loss/kl"] = metrics["policy/kl"]  # mean over the trained tokens
     metrics.update(
@@ -105,7 +111,7 @@ def _reference_logprobs(
 
 
 def _logprob_diff(logprobs: torch.Tensor, batch: RLBatch, mask: torch.Tensor, name: str) -> dict[str, float]:
-    """|trainer - engine| logprob over the loss tokens: mean and max."""
+    """|trainer - rollout| logprob over the loss tokens (across versions under staleness): mean and max."""
     diff = (logprobs - batch.rollout_logprobs[:, 1:]).abs()[mask]
     if diff.numel() == 0:
         return {}

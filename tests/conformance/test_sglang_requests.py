@@ -179,6 +179,7 @@ def test_a_body_with_every_sglang_default_is_served_like_the_minimal_one(engine)
     "extra",
     [
         {"logprob_start_len": -1},
+        {"logprob_start_len": 0, "return_logprob": True},
         {"top_logprobs_num": 0},
         {"routed_dp_rank": 0},
         {"stream": False},
@@ -194,7 +195,7 @@ def test_sglang_defaults_and_their_equivalents_are_served(engine, extra):
 @pytest.mark.parametrize(
     "extra,field",
     [
-        ({"logprob_start_len": 0}, "logprob_start_len"),
+        ({"top_logprobs_num": 2}, "top_logprobs_num"),
         ({"return_entropy": True}, "return_entropy"),
         ({"background": True}, "background"),
         ({"routed_dp_rank": 1}, "routed_dp_rank"),

@@ -74,11 +74,11 @@ def test_a_failing_forward_fails_its_requests_and_loses_none_queued_meanwhile(qw
 
     forward = runner.forward
 
-    def failing_forward(ids, mask, cache, loras):
+    def failing_forward(ids, mask, cache, loras, *scoring):
         if (ids == 99).any():  # the "bad" request's prompt: a model error in its prefill
             scheduler.submit(make("late", PROMPT))  # arrives while the failure is handled
             raise RuntimeError("model error in this forward")
-        return forward(ids, mask, cache, loras)
+        return forward(ids, mask, cache, loras, *scoring)
 
     runner.forward = failing_forward
     try:

@@ -174,7 +174,7 @@ def test_mixed_batch_gives_each_row_its_adapter(qwen3_dir, adapters):
     runner.add_lora(LoraAdapter.from_dir("a", adapters["per_expert"]))
     runner.add_lora(LoraAdapter.from_dir("b", adapters["fused"]))
     ids = torch.tensor([PROMPTS[0][:4], PROMPTS[2][:4], PROMPTS[1][:4]])
-    logprobs, routed = runner.forward(ids, torch.ones_like(ids), DynamicCache(), ["a", "b", None])
+    logprobs, routed, _ = runner.forward(ids, torch.ones_like(ids), DynamicCache(), ["a", "b", None])
     models = [
         peft_reference(qwen3_dir, adapters["per_expert"]),
         peft_reference(qwen3_dir, adapters["fused"]),

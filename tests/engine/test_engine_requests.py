@@ -35,7 +35,7 @@ BAD = [
     ({"sampling_params": {"max_new_tokens": 2}}, "input_ids"),
     ({"input_ids": [1, 256], "sampling_params": {"max_new_tokens": 2}}, "outside the vocabulary"),
     ({"input_ids": [1, -1]}, "outside the vocabulary"),
-    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
     ({"input_ids": [1, 2], "max_new_tokens": 3}, "unknown field"),
     ({"input_ids": [1, 2], "sampling_params": {"max_tokens": 3}}, "sampling_params.max_tokens"),
     ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p"),

@@ -84,6 +84,12 @@ def test_report_writes_every_plot(tmp_path):
     for step in range(1, 6):  # the routing's layer x expert load (layer 0 dense)
         write_expert_load(tmp_path, step, [1, 2], np.array([[step, 4, 4, 4], [8, 0, 2, 2]]))
     assert "experts.png" in {p.name for p in write_report(tmp_path)}
+    # the probe's gap (every other step) against the off-policy gap (every step, one step at 0: off the log axis)
+    gaps = [{"offpolicy/logprob_diff_mean": 0.02 * (s > 1)} for s in range(1, 6)]
+    for gap in gaps[1::2]:
+        gap.update({"consistency/probe/logprob_diff_mean": 1e-7, "consistency/probe/logprob_diff_max": 5e-7})
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps({**r, **g}) for r, g in zip(rows, gaps)))
+    assert "consistency.png" in {p.name for p in write_report(tmp_path)}
     agents = {
         "agents/turns_per_episode": 2.0,
         "agents/tool_calls_per_episode": 1.0,

@@ -27,6 +27,13 @@ pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 STEPS = 4
+PROBE_BOUND = 1e-4
+"""|engine - trainer| logprob on the same weights, tokens and routing (R3), both in fp32: transformers'
+forward against megatron-core's differ only in the order of sums (GEMM blocking, attention and norm
+formulas, the EP2 all-to-all's expert sums). fp32's unit roundoff is u = 2^-24 ~ 6e-8; a dot product
+of length n <= 128 (the tiny model's widest) is off by at most ~n u ~ 8e-6 relative, and a logprob
+(a logit minus a log-sum-exp over 256 tokens) passes ~10 such products in 2 layers: under 1e-4 in
+the worst case, ~1e-6 typically. A policy step moves logprobs by ~1e-2 (lr 1e-3 here)."""
 
 
 def tiny_config(
@@ -102,8 +109,11 @@ def check_ledger(summary: dict, groups: int = 4) -> None:
 
 @pytest.mark.parametrize("mode, bound", [("sync", 0), ("one_step_off", 1)])
 def test_sync_and_one_step_off(tmp_path, mode, bound):
-    summary, rows = run(tiny_config(tmp_path, mode))
+    summary, rows = run(tiny_config(tmp_path, mode, trainer={"consistency_probe_every": STEPS}))
     check_ledger(summary)
+    # the consistency probe of the last step, on its version, at the arithmetic's level (PROBE_BOUND)
+    assert [r["step"] for r in rows if "consistency/probe/skipped" in r] == [STEPS]
+    assert rows[-1]["consistency/probe/skipped"] == 0 and rows[-1]["consistency/probe/logprob_diff_max"] < PROBE_BOUND
     check_utilization(rows)
     assert max(r["rollout/staleness_max"] for r in rows) <= bound
     # generation was never cut mid-sample: drained (one_step_off) or not admitted (sync)
@@ -157,26 +167,36 @@ def test_sync_on_a_verl_parquet_dataset(tmp_path):
 def test_fp8_weight_sync(tmp_path):
     """sync.fp8_blocks: the engines start from an FP8 checkpoint and every sync sends FP8 blocks;
     the engine then serves the dequantized weights (the logprob gap to the fp32 trainer shows it)."""
-    config = tiny_config(tmp_path, "sync")
+    config = tiny_config(tmp_path, "sync", trainer={"consistency_probe_every": 2})
     config.sync.fp8_blocks = 8
     summary, rows = run(config)
     check_ledger(summary)
     initial = json.loads((tmp_path / "sync" / "initial_hf" / "config.json").read_text())
     assert initial["quantization_config"]["weight_block_size"] == [8, 8]
-    assert all(0 < r["consistency/logprob_diff_mean"] < 0.5 for r in rows)
+    assert all(0 < r["offpolicy/logprob_diff_mean"] < 0.5 for r in rows)
+    # on the same version and tokens the probe sees FP8's rounding: far above fp32's arithmetic
+    probed = [r for r in rows if "consistency/probe/logprob_diff_mean" in r]
+    assert len(probed) == 2 and all(r["consistency/probe/logprob_diff_mean"] > 10 * PROBE_BOUND for r in probed)
 
 
-def test_fully_async_partial_rollouts_r3_expert_load_and_frozen_routers_in_the_final_checkpoint(tmp_path):
+def test_fully_async_partial_rollouts_r3_probe_expert_load_and_frozen_routers_in_the_final_checkpoint(tmp_path):
     """From a checkpoint at model.path with trainer.moe.freeze_router: the routers of `final_hf` are
-    the loaded ones, bit for bit, while the rest trained; the expert load is logged every step."""
+    the loaded ones, bit for bit, while the rest trained; the expert load is logged every step; the
+    consistency probe runs every other step."""
     from safetensors.torch import load_file
 
     hf_dir = save_random_model(hf_config(QWEN3_MOE_SMALL, max_position_embeddings=64), tmp_path / "hf")
+    trainer = {
+        "no_replay_forward_every": 2,
+        "consistency_probe_every": 2,
+        "consistency_probe_samples": 3,
+        "moe": {"freeze_router": True},
+    }
     config = tiny_config(
         tmp_path,
         "fully_async",
         model={"path": str(hf_dir), "hf_config": None},
-        trainer={"no_replay_forward_every": 2, "moe": {"freeze_router": True}},
+        trainer=trainer,
         save_hf=True,
         report=True,
     )
@@ -185,20 +205,34 @@ def test_fully_async_partial_rollouts_r3_expert_load_and_frozen_routers_in_the_f
     # the routing-off forward (and its metrics) on steps 2 and 4 only
     routing_off = (
         "routing/agreement/layer0",
-        "consistency/logprob_diff_no_replay_mean",
+        "offpolicy/logprob_diff_no_replay_mean",
         "time/no_replay_forward_s",
         "experts/trainer/max_violation/layer1",
     )
     assert [r["step"] for r in rows if all(key in r for key in routing_off)] == [2, 4]
     assert not any(key in r for r in rows[::2] for key in routing_off)
+    # the probe on steps 2 and 4, on the engines' current version: the gap is the arithmetic's
+    probed = [r for r in rows if "consistency/probe/logprob_diff_max" in r]
+    assert [r["step"] for r in probed] == [2, 4] and all(r["consistency/probe/skipped"] == 0 for r in probed)
+    for r in probed:
+        print(
+            f"step {r['step']}: probe {r['consistency/probe/logprob_diff_max']:.2e} offpolicy "
+            f"{r['offpolicy/logprob_diff_mean']:.2e} agreement {r['consistency/probe/routing_agreement']:.3f}"
+        )
+        assert 0 <= r["consistency/probe/logprob_diff_mean"] <= r["consistency/probe/logprob_diff_max"] < PROBE_BOUND
+        assert 0.0 <= r["consistency/probe/routing_agreement"] <= 1.0 and r["time/consistency_probe_s"] > 0
+        assert r["consistency/probe/tokens"] >= 3  # 3 sequences of at least one scored token
+    # the cross-version gaps live under offpolicy/ only (docs/algorithm.md lists the move)
+    assert not [k for r in rows for k in r if k.startswith("consistency/logprob") or k == "policy/logprob_diff_abs"]
     check_utilization(rows)
     assert max(r["rollout/staleness_max"] for r in rows) <= 2
     last = rows[-1]
     for key in (
         "routing/agreement/layer0",
         "routing/agreement/layer1",
-        "consistency/logprob_diff_mean",
-        "consistency/logprob_diff_no_replay_mean",
+        "offpolicy/logprob_diff_mean",
+        "offpolicy/logprob_diff_no_replay_mean",
+        "offpolicy/logprob_diff_abs",
         "policy/clip_fraction",
         "train/grad_norm",
         "time/sync_s",

@@ -3,8 +3,12 @@
 The response has SGLang's shape: `output_ids` and `meta_info` with `id`, `finish_reason`
 ({"type": "length"|"stop"|"abort", ...}), `prompt_tokens`, `completion_tokens`, `weight_version`,
 `weight_versions` (spans {version, start, end} over output tokens, as SGLang 0.5.23),
-`output_token_logprobs` ([logprob, token_id, None] per output token) and `routed_experts` (base64
-int32 [prompt + output - 1 - routed_experts_start_len, layers, topk]).
+`output_token_logprobs` ([logprob, token_id, None] per output token), `input_token_logprobs` ([logprob,
+token_id, None] per prompt token from `logprob_start_len`, the first one's logprob None; empty by
+default) and `routed_experts` (base64 int32 [prompt + output - 1 - routed_experts_start_len, layers, topk]).
+
+A request with `max_new_tokens=0` is prefill-only (SGLang's scoring route, what a served teacher
+answers): it finishes at its prefill with finish reason {"type": "length", "length": 0}, no output.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ class Request:
     params: SamplingParams
     eos_token_ids: frozenset[int]
     return_logprob: bool = False
+    logprob_start_len: int = -1
+    """The first prompt token of `input_token_logprobs` (-1: none, SGLang's default)."""
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     lora_name: str | None = None
@@ -39,6 +45,9 @@ class Request:
     version_spans: list[dict] = dataclasses.field(default_factory=list)
     routed: list[np.ndarray] = dataclasses.field(default_factory=list)
     num_routed_rows: int = 0
+    input_logprobs: list[float | None] | None = None
+    """log p(input_ids[t] | input_ids[:t]) for t from logprob_start_len (None at that first one, as
+    SGLang); set by the first prefill (a retracted request keeps them)."""
 
     def __post_init__(self) -> None:
         seed = self.params.sampling_seed
@@ -60,6 +69,20 @@ class Request:
             probs = probs.clone()
             probs[order[outside]] = 0.0
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    @property
+    def prefill_only(self) -> bool:
+        return self.params.max_new_tokens == 0
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        """Its prefill must score the prompt's tokens (not done yet)."""
+        return self.return_logprob and self.logprob_start_len >= 0 and self.input_logprobs is None
+
+    def set_input_logprobs(self, token_logprobs: list[float]) -> None:
+        """`token_logprobs[t - 1]` = log p(input_ids[t] | input_ids[:t]) for t in 1..len(input_ids) - 1."""
+        start = self.logprob_start_len
+        self.input_logprobs = [None] + token_logprobs[start:] if start < len(self.input_ids) else []
 
     def add_routing(self, rows: np.ndarray) -> None:
         self.routed.append(rows)
@@ -99,6 +122,8 @@ class Request:
         }
         if self.return_logprob:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(self.logprobs, self.output_ids)]
+            scored = zip(self.input_logprobs or [], self.input_ids[max(self.logprob_start_len, 0) :])
+            meta["input_token_logprobs"] = [[lp, tok, None] for lp, tok in scored]
         if self.return_routed_experts and self.routed:
             rows = np.concatenate(self.routed)[: len(self.input_ids) + len(self.output_ids) - 1]
             meta["routed_experts"] = encode_routed_experts(rows[self.routed_experts_start_len :])

@@ -223,12 +223,15 @@ class ModelRunner:
         attention_mask: torch.Tensor,
         cache: DynamicCache,
         adapters: list[str | None],
-    ) -> tuple[torch.Tensor, np.ndarray]:
+        score_inputs: bool = False,
+    ) -> tuple[torch.Tensor, np.ndarray, torch.Tensor | None]:
         """One forward over `input_ids` [B, S] after `cache`; `attention_mask` [B, past + S] (left pad);
         `adapters`: the LoRA adapter of each row (None: base model).
 
-        Returns the log-softmax of the last position [B, V] (float32, temperature 1) and the routed
-        experts of every fed position, int32 [B, S, num_layers, topk]. Updates `cache` in place.
+        Returns the log-softmax of the last position [B, V] (float32, temperature 1), the routed
+        experts of every fed position, int32 [B, S, num_layers, topk], and with `score_inputs` the
+        fed tokens' own logprobs [B, S - 1] (column t: log p(input_ids[:, t + 1] | ...), for prompt
+        logprobs; every position's logits are then computed), else None. Updates `cache` in place.
         """
         self.require_weights()
         batch, seq = input_ids.shape
@@ -242,13 +245,16 @@ class ModelRunner:
             position_ids=position_ids,
             cache=cache,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=0 if score_inputs else 1,
         )
-        logprobs = torch.log_softmax(out.logits[:, -1, :].float(), dim=-1).cpu()
+        logprobs = torch.log_softmax(out.logits.float(), dim=-1)
+        inputs = None
+        if score_inputs:
+            inputs = logprobs[:, :-1].gather(-1, input_ids[:, 1:, None]).squeeze(-1).cpu()
         routed = np.zeros((batch, seq, self.num_layers, self.topk), dtype=np.int32)
         for layer, indices in self._captured.items():
             routed[:, :, layer, :] = indices.reshape(batch, seq, self.topk).cpu().numpy()
-        return logprobs, routed
+        return logprobs[:, -1].cpu(), routed, inputs
 
     def describe(self) -> dict:
         return {

@@ -10,7 +10,9 @@ tokens, logprobs and routing; `retract` drops the KV of running requests and put
 head of the queue (recomputed on `continue`); `in_place` keeps everything and just stops stepping.
 
 Logprobs: each sampled token reports the raw model log-softmax (temperature 1, before top-k/top-p),
-i.e. log pi(token | prefix) of the policy, which is what the trainer recomputes.
+i.e. log pi(token | prefix) of the policy, which is what the trainer recomputes. A prefill that
+admits a request asking for prompt logprobs (`logprob_start_len` >= 0) computes every position's
+logits; a prefill-only request (`max_new_tokens=0`) leaves right after it, holding no KV.
 """
 
 from __future__ import annotations
@@ -161,10 +163,13 @@ class Scheduler:
             ids[row, width - len(seq) :] = torch.tensor(seq)
             mask[row, width - len(seq) :] = 1
         cache = DynamicCache()
-        logprobs, routed = self.runner.forward(ids, mask, cache, [r.lora_name for r in new])
+        score = any(r.wants_input_logprobs for r in new)
+        logprobs, routed, inputs = self.runner.forward(ids, mask, cache, [r.lora_name for r in new], score)
         for row, (request, seq) in enumerate(zip(new, sequences)):
             fed = routed[row, width - len(seq) :]
             request.add_routing(fed[request.num_routed_rows :])
+            if request.wants_input_logprobs:  # the prompt's tokens sit from column width - len(seq)
+                request.set_input_logprobs(inputs[row, width - len(seq) :].tolist())
         self._merge(new, cache, mask)
         self._admitting = []
         self._sample_and_finish(len(self._running) - len(new), logprobs)
@@ -172,7 +177,7 @@ class Scheduler:
     def _decode(self) -> None:
         ids = torch.tensor([[r.output_ids[-1]] for r in self._running], dtype=torch.long)
         self._mask = torch.cat([self._mask, torch.ones(len(self._running), 1, dtype=torch.long)], dim=1)
-        logprobs, routed = self.runner.forward(ids, self._mask, self._cache, [r.lora_name for r in self._running])
+        logprobs, routed, _ = self.runner.forward(ids, self._mask, self._cache, [r.lora_name for r in self._running])
         for row, request in enumerate(self._running):
             request.add_routing(routed[row])
         self._sample_and_finish(0, logprobs)
@@ -183,6 +188,10 @@ class Scheduler:
         for i, row_logprobs in enumerate(logprobs):
             row = first + i
             request = self._running[row]
+            if request.prefill_only:  # max_new_tokens=0: scored, nothing to sample (SGLang's finish)
+                request.finish({"type": "length", "length": 0}, self.weight_version)
+                done.append(row)
+                continue
             try:
                 token = request.sample(row_logprobs)
             except Exception as error:  # noqa: BLE001 - this request's sampling fails it, no other

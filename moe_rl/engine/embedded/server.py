@@ -219,7 +219,7 @@ class EmbeddedServer:
         params = SamplingParams(**{k: v for k, v in raw.items() if k in honoured and v is not None})
         if "max_new_tokens" in raw and raw["max_new_tokens"] is None:
             params.max_new_tokens = max(1, self.max_positions - len(ids))
-        _int(params.max_new_tokens, "sampling_params.max_new_tokens", low=1)
+        _int(params.max_new_tokens, "sampling_params.max_new_tokens", low=0)  # 0: prefill only (scoring)
         _int(params.top_k, "sampling_params.top_k", low=-1)
         if params.top_k == 0:
             raise BadRequest("sampling_params.top_k must be -1 (all) or >= 1, got 0")
@@ -241,6 +241,10 @@ class EmbeddedServer:
         start = _int(body.get("routed_experts_start_len", 0), "routed_experts_start_len", 0)
         if start > len(ids):
             raise BadRequest(f"routed_experts_start_len={start} must be in [0, len(input_ids)={len(ids)}]")
+        logprob_start = body.get("logprob_start_len")
+        logprob_start = -1 if logprob_start is None else _int(logprob_start, "logprob_start_len", -1)
+        if logprob_start > len(ids):  # SGLang aborts such a request with the same advice
+            raise BadRequest(f"logprob_start_len={logprob_start} is above len(input_ids)={len(ids)}: use a smaller one")
         lora = body.get("lora_path")  # SGLang: the name of a loaded adapter (checked on the loop, `LoraRoutes.acquire`)
         if lora is not None and not isinstance(lora, str):
             raise BadRequest(f"lora_path must be the name of a loaded adapter (a string), got {lora!r}")
@@ -250,6 +254,7 @@ class EmbeddedServer:
             params=params,
             eos_token_ids=self.eos_token_ids,
             return_logprob=bool(body.get("return_logprob")),
+            logprob_start_len=logprob_start if body.get("return_logprob") else -1,  # SGLang ignores it then
             return_routed_experts=bool(body.get("return_routed_experts")),
             routed_experts_start_len=start,
             lora_name=lora,

@@ -1,0 +1,166 @@
+"""The consistency probe: train/inference mismatch measured on the same weights and the same tokens.
+
+`offpolicy/logprob_diff_*` compares the engine's rollout logprobs with the trainer's old logprobs;
+under `max_staleness >= 1` most tokens come from an older version, so it mostly measures how far the
+policy moved. The probe takes the policy's movement out (docs/algorithm.md). Every
+`trainer.consistency_probe_every` RL steps, right after the weight sync (engines and trainer then
+hold the same version until the next step):
+  1. the rollout worker takes `trainer.consistency_probe_samples` of the step's sequences (rows with
+     trained tokens, evenly spaced) and an engine scores each as it is: a prefill-only `/generate`
+     of the exact ids (`EngineClient.score`: prompt logprobs and routed experts, its own request,
+     beside the rollout's), the route a served teacher answers too;
+  2. an engine answering with another weight version skips the probe (`consistency/probe/skipped`):
+     it never compares across versions;
+  3. the trainer runs the same ids, replaying the engine's routing with `trainer.routing_replay`,
+     and again with natural routing, recorded, for the routing agreement;
+  4. it logs `consistency/probe/logprob_diff_mean` and `_max` (|engine - trainer| over every scored
+     token: each token after the first of each sequence), `logprob_diff_no_replay_mean` and
+     `routing_agreement` (trainer natural top-k vs the engine's, over those tokens of MoE layers),
+     and the probe's cost, `time/consistency_probe_s`.
+The driver runs the steps in order (`moe_rl.jobs.rl`); the rollout worker does 1-2 (`score_rows`),
+every trainer rank 3-4 (`compare`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from moe_rl.engine.client import EngineError
+from moe_rl.engine.pool import EnginePool
+from moe_rl.rollout.train_batch import RLBatch
+from moe_rl.trainer.microbatches import row_lengths
+
+if TYPE_CHECKING:  # megatron-core loads only where a trainer runs, not in the rollout worker
+    from moe_rl.trainer.megatron_trainer import MegatronTrainer
+
+PROBE_PREFIX = "consistency/probe/"
+
+
+@dataclass(frozen=True)
+class ProbeRequest:
+    """`RolloutWorker.score_probe`: what to score, under which version."""
+
+    samples: int
+    """trainer.consistency_probe_samples."""
+    version: int
+    """The trainer's version, which the engines serve since the sync."""
+    routing: bool = True
+    """Ask for the routed experts (trainer.routing_replay: the trainer replays them)."""
+    lora_path: str | None = None
+    """With LoRA: the adapter of `version` (`policy-v{version}`)."""
+
+
+@dataclass(frozen=True)
+class ProbeBatch:
+    """The probed sequences as the trainer takes them, [P, S, ...] with column t at token t."""
+
+    tokens: torch.Tensor
+    """int64 [P, S]: each probed row's ids, right-padded with 0."""
+    loss_mask: torch.Tensor
+    """int64 [P, S]: 1 on every scored token (positions 1..len - 1 of the row)."""
+    routed_experts: torch.Tensor | None
+    """[P, S, layers, topk]: the engine's routing of each token but the last, experts 0..topk-1
+    elsewhere; None when not asked for."""
+    engine_logprobs: torch.Tensor
+    """float32 [P, S]: the engine's logprob of each scored token."""
+
+
+def probe_due(every: int, step: int) -> bool:
+    """Whether RL `step` (the logged step, version + 1) runs the probe (steps N, 2N, ...; 0 = never)."""
+    return every > 0 and step % every == 0
+
+
+# -- 1, 2: the rollout worker's side ------------------------------------------------------------
+
+
+async def score_rows(pool: EnginePool, batch: RLBatch, request: ProbeRequest) -> ProbeBatch | str:
+    """Score `request.samples` of `batch`'s sequences on the engines (concurrently, each its own
+    request); the probe batch, or why it is skipped."""
+    trained = (batch.loss_mask.sum(dim=1) > 0).nonzero().flatten().tolist()
+    if not trained:
+        return "the batch has no trained tokens"
+    count = min(request.samples, len(trained))
+    rows = [trained[i * len(trained) // count] for i in range(count)]
+    lengths = row_lengths({"tokens": batch.tokens[rows], "loss_mask": batch.loss_mask[rows]})
+    ids = [batch.tokens[row, :length].tolist() for row, length in zip(rows, lengths)]
+    try:
+        scores = await asyncio.gather(
+            *(
+                pool.score(row_ids, return_routed_experts=request.routing, lora_path=request.lora_path)
+                for row_ids in ids
+            )
+        )
+    except EngineError as error:
+        return f"an engine failed to score: {error}"
+    versions = sorted({score.weight_version for score in scores})
+    if versions != [request.version]:
+        return f"engines served versions {versions} where the trainer holds {request.version}"
+    width = max(lengths)
+    tokens = torch.zeros(count, width, dtype=torch.long)
+    mask = torch.zeros(count, width, dtype=torch.long)
+    engine = torch.zeros(count, width)
+    for row, (row_ids, score) in enumerate(zip(ids, scores)):
+        tokens[row, : len(row_ids)] = torch.tensor(row_ids)
+        mask[row, 1 : len(row_ids)] = 1
+        engine[row, 1 : len(row_ids)] = torch.tensor(score.logprobs)
+    routed = _routing(scores, width) if request.routing else None
+    return ProbeBatch(tokens=tokens, loss_mask=mask, routed_experts=routed, engine_logprobs=engine)
+
+
+def _routing(scores: list, width: int) -> torch.Tensor:
+    """[P, width, layers, topk] int64: each score's rows (every token but the last), experts
+    0..topk-1 in the rest (a replayed router never sees a duplicate)."""
+    layers, topk = scores[0].routed_experts.shape[1:]
+    routed = torch.arange(topk).expand(len(scores), width, layers, topk).clone()
+    for row, score in enumerate(scores):
+        routed[row, : score.routed_experts.shape[0]] = torch.from_numpy(score.routed_experts.astype(np.int64))
+    return routed
+
+
+# -- 3, 4: the trainer ranks' side --------------------------------------------------------------
+
+
+def compare(trainer: MegatronTrainer, probe: ProbeBatch) -> dict[str, float]:
+    """The trainer's forward of the probed ids against the engine's scores (collective: every rank
+    calls it with the same probe). Rows are padded (loss mask 0) to whole micro-batches."""
+    batch = _padded(trainer, probe)
+    rows = batch["tokens"].shape[0]
+    mask = batch["loss_mask"][:, 1:].bool()
+    engine = torch.zeros(rows, batch["tokens"].shape[1] - 1)
+    engine[: probe.tokens.shape[0]] = probe.engine_logprobs[:, 1:]
+    replay = trainer.routing is not None and probe.routed_experts is not None
+    logprobs = trainer.forward_logprobs(batch, replay=replay, rows=rows)
+    diff = (logprobs - engine).abs()[mask]
+    metrics = {
+        f"{PROBE_PREFIX}logprob_diff_mean": float(diff.mean()),
+        f"{PROBE_PREFIX}logprob_diff_max": float(diff.max()),
+    }
+    if replay:  # natural routing, recorded against the engine's (R3's routers record)
+        natural, agreement = trainer.natural_forward(batch, rows=rows)
+        metrics[f"{PROBE_PREFIX}logprob_diff_no_replay_mean"] = float((natural - engine).abs()[mask].mean())
+        # every MoE layer counts the same tokens: the mean over layers is the mean over decisions
+        metrics[f"{PROBE_PREFIX}routing_agreement"] = sum(agreement.values()) / len(agreement)
+    metrics[f"{PROBE_PREFIX}tokens"] = float(mask.sum())
+    return metrics
+
+
+def _padded(trainer: MegatronTrainer, probe: ProbeBatch) -> dict[str, torch.Tensor]:
+    """The probe as a trainer batch of whole micro-batches (micro_batch_size x dp rows, unless
+    token-budget micro-batches take any count)."""
+    _, dp = trainer.dp_rank_and_size()
+    unit = 1 if trainer.config.max_tokens_per_microbatch is not None else trainer.config.micro_batch_size * dp
+    extra = -probe.tokens.shape[0] % unit
+    batch = {
+        "tokens": torch.cat([probe.tokens, probe.tokens.new_zeros(extra, probe.tokens.shape[1])]),
+        "loss_mask": torch.cat([probe.loss_mask, probe.loss_mask.new_zeros(extra, probe.loss_mask.shape[1])]),
+    }
+    if probe.routed_experts is not None:  # padding rows route to experts 0..topk-1 (never replayed: not real)
+        routed = probe.routed_experts
+        filler = torch.arange(routed.shape[-1]).expand(extra, *routed.shape[1:])
+        batch["routed_experts"] = torch.cat([routed, filler])
+    return batch

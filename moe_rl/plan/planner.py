@@ -44,7 +44,7 @@ other is on the wire), each relay one; every engine GPU one receive buffer per b
 Engine memory per GPU (SGLang): weights E * (dense / (tp / attn_dp) + experts / tp) (E = bytes of
 `cluster.param_dtype`, what the engines hold; DP attention replicates attention over attn_dp
 groups), one sync bucket; the rest of `engines.mem_fraction_static` of the GPU is KV cache, which
-must be positive.
+must hold the longest sequence (`moe_rl.plan.engine_kv`).
 
 Bytes per sync: every engine receives the whole exported HF state dict in the trainer's precision
 (broadcast), i.e. B x the model's unique parameters; with `sync.fp8_blocks` N, decoder linears
@@ -71,6 +71,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_rl.config import PARAM_DTYPES, RunConfig
+from moe_rl.plan.engine_kv import check_kv_cache, longest_sequence
 from moe_rl.plan.groups import layout_line, parallel_groups, span
 from moe_rl.plan.sync_links import StageBytes, SyncLinks, model_sync
 from parallel.bridges.rope import max_positions
@@ -212,6 +213,7 @@ def make_plan(config: RunConfig, gpu_metrics: Path = GPU_METRICS) -> Plan:
     adapter = None if config.lora is None else lora_parameters(hf, counts, config.lora.rank, config.lora.targets)
     stage, trainer = trainer_memory(config, hf, counts, dtype_bytes, adapter)
     engine = engine_memory(config, counts, PARAM_DTYPES[config.cluster.param_dtype]) if config.is_rl else {}
+    kv_note = check_kv_cache(config, hf, engine["kv_cache"]) if config.is_rl else None
     sync_bytes = (sum(adapter) if adapter else counts.total) * dtype_bytes
     if adapter is None and config.sync.fp8_blocks:
         sync_bytes = fp8_sync_bytes(counts, config.sync.fp8_blocks, dtype_bytes)
@@ -247,8 +249,7 @@ def make_plan(config: RunConfig, gpu_metrics: Path = GPU_METRICS) -> Plan:
             "trainer.precision=fp32: weights, activations and syncs at 4 bytes a value, and no packed "
             "sequences; GPUs train in bf16 (trainer.precision: bf16)"
         )
-    for note in sequence_notes(config, hf):
-        plan.notes.append(note)
+    plan.notes += sequence_notes(config, hf) + ([kv_note] if kv_note else [])
     if adapter is not None:
         plan.notes.append(
             f"lora: {sum(adapter) / 1e6:.1f} M adapter parameters ({adapter[1] / 1e6:.1f} M in routed "
@@ -271,7 +272,7 @@ def sequence_notes(config: RunConfig, hf) -> list[str]:
             f"trainer.cp={t.cp}: each CP rank holds {tokens // t.cp} of a micro-batch's {tokens} tokens "
             f"(2 x cp = {2 * t.cp} chunks); activations are sized per rank"
         )
-    longest = max(config.data.seq_length, config.rollout.max_new_tokens if config.is_rl else 0)
+    longest = longest_sequence(config)
     positions = max_positions(hf.get_text_config())
     if positions is not None and longest > positions:
         notes.append(

@@ -44,7 +44,7 @@ other is on the wire), each relay one; every engine GPU one receive buffer per b
 Engine memory per GPU (SGLang): weights E * (dense / (tp / attn_dp) + experts / tp) (E = bytes of
 `cluster.param_dtype`, what the engines hold; DP attention replicates attention over attn_dp
 groups), one sync bucket; the rest of `engines.mem_fraction_static` of the GPU is KV cache, which
-must hold the longest sequence (`moe_rl.plan.engine_kv`).
+must hold the longest sequence (`moe_rl.plan.sequences`).
 
 Bytes per sync: every engine receives the whole exported HF state dict in the trainer's precision
 (broadcast), i.e. B x the model's unique parameters; with `sync.fp8_blocks` N, decoder linears
@@ -71,10 +71,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_rl.config import PARAM_DTYPES, RunConfig
-from moe_rl.plan.engine_kv import check_kv_cache, longest_sequence
 from moe_rl.plan.groups import layout_line, parallel_groups, span
+from moe_rl.plan.sequences import check_kv_cache, sequence_notes
 from moe_rl.plan.sync_links import StageBytes, SyncLinks, model_sync
-from parallel.bridges.rope import max_positions
 from parallel.model import PRECISIONS
 
 GB = 1e9
@@ -261,26 +260,6 @@ def make_plan(config: RunConfig, gpu_metrics: Path = GPU_METRICS) -> Plan:
     if trainer["total"] > config.cluster.gpu_memory_gb - HEADROOM_GB:
         plan.notes.append(f"trainer leaves < {HEADROOM_GB:g} GB per GPU for CUDA/NCCL/fragmentation: expect OOM risk")
     return plan
-
-
-def sequence_notes(config: RunConfig, hf) -> list[str]:
-    """What a micro-batch's sequence means per rank under CP, and sequences beyond the model's positions."""
-    t, notes = config.trainer, []
-    tokens = t.max_tokens_per_microbatch or config.data.seq_length * t.micro_batch_size
-    if t.cp > 1:
-        notes.append(
-            f"trainer.cp={t.cp}: each CP rank holds {tokens // t.cp} of a micro-batch's {tokens} tokens "
-            f"(2 x cp = {2 * t.cp} chunks); activations are sized per rank"
-        )
-    longest = longest_sequence(config)
-    positions = max_positions(hf.get_text_config())
-    if positions is not None and longest > positions:
-        notes.append(
-            f"sequences of {longest} tokens (data.seq_length, rollout.max_new_tokens) exceed the model's {positions} "
-            "positions (max_position_embeddings, or YaRN's factor x original_max_position_embeddings): `moe-rl "
-            "train` refuses them; give model.hf_config YaRN rope_parameters to cover them"
-        )
-    return notes
 
 
 def sync_model(

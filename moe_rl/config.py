@@ -25,11 +25,12 @@ from moe_rl.conversion.directory import HF_FILES_DIR, is_converted, read_meta
 from moe_rl.cpu_pools import CpuPoolsConfig
 from moe_rl.rollout.config import RolloutConfig
 from moe_rl.rollout.eval_config import EvalConfig
-from parallel.bridges import bridge_for, without_mtp
+from parallel.bridges import Bridge, bridge_for, without_mtp
 from parallel.hf_checkpoint import as_stored
 from parallel.layout import ParallelLayout
 from parallel.lora import LoRAConfig
 from parallel.model import PRECISIONS
+from parallel.router import RouterTraining
 from sync.config import SyncConfig
 
 
@@ -132,6 +133,54 @@ class OptimizerConfig:
 
 
 @dataclass(kw_only=True)
+class MoEConfig:
+    """How the MoE routers train in RL (docs/trainer.md, "Router controls"). Today's defaults: the
+    router weights train; no load-balancing loss and no expert-bias update move the routing."""
+
+    freeze_router: bool = False
+    """Router weights (HF `mlp.gate.weight`) and expert biases (`mlp.gate.e_score_correction_bias`)
+    stay as loaded: no gradient, no optimizer state, no bias update; exports and weight syncs carry
+    them unchanged, so the engines keep routing as the loaded model does (verl's default for Qwen
+    MoE; NeMo-RL, prime-rl and SkyRL's `freeze_moe_router`)."""
+    router_bias_update_rate: float = 0.0
+    """Each optimizer step moves every expert bias by this much towards balance (DeepSeek-V3's
+    auxiliary-loss-free balancing, megatron-core's `moe_router_bias_update_rate`), from the tokens
+    the step routed to each expert. Models with an expert bias only (DeepSeek-V3, GLM-4.5);
+    0: the bias stays as loaded (NeMo-RL's RL default)."""
+    aux_loss_coeff: float = 0.0
+    """Weight of megatron-core's load-balancing loss (`moe_aux_loss_coeff`), of the kind the model was
+    pre-trained with: sequence-level for DeepSeek-V3 and GLM-4.5, batch-level for Qwen3-MoE and
+    Mixtral. 0: no load-balancing loss."""
+
+    def __post_init__(self):
+        for name in ("router_bias_update_rate", "aux_loss_coeff"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+                raise ValueError(f"trainer.moe.{name}={value!r}: must be a number >= 0 (0 = off)")
+        if self.freeze_router and self.router_bias_update_rate:
+            raise ValueError(
+                f"trainer.moe.freeze_router=true with trainer.moe.router_bias_update_rate="
+                f"{self.router_bias_update_rate}: a frozen router keeps its expert bias as loaded; set "
+                "router_bias_update_rate: 0, or freeze_router: false"
+            )
+
+    def check_model(self, bridge: Bridge) -> None:
+        """Refuse settings the model (its bridge) cannot take."""
+        if self.router_bias_update_rate and not bridge.has_expert_bias:
+            raise ValueError(
+                f"trainer.moe.router_bias_update_rate={self.router_bias_update_rate}, but "
+                f"{bridge.architectures[0]} routers have no expert bias (e_score_correction_bias; "
+                "DeepSeek-V3 and GLM-4.5 do): set trainer.moe.router_bias_update_rate: 0"
+            )
+
+    def router(self) -> RouterTraining:
+        """These settings as `parallel.model.build_gpt_model` takes them."""
+        return RouterTraining(
+            freeze=self.freeze_router, bias_update_rate=self.router_bias_update_rate, aux_loss_coeff=self.aux_loss_coeff
+        )
+
+
+@dataclass(kw_only=True)
 class TrainerConfig(ParallelLayout):
     """The Megatron trainer: its parallel layout (the inherited fields) plus training settings."""
 
@@ -174,6 +223,8 @@ class TrainerConfig(ParallelLayout):
     Needs the Transformer Engine spec (GPUs with TE installed: the CPU local spec cannot pack) and
     max_tokens_per_microbatch (the plan is the same; docs/trainer.md). MTP layers follow the packing."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Router controls for RL: freezing, the expert-bias update, the load-balancing loss."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -435,7 +486,9 @@ class RunConfig:
         if self.steps < 1:
             raise ValueError(f"steps={self.steps}: must be >= 1")
 
-        self.trainer.check_model(bridge_for(self.model.load_hf_config()).model_shape())
+        bridge = bridge_for(self.model.load_hf_config())
+        self.trainer.check_model(bridge.model_shape())
+        self.trainer.moe.check_model(bridge)
         if self.rollout is not None:
             self._check_rl()
             self.rollout.episode = self._episode(self.rollout.episode)

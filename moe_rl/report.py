@@ -10,7 +10,10 @@ calls, tool errors, forked sequences and dropped groups per episode and step),
 `agent_time.png` (environment vs generation seconds per episode; trained vs masked tokens) and,
 when the agent sets its own `episode.metrics`, `agent_metrics.png` (each one's moving average), and
 for runs with `eval:` `eval.png` (per eval dataset: mean reward and pass@k against the step
-evaluated). A plot whose metrics the run did not log is skipped. Returns the paths.
+evaluated), and for runs whose rollouts return routed experts `experts.png` (from `experts.jsonl`,
+`moe_rl.rollout.expert_load`: each MoE layer's load per expert over the run as a layer x expert
+heatmap, and each layer's max violation per step). A plot whose metrics the run did not log is
+skipped. Returns the paths.
 """
 
 from __future__ import annotations
@@ -18,7 +21,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
+
 from moe_rl.metrics import read_metrics
+from moe_rl.rollout.expert_load import read_expert_load
 
 
 def write_report(run_dir: str | Path) -> list[Path]:
@@ -52,6 +58,14 @@ def write_report(run_dir: str | Path) -> list[Path]:
             fig.tight_layout()
             fig.savefig(out / f"{name}.png", dpi=100)
             written.append(out / f"{name}.png")
+        plt.close(fig)
+    load = read_expert_load(run_dir)
+    if load:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        _experts(fig, axes, load)
+        fig.tight_layout()
+        fig.savefig(out / "experts.png", dpi=100)
+        written.append(out / "experts.png")
         plt.close(fig)
     return written
 
@@ -231,3 +245,25 @@ def _eval(ax, rows) -> bool:
     ax.set(xlabel="step (policy version evaluated)", ylabel="held-out score", title="Evaluation")
     ax.legend(fontsize="small")
     return True
+
+
+def _experts(fig, axes, load: list[dict]) -> None:
+    """Left: each MoE layer's load per expert summed over the run, as a multiple of the mean (1 =
+    balanced). Right: each layer's max violation (max / mean - 1) per step."""
+    load = sorted(load, key=lambda row: row["step"])
+    layers, steps = load[-1]["layers"], [row["step"] for row in load]
+    counts = np.array([row["counts"] for row in load], dtype=np.float64)  # [steps, layers, experts]
+    total = counts.sum(axis=0)
+    relative = total / np.maximum(total.mean(axis=1, keepdims=True), 1e-12)
+    violation = counts.max(axis=2) / np.maximum(counts.mean(axis=2), 1e-12) - 1  # [steps, layers]
+    ticks = range(0, len(layers), max(1, len(layers) // 16))
+    for ax, image, xlabel, title, label in (
+        (axes[0], relative, "expert", "Expert load over the run", "load / mean load"),
+        (axes[1], violation.T, "step", "Max violation per step", "max / mean - 1"),
+    ):
+        shown = ax.imshow(image, aspect="auto", interpolation="nearest", cmap="viridis")
+        ax.set(xlabel=xlabel, ylabel="MoE layer (HF index)", title=title)
+        ax.set_yticks(list(ticks), [str(layers[i]) for i in ticks])
+        fig.colorbar(shown, ax=ax, label=label)
+    step_ticks = range(0, len(steps), max(1, len(steps) // 10))
+    axes[1].set_xticks(list(step_ticks), [str(steps[i]) for i in step_ticks])

@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+"""Transformer Engine's context-parallel communication kinds that `ParallelLayout.cp_comm_type` takes."""
+
 
 @dataclass(kw_only=True, frozen=True)
 class ModelShape:
@@ -43,6 +46,13 @@ class ParallelLayout:
     """Context parallel size: each sequence is cut into 2 x cp chunks and CP rank r holds chunks r
     and 2cp-1-r (megatron-core's load-balanced split), so activations and attention compute per
     rank fall by cp; attention gathers keys and values over the CP group."""
+    cp_comm_type: str = "p2p"
+    """How Transformer Engine's attention communicates over the CP group (megatron-core's
+    cp_comm_type): "p2p" (a ring of key/value blocks overlapped with compute, megatron's default),
+    "all_gather" (keys and values gathered whole) or "a2a" (all-to-all of heads, Ulysses-style: needs
+    the heads per TP rank divisible by cp). All compute the same attention; MLA (DeepSeek-V3, q/k and
+    v head sizes differ) needs a TE whose p2p ring takes them, else "a2a" or "all_gather". The CPU
+    eager attention always gathers."""
     ep: int = 1
     """Expert parallel size: experts are split into `ep` groups."""
     etp: int | None = None
@@ -62,6 +72,8 @@ class ParallelLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{self.config_name}.{name}={value!r}: must be a positive integer")
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"{self.config_name}.cp_comm_type={self.cp_comm_type!r}: use one of {list(CP_COMM_TYPES)}")
         if self.etp is not None and (not isinstance(self.etp, int) or self.etp < 1):
             raise ValueError(f"{self.config_name}.etp={self.etp!r}: must be a positive integer or null")
         model_parallel = self.tp * self.cp * self.pp
@@ -126,6 +138,14 @@ class ParallelLayout:
                 f"groups (num_key_value_heads): choose tp among "
                 f"{_divisors(shape.num_query_groups)}"
             )
+        if self.cp > 1 and self.cp_comm_type == "a2a":
+            for heads, what in ((shape.num_attention_heads, "attention heads"), (shape.num_query_groups, "KV groups")):
+                if (heads // self.tp) % self.cp:
+                    raise ValueError(
+                        f"{self.config_name}.cp_comm_type='a2a' splits heads over cp={self.cp}, but each TP rank "
+                        f"has {heads // self.tp} {what}: set {self.config_name}.cp_comm_type to 'p2p' or "
+                        f"'all_gather', or a cp that divides {heads // self.tp}"
+                    )
         if shape.num_layers % self.pp:
             raise ValueError(
                 f"{self.config_name}.pp={self.pp} does not divide the model's {shape.num_layers} layers: "

@@ -19,6 +19,7 @@ from parallel import cpu_compat
 from parallel.bridges import Bridge
 from parallel.context import init_ep_rails
 from parallel.layout import ParallelLayout
+from parallel.router import RouterTraining
 from parallel.world import node_names
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -99,18 +100,27 @@ def init_model_parallel(layout: ParallelLayout, seed: int) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
-def build_gpt_model(bridge: Bridge, layout: ParallelLayout, use_te: bool | None = None, **config_overrides: Any):
+def build_gpt_model(
+    bridge: Bridge,
+    layout: ParallelLayout,
+    use_te: bool | None = None,
+    router: RouterTraining | None = None,
+    **config_overrides: Any,
+):
     """This rank's pipeline stage of the model, on the local device (random init).
 
     Call after `init_model_parallel`. `use_te`: the Transformer Engine spec (None: where TE is
-    available, see `use_transformer_engine`). Returns the bare GPTModel (no DDP wrapper).
+    available, see `use_transformer_engine`). `router`: how the routers train (`parallel.router`;
+    default: they train, no load-balancing loss, no expert-bias update). Returns the bare GPTModel
+    (no DDP wrapper).
     """
     # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
     from megatron.core import parallel_state
 
     if use_te is None:
         use_te = use_transformer_engine()
-    config = bridge.transformer_config(layout, **config_overrides)
+    router = router or RouterTraining()
+    config = bridge.transformer_config(layout, router, **config_overrides)
     layer_spec, mtp_spec = bridge.layer_spec(config, use_te=use_te), bridge.mtp_block_spec(config, use_te=use_te)
     if not use_te and layout.cp > 1:  # the local spec's attention refuses CP: gather K/V eagerly
         # heavy: the eager attention module imports megatron-core at its top
@@ -126,6 +136,7 @@ def build_gpt_model(bridge: Bridge, layout: ParallelLayout, use_te: bool | None 
         post_process=parallel_state.is_pipeline_last_stage(),
         **bridge.gpt_model_kwargs(layout),
     )
+    router.apply(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

@@ -5,7 +5,7 @@ import yaml
 
 from moe_rl import cli
 from moe_rl.config import RunConfig, load_config
-from tests.tiny_models import QWEN3_MOE, hf_fields
+from tests.tiny_models import DEEPSEEK_V3, QWEN3_MOE, hf_fields
 
 pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
@@ -30,6 +30,15 @@ def test_yaml_and_overrides_build_typed_config(config_file):
     assert config.steps == 3
 
 
+def test_context_parallel_divides_data_parallel_and_pads_sequences(config_file):
+    """CP ranks share a DP replica (world = tp x cp x dp x pp); EP spans DP x CP; a sequence is padded
+    to 2 x cp chunks, each split over TP under sequence parallel."""
+    config = load_config(config_file, ["trainer.cp=2"])
+    assert (config.trainer.dp, config.trainer.expert_dp, config.trainer.sequence_multiple) == (2, 2, 4)
+    config = load_config(config_file, ["trainer.cp=2", "trainer.tp=2", "trainer.sequence_parallel=true"])
+    assert (config.trainer.dp, config.trainer.sequence_multiple) == (1, 8)
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -47,6 +56,12 @@ def test_yaml_and_overrides_build_typed_config(config_file):
             ["trainer.pp=3", "trainer.ep=1", "trainer.world_size=3"],
             r"trainer.pp=3 does not divide the model's 4 layers",
         ),
+        (["trainer.cp=3"], r"trainer.world_size=4 is not divisible by tp\*cp\*pp=1\*3\*1=3"),
+        (
+            ["trainer.cp=4", "trainer.ep=1", "trainer.cp_comm_type=a2a"],
+            r"cp_comm_type='a2a' splits heads over cp=4, but each TP rank has 2 KV groups.*'p2p'",
+        ),
+        (["trainer.cp_comm_type=ring"], r"trainer.cp_comm_type='ring': use one of \['p2p', 'all_gather', 'a2a'\]"),
         (["trainer.tp=2"], r"requires sequence parallel.*set trainer.sequence_parallel=true"),
         (["trainer.sequence_parallel=true"], r"sequence_parallel=true needs trainer.tp > 1"),
         (["trainer.global_batch_size=3"], r"global_batch_size=3 is not divisible by micro_batch_size\*dp"),
@@ -56,11 +71,32 @@ def test_yaml_and_overrides_build_typed_config(config_file):
         (["trainer.pack_sequences=true"], r"pack_sequences=true packs the token-budget.*max_tokens_per_microbatch"),
         (["trainer.precision=fp16"], r"trainer.precision='fp16': use one of \['bf16', 'fp32'\]"),
         (["steps"], r"write it as dotted.key=value"),
+        (
+            ["trainer.moe.router_bias_update_rate=0.001"],
+            r"router_bias_update_rate=0.001, but Qwen3MoeForCausalLM routers have no expert bias.*"
+            r"set trainer.moe.router_bias_update_rate: 0",
+        ),
+        (["trainer.moe.aux_loss_coeff=-0.01"], r"trainer.moe.aux_loss_coeff=-0.01: must be a number >= 0"),
+        (
+            ["trainer.moe.freeze_router=true", "trainer.moe.router_bias_update_rate=0.001"],
+            r"freeze_router=true with trainer.moe.router_bias_update_rate=0.001.*set router_bias_update_rate: 0",
+        ),
     ],
 )
 def test_impossible_configs_name_the_field_and_fix(config_file, overrides, message):
     with pytest.raises(ValueError, match=message):
         load_config(config_file, overrides)
+
+
+def test_router_controls_reach_the_model_build(config_file):
+    """trainer.moe defaults to today's behaviour; a model with an expert bias takes an update rate."""
+    defaults = load_config(config_file).trainer.moe.router()
+    assert (defaults.freeze, defaults.bias_update_rate, defaults.aux_loss_coeff) == (False, 0.0, 0.0)
+    config_file.write_text(yaml.safe_dump({"model": {"hf_config": DEEPSEEK_V3}, "trainer": {"world_size": 2, "ep": 2}}))
+    router = load_config(
+        config_file, ["trainer.moe.router_bias_update_rate=0.001", "trainer.moe.aux_loss_coeff=0.0001"]
+    ).trainer.moe.router()
+    assert (router.freeze, router.bias_update_rate, router.aux_loss_coeff) == (False, 0.001, 0.0001)
 
 
 def test_unknown_architecture_is_named(config_file):

@@ -42,7 +42,7 @@ def run(options: TrainBench) -> dict:
         routing = (text.num_hidden_layers, text.num_experts_per_tok, experts)
     batch, info = build_batch(synthetic_groups(spec, hf_config.vocab_size, routing), config.algorithm, version=0)
     real = sum(n - 1 for n in [spec.prompt + r for r in spec.response_lengths()])
-    multiple = trainer.tp if trainer.sequence_parallel else 1
+    multiple = trainer.sequence_multiple
     # what the RL driver holds per step: the batch's metadata and the ref of its tensors (moe_rl.rl)
     batch_bytes = batch.tensor_bytes()
     driver = TrainBatch(ray.ObjectRef.from_random(), info, batch_bytes).driver_bytes()

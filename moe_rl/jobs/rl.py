@@ -29,6 +29,7 @@ from moe_rl.rl.rollout_actor import BatchRequest
 from moe_rl.rl.step_clock import StepClock
 from moe_rl.rl.trainer_group import SaveHFRequest
 from moe_rl.rollout.dump import ROLLOUTS_DIR, SampleDump
+from moe_rl.rollout.expert_load import EXPERTS_FILE, write_expert_load
 
 
 def run(config: RunConfig, resume: bool = False) -> dict:
@@ -39,7 +40,7 @@ def run(config: RunConfig, resume: bool = False) -> dict:
     if resume:
         restore = resume_state.load_run_checkpoint(resume_state.latest_checkpoint(run_dir))
         first = restore.step
-        for name in ("metrics.jsonl", resume_state.TRAINED_FILE):  # steps after the checkpoint are redone
+        for name in ("metrics.jsonl", EXPERTS_FILE, resume_state.TRAINED_FILE):  # steps after the checkpoint are redone
             resume_state.truncate_rows(run_dir / name, restore.metrics_offset)
         SampleDump(run_dir / ROLLOUTS_DIR).remove_after(restore.step)  # and their rollout dumps
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -96,6 +97,8 @@ def run(config: RunConfig, resume: bool = False) -> dict:
                 metrics.update({**info.metrics(), **rollout_metrics})
                 metrics.update(clock.finish(metrics, rollout_metrics))
                 logger.log(version + 1, metrics)
+                if info.expert_counts is not None:  # the layer x expert load, for plots/experts.png
+                    write_expert_load(run_dir, version + 1, info.moe_layers, info.expert_counts)
                 resume_state.record_trained(run_dir, version + 1, info.group_ids)
                 if dumps is not None:  # rollout.dump: the samples trained at this step (before its checkpoint)
                     dumps.write(version + 1, batch.records)

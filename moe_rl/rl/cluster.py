@@ -136,6 +136,7 @@ class RLCluster:
         self.trainer.connect(ConnectRequest(tuple(urls), cfg.sync, cfg.engines.kind, version, self._adapter_sync()))
         self.version = self.initial_version = version
         hf = cfg.model.load_hf_config()
+        bridge = bridge_for(hf)
         worker = ray.remote(RolloutWorker).options(num_cpus=1, max_concurrency=16)
         self.rollout = worker.remote(
             cfg.effective_rollout(),
@@ -147,7 +148,8 @@ class RLCluster:
             cfg.cpu_pools.rollout_cores if cfg.cpu_pools else None,
             cfg.model.tokenizer_dir,
             cfg.eval,
-            num_experts=bridge_for(hf).num_experts,
+            num_experts=bridge.num_experts,
+            moe_layers=tuple(bridge.moe_layers),
         )
         ray.get(self.rollout.start.remote(self.restore))
         if cfg.cpu_pools is not None:

@@ -36,6 +36,7 @@ from moe_rl.rollout import RolloutConfig, RolloutManager
 from moe_rl.rollout.dump import Decode, run_decoder, trained_records
 from moe_rl.rollout.eval_config import EvalConfig
 from moe_rl.rollout.evaluation import EvalResult, Evaluator
+from moe_rl.rollout.expert_load import MoELayers
 from moe_rl.rollout.train_batch import BatchInfo, build_batch
 
 
@@ -187,6 +188,7 @@ class RolloutWorker:
         tokenizer_dir: str | None = None,
         evaluation: EvalConfig | None = None,
         num_experts: int | None = None,
+        moe_layers: tuple[int, ...] = (),
     ):
         if cpus:  # `cpu_pools`: the engines' cores (building requests and scoring is generation's work)
             pin_process(cpus)
@@ -198,6 +200,8 @@ class RolloutWorker:
         self.eval_tasks: list[asyncio.Task] = []
         self.eval_results: list[EvalResult] = []
         self.num_experts = num_experts  # routed experts are stored narrow (`moe_rl.sample.routing_dtype`)
+        # the expert load of each batch (`moe_rl.rollout.expert_load`), when samples carry routing
+        self.moe = MoELayers(moe_layers, num_experts) if moe_layers and num_experts else None
         self.decode: Decode | None = None  # `rollout.dump` records, built on first use
 
     async def start(self, restore: RunCheckpoint | None = None) -> None:
@@ -270,12 +274,12 @@ class RolloutWorker:
 
     def _build(self, groups: list, request: BatchRequest) -> TrainBatch:
         batch, info = build_batch(
-            groups, request.algorithm, request.version, self.config.max_staleness, request.row_multiple
+            groups, request.algorithm, request.version, self.config.max_staleness, request.row_multiple, self.moe
         )
         records = None
         if request.dump:
             step, version = request.version + 1, request.version
-            records = trained_records(step, groups, info, decode=self.decode, trainer_version=version)
+            records = trained_records(step, groups, info, decode=self.decode, trainer_version=version, moe=self.moe)
         return TrainBatch(ray.put(batch), info, batch.tensor_bytes(), records)
 
     async def engine_states(self) -> list[dict]:

@@ -14,7 +14,10 @@ oldest token version, as the batch counts it), `status` (completed | truncated |
 `segments` (engine requests behind it; > 1 = continued across a weight swap) and, for agent
 episodes, `episode` = {index, sequence, sequences, turns, tool_calls (a count), calls (each
 parsed call: turn, name, arguments), metrics (the agent's own, `Episode.metrics`)} as
-`moe_rl.agents.episode` records them (None for single-turn samples).
+`moe_rl.agents.episode` records them (None for single-turn samples). A trained sample's record also
+has `expert_load`: per MoE layer, the routed slots each expert got over the sample's tokens
+(`moe_rl.rollout.expert_load.MoELayers.sample_counts`), or None without routing or where MoE layers x
+experts is over `expert_load.DUMP_MAX_VALUES` (more numbers than the sample's text).
 
 Files are written under a temporary name and renamed, so a reader or a crash never sees half a
 file. A resumed run redoes the steps after its checkpoint, so `remove_after(step)` drops their files
@@ -34,6 +37,7 @@ from typing import Any
 from moe_rl.agents.chat import load_tokenizer
 from moe_rl.rollout.buffer import staleness
 from moe_rl.rollout.config import RolloutConfig
+from moe_rl.rollout.expert_load import MoELayers
 from moe_rl.rollout.train_batch import BatchInfo
 from moe_rl.sample import Sample
 
@@ -86,14 +90,29 @@ def version_ranges(versions: list[int | None]) -> list[list]:
 
 
 def trained_records(
-    step: int, groups: list[list[Sample]], info: BatchInfo, *, decode: Decode, trainer_version: int
+    step: int,
+    groups: list[list[Sample]],
+    info: BatchInfo,
+    *,
+    decode: Decode,
+    trainer_version: int,
+    moe: MoELayers | None = None,
 ) -> list[dict[str, Any]]:
     """The records of the samples trained at `step`, as `build_batch` made `info` of `groups`
-    at `trainer_version` (its advantages are in the same sample order)."""
+    at `trainer_version` (its advantages are in the same sample order); `moe`: the model's MoE
+    layers, for each record's `expert_load`."""
     samples = [(index, sample) for group in groups for index, sample in enumerate(group)]
     assert len(info.advantages) == len(samples), "info is not the BatchInfo of these groups"
     return [
-        sample_record(sample, decode=decode, advantage=advantage, trainer_version=trainer_version, step=step, index=i)
+        sample_record(
+            sample,
+            decode=decode,
+            advantage=advantage,
+            trainer_version=trainer_version,
+            step=step,
+            index=i,
+            expert_load=moe.sample_counts(sample.routed_experts) if moe else None,
+        )
         for (i, sample), advantage in zip(samples, info.advantages)
     ]
 

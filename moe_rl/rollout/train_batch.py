@@ -38,6 +38,7 @@ import torch
 
 from moe_rl.algorithms import AlgorithmConfig, sample_advantages
 from moe_rl.rollout import staleness
+from moe_rl.rollout.expert_load import MoELayers, load_metrics
 from moe_rl.sample import Sample
 
 
@@ -92,11 +93,17 @@ class BatchInfo:
     masked_tokens: int = 0
     """Response tokens with loss mask 0 (environment tokens, masked stale tokens)."""
     padding_rows: int = 0
+    moe_layers: tuple[int, ...] = ()
+    expert_counts: np.ndarray | None = None
+    """int64 [MoE layers, experts]: the routed slots each expert got over every token the engines
+    routed for these samples (`moe_rl.rollout.expert_load`); None without routing."""
 
     def metrics(self) -> dict[str, float]:
         n = max(len(self.rewards), 1)
         counts = Counter(self.staleness)
+        load = {} if self.expert_counts is None else load_metrics(list(self.moe_layers), self.expert_counts)
         return {
+            **load,
             "rollout/reward_mean": sum(self.rewards) / n,
             "rollout/reward_max": max(self.rewards, default=0.0),
             "rollout/response_length_mean": sum(self.response_lengths) / n,
@@ -117,9 +124,11 @@ def build_batch(
     version: int,
     max_staleness: int | None = None,
     row_multiple: int = 1,
+    moe: MoELayers | None = None,
 ) -> tuple[RLBatch, BatchInfo]:
     """The trainer batch of `groups` consumed at trainer `version`, and what to log about it;
-    rows padded (loss mask 0) to a multiple of `row_multiple`.
+    rows padded (loss mask 0) to a multiple of `row_multiple`. `moe`: the model's MoE layers, for
+    the expert load of samples that carry routing (`BatchInfo.expert_counts`).
 
     `max_staleness`: the bound the buffer delivered `groups` under. A sample past it means
     `version` is not the version they were delivered at (the logged staleness would be wrong),
@@ -166,6 +175,9 @@ def build_batch(
         masked_tokens=sum(len(s.loss_mask) - sum(s.loss_mask) for s in samples),
         padding_rows=rows - len(samples),
     )
+    if moe is not None and routed is not None:
+        info.moe_layers = moe.layers
+        info.expert_counts = sum(moe.counts(s.routed_experts) for s in samples)
     return batch, info
 
 

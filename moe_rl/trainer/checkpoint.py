@@ -47,7 +47,13 @@ _OPTIMIZER_METADATA = {
 def _layout_record(trainer) -> dict:
     c = trainer.config
     return dict(
-        world_size=c.world_size, tp=c.tp, pp=c.pp, ep=c.ep, etp=c.expert_tp, sequence_parallel=c.sequence_parallel
+        world_size=c.world_size,
+        tp=c.tp,
+        pp=c.pp,
+        cp=c.cp,
+        ep=c.ep,
+        etp=c.expert_tp,
+        sequence_parallel=c.sequence_parallel,
     )
 
 
@@ -119,6 +125,7 @@ def load_checkpoint(trainer, directory: str | Path, load_optimizer: bool = True)
             f"does not fit trainer.precision={trainer.config.precision!r}: resume with "
             f"trainer.precision: {saved_precision}, or load the model alone (load_optimizer=False)"
         )
+    saved_layout.setdefault("cp", 1)  # checkpoints before trainer.cp: no context parallelism
     same_layout = saved_layout == _layout_record(trainer)
     request = _sharded_state(trainer, with_rng=same_layout, is_loading=True)
     if not load_optimizer:

@@ -115,12 +115,13 @@ def _with_logprobs(loss_fn: LossFn, logprobs: torch.Tensor, microbatch: Batch):
     return loss_sum, num_tokens, {**report, "logprobs": logprobs.detach()}
 
 
-def _taken_mtp_losses(microbatches: int, cp_group=None) -> list[dict]:
+def _taken_mtp_losses(microbatches: int, context_parallel: bool = False) -> list[dict]:
     """The MTP losses megatron-core logged for this rank's training micro-batches, `microbatches`
     of them with rows, as one more report (none without MTP), its tracker then zeroed. The tracker
-    holds, per MTP layer, the sum over micro-batches of each one's token-mean cross entropy; under
-    context parallelism (`cp_group`, collective over it) each CP rank's over its own chunks, so they
-    are averaged over the group, as megatron-core averages them over DP x CP."""
+    holds, per MTP layer, the sum over micro-batches of each one's token-mean cross entropy. Under
+    context parallelism each CP rank logs the mean over its own chunks (0/0 on 0.16, 0 on 0.19 for
+    a chunk without trained tokens), from which the micro-batch's mean cannot be recovered: no
+    report then (the MTP gradients are exact)."""
     # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
@@ -133,11 +134,7 @@ def _taken_mtp_losses(microbatches: int, cp_group=None) -> list[dict]:
     clean = (
         getattr(MTPLossLoggingHelper, "clean_metrics_in_tracker", None) or MTPLossLoggingHelper.clean_loss_in_tracker
     )
-    if cp_group is not None:
-        values = values.clone()
-        dist.all_reduce(values, group=cp_group)
-        values /= dist.get_world_size(cp_group)
-    finite = bool(torch.isfinite(values).all())
+    finite = bool(torch.isfinite(values).all()) and not context_parallel
     taken = {"mtp_loss": float(values.mean()), "mtp_microbatches": float(microbatches)}
     clean()
     # a token-budget padding micro-batch (no loss tokens) logs 0 on 0.19, so it is not counted, and
@@ -174,8 +171,10 @@ class MegatronTrainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         config.check_packing_precision(gpu_te=use_transformer_engine())
+        config.check_context_parallel_precision(gpu_te=use_transformer_engine())
         self.config = config
         self.bridge = bridge_for(hf_config)
+        config.moe.check_model(self.bridge)
         init_model_parallel(config, config.seed)
         # where build_gpt_model puts the model: batches arrive on the host and move per micro-batch
         # (`Microbatch.to`, in `_run_schedule`)
@@ -189,9 +188,11 @@ class MegatronTrainer:
         # token-budget micro-batches differ in length: pipeline p2p sends each one's shape first
         variable = dict(variable_seq_lengths=True) if config.max_tokens_per_microbatch is not None else {}
         # LoRA adapts both specs (parallel.lora): the TE spec where TE is installed, as without LoRA
+        # trainer.moe: frozen routers get no grad before DDP and the optimizer see them (parallel.router)
         model = build_gpt_model(
             self.bridge,
             config,
+            router=config.moe.router(),
             calculate_per_token_loss=True,
             mtp_loss_scaling_factor=config.mtp_loss_weight,
             **precision_config(config.precision),
@@ -335,7 +336,7 @@ class MegatronTrainer:
                 reports = [{key: value for key, value in report.items() if key != "logprobs"} for report in reports]
             updated, grad_norm, _ = self.optimizer.step()
             self.step += 1
-            mtp = _taken_mtp_losses(sum(1 for report in reports if report["rows"]), self._cp_group())
+            mtp = _taken_mtp_losses(sum(1 for report in reports if report["rows"]), self.config.cp > 1)
             for key, value in self._reduce_reports(reports + mtp).items():
                 sums[key] = sums.get(key, 0.0) + value
             norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
@@ -415,6 +416,12 @@ class MegatronTrainer:
         )
         self.model.train()
         return self._gather_rows(reports, "logprobs", batch["tokens"].shape[1] - 1), self.routing.agreement()
+
+    def natural_load(self) -> dict[int, torch.Tensor]:
+        """{HF layer index: routed slots per expert} of the last `natural_forward`'s routing, over the
+        real tokens, for every MoE layer (collective; see RoutingReplay.load)."""
+        self._require_routing("natural_load")
+        return self.routing.load()
 
     def _require_routing(self, what: str) -> None:
         if self.routing is None:

@@ -12,9 +12,11 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from moe_rl.algorithms import AlgorithmConfig, make_policy_loss, policy_metrics
+from moe_rl.rollout.expert_load import load_metrics
 from moe_rl.rollout.train_batch import RLBatch
 
 if TYPE_CHECKING:  # megatron-core loads only where a trainer runs, not in the driver
@@ -54,6 +56,8 @@ def rl_step(
         metrics.update(_logprob_diff(natural, batch, mask, "consistency/logprob_diff_no_replay"))
         for layer, share in agreement.items():
             metrics[f"routing/agreement/layer{layer}"] = float(share)
+        load = trainer.natural_load()
+        metrics.update(load_metrics(list(load), np.stack([c.numpy() for c in load.values()]), "experts/trainer"))
         metrics["time/no_replay_forward_s"] = time.perf_counter() - start
     start = time.perf_counter()
     result = trainer.train_step(
@@ -81,7 +85,8 @@ def rl_step(
 def no_replay_forward_due(config, step: int) -> bool:
     """With R3, whether RL `step` runs the routing-off forward (`trainer.no_replay_forward_every`:
     steps N, 2N, ...; 0 = never). It costs one forward of the whole batch, with natural routing,
-    recorded (`MegatronTrainer.natural_forward`: the logprobs and `routing/agreement`)."""
+    recorded (`MegatronTrainer.natural_forward`: the logprobs, `routing/agreement` and the expert load
+    of natural routing, `experts/trainer/*`)."""
     every = config.no_replay_forward_every
     return bool(config.routing_replay) and every > 0 and step % every == 0
 

@@ -2,7 +2,7 @@
 
 Owns the alignment between a batch's `routed_experts` and the routers of this rank's model
 stage, the checks on it, the switching of megatron-core's RouterReplay actions around the
-pipeline schedule, and the train/rollout routing agreement.
+pipeline schedule, the train/rollout routing agreement and the expert load of natural routing.
 
 How rows are aligned (`routed_experts` is [B, S, num_hidden_layers, topk] of any integer dtype:
 the rollout ships uint8 / int16, `moe_rl.sample.routing_dtype`; `_targets` widens the rows to
@@ -93,6 +93,7 @@ class RoutingReplay:
         self.sp_index = parallel_state.get_tensor_model_parallel_rank() if config.sequence_parallel else 0
         self._mode: str | None = None  # "replay" | "record" while a schedule runs
         self._tally: dict[int, list[float]] = {}
+        self._load: dict[int, torch.Tensor] = {}  # HF layer -> recorded slots per expert, real rows
 
     # -- checks (every rank, same whole batch, before any forward) ----------------------------
     def check(self, batch: Batch) -> None:
@@ -154,7 +155,8 @@ class RoutingReplay:
                 replay.set_target_indices(ids[:, index].contiguous())
 
     def after_forward(self, microbatch: Batch, to_model: ToModel | None = None) -> None:
-        """Tally recorded vs given top-k sets when recording (recorded data is per forward)."""
+        """Tally recorded vs given top-k sets, and the recorded slots per expert, when recording
+        (recorded data is per forward)."""
         if self._mode != "record":
             return
         ids, real = self._targets(microbatch, to_model)
@@ -164,6 +166,8 @@ class RoutingReplay:
             tally = self._tally.setdefault(layer, [0.0, 0.0])
             tally[0] += float((hits * real).sum())
             tally[1] += float(real.sum()) * self.topk
+            counts = torch.bincount(recorded[real].flatten().cpu(), minlength=self.num_experts)
+            self._load[layer] = self._load.get(layer, 0) + counts
 
     def _set_action(self, action) -> None:
         for replay in self.replays:
@@ -199,7 +203,7 @@ class RoutingReplay:
             self._set_action(RouterReplayAction.REPLAY_FORWARD)
             schedules.backward_step = backward_step
         else:
-            self._tally = {}
+            self._tally, self._load = {}, {}
             self._set_action(RouterReplayAction.RECORD)
         try:
             yield
@@ -222,3 +226,16 @@ class RoutingReplay:
                 total[0] += hits
                 total[1] += count
         return {layer: hits / count if count else float("nan") for layer, (hits, count) in sorted(totals.items())}
+
+    def load(self) -> dict[int, torch.Tensor]:
+        """{HF layer index: int64 [num_experts] routed slots per expert over real tokens} for every MoE
+        layer of the model, from the last `running("record")` (its natural routing). Collective, as
+        `agreement`; TP ranks without sequence parallel count the same tokens, so the counts are then
+        tp times the tokens', the shares (`moe_rl.rollout.expert_load`) exact."""
+        gathered: list[dict[int, torch.Tensor]] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(gathered, self._load)
+        totals: dict[int, torch.Tensor] = {}
+        for part in gathered:
+            for layer, counts in part.items():
+                totals[layer] = totals.get(layer, 0) + counts
+        return dict(sorted(totals.items()))

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from parallel.bridges.rope import rope_parameters
 from parallel.layout import ModelShape, ParallelLayout
 from parallel.mappings import QKV, ColumnParallel, GatedColumn, Replicated, RowParallel, SharedWithMTP, VocabParallel
+from parallel.router import RouterTraining
 
 VOCAB_DIVISOR = 128
 """Vocab is padded to a multiple of lcm(128, tp): the same padding for tp in {1,2,4,8}, so a
@@ -74,6 +75,10 @@ class Bridge:
     """Base class: HF config field access and the Megatron config shared by MoE decoders."""
 
     architectures: ClassVar[tuple[str, ...]] = ()
+    has_expert_bias: ClassVar[bool] = False
+    """The routers add a per-expert score bias (HF `mlp.gate.e_score_correction_bias`)."""
+    aux_loss_type: ClassVar[str] = "aux_loss"
+    """megatron-core's load-balancing loss for this architecture, used when the coefficient is > 0."""
 
     def __init__(self, hf_config: Any):
         self.hf = hf_config
@@ -99,6 +104,15 @@ class Bridge:
             num_experts=self.num_experts,
             vocab_size=self.vocab_size,
         )
+
+    def moe_layer_pattern(self) -> list[int]:
+        """Per decoder layer, 1 for an MoE layer and 0 for a dense one (megatron's moe_layer_freq)."""
+        return [1] * int(self.get("num_hidden_layers"))
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """HF indices of the MoE layers (the rows of routing data that name experts)."""
+        return [layer for layer, moe in enumerate(self.moe_layer_pattern()) if moe]
 
     def transformer_config_kwargs(self) -> dict[str, Any]:
         """Architecture-specific TransformerConfig fields."""
@@ -278,8 +292,9 @@ class Bridge:
             layernorm_epsilon=float(self.get("rms_norm_eps")),
         )
 
-    def transformer_config(self, layout: ParallelLayout, **overrides: Any):
-        """Megatron TransformerConfig for this model under `layout` (fp32 unless overridden)."""
+    def transformer_config(self, layout: ParallelLayout, router: RouterTraining | None = None, **overrides: Any):
+        """Megatron TransformerConfig for this model under `layout` (fp32 unless overridden), its
+        routers' load-balancing loss and expert-bias update as `router` says (default: neither)."""
         # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
         from megatron.core.utils import init_method_normal
 
@@ -289,6 +304,7 @@ class Bridge:
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
             context_parallel_size=layout.cp,
+            cp_comm_type=layout.cp_comm_type,
             expert_model_parallel_size=layout.ep,
             expert_tensor_parallel_size=layout.expert_tp,
             sequence_parallel=layout.sequence_parallel,
@@ -312,12 +328,11 @@ class Bridge:
             moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=False,
             moe_router_dtype="fp32",
-            moe_router_load_balancing_type="none",
-            moe_aux_loss_coeff=0.0,
             moe_router_fusion=False,  # R3 replay is skipped silently under router fusion
             moe_permute_fusion=False,
         )
         kwargs.update(self.transformer_config_kwargs())
+        kwargs.update((router or RouterTraining()).config_kwargs(self.has_expert_bias, self.aux_loss_type))
         if self.mtp_layers:
             kwargs["mtp_num_layers"] = self.mtp_layers
         kwargs.update(overrides)

@@ -30,6 +30,8 @@ def megatron_at_least(major: int, minor: int) -> bool:
 @register
 class DeepseekV3Bridge(Bridge):
     architectures = ("DeepseekV3ForCausalLM",)
+    has_expert_bias = True
+    aux_loss_type = "seq_aux_loss"  # DeepSeek-V3's complementary sequence-wise balance loss
 
     @property
     def num_experts(self) -> int:
@@ -69,6 +71,9 @@ class DeepseekV3Bridge(Bridge):
             mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)),
         )
 
+    def moe_layer_pattern(self) -> list[int]:
+        return [int(i >= self.get("first_k_dense_replace")) for i in range(self.get("num_hidden_layers"))]
+
     def transformer_config_kwargs(self) -> dict[str, Any]:
         if self.get("attention_bias", False):
             raise ValueError(
@@ -97,12 +102,12 @@ class DeepseekV3Bridge(Bridge):
             qk_head_dim=self.get("qk_nope_head_dim"),
             qk_pos_emb_head_dim=self.get("qk_rope_head_dim"),
             v_head_dim=self.get("v_head_dim"),
-            moe_layer_freq=[int(i >= self.get("first_k_dense_replace")) for i in range(self.get("num_hidden_layers"))],
+            moe_layer_freq=self.moe_layer_pattern(),
             **self.rope_kwargs(),
             **sigmoid_router_kwargs(self),
         )
 
-    def transformer_config(self, layout, **overrides):
+    def transformer_config(self, layout, router=None, **overrides):
         latent = self.get("kv_lora_rank") + self.get("qk_rope_head_dim")
         for field, rows in (("q_lora_rank", self.q_lora_rank), ("kv_lora_rank + qk_rope_head_dim", latent)):
             if rows is not None and rows % layout.tp:
@@ -110,7 +115,7 @@ class DeepseekV3Bridge(Bridge):
                     f"{field}={rows} is not divisible by tp={layout.tp}: the local spec splits "
                     f"MLA's down projections over TP; pick a tp that divides it"
                 )
-        return super().transformer_config(layout, **overrides)
+        return super().transformer_config(layout, router, **overrides)
 
     def layer_spec(self, config, use_te: bool, vp_stage: int | None = None):
         # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)

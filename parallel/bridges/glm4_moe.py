@@ -14,17 +14,22 @@ from parallel.mappings import GatedColumn, Replicated, RowParallel
 @register
 class Glm4MoeBridge(Bridge):
     architectures = ("Glm4MoeForCausalLM",)
+    has_expert_bias = True
+    aux_loss_type = "seq_aux_loss"  # GLM-4.5 trained with a sequence-level balance loss beside the bias
 
     @property
     def num_experts(self) -> int:
         return int(self.get("n_routed_experts"))
+
+    def moe_layer_pattern(self) -> list[int]:
+        return [int(i >= self.get("first_k_dense_replace")) for i in range(self.get("num_hidden_layers"))]
 
     def transformer_config_kwargs(self) -> dict[str, Any]:
         return dict(
             **self.gqa_decoder_kwargs(),
             qk_layernorm=bool(self.get("use_qk_norm", False)),
             add_qkv_bias=bool(self.get("attention_bias", False)),
-            moe_layer_freq=[int(i >= self.get("first_k_dense_replace")) for i in range(self.get("num_hidden_layers"))],
+            moe_layer_freq=self.moe_layer_pattern(),
             **sigmoid_router_kwargs(self),
         )
 
@@ -72,8 +77,7 @@ def sigmoid_router_kwargs(bridge: Bridge) -> dict[str, Any]:
         moe_ffn_hidden_size=bridge.get("moe_intermediate_size"),
         moe_router_topk=top_k,
         moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True,
-        moe_router_bias_update_rate=0.0,  # HF's correction bias is loaded, never updated here
+        moe_router_enable_expert_bias=True,  # HF's correction bias; its update: parallel.router
         moe_router_num_groups=groups if groups > 1 else None,
         moe_router_group_topk=group_topk if groups > 1 else None,
         moe_router_topk_scaling_factor=float(bridge.get("routed_scaling_factor", 1.0)),

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from moe_rl.config import load_config
 from moe_rl.report import write_report
+from moe_rl.rollout.expert_load import write_expert_load
 
 pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
@@ -79,6 +81,9 @@ def test_report_writes_every_plot(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     names = {p.name for p in write_report(tmp_path)}
     assert names == {"reward.png", "staleness.png", "routing_agreement.png", "time.png", "utilization.png"}
+    for step in range(1, 6):  # the routing's layer x expert load (layer 0 dense)
+        write_expert_load(tmp_path, step, [1, 2], np.array([[step, 4, 4, 4], [8, 0, 2, 2]]))
+    assert "experts.png" in {p.name for p in write_report(tmp_path)}
     agents = {
         "agents/turns_per_episode": 2.0,
         "agents/tool_calls_per_episode": 1.0,

@@ -3,21 +3,25 @@ a real embedded engine, real weight syncs. Each run: a few steps of a tiny model
 
 Proves: every prompt group is trained on exactly once or counted as dropped (with a reason); the
 staleness bound of each mode holds; one_step_off never mixes versions in a sample; the R3 metrics
-are in the run's metrics; the final HF checkpoint is served by the embedded engine.
+and expert-load metrics are in the run's metrics; routers frozen by trainer.moe.freeze_router come out
+of the run bit-equal; the final HF checkpoint is served by the embedded engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 
 import pytest
+import torch
 
 from moe_rl.config import RunConfig, from_dict
 from moe_rl.engine.sampling import SamplingParams
+from moe_rl.rollout.expert_load import read_expert_load
 from tests.agents.conftest import CHAT_DIR
-from tests.tiny_models import QWEN3_MOE_SMALL, hf_fields
+from tests.tiny_models import QWEN3_MOE_SMALL, hf_config, hf_fields, save_random_model
 
 pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
@@ -162,12 +166,29 @@ def test_fp8_weight_sync(tmp_path):
     assert all(0 < r["consistency/logprob_diff_mean"] < 0.5 for r in rows)
 
 
-def test_fully_async_partial_rollouts_r3_and_final_checkpoint(tmp_path):
-    config = tiny_config(tmp_path, "fully_async", trainer={"no_replay_forward_every": 2}, save_hf=True, report=True)
+def test_fully_async_partial_rollouts_r3_expert_load_and_frozen_routers_in_the_final_checkpoint(tmp_path):
+    """From a checkpoint at model.path with trainer.moe.freeze_router: the routers of `final_hf` are
+    the loaded ones, bit for bit, while the rest trained; the expert load is logged every step."""
+    from safetensors.torch import load_file
+
+    hf_dir = save_random_model(hf_config(QWEN3_MOE_SMALL, max_position_embeddings=64), tmp_path / "hf")
+    config = tiny_config(
+        tmp_path,
+        "fully_async",
+        model={"path": str(hf_dir), "hf_config": None},
+        trainer={"no_replay_forward_every": 2, "moe": {"freeze_router": True}},
+        save_hf=True,
+        report=True,
+    )
     summary, rows = run(config)
     check_ledger(summary)
     # the routing-off forward (and its metrics) on steps 2 and 4 only
-    routing_off = ("routing/agreement/layer0", "consistency/logprob_diff_no_replay_mean", "time/no_replay_forward_s")
+    routing_off = (
+        "routing/agreement/layer0",
+        "consistency/logprob_diff_no_replay_mean",
+        "time/no_replay_forward_s",
+        "experts/trainer/max_violation/layer1",
+    )
     assert [r["step"] for r in rows if all(key in r for key in routing_off)] == [2, 4]
     assert not any(key in r for r in rows[::2] for key in routing_off)
     check_utilization(rows)
@@ -186,12 +207,31 @@ def test_fully_async_partial_rollouts_r3_and_final_checkpoint(tmp_path):
     ):
         assert key in last, key
     assert 0.0 <= last["routing/agreement/layer0"] <= 1.0
+    # the rollout's expert load, every step: 4 experts, so max / mean - 1 lies in [0, 3]
+    for r in rows:
+        for layer in (0, 1):
+            assert 0.0 <= r[f"experts/max_violation/layer{layer}"] <= 3.0
+            assert 0.0 < r[f"experts/entropy/layer{layer}"] <= math.log(4) + 1e-9
+        assert "experts/max_violation_mean" in r
+    load = read_expert_load(tmp_path / "fully_async")
+    assert [row["step"] for row in load] == [1, 2, 3, 4] and all(row["layers"] == [0, 1] for row in load)
     # the RL job's own plots
     assert {p.name for p in (tmp_path / "fully_async" / "plots").iterdir()} >= {
         "reward.png",
         "time.png",
         "utilization.png",
+        "experts.png",
     }
+    # frozen routers: bit-equal to the loaded checkpoint in final_hf; the attention trained
+    loaded = load_file(next(hf_dir.glob("*.safetensors")))
+    final = {
+        k: v for f in (tmp_path / "fully_async" / "final_hf").glob("*.safetensors") for k, v in load_file(f).items()
+    }
+    gates = [name for name in loaded if name.endswith("mlp.gate.weight")]
+    assert len(gates) == 2 and all(torch.equal(final[name], loaded[name]) for name in gates)
+    assert not torch.equal(
+        final["model.layers.0.self_attn.o_proj.weight"], loaded["model.layers.0.self_attn.o_proj.weight"]
+    )
     # the final checkpoint is servable by the embedded engine
     from moe_rl.engine.client import EngineClient
     from moe_rl.engine.process import EmbeddedConfig, launch_embedded

@@ -27,7 +27,8 @@ What it implements, in plain torch, after TE 2.9's `transformer_engine/pytorch/m
   `sequence_parallel`, an empty `_extra_state`.
 What it does not: FP8/FP4, fused kernels and ops (`te.pytorch.ops`, fused router and permute,
 TE's RoPE and cross entropy: megatron's unfused RoPE applies it per cu_seqlens segment), userbuffer
-overlap, CP communication other than p2p / all_gather (both computed by gathering keys and values),
+overlap, hierarchical CP communication (a2a+p2p; p2p, all_gather and a2a are all computed by gathering
+keys and values),
 padded packed sequences (`cu_seqlens_*_padded`), cross-attention
 packing (cu_seqlens_q != cu_seqlens_kv), attention masks other than causal / none, attention
 dropout, sliding windows, TE's RNG tracker (weights are initialised without megatron's RNG fork;
@@ -536,7 +537,7 @@ class DotProductAttention(torch.nn.Module):
     more than one rank, given at construction or by `set_context_parallel_group`): this rank holds
     chunks r and 2cp-1-r of the sequence (of each thd segment, cu_seqlens being the whole
     sequence's); keys and values are gathered over the group, as TE's `all_gather` CP communication
-    does (its `p2p` ring computes the same attention block by block), and the local queries attend
+    does (its `p2p` ring and `a2a` compute the same attention otherwise), and the local queries attend
     at their global positions. The gather's backward sums key/value gradients over the group."""
 
     def __init__(
@@ -570,7 +571,7 @@ class DotProductAttention(torch.nn.Module):
         self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type: str = "p2p") -> None:
-        if cp_comm_type not in ("p2p", "all_gather"):
+        if cp_comm_type not in ("p2p", "all_gather", "a2a"):
             raise NotImplementedError(f"cp_comm_type={cp_comm_type!r} not in the CPU stand-in")
         self.cp_group = cp_group if cp_group is not None and dist.get_world_size(cp_group) > 1 else None
 

@@ -16,22 +16,24 @@ ranks), R3 (the replayed experts split with the same chunking). Attention: the l
 `parallel.eager_attention` (what the CPU demo runs), and the TE spec through the stand-in's CP
 attention (TE's all_gather communication), packed (THD, each row padded to 2 x cp) and not. A
 DeepSeek-V3 (MLA) with a trained MTP layer: megatron-core rolls the MTP labels across the CP chunks.
+On megatron-core 0.19 `process_mtp_loss` rescales each micro-batch's MTP loss by its loss tokens
+before / after the one-token shift counted on each CP rank's own chunks, so the MTP gradient depends
+on the chunking (on this batch's ~10-token chunks by ~10%; by ~1/chunk length in general): there the
+MTP case checks logprobs, loss and token counts only.
 """
 
 import dataclasses
-import math
 
 import pytest
 import torch
 from test_lora_te import under_te
-from test_packed_sequences import save_model
-from test_token_budget import BUDGETS, LENGTHS, RTOL_OF_MAX, VOCAB, compare, make_batch, real_positions
+from test_packed_sequences import FP32, Tolerance, _mtp_tokens_weigh_alike, bf16_tolerance, save_model
+from test_token_budget import BUDGETS, LAYERS, LENGTHS, compare, make_batch, real_positions
 
 from parallel.world import spawn
 
 pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
-LOGPROB_TOL, LOSS_REL, LOSS_ABS = 1e-5, 1e-5, 1e-7
 PATHS = {  # name: (max_tokens_per_microbatch, pack_sequences)
     "padded": (None, False),
     "budget": (BUDGETS[1], False),
@@ -40,7 +42,7 @@ PACKED_PATHS = {**PATHS, "packed": (BUDGETS[0], True), "packed-small": (BUDGETS[
 MTP_ROUTING = (2, 8)  # DeepSeek-V3 test model: routing rows for both layers, 8 routed experts
 
 
-def _rank(hf_dir: str, layout: dict, paths: dict, case_names: list[str], mtp: bool = False):
+def _rank(hf_dir: str, layout: dict, paths: dict, case_names: list[str], mtp: bool = False, precision: str = "fp32"):
     from moe_rl.algorithms import AlgorithmConfig, make_policy_loss
     from moe_rl.config import OptimizerConfig, TrainerConfig
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
@@ -55,11 +57,14 @@ def _rank(hf_dir: str, layout: dict, paths: dict, case_names: list[str], mtp: bo
         max_tokens_per_microbatch=BUDGETS[0],
         pack_sequences=packs,  # checked at construction: the TE spec
         mtp_loss_weight=0.3 if mtp else 0.0,
+        precision=precision,
         optimizer=OptimizerConfig(lr=1e-30, clip_grad=0.0),
     )
     trainer = MegatronTrainer(config, load_hf_config(hf_dir))
     trainer.load_hf_weights(hf_dir)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     full = make_batch(*MTP_ROUTING) if mtp else make_batch()
+    full = {key: value.to(device) for key, value in full.items()}
     natural = {key: value for key, value in full.items() if key != "routed_experts"}
 
     def use(path: str) -> None:
@@ -77,7 +82,7 @@ def _rank(hf_dir: str, layout: dict, paths: dict, case_names: list[str], mtp: bo
         "seq-mean-token-mean": (AlgorithmConfig(advantage_estimator="gspo"), natural),
         "r3": (AlgorithmConfig(), full),
     }
-    out = {"cases": {}, "logprobs": logprobs}
+    out = {"cases": {}, "logprobs": {path: values.cpu() for path, values in logprobs.items()}}
     for name in case_names:
         algorithm, batch = cases[name]
         runs = {}
@@ -91,26 +96,28 @@ def _rank(hf_dir: str, layout: dict, paths: dict, case_names: list[str], mtp: bo
     return out
 
 
-def check(reference: list[dict], context: list[dict], mtp: bool = False) -> None:
-    """Rank r of the CP world against rank r of the reference (the same EP rank: the same experts)."""
+def check(reference: list[dict], context: list[dict], mtp: bool = False, tol: Tolerance = FP32) -> None:
+    """Rank r of the CP world against rank r mod the reference's size (the same EP / ETP rank: the
+    same experts and shards)."""
     real = real_positions()
-    for ref, cp in zip(reference, context):
+    for rank, cp in enumerate(context):
+        ref = reference[rank % len(reference)]
         for path, values in cp["logprobs"].items():
             assert values.shape == (len(LENGTHS), max(LENGTHS) - 1)  # the batch's order and width
             error = float((values[real] - ref["logprobs"][path][real]).abs().max())
-            assert error <= LOGPROB_TOL, (path, error)
+            assert error <= tol.logprob, (path, error)
         for name, runs in cp["cases"].items():
             for path, (loss, tokens, grads, mtp_loss) in runs.items():
                 r_loss, r_tokens, r_grads, r_mtp_loss = ref["cases"][name][path]
                 assert any(float(g.abs().max()) > 0 for g in r_grads.values()), name
                 assert tokens == r_tokens, (name, path)  # the normaliser counted once over the CP ranks
-                assert abs(loss - r_loss) <= LOSS_REL * abs(r_loss) + LOSS_ABS, (name, path, loss, r_loss)
-                compare(r_grads, grads, RTOL_OF_MAX)
+                assert abs(loss - r_loss) <= tol.loss_rel * abs(r_loss) + tol.loss_abs, (name, path, loss, r_loss)
+                if not mtp or _mtp_tokens_weigh_alike():
+                    compare(r_grads, grads, tol.grad_of_max)
                 if mtp:  # the MTP layer trained, its gradients compared above
                     assert any(float(g.abs().max()) > 0 for n, g in grads.items() if ".mtp." in f".{n}")
-                    # the logged loss is a mean of CP ranks' chunk means (megatron-core's logging), so it
-                    # differs from CP1's; a chunk without trained tokens logs 0/0 on 0.16 (then none)
-                    assert mtp_loss is None or abs(mtp_loss - math.log(VOCAB)) < 0.5, (name, path, mtp_loss)
+                    # megatron-core logs CP ranks' chunk means, not the micro-batch's: none reported
+                    assert mtp_loss is None and r_mtp_loss is not None, (name, path)
 
 
 CASES = ["token-mean+tis", "seq-mean-token-mean", "r3"]
@@ -121,6 +128,16 @@ def test_cp2_equals_cp1_on_the_local_spec(tmp_path):
     hf_dir = str(save_model(tmp_path / "hf"))
     reference = spawn(_rank, 2, hf_dir, {"ep": 2}, PATHS, CASES)
     check(reference, spawn(_rank, 2, hf_dir, {"cp": 2, "ep": 2}, PATHS, CASES))
+
+
+def test_cp2_under_tensor_and_sequence_parallel(tmp_path):
+    """TP2 + SP x CP2 on 4 ranks against TP2 + SP: sequences padded to 2 x cp x tp, each CP chunk
+    split over the TP ranks (R3 rows too)."""
+    hf_dir = str(save_model(tmp_path / "hf"))
+    layout = {"tp": 2, "sequence_parallel": True}
+    reference = spawn(_rank, 2, hf_dir, layout, PATHS, ["token-mean+tis", "r3"])
+    context = spawn(_rank, 4, hf_dir, {**layout, "world_size": 4, "cp": 2}, PATHS, ["token-mean+tis", "r3"])
+    check(reference, context)
 
 
 def test_cp2_equals_cp1_on_the_te_spec_packed(tmp_path):
@@ -137,3 +154,18 @@ def test_cp2_with_mla_and_a_trained_mtp_layer(tmp_path):
     hf_dir = str(save_model(tmp_path / "hf", mtp=True))
     reference = spawn(_rank, 2, hf_dir, {"ep": 2}, PATHS, ["token-mean+tis", "r3"], True)
     check(reference, spawn(_rank, 2, hf_dir, {"cp": 2, "ep": 2}, PATHS, ["token-mean+tis", "r3"], True), mtp=True)
+
+
+@pytest.mark.gpu_te
+def test_cp2_with_the_real_transformer_engine(tmp_path):
+    """What the stand-in stands for: TE's CP attention (megatron's default p2p ring), sbhd and thd, on
+    two GPUs (NCCL takes one rank per GPU) against one GPU, in bf16 (TE's thd attention runs no fp32),
+    within twice test_precision's bf16 bounds."""
+    pytest.importorskip("transformer_engine")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("CP2 needs two CUDA GPUs")
+    hf_dir = str(save_model(tmp_path / "hf"))
+    reference = spawn(_rank, 1, hf_dir, {"world_size": 1}, PACKED_PATHS, CASES, False, "bf16")
+    context = spawn(_rank, 2, hf_dir, {"cp": 2}, PACKED_PATHS, CASES, False, "bf16")
+    real = real_positions()
+    check(reference, context, tol=bf16_tolerance(LAYERS, reference[0]["logprobs"]["padded"][real]))

@@ -5,7 +5,8 @@
     weights are perturbed, replay shrinks the logprob gap; (c) replay + activation recompute
     gives the same step as replay without recompute under PP2 1F1B with 4 microbatches per
     rank (each recompute must pop its own microbatch's routing); (d) bad `routed_experts`
-    raise ValueError before any forward.
+    raise ValueError before any forward; (e) the expert load of natural routing counts every real
+    token once over the ranks.
 """
 
 import copy
@@ -54,37 +55,59 @@ def capture_routing(model):
     return maps
 
 
-def replay_mismatches(trainer, batch, real) -> tuple[int, int, bool]:
-    """Forward with replay; compare each router's routing map with the given routing at real
-    tokens, laid out as Megatron feeds routers (this DP rank's rows, microbatch by microbatch,
-    sequence-major, this TP rank's SP chunk). Returns (mismatched rows, checked rows,
-    every row routed to exactly topk experts)."""
+def routed_rows(trainer, maps, real):
+    """(layer, routing map, rows of it that are real inputs) for every router call in `maps`, laid out
+    as Megatron feeds routers (this DP rank's rows, microbatch by microbatch, sequence-major, this TP
+    rank's SP chunk), and the given routing of those rows' `routed_experts` as a [rows, topk] slice."""
     from megatron.core import parallel_state
 
     config = trainer.config
-    maps = capture_routing(trainer.model.module)
-    trainer.forward_logprobs(batch, replay=True)
     tp = config.tp if config.sequence_parallel else 1
     tp_rank = parallel_state.get_tensor_model_parallel_rank() if config.sequence_parallel else 0
     inputs = -(-(SEQ - 1) // tp) * tp
-    given = torch.nn.functional.pad(batch["routed_experts"][:, :-1].long(), (0, 0, 0, 0, 0, inputs - SEQ + 1))
     real = torch.nn.functional.pad(real, (0, inputs - SEQ + 1))
     dp_rank, dp_size = trainer.dp_rank_and_size()
     mb, per_rank = config.micro_batch_size, ROWS // dp_size
-    mismatched = checked = 0
-    exact_topk = True
     for layer, calls in maps.items():
         assert len(calls) == per_rank // mb
         for index, routing_map in enumerate(calls):
             rows = slice(dp_rank * per_rank + index * mb, dp_rank * per_rank + (index + 1) * mb)
             chunk = slice(tp_rank * inputs // tp, (tp_rank + 1) * inputs // tp)
-            ids = given[rows, :, layer].transpose(0, 1)[chunk].reshape(-1, TOPK)
             keep = real[rows].transpose(0, 1)[chunk].reshape(-1)
-            expected = torch.zeros_like(routing_map).scatter_(1, ids.clamp(0, NUM_EXPERTS - 1), True)
-            mismatched += int((routing_map != expected).any(-1)[keep].sum())
-            checked += int(keep.sum())
-            exact_topk &= bool((routing_map.sum(-1) == TOPK).all())
+
+            def given(routed, rows=rows, chunk=chunk, layer=layer):
+                padded = torch.nn.functional.pad(routed[:, :-1].long(), (0, 0, 0, 0, 0, inputs - SEQ + 1))
+                return padded[rows, :, layer].transpose(0, 1)[chunk].reshape(-1, TOPK)
+
+            yield layer, routing_map, keep, given
+
+
+def replay_mismatches(trainer, batch, real) -> tuple[int, int, bool]:
+    """Forward with replay; compare each router's routing map with the given routing at real
+    tokens (`routed_rows`). Returns (mismatched rows, checked rows, every row routed to exactly
+    topk experts)."""
+    maps = capture_routing(trainer.model.module)
+    trainer.forward_logprobs(batch, replay=True)
+    mismatched = checked = 0
+    exact_topk = True
+    for _, routing_map, keep, given in routed_rows(trainer, maps, real):
+        ids = given(batch["routed_experts"])
+        expected = torch.zeros_like(routing_map).scatter_(1, ids.clamp(0, NUM_EXPERTS - 1), True)
+        mismatched += int((routing_map != expected).any(-1)[keep].sum())
+        checked += int(keep.sum())
+        exact_topk &= bool((routing_map.sum(-1) == TOPK).all())
     return mismatched, checked, exact_topk
+
+
+def natural_load(trainer, batch, real) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """The routing-off forward: (this rank's routers' natural routing counted per expert over its
+    real rows, from the routing maps they dispatched with; `natural_load` of the whole world)."""
+    maps = capture_routing(trainer.model.module)
+    trainer.natural_forward(batch)
+    local: dict[int, torch.Tensor] = {}
+    for layer, routing_map, keep, _ in routed_rows(trainer, maps, real):
+        local[layer] = local.get(layer, 0) + routing_map[keep].sum(0)
+    return {k: v.tolist() for k, v in local.items()}, {k: v.tolist() for k, v in trainer.natural_load().items()}
 
 
 def bad_input_errors(trainer, batch) -> list[str]:
@@ -137,6 +160,7 @@ def run_world(hf_dir, batch, real, rollout_routing):
     out["logprobs_default"] = trainer.forward_logprobs(rollout_batch)
     out["tp_sp"] = replay_mismatches(trainer, batch, real)
     out["tp_sp_natural_agreement"] = trainer.natural_forward(batch)[1]
+    out["tp_sp_natural_load"] = natural_load(trainer, batch, real)
 
     steps = []
     for recompute in (False, True):
@@ -154,6 +178,7 @@ def run_world(hf_dir, batch, real, rollout_routing):
         if not recompute:
             out["pp"] = replay_mismatches(trainer, batch, real)
             out["pp_natural_agreement"] = trainer.natural_forward(batch)[1]
+            out["pp_natural_load"] = natural_load(trainer, batch, real)
             out["pp_logprobs_replay"] = trainer.forward_logprobs(rollout_batch, replay=True)
         result = trainer.train_step(batch)
         steps.append((result.loss, result.grad_norm, [p.detach().clone() for p in trainer.model.module.parameters()]))
@@ -202,6 +227,21 @@ def test_replayed_routing_equals_given(world):
             assert exact_topk, (rank, layout)
             natural = out[f"{layout}_natural_agreement"]
             assert sorted(natural) == list(range(LAYERS)) and min(natural.values()) < 0.9, natural
+
+
+def test_natural_load_counts_every_real_token_once(world):
+    """`natural_load` gathers each rank's natural routing over real rows: the sum over ranks of what
+    their routers dispatched (SP chunks, DP rows and PP stages each count their own)."""
+    per_rank, _, real, _ = world
+    for layout in ("tp_sp", "pp"):
+        gathered = per_rank[0][f"{layout}_natural_load"][1]
+        assert all(out[f"{layout}_natural_load"][1] == gathered for out in per_rank)
+        expected: dict[int, list[int]] = {}
+        for out in per_rank:
+            for layer, counts in out[f"{layout}_natural_load"][0].items():
+                expected[layer] = [a + b for a, b in zip(expected.get(layer, [0] * NUM_EXPERTS), counts)]
+        assert gathered == expected and sorted(gathered) == list(range(LAYERS)), layout
+        assert all(sum(counts) == int(real.sum()) * TOPK for counts in gathered.values()), layout
 
 
 def test_replay_shrinks_logprob_gap(world):

@@ -2,9 +2,10 @@
 
 A plan places the trainer ranks and the engines on `cluster` (GPUs numbered node-major; the
 trainer takes the first `trainer.world_size`, engines follow, `engines.tp` GPUs each, never
-straddling a node unless they own whole nodes), lists Megatron's parallel groups, estimates
-memory per GPU and the bytes every engine receives per weight sync. Any impossibility is a
-ValueError naming the field and the fix.
+straddling a node unless they own whole nodes), lists the trainer's layout and Megatron's parallel
+groups (`moe_rl.plan.groups`, CP included), estimates memory per GPU, checks long sequences
+(`moe_rl.plan.sequences`: the model's positions, the engines' KV cache) and the bytes every engine
+receives per weight sync. Any impossibility is a ValueError naming the field and the fix.
 
 Parameter counts are exact: the HF model is built on the meta device (no memory, ~2 s for
 DeepSeek-V3) and its unique parameters are classified by layer and as routed expert

@@ -198,6 +198,7 @@ BAD = [
         "YaRN factor 4 x original_max_position_embeddings 64 = 256",
     ),
     ({"rollout.reward_timeout_s": 0}, "rollout.reward_timeout_s", "> 0"),
+    ({"rollout": None, "data.seq_length": 65}, "data.seq_length=65", "lower data.seq_length to at most 64"),
     ({"trainer.max_tokens_per_microbatch": 4}, "trainer.max_tokens_per_microbatch", "raise"),
     (  # on GPUs (a cluster section): Transformer Engine's attention packs only in bf16
         {"cluster": {"nodes": 1}, "trainer.max_tokens_per_microbatch": 64, "trainer.pack_sequences": True},

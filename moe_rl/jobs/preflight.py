@@ -16,7 +16,8 @@ from inside a Ray actor minutes later:
    reward (`rollout.reward`) and agent import and are functions of the right kind, the chat
    template exists where prompts or agents need it, an agent's task gives chat messages that
    render within the episode's context, and prompts + `max_new_tokens` (or an episode's
-   context) fit the model's positions (with YaRN, factor x original_max_position_embeddings);
+   context), or a supervised run's `data.seq_length`, fit the model's positions (with YaRN,
+   factor x original_max_position_embeddings);
 5. every eval dataset, the same way;
 6. the engines can run here (`engines.kind: sglang` needs GPUs);
 7. a token budget per micro-batch (`trainer.max_tokens_per_microbatch`) holds the longest
@@ -54,6 +55,7 @@ def check_run(config: RunConfig) -> None:
     check_model(config.model)
     check_packing(config)
     if not config.is_rl:
+        check_sequence_positions(config)
         check_token_budget(config, config.data.seq_length, "data.seq_length")
         if config.eval is not None:
             raise ValueError(
@@ -202,6 +204,16 @@ def model_positions(hf) -> tuple[int | None, str]:
         original = scaled.original_max_position_embeddings
         return limit, f"YaRN factor {scaled.factor:g} x original_max_position_embeddings {original} = {limit}"
     return limit, f"max_position_embeddings {limit}"
+
+
+def check_sequence_positions(config: RunConfig) -> None:
+    """A supervised run's data.seq_length fits the model's positions."""
+    limit, covered_by = model_positions(config.model.load_hf_config().get_text_config())
+    if limit is not None and config.data.seq_length > limit:
+        raise ValueError(
+            f"data.seq_length={config.data.seq_length} exceeds the model's positions ({covered_by}): lower "
+            f"data.seq_length to at most {limit}{LONGER}"
+        )
 
 
 def rendered(chat: ChatFormat, prompt, field: str) -> list[int]:

@@ -2,9 +2,10 @@
 
 A plan places the trainer ranks and the engines on `cluster` (GPUs numbered node-major; the
 trainer takes the first `trainer.world_size`, engines follow, `engines.tp` GPUs each, never
-straddling a node unless they own whole nodes), lists Megatron's parallel groups, estimates
-memory per GPU and the bytes every engine receives per weight sync. Any impossibility is a
-ValueError naming the field and the fix.
+straddling a node unless they own whole nodes), lists the trainer's layout and Megatron's parallel
+groups (`moe_rl.plan.groups`, CP included), estimates memory per GPU, checks long sequences
+(`moe_rl.plan.sequences`: the model's positions, the engines' KV cache) and the bytes every engine
+receives per weight sync. Any impossibility is a ValueError naming the field and the fix.
 
 Parameter counts are exact: the HF model is built on the meta device (no memory, ~2 s for
 DeepSeek-V3) and its unique parameters are classified by layer and as routed expert
@@ -44,7 +45,7 @@ other is on the wire), each relay one; every engine GPU one receive buffer per b
 Engine memory per GPU (SGLang): weights E * (dense / (tp / attn_dp) + experts / tp) (E = bytes of
 `cluster.param_dtype`, what the engines hold; DP attention replicates attention over attn_dp
 groups), one sync bucket; the rest of `engines.mem_fraction_static` of the GPU is KV cache, which
-must be positive.
+must hold the longest sequence (`moe_rl.plan.sequences`).
 
 Bytes per sync: every engine receives the whole exported HF state dict in the trainer's precision
 (broadcast), i.e. B x the model's unique parameters; with `sync.fp8_blocks` N, decoder linears
@@ -72,8 +73,8 @@ from pathlib import Path
 
 from moe_rl.config import PARAM_DTYPES, RunConfig
 from moe_rl.plan.groups import layout_line, parallel_groups, span
+from moe_rl.plan.sequences import check_kv_cache, sequence_notes
 from moe_rl.plan.sync_links import StageBytes, SyncLinks, model_sync
-from parallel.bridges.rope import max_positions
 from parallel.model import PRECISIONS
 
 GB = 1e9
@@ -212,6 +213,7 @@ def make_plan(config: RunConfig, gpu_metrics: Path = GPU_METRICS) -> Plan:
     adapter = None if config.lora is None else lora_parameters(hf, counts, config.lora.rank, config.lora.targets)
     stage, trainer = trainer_memory(config, hf, counts, dtype_bytes, adapter)
     engine = engine_memory(config, counts, PARAM_DTYPES[config.cluster.param_dtype]) if config.is_rl else {}
+    kv_note = check_kv_cache(config, hf, engine["kv_cache"]) if config.is_rl else None
     sync_bytes = (sum(adapter) if adapter else counts.total) * dtype_bytes
     if adapter is None and config.sync.fp8_blocks:
         sync_bytes = fp8_sync_bytes(counts, config.sync.fp8_blocks, dtype_bytes)
@@ -247,8 +249,7 @@ def make_plan(config: RunConfig, gpu_metrics: Path = GPU_METRICS) -> Plan:
             "trainer.precision=fp32: weights, activations and syncs at 4 bytes a value, and no packed "
             "sequences; GPUs train in bf16 (trainer.precision: bf16)"
         )
-    for note in sequence_notes(config, hf):
-        plan.notes.append(note)
+    plan.notes += sequence_notes(config, hf) + ([kv_note] if kv_note else [])
     if adapter is not None:
         plan.notes.append(
             f"lora: {sum(adapter) / 1e6:.1f} M adapter parameters ({adapter[1] / 1e6:.1f} M in routed "
@@ -260,26 +261,6 @@ def make_plan(config: RunConfig, gpu_metrics: Path = GPU_METRICS) -> Plan:
     if trainer["total"] > config.cluster.gpu_memory_gb - HEADROOM_GB:
         plan.notes.append(f"trainer leaves < {HEADROOM_GB:g} GB per GPU for CUDA/NCCL/fragmentation: expect OOM risk")
     return plan
-
-
-def sequence_notes(config: RunConfig, hf) -> list[str]:
-    """What a micro-batch's sequence means per rank under CP, and sequences beyond the model's positions."""
-    t, notes = config.trainer, []
-    tokens = t.max_tokens_per_microbatch or config.data.seq_length * t.micro_batch_size
-    if t.cp > 1:
-        notes.append(
-            f"trainer.cp={t.cp}: each CP rank holds {tokens // t.cp} of a micro-batch's {tokens} tokens "
-            f"(2 x cp = {2 * t.cp} chunks); activations are sized per rank"
-        )
-    longest = max(config.data.seq_length, config.rollout.max_new_tokens if config.is_rl else 0)
-    positions = max_positions(hf.get_text_config())
-    if positions is not None and longest > positions:
-        notes.append(
-            f"sequences of {longest} tokens (data.seq_length, rollout.max_new_tokens) exceed the model's {positions} "
-            "positions (max_position_embeddings, or YaRN's factor x original_max_position_embeddings): `moe-rl "
-            "train` refuses them; give model.hf_config YaRN rope_parameters to cover them"
-        )
-    return notes
 
 
 def sync_model(

@@ -42,6 +42,7 @@ BAD = [
     ({"input_ids": [1, 2], "stream": True}, "stream"),
     ({"input_ids": [], "sampling_params": {"max_new_tokens": 2}}, "input_ids"),
     ({"input_ids": [1, 2], "lora_path": "nope"}, "not loaded"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 511}}, "exceeds the model's 512 positions"),
 ]
 
 

@@ -131,8 +131,8 @@ def test_activations_follow_the_token_budget():
 
 LONG = ["rollout.max_new_tokens=262144", "data.seq_length=263168", "trainer.max_tokens_per_microbatch=263168"]
 """The 263K-token sequences of docs/trainer.md's "Planning long sequences" (issue 42's table)."""
-LONG_CP = {"deepseek_v3": 2, "qwen3_235b_a22b": 4}
-"""The trainer.cp docs/trainer.md gives for them."""
+LONG_CP = {"deepseek_v3": ["trainer.cp=2"], "qwen3_235b_a22b": ["trainer.cp=4", "engines.attn_dp=4"]}
+"""What docs/trainer.md gives for them: the trainer's CP, and for Qwen3 engines whose KV cache holds one."""
 
 
 @pytest.mark.parametrize("model", sorted(LONG_CP))
@@ -155,21 +155,36 @@ def test_263k_token_sequences_fit_with_the_documented_cp(model, capsys):
     """issue 42's proof: refused without CP; with docs/trainer.md's trainer.cp the plan passes, leaves
     its headroom, and the sequences are within the model's positions where the model has them
     (Qwen3-235B-A22B's YaRN; DeepSeek-V3's positions stop at 163,840: the plan says so)."""
-    path, cp = f"configs/models/{model}.yaml", LONG_CP[model]
-    assert cli.main(["plan", path, *LONG]) == 2
+    path, chosen = f"configs/models/{model}.yaml", LONG_CP[model]
+    assert cli.main(["plan", path, *LONG, *chosen[1:]]) == 2
     assert "raise trainer.cp" in capsys.readouterr().err
-    assert cli.main(["plan", path, *LONG, f"trainer.cp={cp}"]) == 0
+    assert cli.main(["plan", path, *LONG, *chosen]) == 0
     out = capsys.readouterr().out
-    config = load_config(path, [*LONG, f"trainer.cp={cp}"])
+    config = load_config(path, [*LONG, *chosen])
     plan = make_plan(config)
     assert plan.trainer_memory["total"] <= config.cluster.gpu_memory_gb - HEADROOM_GB
-    assert f"each CP rank holds {263168 // cp} of a micro-batch's 263168 tokens" in out
+    assert f"each CP rank holds {263168 // config.trainer.cp} of a micro-batch's 263168 tokens" in out
+    assert "sequences of 263168 tokens" in out  # the engines' KV cache holds at least one
     assert ("exceed the model's 163840 positions" in out) == (model == "deepseek_v3")
+
+
+def test_an_engine_kv_cache_must_hold_the_longest_sequence(capsys):
+    """Qwen3-235B-A22B's engines attend with DP attention over 8 groups of one GPU, each holding
+    all 4 KV heads of its requests: 94 layers x 2 x 4 heads x 128 x 2 bytes = 192,512 bytes a token,
+    50.7 GB for 263,168 tokens, more than the 46 GB of KV cache a GPU has left. Attention over two
+    GPUs (engines.attn_dp=4) halves it."""
+    path = "configs/models/qwen3_235b_a22b.yaml"
+    assert cli.main(["plan", path, *LONG, "trainer.cp=4"]) == 2
+    err = capsys.readouterr().err
+    assert f"one 263168-token sequence needs {192512 * 263168 / 1e9:.1f} GB of KV cache" in err
+    assert "attention TP = engines.tp/engines.attn_dp = 1" in err and "lower engines.attn_dp" in err
+    assert cli.main(["plan", path, *LONG, "trainer.cp=4", "engines.attn_dp=4"]) == 0
+    assert f"({192512 * 263168 / 2 / 1e9:.1f} GB each per GPU)" in capsys.readouterr().out
 
 
 def test_the_layout_printout_places_cp_in_megatrons_order(capsys):
     """tp fastest, then cp, dp, pp; EP groups formed across the TP x CP x DP ranks of a stage."""
-    assert cli.main(["plan", "configs/models/qwen3_235b_a22b.yaml", *LONG, "trainer.cp=4"]) == 0
+    assert cli.main(["plan", "configs/models/qwen3_235b_a22b.yaml", *LONG, *LONG_CP["qwen3_235b_a22b"]]) == 0
     out = capsys.readouterr().out
     assert "trainer layout: tp 4 x cp 4 x dp 2 x pp 2 = 64 ranks (order tp-cp-ep-dp-pp)" in out
     assert "experts etp 1 x ep 16 x edp 2 x pp 2" in out

@@ -42,7 +42,7 @@ from moe_rl.trainer.microbatches import (
     split_rows,
 )
 from moe_rl.trainer.reference import FrozenModel, build_reference
-from moe_rl.trainer.routing_replay import RoutingReplay
+from moe_rl.trainer.routing_replay import RoutingReplay, real_input_rows
 from parallel.bridges import bridge_for
 from parallel.context import uses_transformer_engine
 from parallel.export import export_hf_weights, save_hf_checkpoint
@@ -184,10 +184,14 @@ class MegatronTrainer:
         variable = dict(variable_seq_lengths=True) if config.max_tokens_per_microbatch is not None else {}
         # LoRA adapts both specs (parallel.lora): the TE spec where TE is installed, as without LoRA
         # trainer.moe: frozen routers get no grad before DDP and the optimizer see them (parallel.router)
+        router = config.moe.router()
+        # the bias update and the load-balancing loss count the real tokens only (not padding, nor
+        # the experts R3 fills padding rows with)
+        self._mask_padding = router.counts_tokens
         model = build_gpt_model(
             self.bridge,
             config,
-            router=config.moe.router(),
+            router=router,
             calculate_per_token_loss=True,
             mtp_loss_scaling_factor=config.mtp_loss_weight,
             **precision_config(config.precision),
@@ -508,9 +512,15 @@ class MegatronTrainer:
         if packing is not None:  # the model sees [1, T]; the loss below still sees the rows
             pack, params = packing.pack, packing.packed_seq_params()
             inputs, targets, mask, positions = pack(inputs), pack(targets), pack(mask), packing.positions
+        padding = None
+        real = real_input_rows(microbatch["loss_mask"]) if self._mask_padding else None
+        if real is not None and real.any():  # all padding: megatron-core's load-balancing losses divide by 0
+            padding = ~(real if pack is None else pack(real))
         if routing is not None:
             routing.before_forward(microbatch, pack)
-        output = forward(model, inputs, positions, labels=targets, loss_mask=mask, packed_seq_params=params)
+        output = forward(
+            model, inputs, positions, labels=targets, loss_mask=mask, packed_seq_params=params, padding_mask=padding
+        )
         if routing is not None:
             routing.after_forward(microbatch, pack)
 

@@ -7,6 +7,8 @@ whole global batch (Megatron's `calculate_per_token_loss`), so the loss and the 
 not depend on the layout. With `routing_replay`, batches carrying `routed_experts` are routed as
 the rollout routed them (R3, see moe_rl.trainer.routing_replay). `build_reference` adds a frozen
 copy of the initial policy on the same ranks for the KL term (moe_rl.trainer.reference).
+trainer.moe sets how the routers train (frozen, the expert-bias update, the load-balancing loss;
+parallel.router); with the latter two the routers count real tokens only (a padding mask).
 With trainer.max_tokens_per_microbatch, micro-batches are cut by a token budget and balanced over
 DP ranks (moe_rl.trainer.microbatches); per-row outputs come back in the batch's order. With
 trainer.pack_sequences each one runs packed (THD, `PackedSeqParams`; Transformer Engine attention):
@@ -182,12 +184,12 @@ class MegatronTrainer:
         replay = dict(moe_enable_routing_replay=True) if config.routing_replay else {}
         # token-budget micro-batches differ in length: pipeline p2p sends each one's shape first
         variable = dict(variable_seq_lengths=True) if config.max_tokens_per_microbatch is not None else {}
-        # LoRA adapts both specs (parallel.lora): the TE spec where TE is installed, as without LoRA
         # trainer.moe: frozen routers get no grad before DDP and the optimizer see them (parallel.router)
         router = config.moe.router()
         # the bias update and the load-balancing loss count the real tokens only (not padding, nor
-        # the experts R3 fills padding rows with)
+        # the experts R3 fills padding rows with): the forward then gets a padding mask
         self._mask_padding = router.counts_tokens
+        # LoRA adapts both specs (parallel.lora): the TE spec where TE is installed, as without LoRA
         model = build_gpt_model(
             self.bridge,
             config,
@@ -513,9 +515,10 @@ class MegatronTrainer:
             pack, params = packing.pack, packing.packed_seq_params()
             inputs, targets, mask, positions = pack(inputs), pack(targets), pack(mask), packing.positions
         padding = None
-        real = real_input_rows(microbatch["loss_mask"]) if self._mask_padding else None
-        if real is not None and real.any():  # all padding: megatron-core's load-balancing losses divide by 0
-            padding = ~(real if pack is None else pack(real))
+        if self._mask_padding:
+            real = real_input_rows(microbatch["loss_mask"])
+            if real.any():  # an all-padding micro-batch: megatron-core's balancing losses would divide by 0
+                padding = ~(real if pack is None else pack(real))
         if routing is not None:
             routing.before_forward(microbatch, pack)
         output = forward(

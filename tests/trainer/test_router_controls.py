@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from parallel.world import spawn
-from tests.tiny_models import DEEPSEEK_V3, QWEN3_MOE, hf_config, save_random_model
+from tests.tiny_models import DEEPSEEK_V3, GLM4_MOE, MIXTRAL, QWEN3_MOE, hf_config, save_random_model
 
 pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
@@ -171,7 +171,9 @@ def test_expert_bias_update_rate_and_load_balancing_loss(tmp_path, layout):
 
 
 @pytest.mark.parametrize(
-    "base, kind", [(DEEPSEEK_V3, "seq_aux_loss"), (QWEN3_MOE, "aux_loss")], ids=["deepseek_v3", "qwen3_moe"]
+    "base, kind",
+    [(DEEPSEEK_V3, "seq_aux_loss"), (GLM4_MOE, "seq_aux_loss"), (QWEN3_MOE, "aux_loss"), (MIXTRAL, "aux_loss")],
+    ids=["deepseek_v3", "glm4_moe", "qwen3_moe", "mixtral"],
 )
 def test_router_settings_reach_the_transformer_config(base, kind):
     from parallel import cpu_compat

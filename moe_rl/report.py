@@ -282,5 +282,7 @@ def _experts(fig, axes, load: list[dict]) -> None:
         ax.set(xlabel=xlabel, ylabel="MoE layer (HF index)", title=title)
         ax.set_yticks(list(ticks), [str(layers[i]) for i in ticks])
         fig.colorbar(shown, ax=ax, label=label)
+    experts = counts.shape[2]
+    axes[0].set_xticks(list(range(0, experts, max(1, experts // 16))))
     step_ticks = range(0, len(steps), max(1, len(steps) // 10))
     axes[1].set_xticks(list(step_ticks), [str(steps[i]) for i in step_ticks])

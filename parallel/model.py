@@ -182,14 +182,32 @@ def forward(
     labels: torch.Tensor,
     loss_mask: torch.Tensor,
     packed_seq_params=None,
+    padding_mask: torch.Tensor | None = None,
 ):
     """One stage's forward: logits [b, s, vocab / tp] on the last stage, hidden states elsewhere.
     `labels` (the next tokens, [b, s]) and `loss_mask` are what an MTP block trains on; a model
     without MTP ignores them. `packed_seq_params` (megatron-core's PackedSeqParams, THD): `inputs`
-    is [1, T], several sequences delimited by its cu_seqlens (Transformer Engine attention only)."""
+    is [1, T], several sequences delimited by its cu_seqlens (Transformer Engine attention only).
+    `padding_mask` (bool [b, s], True = padding): inputs the routers leave out of their token counts
+    (the expert-bias update) and load-balancing losses; the outputs do not change."""
     core = unwrap(model)
-    packed = {} if packed_seq_params is None else dict(packed_seq_params=packed_seq_params)
+    kwargs = {} if packed_seq_params is None else dict(packed_seq_params=packed_seq_params)
+    if padding_mask is not None:
+        kwargs["padding_mask"] = _stage_padding_mask(core, padding_mask)
     if core.config.mtp_num_layers is None:
-        return model(inputs, positions, attention_mask=None, **packed)
-    output = model(inputs, positions, attention_mask=None, labels=labels, loss_mask=loss_mask, **packed)
+        return model(inputs, positions, attention_mask=None, **kwargs)
+    output = model(inputs, positions, attention_mask=None, labels=labels, loss_mask=loss_mask, **kwargs)
     return output.transpose(0, 1).contiguous() if core.post_process else output
+
+
+def _stage_padding_mask(core, padding_mask: torch.Tensor) -> torch.Tensor:
+    """The padding mask as this stage's routers need it. megatron-core (0.16, 0.19) splits it over
+    TP ranks under sequence parallel on the first pipeline stage only; later stages get their
+    rank's chunk of the sequence here, as the first stage's split gives it."""
+    if core.pre_process or not core.config.sequence_parallel:
+        return padding_mask
+    # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
+    from megatron.core import parallel_state
+
+    tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    return padding_mask.chunk(tp, dim=1)[rank].contiguous()

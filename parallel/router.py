@@ -9,8 +9,9 @@ sets them in one place (`Bridge.transformer_config(layout, router=...)` for the 
   `router.expert_bias`: a buffer, not a parameter, so it never has a gradient). One flag,
   `moe_router_enable_expert_bias`, both creates it and, in `finalize_model_grads`, moves it every
   step by `moe_router_bias_update_rate` x sign(mean count - the expert's count), from the tokens
-  each router sent to each expert in the step (the replayed routing under R3). At rate 0, and on a
-  frozen router, the update is switched off after the build (`apply`): the bias still routes, nothing moves it, and the
+  each router sent to each expert in the step (the replayed routing under R3), padding left out when
+  the forward is given a padding mask (`counts_tokens`). At rate 0, and on a frozen router, the
+  update is switched off after the build (`apply`): the bias still routes, nothing moves it, and the
   step's token counts are neither kept nor all-reduced.
 - Freezing: router weights get requires_grad False before DDP and the optimizer are built, so they
   have no gradient and no optimizer state; gradients still flow through the routing probabilities
@@ -20,7 +21,10 @@ sets them in one place (`Bridge.transformer_config(layout, router=...)` for the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
+
+import torch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +55,13 @@ class RouterTraining:
         return kwargs
 
     @property
+    def counts_tokens(self) -> bool:
+        """Whether a training step reads the routers' token counts (the bias update or the
+        load-balancing loss), which should then leave padding out (`parallel.model.forward`'s
+        `padding_mask`)."""
+        return self.updates_bias or self.aux_loss_coeff != 0
+
+    @property
     def updates_bias(self) -> bool:
         """Whether the optimizer step moves the expert biases (never on a frozen router)."""
         return self.bias_update_rate != 0 and not self.freeze
@@ -65,10 +76,24 @@ class RouterTraining:
         if self.freeze:
             for router in routers:
                 router.requires_grad_(False)
-        if not self.updates_bias:
+        if self.updates_bias:
+            for router in routers:
+                router._apply_expert_bias = partial(_count_routed_tokens, router)
+        else:
             # megatron-core ties "has a bias" and "updates it" to one config flag, read by the router
             # at construction (token counting) and by finalize_model_grads every step (the update):
             # the bias buffers exist by now, so both readers are told there is no update
             for router in routers:
                 router.enable_expert_bias = False
             model.config.moe_router_enable_expert_bias = False
+
+
+def _count_routed_tokens(router, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
+    """megatron-core's `Router._apply_expert_bias` (0.16, 0.19), whose `routing_map & ~padding_mask`
+    broadcasts the [tokens] mask over the experts of the [tokens, experts] map (an error unless the
+    two sizes agree); here the mask covers whole rows. Counts what a training forward routed."""
+    if router.enable_expert_bias and torch.is_grad_enabled():  # a training forward (or its recompute)
+        with torch.no_grad():
+            if padding_mask is not None:
+                routing_map = routing_map & ~padding_mask[:, None]
+            router.local_tokens_per_expert += routing_map.sum(dim=0)

@@ -4,8 +4,9 @@ Counts come from routing rows [tokens, num_hidden_layers, topk] (a sample's `rou
 trainer's recorded natural routing): per MoE layer, how many of the tokens' top-k slots each expert
 got. Rows of dense layers are not read. From the counts of one layer, with E experts:
 - share of expert e = its slots / the layer's slots (the shares sum to 1);
-- max violation = max share / mean share - 1 = E x max share - 1: 0 when balanced, E - 1 when one
-  expert gets every slot (prime-rl's load-balance statistic);
+- max violation = max share / mean share - 1 = E x max share - 1 (prime-rl's load-balance
+  statistic): 0 when balanced, at most E / topk - 1 (every token sends one of its topk distinct
+  slots to the same expert);
 - entropy = -sum share x ln share (nats): ln E when balanced.
 
 Logged each RL step (`load_metrics`) as `experts/max_violation/layer{i}`, `experts/entropy/layer{i}`

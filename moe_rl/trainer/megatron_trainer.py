@@ -7,6 +7,8 @@ whole global batch (Megatron's `calculate_per_token_loss`), so the loss and the 
 not depend on the layout. With `routing_replay`, batches carrying `routed_experts` are routed as
 the rollout routed them (R3, see moe_rl.trainer.routing_replay). `build_reference` adds a frozen
 copy of the initial policy on the same ranks for the KL term (moe_rl.trainer.reference).
+trainer.moe sets how the routers train (frozen, the expert-bias update, the load-balancing loss;
+parallel.router); with the latter two the routers count real tokens only (a padding mask).
 With trainer.max_tokens_per_microbatch, micro-batches are cut by a token budget and balanced over
 DP ranks (moe_rl.trainer.microbatches); per-row outputs come back in the batch's order. With
 trainer.pack_sequences each one runs packed (THD, `PackedSeqParams`; Transformer Engine attention):
@@ -43,7 +45,7 @@ from moe_rl.trainer.microbatches import (
     split_rows,
 )
 from moe_rl.trainer.reference import FrozenModel, build_reference
-from moe_rl.trainer.routing_replay import RoutingReplay
+from moe_rl.trainer.routing_replay import RoutingReplay, real_input_rows
 from parallel.bridges import bridge_for
 from parallel.context import uses_transformer_engine
 from parallel.export import export_hf_weights, save_hf_checkpoint
@@ -187,12 +189,16 @@ class MegatronTrainer:
         replay = dict(moe_enable_routing_replay=True) if config.routing_replay else {}
         # token-budget micro-batches differ in length: pipeline p2p sends each one's shape first
         variable = dict(variable_seq_lengths=True) if config.max_tokens_per_microbatch is not None else {}
-        # LoRA adapts both specs (parallel.lora): the TE spec where TE is installed, as without LoRA
         # trainer.moe: frozen routers get no grad before DDP and the optimizer see them (parallel.router)
+        router = config.moe.router()
+        # the bias update and the load-balancing loss count the real tokens only (not padding, nor
+        # the experts R3 fills padding rows with): the forward then gets a padding mask
+        self._mask_padding = router.counts_tokens
+        # LoRA adapts both specs (parallel.lora): the TE spec where TE is installed, as without LoRA
         model = build_gpt_model(
             self.bridge,
             config,
-            router=config.moe.router(),
+            router=router,
             calculate_per_token_loss=True,
             mtp_loss_scaling_factor=config.mtp_loss_weight,
             **precision_config(config.precision),
@@ -521,10 +527,23 @@ class MegatronTrainer:
         inputs, targets = view.to_model(tokens[:, :-1]), view.to_model(tokens[:, 1:])
         mask = view.to_model(aligned["loss_mask"])
         params = None if part.packing is None else part.packing.packed_seq_params()
+        padding = None
+        if self._mask_padding:
+            real = view.to_model(real_input_rows(microbatch["loss_mask"]))
+            # tokens without real ones (a padding micro-batch, or a CP rank's chunks of short rows) run
+            # unmasked: megatron-core's balancing losses would divide by 0
+            if real.any():
+                padding = ~real
         if routing is not None:
             routing.before_forward(microbatch, view.to_model)
         output = forward(
-            model, inputs, view.positions(tokens), labels=targets, loss_mask=mask, packed_seq_params=params
+            model,
+            inputs,
+            view.positions(tokens),
+            labels=targets,
+            loss_mask=mask,
+            packed_seq_params=params,
+            padding_mask=padding,
         )
         if routing is not None:
             routing.after_forward(microbatch, view.to_model)

@@ -1,7 +1,7 @@
 """Full resume: SIGKILL the RL driver mid-run, `moe-rl train --resume RUN_DIR`, and the run finishes
 with every completed group trained exactly once (or dropped with a reason), versions continuing,
-and the metrics continuing from the checkpoint's step; the rollout dumps (`rollout.dump`) hold every
-step once. Real Ray, Megatron (EP2, gloo), embedded engine.
+and the metrics (and the expert load's rows) continuing from the checkpoint's step; the rollout dumps
+(`rollout.dump`) hold every step once. Real Ray, Megatron (EP2, gloo), embedded engine.
 Twice: single-turn samples, and multi-turn episodes of an OpenAI-SDK agent (the lookup task with a
 tool that takes time), whose open episodes replay their finished turns after the resume."""
 
@@ -107,6 +107,7 @@ def test_sigkill_then_resume_loses_nothing_and_trains_nothing_twice(tmp_path, ki
     finally:
         os.killpg(driver.pid, signal.SIGKILL)  # then what it left behind (Ray, actors, engine), by our group id
     killed_rows = rows(run_dir / "metrics.jsonl")
+    killed_load = rows(run_dir / "experts.jsonl")
     assert len(killed_rows) < STEPS
     checkpoints = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if not p.name.endswith(".tmp"))
     resumed_from = json.loads((checkpoints[-1] / "state.json").read_text())
@@ -130,6 +131,9 @@ def test_sigkill_then_resume_loses_nothing_and_trains_nothing_twice(tmp_path, ki
     assert [r["step"] for r in metrics] == list(range(1, STEPS + 1))
     assert metrics[:k] == killed_rows[:k]
     assert all("rollout/reward_mean" in r for r in metrics[k:])
+    # the expert load (experts.jsonl) likewise: every step once, the killed run's first k rows kept
+    load = rows(run_dir / "experts.jsonl")
+    assert [r["step"] for r in load] == list(range(1, STEPS + 1)) and load[:k] == killed_load[:k]
     # trained groups: each exactly once over both runs; the killed run's first k steps kept
     trained = rows(run_dir / "trained.jsonl")
     assert [r["step"] for r in trained] == list(range(1, STEPS + 1))
@@ -158,6 +162,9 @@ def test_sigkill_then_resume_loses_nothing_and_trains_nothing_twice(tmp_path, ki
     for record in (r for step in records.values() for r in step):
         assert record["response_text"] and isinstance(record["advantage"], float) and record["staleness"] <= 2
         assert record["versions"][-1][1] == record["response_tokens"] == len(record["response_ids"])
+        # each sample's expert load: 2 MoE layers x 4 experts, top-2 of every token routed but the last
+        routed = len(record["prompt_ids"]) + len(record["response_ids"]) - 1
+        assert [sum(layer) for layer in record["expert_load"]] == [2 * routed, 2 * routed]
         assert (record["episode"] is not None) == (kind is EPISODES)
     assert cli.main(["samples", str(run_dir), "--worst", "--limit", "2"]) == 0
     assert not set(final["delivered"]) & set(final["dropped"])

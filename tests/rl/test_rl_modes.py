@@ -241,10 +241,10 @@ def test_fully_async_partial_rollouts_r3_probe_expert_load_and_frozen_routers_in
     ):
         assert key in last, key
     assert 0.0 <= last["routing/agreement/layer0"] <= 1.0
-    # the rollout's expert load, every step: 4 experts, so max / mean - 1 lies in [0, 3]
+    # the rollout's expert load, every step: top-2 of 4 experts, so max / mean - 1 lies in [0, 4 / 2 - 1]
     for r in rows:
         for layer in (0, 1):
-            assert 0.0 <= r[f"experts/max_violation/layer{layer}"] <= 3.0
+            assert 0.0 <= r[f"experts/max_violation/layer{layer}"] <= 1.0
             assert 0.0 < r[f"experts/entropy/layer{layer}"] <= math.log(4) + 1e-9
         assert "experts/max_violation_mean" in r
     load = read_expert_load(tmp_path / "fully_async")

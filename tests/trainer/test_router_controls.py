@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from parallel.world import spawn
-from tests.tiny_models import DEEPSEEK_V3, QWEN3_MOE, hf_config, save_random_model
+from tests.tiny_models import DEEPSEEK_V3, GLM4_MOE, MIXTRAL, QWEN3_MOE, hf_config, save_random_model
 
 pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
@@ -20,14 +20,15 @@ ROWS, SEQ, PROMPT = 4, 10, 3
 
 
 def _batch(hf: dict):
-    """An RL batch whose every input row is real (loss mask up to the last token), with random
-    distinct routed experts for every token and layer."""
+    """An RL batch with random distinct routed experts for every token and layer; row 1 ends early
+    (its last 3 inputs predict padding: R3 replays experts 0..topk-1 there)."""
     from moe_rl.rollout.train_batch import RLBatch
     from parallel.bridges import bridge_for
 
     g = torch.Generator().manual_seed(0)
     mask = torch.zeros(ROWS, SEQ, dtype=torch.long)
     mask[:, PROMPT:] = 1
+    mask[1, SEQ - 3 :] = 0
     layers, topk = hf["num_hidden_layers"], hf["num_experts_per_tok"]
     experts = bridge_for(hf).num_experts
     return RLBatch(
@@ -42,12 +43,15 @@ def _batch(hf: dict):
 
 
 def _router_state(trainer) -> dict[str, torch.Tensor]:
-    """{megatron name: tensor} of this rank's router weights and expert biases."""
-    return {
-        name: tensor.detach().clone()
-        for name, tensor in trainer.gpt_model.state_dict().items()
-        if ".router." in name and not name.endswith("_extra_state")
-    }
+    """{"{HF layer}.weight" / "{HF layer}.expert_bias": tensor} of this rank's routers."""
+    from megatron.core.transformer.moe.router import Router
+
+    state = {}
+    for router in (m for m in trainer.gpt_model.modules() if isinstance(m, Router)):
+        state[f"{router.layer_number - 1}.weight"] = router.weight.detach().clone()
+        if router.expert_bias is not None:
+            state[f"{router.layer_number - 1}.expert_bias"] = router.expert_bias.clone()
+    return state
 
 
 def _optimizer_params(trainer) -> set[int]:
@@ -55,9 +59,10 @@ def _optimizer_params(trainer) -> set[int]:
     return {id(p) for o in optimizers for group in o.optimizer.param_groups for p in group["params"]}
 
 
-def _train_rank(hf_dir: str, moe: dict, steps: int, out_dir: str | None):
-    """Load `hf_dir`, `steps` RL steps with `trainer.moe` = `moe`; (router state before, after,
-    whether a router parameter is trainable or in the optimizer, whether attention moved)."""
+def _train_rank(hf_dir: str, moe: dict, steps: int, out_dir: str | None, layout: dict | None = None):
+    """Load `hf_dir`, `steps` RL steps with `trainer.moe` = `moe` (layout: EP2 on 2 ranks unless
+    given); (router state before, after, whether a router parameter is trainable or in the
+    optimizer, whether attention moved)."""
     import json
     from pathlib import Path
 
@@ -66,15 +71,16 @@ def _train_rank(hf_dir: str, moe: dict, steps: int, out_dir: str | None):
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
     from moe_rl.trainer.rl_step import rl_step
 
+    layout = layout or dict(world_size=2, ep=2)
     config = TrainerConfig(
-        world_size=2, ep=2, global_batch_size=ROWS, micro_batch_size=2, routing_replay=True, moe=MoEConfig(**moe)
+        **layout, global_batch_size=ROWS, micro_batch_size=2, routing_replay=True, moe=MoEConfig(**moe)
     )
     config.optimizer.lr = 1e-2
     hf = json.loads((Path(hf_dir) / "config.json").read_text())
     trainer = MegatronTrainer(config, hf)
     trainer.load_hf_weights(hf_dir)
     before = _router_state(trainer)
-    attention = dict(trainer.gpt_model.named_parameters())["decoder.layers.1.self_attention.linear_proj.weight"]
+    attention = next(p for n, p in trainer.gpt_model.named_parameters() if "self_attention.linear_proj" in n)
     attention_before = attention.detach().clone()
     routers = [p for name, p in trainer.gpt_model.named_parameters() if ".router." in name]
     optimized = _optimizer_params(trainer)
@@ -123,28 +129,40 @@ def test_a_frozen_router_stays_bit_equal_in_the_trainer_and_the_hf_checkpoint(tm
     assert not torch.equal(saved[moved], loaded[moved])
 
 
-def test_expert_bias_update_rate_and_load_balancing_loss(tmp_path):
+@pytest.mark.parametrize(
+    "layout", [dict(world_size=2, ep=2), dict(world_size=4, tp=2, pp=2, sequence_parallel=True)], ids=["ep2", "tp2-pp2"]
+)
+def test_expert_bias_update_rate_and_load_balancing_loss(tmp_path, layout):
+    from moe_rl.trainer.routing_replay import real_input_rows
+
     hf_dir, _ = _checkpoint(tmp_path, DEEPSEEK_V3)
-    rate = 0.01
-    (kept, kept_after, trainable, _), _ = spawn(_train_rank, 2, str(hf_dir), {}, 1, None)
-    (moved, moved_after, _, _), _ = spawn(
-        _train_rank, 2, str(hf_dir), {"router_bias_update_rate": rate, "aux_loss_coeff": 0.1}, 1, None
+    rate, world = 0.01, layout["world_size"]
+    kept_ranks = spawn(_train_rank, world, str(hf_dir), {}, 1, None, layout)
+    moved_ranks = spawn(
+        _train_rank, world, str(hf_dir), {"router_bias_update_rate": rate, "aux_loss_coeff": 0.1}, 1, None, layout
     )
-    assert trainable
+    # each router lives on one pipeline stage: the stages' states together
+    kept = {k: v for before, _, _, _ in kept_ranks for k, v in before.items()}
+    kept_after = {k: v for _, after, _, _ in kept_ranks for k, v in after.items()}
+    moved = {k: v for before, _, _, _ in moved_ranks for k, v in before.items()}
+    moved_after = {k: v for _, after, _, _ in moved_ranks for k, v in after.items()}
+    assert all(trainable for _, _, trainable, _ in kept_ranks)
     biases = [name for name in kept if name.endswith("expert_bias")]
-    weights = [name for name in kept if name.endswith("router.weight")]
-    assert biases and weights
+    weights = [name for name in kept if name.endswith("weight")]
+    assert len(biases) == len(weights) == 3  # layers 1-3 (layer 0 dense)
     # rate 0: the biases stay as loaded while the router weights train
     for name in biases:
         assert torch.equal(kept[name], kept_after[name]), name
     for name in weights:
         assert not torch.equal(kept[name], kept_after[name]), name
-    # rate > 0: one step moves each bias by rate x sign(mean - the tokens routed to it), the
-    # replayed routing of the whole batch (both DP ranks)
-    routed = _batch(DEEPSEEK_V3).routed_experts[:, :-1]
+    # rate > 0: one step moves each bias by rate x sign(mean - the tokens routed to it): the replayed
+    # routing of the batch's real inputs (every rank's), not the experts R3 fills padding rows with
+    batch = _batch(DEEPSEEK_V3)
+    real = real_input_rows(batch.loss_mask)
+    assert not real.all()
     for name in biases:
-        layer = int(name.split(".")[2])
-        counts = torch.bincount(routed[:, :, layer].flatten(), minlength=DEEPSEEK_V3["n_routed_experts"]).float()
+        routed = batch.routed_experts[:, :-1, int(name.split(".")[0])][real]
+        counts = torch.bincount(routed.flatten(), minlength=DEEPSEEK_V3["n_routed_experts"]).float()
         expected = moved[name] + torch.sign(counts.mean() - counts) * rate
         assert torch.equal(moved_after[name], expected), name
     # the load-balancing loss (DeepSeek-V3's sequence-level one) adds to the routers' gradient
@@ -153,7 +171,9 @@ def test_expert_bias_update_rate_and_load_balancing_loss(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "base, kind", [(DEEPSEEK_V3, "seq_aux_loss"), (QWEN3_MOE, "aux_loss")], ids=["deepseek_v3", "qwen3_moe"]
+    "base, kind",
+    [(DEEPSEEK_V3, "seq_aux_loss"), (GLM4_MOE, "seq_aux_loss"), (QWEN3_MOE, "aux_loss"), (MIXTRAL, "aux_loss")],
+    ids=["deepseek_v3", "glm4_moe", "qwen3_moe", "mixtral"],
 )
 def test_router_settings_reach_the_transformer_config(base, kind):
     from parallel import cpu_compat

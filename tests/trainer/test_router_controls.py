@@ -130,7 +130,9 @@ def test_a_frozen_router_stays_bit_equal_in_the_trainer_and_the_hf_checkpoint(tm
 
 
 @pytest.mark.parametrize(
-    "layout", [dict(world_size=2, ep=2), dict(world_size=4, tp=2, pp=2, sequence_parallel=True)], ids=["ep2", "tp2-pp2"]
+    "layout",
+    [dict(world_size=2, ep=2), dict(world_size=4, tp=2, pp=2, sequence_parallel=True), dict(world_size=2, cp=2, ep=2)],
+    ids=["ep2", "tp2-pp2", "cp2-ep2"],  # under CP each rank counts its chunks' tokens, padding masked per chunk
 )
 def test_expert_bias_update_rate_and_load_balancing_loss(tmp_path, layout):
     from moe_rl.trainer.routing_replay import real_input_rows

@@ -10,8 +10,8 @@ hold the same version until the next step):
      `probe_ids`; the driver holds only these); after the sync an engine scores each as it is: a
      prefill-only `/generate` of the exact ids (`EngineClient.score`: prompt logprobs and routed
      experts, its own request, beside the rollout's), the route a served teacher answers too;
-  2. an engine answering with another weight version skips the probe (`consistency/probe/skipped`):
-     it never compares across versions;
+  2. an engine answering with another weight version (with LoRA: without the version's adapter)
+     skips the probe (`consistency/probe/skipped`): it never compares across versions;
   3. the trainer runs the same ids, replaying the engine's routing with `trainer.routing_replay`,
      and again with natural routing, recorded, for the routing agreement;
   4. it logs `consistency/probe/logprob_diff_mean` and `_max` (|engine - trainer| over every scored
@@ -100,7 +100,9 @@ async def score_rows(pool: EnginePool, ids: list[list[int]], request: ProbeReque
         )
     except EngineError as error:
         return f"an engine failed to score: {error}"
-    versions = sorted({score.weight_version for score in scores})
+    # with LoRA the adapter named is the version (an engine without it refuses the request), and
+    # engines label only their base weights
+    versions = sorted({request.version if request.lora_path else score.weight_version for score in scores})
     if versions != [request.version]:
         return f"engines served versions {versions} where the trainer holds {request.version}"
     count, width = len(ids), max(len(row_ids) for row_ids in ids)

@@ -5,6 +5,8 @@ test_rl_lora.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -46,7 +48,7 @@ def test_the_probe_takes_trained_rows_evenly_up_to_their_last_token():
     # at its last real token (what follows predicts nothing trained)
     assert probe_ids(batch, 2) == [[5, 6, 7, 8, 9], [9, 8, 7, 6, 0, 3]]
     assert len(probe_ids(batch, 10)) == 4
-    assert probe_ids(RLBatch(**{**batch.__dict__, "loss_mask": torch.zeros(6, 7, dtype=torch.long)}), 2) == []
+    assert probe_ids(dataclasses.replace(batch, loss_mask=torch.zeros(6, 7, dtype=torch.long)), 2) == []
     assert [step for step in range(1, 31) if probe_due(10, step)] == [10, 20, 30] and not probe_due(0, 10)
 
 

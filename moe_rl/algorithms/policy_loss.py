@@ -37,7 +37,8 @@ Report (all sums, so the trainer can add them over microbatches and ranks):
 - over the `tokens` in the loss (mean = x / tokens): `kl`, `clip_fraction` (clipped tokens),
   `dual_clip_fraction` (with clip_ratio_c: tokens it capped),
   `ratio` (r_t), `entropy_estimate` (-logp_t, a sampled estimate: the loss sees no logits),
-  `logprob_diff_abs` and the off-policy method's counts;
+  `logprob_diff_abs` (the RL step logs it as `offpolicy/logprob_diff_abs`) and the off-policy
+  method's counts;
 - `mis_masked_sequences` (mean = x / sequences);
 - counts, kept as they are: `tokens`, `sequences` (with a loss token).
 `policy_metrics(sums, num_tokens)` does those divisions. The max of |old - rollout| cannot be

@@ -219,14 +219,15 @@ class EngineClient:
             body["lora_path"] = lora_path
         data = await self._request("POST", "/generate", body, timeout_s=self.generate_timeout_s, idempotent=False)
         result = await self._result(body["rid"], data)
+        # one entry per id (SGLang reports the id of an entry as 0 at and past vocab_size - 1: the
+        # count is what is checked)
         entries = result.meta_info.get("input_token_logprobs") or []
-        if result.finish_reason == "abort" or [entry[1] for entry in entries] != list(input_ids):
+        if result.finish_reason == "abort" or len(entries) != len(input_ids):
             raise EngineError(
                 self.name,
                 "/generate",
                 None,
-                f"scoring {len(input_ids)} ids: finish {result.finish_reason!r}, "
-                f"{len(entries)} prompt logprobs for the wrong ids or none",
+                f"scoring {len(input_ids)} ids: finish {result.finish_reason!r}, {len(entries)} prompt logprobs",
             )
         return ScoreResult(
             logprobs=[float(entry[0]) for entry in entries[1:]],

@@ -75,10 +75,17 @@ def run(config: RunConfig, resume: bool = False) -> dict:
         with StepProgress("rl", config.steps - first) as progress:
             for version in range(first, config.steps):
                 # 1. batch: the next groups the staleness bound admits, built into tensors by the
-                #    rollout worker; the driver gets their ObjectRef and the metadata it logs
+                #    rollout worker; the driver gets their ObjectRef and the metadata it logs (and
+                #    on a probe's step the ids of the probe's few sequences)
                 clock.start()
+                probe = probe_due(config.trainer.consistency_probe_every, version + 1)
                 request = BatchRequest(
-                    rollout.groups_per_step, version, config.algorithm, row_multiple, dump=dumps is not None
+                    rollout.groups_per_step,
+                    version,
+                    config.algorithm,
+                    row_multiple,
+                    dump=dumps is not None,
+                    probe_samples=config.trainer.consistency_probe_samples if probe else 0,
                 )
                 batch = cluster.get_batch(request)
                 metrics = clock.waited()
@@ -102,8 +109,8 @@ def run(config: RunConfig, resume: bool = False) -> dict:
                 metrics.update(evaluations.step_done(version + 1, config.steps))
                 # 5. every trainer.consistency_probe_every steps: an engine scores a few of the batch's
                 #    sequences under version + 1 and the trainer runs the same ids (the rollout goes on)
-                if probe_due(config.trainer.consistency_probe_every, version + 1):
-                    metrics.update(_probe(cluster, config, batch.tensors, version + 1))
+                if probe:
+                    metrics.update(_probe(cluster, config, batch.probe_ids, version + 1))
                 # 6. log
                 metrics.update({**info.metrics(), **rollout_metrics})
                 metrics.update(clock.finish(metrics, rollout_metrics))
@@ -161,18 +168,17 @@ def _update_weights(cluster: RLCluster, config: RunConfig, version: int) -> dict
     return metrics
 
 
-def _probe(cluster: RLCluster, config: RunConfig, batch, version: int) -> dict[str, float]:
+def _probe(cluster: RLCluster, config: RunConfig, ids: list[list[int]], version: int) -> dict[str, float]:
     """The consistency probe of `version` (the engines serve it now; `moe_rl.rl.consistency_probe`):
-    the rollout worker scores a few of `batch`'s sequences (the step's RLBatch ref), the trainer
-    ranks compare. A probe the engines cannot answer on `version` is skipped, and says so."""
+    the rollout worker scores `ids` (a few of the step's sequences), the trainer ranks compare. A
+    probe the engines cannot answer on `version` is skipped, and says so."""
     start = time.perf_counter()
     request = ProbeRequest(
-        config.trainer.consistency_probe_samples,
         version,
         routing=config.trainer.routing_replay,
         lora_path=adapter_name(version) if config.lora is not None else None,
     )
-    scored = cluster.score_probe(batch, request)
+    scored = cluster.score_probe(ids, request)
     if isinstance(scored, str):
         log.warning("consistency probe of version %d skipped: %s", version, scored)
         metrics = {f"{PROBE_PREFIX}skipped": 1.0}

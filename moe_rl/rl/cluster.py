@@ -204,10 +204,10 @@ class RLCluster:
         """Wait until no group is generating (drain-before-sync); recovers engines meanwhile."""
         return self._wait(self.rollout.drain.remote())
 
-    def score_probe(self, batch: ray.ObjectRef, request: ProbeRequest) -> ProbeBatch | str:
-        """The rollout worker scores the consistency probe's sequences of `batch` (the step's RLBatch
-        ref; `moe_rl.rl.consistency_probe`); recovers engines while it waits."""
-        return self._wait(self.rollout.score_probe.remote(batch, request))
+    def score_probe(self, ids: list[list[int]], request: ProbeRequest) -> ProbeBatch | str:
+        """The rollout worker scores the consistency probe's sequences (`TrainBatch.probe_ids`;
+        `moe_rl.rl.consistency_probe`); recovers engines while it waits."""
+        return self._wait(self.rollout.score_probe.remote(ids, request))
 
     def _wait(self, ref: ray.ObjectRef):
         while not ray.wait([ref], timeout=_POLL_S)[0]:

@@ -5,20 +5,21 @@ under `max_staleness >= 1` most tokens come from an older version, so it mostly 
 policy moved. The probe takes the policy's movement out (docs/algorithm.md). Every
 `trainer.consistency_probe_every` RL steps, right after the weight sync (engines and trainer then
 hold the same version until the next step):
-  1. the rollout worker takes `trainer.consistency_probe_samples` of the step's sequences (rows with
-     trained tokens, evenly spaced) and an engine scores each as it is: a prefill-only `/generate`
-     of the exact ids (`EngineClient.score`: prompt logprobs and routed experts, its own request,
-     beside the rollout's), the route a served teacher answers too;
-  2. an engine answering with another weight version skips the probe (`consistency/probe/skipped`):
-     it never compares across versions;
+  1. the rollout worker, building the step's batch, keeps the ids of
+     `trainer.consistency_probe_samples` of its sequences (rows with trained tokens, evenly spaced;
+     `probe_ids`; the driver holds only these); after the sync an engine scores each as it is: a
+     prefill-only `/generate` of the exact ids (`EngineClient.score`: prompt logprobs and routed
+     experts, its own request, beside the rollout's), the route a served teacher answers too;
+  2. an engine answering with another weight version (with LoRA: without the version's adapter)
+     skips the probe (`consistency/probe/skipped`): it never compares across versions;
   3. the trainer runs the same ids, replaying the engine's routing with `trainer.routing_replay`,
      and again with natural routing, recorded, for the routing agreement;
   4. it logs `consistency/probe/logprob_diff_mean` and `_max` (|engine - trainer| over every scored
      token: each token after the first of each sequence), `logprob_diff_no_replay_mean` and
      `routing_agreement` (trainer natural top-k vs the engine's, over those tokens of MoE layers),
      and the probe's cost, `time/consistency_probe_s`.
-The driver runs the steps in order (`moe_rl.jobs.rl`); the rollout worker does 1-2 (`score_rows`),
-every trainer rank 3-4 (`compare`).
+The driver runs the steps in order (`moe_rl.jobs.rl`); the rollout worker does 1-2 (`probe_ids`,
+`score_rows`), every trainer rank 3-4 (`compare`).
 """
 
 from __future__ import annotations
@@ -43,10 +44,8 @@ PROBE_PREFIX = "consistency/probe/"
 
 @dataclass(frozen=True)
 class ProbeRequest:
-    """`RolloutWorker.score_probe`: what to score, under which version."""
+    """`RolloutWorker.score_probe`: under which version to score the probe's ids, and how."""
 
-    samples: int
-    """trainer.consistency_probe_samples."""
     version: int
     """The trainer's version, which the engines serve since the sync."""
     routing: bool = True
@@ -78,16 +77,20 @@ def probe_due(every: int, step: int) -> bool:
 # -- 1, 2: the rollout worker's side ------------------------------------------------------------
 
 
-async def score_rows(pool: EnginePool, batch: RLBatch, request: ProbeRequest) -> ProbeBatch | str:
-    """Score `request.samples` of `batch`'s sequences on the engines (concurrently, each its own
-    request); the probe batch, or why it is skipped."""
+def probe_ids(batch: RLBatch, samples: int) -> list[list[int]]:
+    """The ids of `samples` of `batch`'s rows with trained tokens, evenly spaced (all of them when
+    fewer), each up to its last real token (`row_lengths`)."""
     trained = (batch.loss_mask.sum(dim=1) > 0).nonzero().flatten().tolist()
-    if not trained:
+    rows = [trained[i * len(trained) // samples] for i in range(min(samples, len(trained)))]
+    lengths = row_lengths({"tokens": batch.tokens[rows], "loss_mask": batch.loss_mask[rows]}) if rows else []
+    return [batch.tokens[row, :length].tolist() for row, length in zip(rows, lengths)]
+
+
+async def score_rows(pool: EnginePool, ids: list[list[int]], request: ProbeRequest) -> ProbeBatch | str:
+    """Score each of `ids` on the engines (concurrently, each its own request); the probe batch, or
+    why it is skipped."""
+    if not ids:
         return "the batch has no trained tokens"
-    count = min(request.samples, len(trained))
-    rows = [trained[i * len(trained) // count] for i in range(count)]
-    lengths = row_lengths({"tokens": batch.tokens[rows], "loss_mask": batch.loss_mask[rows]})
-    ids = [batch.tokens[row, :length].tolist() for row, length in zip(rows, lengths)]
     try:
         scores = await asyncio.gather(
             *(
@@ -97,10 +100,12 @@ async def score_rows(pool: EnginePool, batch: RLBatch, request: ProbeRequest) ->
         )
     except EngineError as error:
         return f"an engine failed to score: {error}"
-    versions = sorted({score.weight_version for score in scores})
+    # with LoRA the adapter named is the version (an engine without it refuses the request), and
+    # engines label only their base weights
+    versions = sorted({request.version if request.lora_path else score.weight_version for score in scores})
     if versions != [request.version]:
         return f"engines served versions {versions} where the trainer holds {request.version}"
-    width = max(lengths)
+    count, width = len(ids), max(len(row_ids) for row_ids in ids)
     tokens = torch.zeros(count, width, dtype=torch.long)
     mask = torch.zeros(count, width, dtype=torch.long)
     engine = torch.zeros(count, width)

@@ -31,14 +31,14 @@ from moe_rl.engine.client import EngineClient, engine_name
 from moe_rl.engine.pool import EnginePool
 from moe_rl.engine.process import EmbeddedConfig, launch_embedded
 from moe_rl.engine.sglang_launcher import SGLangConfig, launch_sglang
-from moe_rl.rl.consistency_probe import ProbeBatch, ProbeRequest, score_rows
+from moe_rl.rl.consistency_probe import ProbeBatch, ProbeRequest, probe_ids, score_rows
 from moe_rl.rl.resume import RunCheckpoint
 from moe_rl.rollout import RolloutConfig, RolloutManager
 from moe_rl.rollout.dump import Decode, run_decoder, trained_records
 from moe_rl.rollout.eval_config import EvalConfig
 from moe_rl.rollout.evaluation import EvalResult, Evaluator
 from moe_rl.rollout.expert_load import MoELayers
-from moe_rl.rollout.train_batch import BatchInfo, RLBatch, build_batch
+from moe_rl.rollout.train_batch import BatchInfo, build_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +54,8 @@ class BatchRequest:
     """Rows are padded (loss mask 0) to a multiple of it (mini-batches x micro-batch x dp)."""
     dump: bool = False
     """`rollout.dump`: also return the samples' dump records (`moe_rl.rollout.dump.trained_records`)."""
+    probe_samples: int = 0
+    """The consistency probe's sequences to keep the ids of (`moe_rl.rl.consistency_probe.probe_ids`); 0: none."""
 
 
 @dataclasses.dataclass
@@ -67,6 +69,8 @@ class TrainBatch:
     """Bytes of the batch's tensors (`perf/batch_tensor_bytes`)."""
     records: list[dict[str, Any]] | None = None
     """The dump records of its samples at step version + 1 (`BatchRequest.dump`), else None."""
+    probe_ids: list[list[int]] | None = None
+    """The consistency probe's sequences (`BatchRequest.probe_samples`), else None."""
 
     def driver_bytes(self) -> int:
         """What the driver holds for the batch, pickled (`perf/driver_batch_bytes`): the metadata
@@ -281,13 +285,14 @@ class RolloutWorker:
         if request.dump:
             step, version = request.version + 1, request.version
             records = trained_records(step, groups, info, decode=self.decode, trainer_version=version, moe=self.moe)
-        return TrainBatch(ray.put(batch), info, batch.tensor_bytes(), records)
+        probe = probe_ids(batch, request.probe_samples) if request.probe_samples else None
+        return TrainBatch(ray.put(batch), info, batch.tensor_bytes(), records, probe)
 
-    async def score_probe(self, batch: RLBatch, request: ProbeRequest) -> ProbeBatch | str:
-        """The consistency probe's engine side (`moe_rl.rl.consistency_probe`): a few of `batch`'s
-        sequences scored as they are, beside the running rollout; the probe batch or why it is
-        skipped. `batch` arrives resolved from the driver's ObjectRef (this worker put it)."""
-        return await score_rows(self.pool, batch, request)
+    async def score_probe(self, ids: list[list[int]], request: ProbeRequest) -> ProbeBatch | str:
+        """The consistency probe's engine side (`moe_rl.rl.consistency_probe`): the batch's probe
+        sequences (`TrainBatch.probe_ids`) scored as they are, beside the running rollout; the
+        probe batch or why it is skipped."""
+        return await score_rows(self.pool, ids, request)
 
     async def engine_states(self) -> list[dict]:
         """Per engine: live (gets work), requests in flight, requests served since (re)started."""

@@ -40,7 +40,7 @@ def _score_body() -> dict:
         engine = RecordingEngine()
         client = EngineClient(await engine.start(), kind="sglang", backoff_s=0.01)
         try:
-            with pytest.raises(EngineError, match="prompt logprobs"):
+            with pytest.raises(EngineError, match="0 prompt logprobs"):
                 await client.score(IDS)
         finally:
             await client.close()

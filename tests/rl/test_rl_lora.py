@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from moe_rl.config import RunConfig, from_dict
+from tests.rl.test_rl_modes import PROBE_BOUND
 from tests.tiny_models import QWEN3_MOE_SMALL, hf_fields
 
 pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
@@ -43,6 +44,7 @@ def test_rl_with_lora(tmp_path):
                 "global_batch_size": 8,
                 "routing_replay": True,
                 "optimizer": {"lr": 0.05},
+                "consistency_probe_every": 3,
             },
             "rollout": {
                 "task": "copy_digits_long_tail",
@@ -70,6 +72,11 @@ def test_rl_with_lora(tmp_path):
     assert all(r["rollout/continued_requests"] == 0 for r in rows)  # never paused, never cut
     assert all(r["buffer/staleness_max"] <= 1 for r in rows)
     assert all(r["train/grad_norm"] > 0 for r in rows)
+    # the probe scores under the adapter of its version: the fp32 arithmetic's gap, where the base
+    # model alone would be as far off as the adapter moved it (> 1e-3 below)
+    (probed,) = [r for r in rows if "consistency/probe/skipped" in r]
+    assert probed["step"] == 3 and probed["consistency/probe/skipped"] == 0
+    assert probed["consistency/probe/logprob_diff_max"] < PROBE_BOUND
     left = sorted(p.name for p in (tmp_path / "run" / "adapters").iterdir())
     assert f"policy-v{STEPS}" in left and len(left) <= 3
 

@@ -132,7 +132,7 @@ def _routing(scores: list, width: int) -> torch.Tensor:
 
 def compare(trainer: MegatronTrainer, probe: ProbeBatch) -> dict[str, float]:
     """The trainer's forward of the probed ids against the engine's scores (collective: every rank
-    calls it with the same probe). Rows are padded (loss mask 0) to whole micro-batches."""
+    calls it with the same probe). Rows are padded (loss mask 0) to a multiple of dp."""
     batch = _padded(trainer, probe)
     rows = batch["tokens"].shape[0]
     mask = batch["loss_mask"][:, 1:].bool()
@@ -155,10 +155,10 @@ def compare(trainer: MegatronTrainer, probe: ProbeBatch) -> dict[str, float]:
 
 
 def _padded(trainer: MegatronTrainer, probe: ProbeBatch) -> dict[str, torch.Tensor]:
-    """The probe as a trainer batch of whole micro-batches (micro_batch_size x dp rows, unless
-    token-budget micro-batches take any count)."""
+    """The probe as a trainer batch the schedule can split: a multiple of dp rows (each DP rank then
+    runs its few rows as one micro-batch), or any count with token-budget micro-batches."""
     _, dp = trainer.dp_rank_and_size()
-    unit = 1 if trainer.config.max_tokens_per_microbatch is not None else trainer.config.micro_batch_size * dp
+    unit = 1 if trainer.config.max_tokens_per_microbatch is not None else dp
     extra = -probe.tokens.shape[0] % unit
     batch = {
         "tokens": torch.cat([probe.tokens, probe.tokens.new_zeros(extra, probe.tokens.shape[1])]),

@@ -367,8 +367,8 @@ class MegatronTrainer:
         every rank (collective). Used for the PPO behaviour policy and the reference model.
         `replay`: route as `batch["routed_experts"]` says (True), naturally (False), or
         (None) replay when trainer.routing_replay is on and the batch carries routed experts.
-        `rows`: a batch of this many sequences instead of a training batch's (a probe's few, in
-        whole micro-batches)."""
+        `rows`: a batch of this many sequences instead of a training batch's (a probe's few: a
+        multiple of dp, each DP rank's share one micro-batch)."""
         self.model.eval()
         reports = self._run_schedule(
             batch,
@@ -477,8 +477,9 @@ class MegatronTrainer:
         batch = pad_sequence_dim(batch, multiple)
         dp_rank, dp_size = self.dp_rank_and_size()
         budget = self.config.max_tokens_per_microbatch
-        if budget is None:
-            parts = row_microbatches(batch, dp_size, dp_rank, self.config.micro_batch_size)
+        if budget is None:  # a batch of fewer rows than a micro-batch per DP rank (a probe's) runs as one
+            micro_batch_size = min(self.config.micro_batch_size, max(rows // dp_size, 1))
+            parts = row_microbatches(batch, dp_size, dp_rank, micro_batch_size)
         else:
             parts = budget_microbatches(batch, dp_size, dp_rank, budget, multiple)
             if self.config.pack_sequences:

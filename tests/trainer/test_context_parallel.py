@@ -22,12 +22,11 @@ on the chunking (on this batch's ~10-token chunks by ~10%; by ~1/chunk length in
 MTP case checks logprobs, loss and token counts only.
 """
 
-import dataclasses
 
 import pytest
 import torch
 from test_lora_te import under_te
-from test_packed_sequences import FP32, Tolerance, _mtp_tokens_weigh_alike, bf16_tolerance, save_model
+from test_packed_sequences import FP32, Tolerance, _mtp_tokens_weigh_alike, bf16_tolerance, run_paths, save_model
 from test_token_budget import BUDGETS, LAYERS, LENGTHS, compare, make_batch, real_positions
 
 from parallel.world import spawn
@@ -43,7 +42,6 @@ MTP_ROUTING = (2, 8)  # DeepSeek-V3 test model: routing rows for both layers, 8 
 
 
 def _rank(hf_dir: str, layout: dict, paths: dict, case_names: list[str], mtp: bool = False, precision: str = "fp32"):
-    from moe_rl.algorithms import AlgorithmConfig, make_policy_loss
     from moe_rl.config import OptimizerConfig, TrainerConfig
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
     from parallel.hf_checkpoint import load_hf_config
@@ -65,35 +63,7 @@ def _rank(hf_dir: str, layout: dict, paths: dict, case_names: list[str], mtp: bo
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     full = make_batch(*MTP_ROUTING) if mtp else make_batch()
     full = {key: value.to(device) for key, value in full.items()}
-    natural = {key: value for key, value in full.items() if key != "routed_experts"}
-
-    def use(path: str) -> None:
-        budget, pack = paths[path]
-        trainer.config = dataclasses.replace(config, max_tokens_per_microbatch=budget, pack_sequences=pack)
-
-    logprobs = {}
-    for path in paths:
-        use(path)
-        logprobs[path] = trainer.forward_logprobs(natural)
-    old = torch.cat([logprobs["padded"].new_zeros(len(LENGTHS), 1), logprobs["padded"]], dim=1)
-    natural["old_logprobs"] = full["old_logprobs"] = old
-    cases = {
-        "token-mean+tis": (AlgorithmConfig(), natural),
-        "seq-mean-token-mean": (AlgorithmConfig(advantage_estimator="gspo"), natural),
-        "r3": (AlgorithmConfig(), full),
-    }
-    out = {"cases": {}, "logprobs": {path: values.cpu() for path, values in logprobs.items()}}
-    for name in case_names:
-        algorithm, batch = cases[name]
-        runs = {}
-        for path in paths:
-            use(path)
-            result = trainer.train_step(batch, make_policy_loss(algorithm))
-            params = trainer.gpt_model.named_parameters()
-            grads = {n: p.main_grad.detach().cpu().clone() for n, p in params if p.requires_grad}
-            runs[path] = (result.loss, result.num_tokens, grads, result.mtp_loss)
-        out["cases"][name] = runs
-    return out
+    return run_paths(trainer, config, full, paths, case_names)
 
 
 def check(reference: list[dict], context: list[dict], mtp: bool = False, tol: Tolerance = FP32) -> None:

@@ -67,7 +67,6 @@ def save_model(path, mtp: bool = False):
 
 
 def _rank(hf_dir: str, layout: dict, case_names: list[str], mtp: bool = False, precision: str = "fp32"):
-    from moe_rl.algorithms import AlgorithmConfig, make_policy_loss
     from moe_rl.config import OptimizerConfig, TrainerConfig
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
     from parallel.context import uses_transformer_engine
@@ -92,8 +91,16 @@ def _rank(hf_dir: str, layout: dict, case_names: list[str], mtp: bool = False, p
     if mtp:  # every other row's prompt is one token: its first trained label follows a row boundary
         full["loss_mask"][::2, 1] = 1
     full = {key: value.to(device) for key, value in full.items()}
+    return run_paths(trainer, config, full, MTP_PATHS if mtp else PATHS, case_names)
+
+
+def run_paths(trainer, config, full: dict, paths: dict, case_names: list[str]) -> dict:
+    """From the same weights (lr 1e-30), on the batch `full` (routing rows included; R3 uses them):
+    every path's logprobs ({"logprobs": {path: [B, S-1]}}), and per case every path's (loss, tokens,
+    summed gradients, MTP loss) ({"cases": {case: {path: ...}}}). `paths`: {name: (budget, pack)}."""
+    from moe_rl.algorithms import AlgorithmConfig, make_policy_loss
+
     natural = {key: value for key, value in full.items() if key != "routed_experts"}
-    paths = MTP_PATHS if mtp else PATHS
 
     def use(path: str) -> None:
         budget, pack = paths[path]
@@ -110,7 +117,7 @@ def _rank(hf_dir: str, layout: dict, case_names: list[str], mtp: bool = False, p
         "seq-mean-token-mean": (AlgorithmConfig(advantage_estimator="gspo"), natural),
         "r3": (AlgorithmConfig(), full),
     }
-    out = {"cases": {}}
+    out = {"cases": {}, "logprobs": {path: values.cpu() for path, values in logprobs.items()}}
     for name in case_names:
         algorithm, batch = cases[name]
         runs = {}
@@ -121,7 +128,6 @@ def _rank(hf_dir: str, layout: dict, case_names: list[str], mtp: bool = False, p
             grads = {n: p.main_grad.detach().cpu().clone() for n, p in params if p.requires_grad}
             runs[path] = (result.loss, result.num_tokens, grads, result.mtp_loss)
         out["cases"][name] = runs
-    out["logprobs"] = {path: values.cpu() for path, values in logprobs.items()}
     return out
 
 

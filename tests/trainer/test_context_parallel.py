@@ -22,7 +22,6 @@ on the chunking (on this batch's ~10-token chunks by ~10%; by ~1/chunk length in
 MTP case checks logprobs, loss and token counts only.
 """
 
-
 import pytest
 import torch
 from test_lora_te import under_te

@@ -7,6 +7,8 @@ positions its THD RoPE gives a CP rank (`_get_thd_freqs_on_this_cp_rank`); on a 
 `thd_get_partitioned_indices`, which Megatron-LM splits packed batches with.
 """
 
+import inspect
+
 import pytest
 import torch
 
@@ -28,7 +30,11 @@ def _megatron_split(segments: list[int]) -> dict:
 
     rank, size = dist.get_rank(), dist.get_world_size()
     whole = sum(segments)
-    unpacked = get_batch_on_this_cp_rank({"tokens": torch.arange(whole)[None]}, cp_group=dist.group.WORLD)
+    # megatron-core 0.19 added a required `is_hybrid_cp` (False: per-sequence balancing without cu_seqlens)
+    hybrid = (
+        {"is_hybrid_cp": False} if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters else {}
+    )
+    unpacked = get_batch_on_this_cp_rank({"tokens": torch.arange(whole)[None]}, cp_group=dist.group.WORLD, **hybrid)
     starts = torch.tensor([0, *segments]).cumsum(0).tolist()
     packed = [  # the positions megatron's THD RoPE gives this rank's share of each segment
         start + _get_thd_freqs_on_this_cp_rank(rank, size, torch.empty(length // size), torch.arange(length))

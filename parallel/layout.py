@@ -116,10 +116,15 @@ class ParallelLayout:
         return self.world_size // (self.expert_tp * self.ep * self.pp)
 
     @property
+    def context_chunks(self) -> int:
+        """The chunks CP cuts each sequence (each packed segment) into: 2 x cp, or 1 without CP."""
+        return 2 * self.cp if self.cp > 1 else 1
+
+    @property
     def sequence_multiple(self) -> int:
-        """What a micro-batch's sequence length must be a multiple of: 2 x cp chunks, each split
+        """What a micro-batch's sequence length must be a multiple of: the CP chunks, each split
         over TP under sequence parallel."""
-        return (2 * self.cp if self.cp > 1 else 1) * (self.tp if self.sequence_parallel else 1)
+        return self.context_chunks * (self.tp if self.sequence_parallel else 1)
 
     @property
     def num_microbatches(self) -> int:

@@ -483,8 +483,7 @@ class MegatronTrainer:
         else:
             parts = budget_microbatches(batch, dp_size, dp_rank, budget, multiple)
             if self.config.pack_sequences:
-                segment = 2 * self.config.cp if self.config.cp > 1 else 1
-                parts = [pack_microbatch(part, multiple, segment) for part in parts]
+                parts = [pack_microbatch(part, multiple, self.config.context_chunks) for part in parts]
         # the largest micro-batch (with variable_seq_lengths p2p sends the real shapes)
         if parts[0].packing is None:
             seq_length = max(part.batch["tokens"].shape[1] for part in parts) - 1

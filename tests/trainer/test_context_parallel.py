@@ -25,7 +25,15 @@ MTP case checks logprobs, loss and token counts only.
 import pytest
 import torch
 from test_lora_te import under_te
-from test_packed_sequences import FP32, Tolerance, _mtp_tokens_weigh_alike, bf16_tolerance, run_paths, save_model
+from test_packed_sequences import (
+    FP32,
+    Tolerance,
+    _mtp_tokens_weigh_alike,
+    bf16_tolerance,
+    loaded_trainer,
+    run_paths,
+    save_model,
+)
 from test_token_budget import BUDGETS, LAYERS, LENGTHS, compare, make_batch, real_positions
 
 from parallel.world import spawn
@@ -41,27 +49,10 @@ MTP_ROUTING = (2, 8)  # DeepSeek-V3 test model: routing rows for both layers, 8 
 
 
 def _rank(hf_dir: str, layout: dict, paths: dict, case_names: list[str], mtp: bool = False, precision: str = "fp32"):
-    from moe_rl.config import OptimizerConfig, TrainerConfig
-    from moe_rl.trainer.megatron_trainer import MegatronTrainer
-    from parallel.hf_checkpoint import load_hf_config
-
     packs = any(pack for _, pack in paths.values())
-    config = TrainerConfig(
-        **{"world_size": 2, **layout},
-        global_batch_size=len(LENGTHS),
-        micro_batch_size=2,
-        routing_replay=True,
-        max_tokens_per_microbatch=BUDGETS[0],
-        pack_sequences=packs,  # checked at construction: the TE spec
-        mtp_loss_weight=0.3 if mtp else 0.0,
-        precision=precision,
-        optimizer=OptimizerConfig(lr=1e-30, clip_grad=0.0),
-    )
-    trainer = MegatronTrainer(config, load_hf_config(hf_dir))
-    trainer.load_hf_weights(hf_dir)
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    trainer, config = loaded_trainer(hf_dir, layout, mtp, precision, pack_sequences=packs)
     full = make_batch(*MTP_ROUTING) if mtp else make_batch()
-    full = {key: value.to(device) for key, value in full.items()}
+    full = {key: value.to(trainer.device or "cpu") for key, value in full.items()}
     return run_paths(trainer, config, full, paths, case_names)
 
 

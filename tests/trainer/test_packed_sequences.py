@@ -67,9 +67,23 @@ def save_model(path, mtp: bool = False):
 
 
 def _rank(hf_dir: str, layout: dict, case_names: list[str], mtp: bool = False, precision: str = "fp32"):
+    from parallel.context import uses_transformer_engine
+
+    trainer, config = loaded_trainer(hf_dir, layout, mtp, precision, pack_sequences=True)
+    assert uses_transformer_engine(trainer.model)
+    full = make_batch(*MTP_ROUTING) if mtp else make_batch()
+    if mtp:  # every other row's prompt is one token: its first trained label follows a row boundary
+        full["loss_mask"][::2, 1] = 1
+    full = {key: value.to(trainer.device or "cpu") for key, value in full.items()}
+    return run_paths(trainer, config, full, MTP_PATHS if mtp else PATHS, case_names)
+
+
+def loaded_trainer(hf_dir: str, layout: dict, mtp: bool, precision: str, pack_sequences: bool):
+    """(trainer, its config) on `hf_dir`'s weights for the path comparisons: 2 ranks unless `layout`
+    says otherwise, R3, lr 1e-30 (Adam moves no fp32 weight), a trained MTP layer with `mtp`;
+    `pack_sequences` is checked at construction (the TE spec)."""
     from moe_rl.config import OptimizerConfig, TrainerConfig
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
-    from parallel.context import uses_transformer_engine
     from parallel.hf_checkpoint import load_hf_config
 
     config = TrainerConfig(
@@ -78,20 +92,14 @@ def _rank(hf_dir: str, layout: dict, case_names: list[str], mtp: bool = False, p
         micro_batch_size=2,
         routing_replay=True,
         max_tokens_per_microbatch=BUDGETS[0],
-        pack_sequences=True,  # checked at construction: the TE spec
+        pack_sequences=pack_sequences,
         mtp_loss_weight=0.3 if mtp else 0.0,
         precision=precision,
         optimizer=OptimizerConfig(lr=1e-30, clip_grad=0.0),
     )
     trainer = MegatronTrainer(config, load_hf_config(hf_dir))
-    assert uses_transformer_engine(trainer.model)
     trainer.load_hf_weights(hf_dir)
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    full = make_batch(*MTP_ROUTING) if mtp else make_batch()
-    if mtp:  # every other row's prompt is one token: its first trained label follows a row boundary
-        full["loss_mask"][::2, 1] = 1
-    full = {key: value.to(device) for key, value in full.items()}
-    return run_paths(trainer, config, full, MTP_PATHS if mtp else PATHS, case_names)
+    return trainer, config
 
 
 def run_paths(trainer, config, full: dict, paths: dict, case_names: list[str]) -> dict:

@@ -436,6 +436,25 @@ class RLConfig:
     """Write a run checkpoint (`moe_rl.rl.resume`) every this many steps and at the end; 0: never."""
     keep_checkpoints: int = 2
     """Run checkpoints kept (the newest); older ones are deleted after each new one is complete."""
+    checkpoint_background: bool = True
+    """The trainer's part of a run checkpoint is written by background writers (megatron-core's
+    async dist checkpointing) while training goes on; the checkpoint is put in place at a later
+    step, when they are done. False: each checkpoint is written before the next step starts."""
+    trace_steps: int = 5
+    """Record this many steps after the first as a timeline of every process's spans
+    (`RUN_DIR/trace.json`, Chrome/Perfetto format; `plots/timeline.png`); 0: off."""
+    max_restarts: int = 3
+    """Trainer faults survived in the job: when a trainer rank dies or misses `call_timeout_s`, the
+    driver tears the run's processes down and resumes from the newest run checkpoint (step 0
+    without one), as `--resume` would; the next fault ends the run. 0: the first fault ends it."""
+    call_timeout_s: float = 1800.0
+    """Deadline of every call to the trainer ranks (build, step, weight sync, checkpoint): a rank
+    that has not answered by then is named, its stacks dumped (`moe-rl stacks`), and the trainer
+    restarted (`max_restarts`) or the run ended with that message."""
+    stop_grace_s: float = 240.0
+    """After SIGTERM / SIGUSR1 the run checkpoints at the end of the step under way and exits 75;
+    if that takes longer than this, or a second signal comes, it exits at once (the newest complete
+    checkpoint stays intact). Keep it under SLURM's `--signal` lead time."""
     colocate: bool = False
     """Engines share the trainer's GPUs: each step the engines generate, pause and release their
     weights and KV cache (`/release_memory_occupation`), the trainer trains, the engines resume
@@ -454,6 +473,13 @@ class RLConfig:
             raise ValueError(f"rl.checkpoint_every={self.checkpoint_every}: must be >= 0 (0 disables)")
         if self.keep_checkpoints < 1:
             raise ValueError(f"rl.keep_checkpoints={self.keep_checkpoints}: must be >= 1")
+        if self.max_restarts < 0:
+            raise ValueError(f"rl.max_restarts={self.max_restarts}: must be >= 0 (0: a trainer fault ends the run)")
+        for name in ("call_timeout_s", "stop_grace_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"rl.{name}={getattr(self, name)}: must be > 0 seconds")
+        if not isinstance(self.trace_steps, int) or self.trace_steps < 0:
+            raise ValueError(f"rl.trace_steps={self.trace_steps!r}: must be an integer >= 0 (0 turns the trace off)")
 
     def staleness(self, rollout: RolloutConfig) -> int:
         """The staleness bound this mode trains with."""

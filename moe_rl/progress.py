@@ -13,11 +13,12 @@ from rich.progress import Progress
 
 
 class StepProgress:
-    """`with StepProgress("rl", total) as progress: progress.advance("reward 0.5")` once per step."""
+    """`with StepProgress("rl", total) as progress: progress.advance("reward 0.5")` once per step;
+    `first`: the steps already done (a resumed run counts on from there)."""
 
-    def __init__(self, label: str, total: int, enabled: bool = True):
+    def __init__(self, label: str, total: int, enabled: bool = True, first: int = 0):
         self.label, self.total, self.enabled = label, total, enabled
-        self.done, self.every = 0, max(1, total // 20)
+        self.done, self.every = first, max(1, total // 20)
         self.bar = None
         if enabled and sys.stdout.isatty():
             self.bar = Progress(*Progress.get_default_columns(), "{task.fields[status]}")
@@ -26,7 +27,7 @@ class StepProgress:
         self.start = time.perf_counter()
         if self.bar is not None:
             self.bar.start()
-            self.task = self.bar.add_task(self.label, total=self.total, status="starting")
+            self.task = self.bar.add_task(self.label, total=self.total, completed=self.done, status="starting")
         return self
 
     def advance(self, status: str) -> None:

@@ -14,8 +14,9 @@ when the agent sets its own `episode.metrics`, `agent_metrics.png` (each one's m
 for runs with `eval:` `eval.png` (per eval dataset: mean reward and pass@k against the step
 evaluated), and for runs whose rollouts return routed experts `experts.png` (from `experts.jsonl`,
 `moe_rl.rollout.expert_load`: each MoE layer's load per expert over the run as a layer x expert
-heatmap, and each layer's max violation per step). A plot whose metrics the run did not log is
-skipped. Returns the paths.
+heatmap, and each layer's max violation per step), and for runs with a step timeline (`trace.json`,
+`moe_rl.trace`) `timeline.png` (one lane per process and thread over a few of the traced steps;
+docs/rl.md says how to read it). A plot whose metrics the run did not log is skipped. Returns the paths.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 
 from moe_rl.metrics import read_metrics
 from moe_rl.rollout.expert_load import read_expert_load
+from moe_rl.trace import TRACE_FILE, process_labels, read_trace
 
 
 def write_report(run_dir: str | Path) -> list[Path]:
@@ -70,7 +72,77 @@ def write_report(run_dir: str | Path) -> list[Path]:
         fig.savefig(out / "experts.png", dpi=100)
         written.append(out / "experts.png")
         plt.close(fig)
+    if (run_dir / TRACE_FILE).is_file():
+        spans = read_trace(run_dir / TRACE_FILE)
+        lanes = _lanes(spans)
+        fig, ax = plt.subplots(figsize=(13, 1.2 + 0.38 * len(lanes)))
+        if _timeline(ax, spans, lanes, process_labels(run_dir / TRACE_FILE)):
+            fig.tight_layout()
+            fig.savefig(out / "timeline.png", dpi=100)
+            written.append(out / "timeline.png")
+        plt.close(fig)
     return written
+
+
+# span name -> colour: generation green, training blue, weight sync red, batch handling purple,
+# waits grey; anything else (logging, evaluations, checkpoints, control calls) tan
+_TIMELINE_COLOURS = {
+    **dict.fromkeys(("decode", "prefill", "requests in flight"), "tab:green"),
+    **dict.fromkeys(
+        ("train", "train step", "forward-backward", "optimizer", "old logprobs", "ref logprobs", "routing-off forward"),
+        "tab:blue",
+    ),
+    **dict.fromkeys(("weight sync", "sync pause", "sync buckets", "sync commit", "sync resume"), "tab:red"),
+    **dict.fromkeys(("build batch", "batch transfer"), "tab:purple"),
+    "wait for batch": "lightgrey",
+}
+_TIMELINE_STEPS = 3  # steps drawn: enough to see the overlap, few enough to read each span
+
+
+def _lanes(spans: list[dict]) -> list[tuple[str, str]]:
+    """The timeline's lanes, (process, lane) in trace order; async spans (groups) are not drawn."""
+    return list(dict.fromkeys((s["process"], s["lane"]) for s in spans if "group" not in s and s["lane"] != "steps"))
+
+
+def _timeline(ax, spans: list[dict], lanes: list[tuple[str, str]], labels: dict[str, str]) -> bool:
+    """The first `_TIMELINE_STEPS` traced steps: a row per lane, each span a bar (nested spans drawn
+    over the span that holds them), step boundaries as dashed lines; each process's first lane
+    says its CPU use over the whole trace (`labels`)."""
+    from matplotlib.patches import Patch  # heavy: matplotlib, only when plots are written
+
+    steps = sorted((s for s in spans if s["lane"] == "steps"), key=lambda s: s["start"])[:_TIMELINE_STEPS]
+    if not steps:
+        return False
+    start, end = steps[0]["start"], steps[-1]["end"]
+    shown = [s for s in spans if "group" not in s and s["end"] > start and s["start"] < end and s["lane"] != "steps"]
+    row = {lane: i for i, lane in enumerate(lanes)}
+    for span in sorted(shown, key=lambda s: s["start"] - s["end"]):  # longest first: inner spans on top
+        colour = _TIMELINE_COLOURS.get(span["name"], "tan")
+        y = row[span["process"], span["lane"]]
+        ax.broken_barh([(span["start"], span["end"] - span["start"])], (y - 0.4, 0.8), color=colour, edgecolor="none")
+    for step in steps:
+        ax.axvline(step["start"], color="black", linestyle="--", linewidth=0.6)
+        ax.text(step["start"], -0.9, step["name"], fontsize=8)
+    names, seen = [], set()
+    for process, lane in lanes:
+        share = f" [{labels[process]}]" if process in labels and process not in seen else ""
+        names.append(f"{process}: {lane}{share}")
+        seen.add(process)
+    ax.set_yticks(range(len(lanes)), names, fontsize=8)
+    ax.set_ylim(len(lanes) - 0.5, -1.2)
+    ax.set_xlim(start, end)
+    ax.set_xlabel("seconds from the trace's start")
+    legend = {"generation": "tab:green", "training": "tab:blue", "weight sync": "tab:red"}
+    legend.update({"batch build / transfer": "tab:purple", "waiting for the batch": "lightgrey", "other": "tan"})
+    ax.legend(
+        handles=[Patch(color=colour, label=label) for label, colour in legend.items()],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.12 - 1.5 / max(4, len(lanes))),
+        ncol=6,
+        fontsize=8,
+    )
+    ax.set_title(f"Step timeline ({len(steps)} steps; {TRACE_FILE} has every span)")
+    return True
 
 
 def _series(rows, key):

@@ -16,11 +16,13 @@ from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 
-def save_sharded(state: dict, directory: str | Path) -> None:
+def save_sharded(state: dict, directory: str | Path, asynchronous: bool = False):
     """`dist_checkpointing.save` (collective), with the writer's results queue served by a Manager
     that exits with this process. megatron-core starts that Manager once per process and stops it
     in an exit handler, which a killed process (a Ray actor, a cancelled job) never runs: its
-    Manager would outlive it. Ours watches its parent and exits within a second of it."""
+    Manager would outlive it. Ours watches its parent and exits within a second of it.
+    `asynchronous`: returns megatron-core's `AsyncRequest` (the tensors' writing, for an
+    `AsyncCallsQueue`) instead of writing them here; None otherwise."""
     # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -29,7 +31,7 @@ def save_sharded(state: dict, directory: str | Path) -> None:
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
         manager.start(_exit_with_parent, (os.getpid(),))
         filesystem_async._results_queue = manager.Queue()  # the proxy keeps the Manager alive
-    dist_checkpointing.save(state, str(directory))
+    return dist_checkpointing.save(state, str(directory), async_sharded_save=asynchronous)
 
 
 def _exit_with_parent(parent: int) -> None:

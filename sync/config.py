@@ -82,6 +82,9 @@ class SyncStats:
     """The engines that committed `version`."""
     dropped: list[str] = field(default_factory=list)
     """Engines found dead (they could not resume) and dropped during this update."""
+    phases: list[tuple[str, float, float]] = field(default_factory=list)
+    """(phase, start, end) in wall-clock seconds (`time.time()`, for a timeline): pause, buckets
+    (buckets), commit, resume."""
 
     @property
     def gb_per_s(self) -> float:

@@ -46,6 +46,8 @@ member again; if it serves an older version than the committed one it is *behind
 the engines behind and sends them that version, without pausing the others; the next new
 version re-forms the group with every member. The orchestrator gives a restarted engine work
 only after that. (The disk transport catches up from the version already published.)
+An engine new to the run (the fleet grows) joins the same way under a new name; one taken out
+of the fleet is `remove`d like a dead one, and the next update re-forms the group without it.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ class WeightSender(Syncer):
         self._group: EngineSet | None = None  # the members the transport's group was formed with
 
     def add(self, engine: EngineEndpoint, served_version: int) -> None:
-        """A (re)started engine serving `served_version` joins, replacing a member of its name."""
+        """A (re)started or new engine serving `served_version` joins, replacing a member of its name."""
         if served_version > self.version:
             raise ValueError(f"served_version: {served_version} is newer than the committed {self.version}")
         self.engines.add(engine)
@@ -93,7 +95,8 @@ class WeightSender(Syncer):
             self.behind.discard(engine.name)
 
     def remove(self, name: str) -> None:
-        """Forget a member the orchestrator knows is dead (the next update then does not wait on it)."""
+        """Forget a member the orchestrator knows is dead or took out of the fleet (the next update
+        then does not wait on it and re-forms the group without it)."""
         self._forget({name})
 
     def pending(self, version: int) -> bool:
@@ -112,6 +115,7 @@ class WeightSender(Syncer):
             self.version = version
             return SyncStats(version, 0, 0.0)
         start, committed, touched, session = time.perf_counter(), False, False, False
+        marks: list[tuple[str, float]] = []  # each phase and when it began, for SyncStats.phases
         try:
             # 2. (re)form the group with the targets
             if self.transport.broken or self._group is None or self._group.names != targets.names:
@@ -119,6 +123,7 @@ class WeightSender(Syncer):
                 self._group = targets.subset(set(targets.names))
                 self.transport.open(self._group)
             # 3. pause (+ flush: SGLang refuses it while in_place keeps requests in the batch)
+            marks.append(("pause", time.time()))
             self._on_all(targets, "pause_generation", lambda e: e.pause_generation(self.config.pause_mode))
             if self.config.pause_mode != "in_place":
                 self._on_all(targets, "flush_cache", lambda e: e.flush_cache())
@@ -128,9 +133,11 @@ class WeightSender(Syncer):
                 self._on_all(targets, "begin_weight_update", lambda e: e.begin_weight_update())
             # 5. send every bucket, acknowledged by every target
             touched = True
+            marks.append(("buckets", time.time()))
             nbytes = self.transport.send(named_tensors, version, targets)
             # 6. close the session
             session = False
+            marks.append(("commit", time.time()))
             if self.transport.session:
                 self._on_all(targets, "end_weight_update", lambda e: e.end_weight_update())
             # 7. commit
@@ -148,14 +155,21 @@ class WeightSender(Syncer):
             raise
         finally:
             # 8. resume: every target after a commit; after a failure only untouched weights
+            marks.append(("resume", time.time()))
             if touched and not committed:
                 self.partial |= set(targets.names) & set(self.engines.names)
             else:  # (a commit cleared `partial` of the targets; earlier partial ones stay paused)
                 dead = targets.subset(set(targets.names) - self.partial).call(lambda e: e.continue_generation())
                 if committed:
                     self._forget(set(dead))
+        ends = [when for _, when in marks[1:]] + [time.time()]
         return SyncStats(
-            version, nbytes, time.perf_counter() - start, [n for n in targets.names if n not in dead], sorted(dead)
+            version,
+            nbytes,
+            time.perf_counter() - start,
+            [n for n in targets.names if n not in dead],
+            sorted(dead),
+            [(phase, began, end) for (phase, began), end in zip(marks, ends)],
         )
 
     def _drop_dead(self, targets: EngineSet) -> list[str]:

@@ -82,7 +82,7 @@ class AsyncBench:
     """Dotted overrides applied to every run."""
     steps: int = 20
     """RL steps per run."""
-    balanced_max_new_tokens: int = 36
+    balanced_max_new_tokens: int = 44
     """Response length of the balanced workload (generation ~ training in sync mode)."""
     long_tail_max_new_tokens: int = 56
     num_stop_tokens: int = 8

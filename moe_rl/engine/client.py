@@ -18,6 +18,7 @@ import dataclasses
 import json
 import uuid
 from typing import Any, Iterable, Mapping
+from urllib.parse import quote
 
 import aiohttp
 import numpy as np
@@ -170,6 +171,20 @@ class EngineClient:
                 )  # error_message: SGLang's LoRAUpdateOutput
             raise EngineError(self.name, path, status, str(message).strip())
         return data
+
+    # -- timeline ----------------------------------------------------------------------------------
+
+    async def start_trace(self) -> bool:
+        """Embedded engines: record their spans (`moe_rl.trace`; an extension route) under this
+        client's name; False for SGLang, whose timeline lane is the client's view (`EnginePool`)."""
+        if self.kind != "embedded":
+            return False
+        await self._request("POST", f"/start_trace?process={quote(self.name)}")
+        return True
+
+    async def stop_trace(self) -> dict:
+        """The spans an embedded engine recorded since `start_trace` (`Tracer.stop`)."""
+        return await self._request("POST", "/stop_trace")
 
     # -- generation --------------------------------------------------------------------------------
 

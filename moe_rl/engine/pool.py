@@ -12,6 +12,13 @@ not answer is marked dead: it gets no new work, its groups move to other engines
 requests is resubmitted unchanged to a live engine (`resubmitted`): the caller's sample keeps the
 segments it already has, only the lost segment is generated again. With no engine live, requests
 wait. Whoever restarts a dead engine and re-syncs its weights calls `revive(index, client)`.
+
+Elastic engines (`moe_rl.rl.fleet`): `add(index, client)` gives a new engine (already serving
+the current weights) a slot at its index and work at once; `remove(index)` takes one out: no new
+work, its groups move, and every request it still runs is aborted until none is left (each comes
+back with finish reason "abort" and its tokens so far, so the caller continues it elsewhere, as
+after an abort-mode weight swap). Indices are names (`engine_name`): a removed engine's slot stays
+empty (`clients[index]` None); the fleet never gives its index to another engine.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import Awaitable, Callable, TypeVar
 
 from moe_rl.engine.client import EngineClient, EngineError, GenerateResult, ScoreResult
 from moe_rl.engine.sampling import SamplingParams
+from moe_rl.trace import TRACER
 
 Served = TypeVar("Served")
 
@@ -30,11 +38,15 @@ class EnginePool:
     def __init__(self, clients: list[EngineClient]):
         if not clients:
             raise ValueError("EnginePool needs at least one EngineClient")
-        self.clients = list(clients)
+        self.clients: list[EngineClient | None] = list(clients)  # None: a removed engine's slot
         self.in_flight = [0] * len(clients)
         self.live = [True] * len(clients)
         self.served = [0] * len(clients)  # requests each engine completed since it was (re)started
+        # per engine, the lowest and highest token version it generated since it got work (None: none yet)
+        self.versions: list[tuple[int, int] | None] = [None] * len(clients)
         self.resubmitted = 0  # requests lost with a dead engine and sent to another one
+        self.added = self.removed = 0  # engines that joined / left the pool (`add`, `remove`)
+        self.cut = 0  # requests aborted on an engine being removed (continued elsewhere by the caller)
         self.generated_tokens = 0  # output tokens of every completed request (continued segments included)
         self._active_s = [0.0] * len(clients)  # wall seconds with >= 1 request in flight, per engine
         self._active_since: list[float | None] = [None] * len(clients)
@@ -63,17 +75,27 @@ class EnginePool:
         self, input_ids: list[int], sampling: SamplingParams, *, group_id: str | None = None, **kwargs
     ) -> GenerateResult:
         """`EngineClient.generate` on the engine `pick(group_id)` chose; resubmitted if it dies."""
-        result = await self._on_live_engine(group_id, lambda client: client.generate(input_ids, sampling, **kwargs))
+        index, result = await self._on_live_engine(
+            group_id, lambda client: client.generate(input_ids, sampling, **kwargs)
+        )
         self.generated_tokens += len(result.output_ids)
+        if result.weight_versions:
+            low, high = min(result.weight_versions), max(result.weight_versions)
+            seen = self.versions[index]
+            self.versions[index] = (low, high) if seen is None else (min(seen[0], low), max(seen[1], high))
         return result
 
     async def score(self, input_ids: list[int], **kwargs) -> ScoreResult:
         """`EngineClient.score` (a prefill-only request of its own, in no group) on the live engine
         with the fewest requests in flight; resubmitted if it dies."""
-        return await self._on_live_engine(None, lambda client: client.score(input_ids, **kwargs))
+        _, result = await self._on_live_engine(None, lambda client: client.score(input_ids, **kwargs))
+        return result
 
-    async def _on_live_engine(self, group_id: str | None, call: Callable[[EngineClient], Awaitable[Served]]) -> Served:
-        """`call(client)` on the engine `pick(group_id)` chose, again on another one if it died."""
+    async def _on_live_engine(
+        self, group_id: str | None, call: Callable[[EngineClient], Awaitable[Served]]
+    ) -> tuple[int, Served]:
+        """(engine index, `call(client)`) on the engine `pick(group_id)` chose, again on another
+        one if it died."""
         while True:
             await self._any_live.wait()
             index = self.pick(group_id)
@@ -89,7 +111,7 @@ class EnginePool:
             finally:
                 self._leave(index)
             self.served[index] += 1
-            return result
+            return index, result
 
     def _enter(self, index: int) -> None:
         if self.in_flight[index] == 0:
@@ -99,8 +121,25 @@ class EnginePool:
     def _leave(self, index: int) -> None:
         self.in_flight[index] -= 1
         if self.in_flight[index] == 0:
-            self._active_s[index] += time.time() - self._active_since[index]
+            now = time.time()
+            self._active_s[index] += now - self._active_since[index]
+            self._trace_active(index, now)
             self._active_since[index] = None
+
+    def _trace_active(self, index: int, end: float) -> None:
+        """The timeline's span of engine `index` having requests in flight, up to `end` (from the
+        trace's start at the earliest): the engine as its client sees it, SGLang's too."""
+        if not TRACER.on:  # every request's end passes here: nothing to build while the trace is off
+            return
+        start = max(self._active_since[index], TRACER.started)
+        TRACER.add("requests in flight", start, end, lane=f"{self.clients[index].name} (client view)")
+
+    def trace_in_flight(self) -> None:
+        """Close the timeline's spans of engines still busy now (before the trace stops)."""
+        now = time.time()
+        for index, since in enumerate(self._active_since):
+            if since is not None:
+                self._trace_active(index, now)
 
     def active_seconds(self) -> list[float]:
         """Per engine: wall seconds so far with at least one request in flight (the engine's
@@ -134,11 +173,55 @@ class EnginePool:
     async def revive(self, index: int, client: EngineClient) -> None:
         """Engine `index` is back (restarted, serving the current weights) at `client`."""
         old, self.clients[index] = self.clients[index], client
-        self.live[index], self.served[index] = True, 0
+        self.live[index], self.served[index], self.versions[index] = True, 0, None
         self._any_live.set()
         if old is not client:
             await old.close()
 
+    def add(self, index: int, client: EngineClient) -> None:
+        """A new engine (serving the current weights) at slot `index`: an empty one, or one beyond
+        every slot so far (slots skipped on the way stay empty until their engine joins). It gets
+        work at once."""
+        held = self.clients[index] if index < len(self.clients) else None
+        if held is not None:
+            raise ValueError(f"index: engine slot {index} holds {held.name}; give a new engine a free one")
+        for slots in (self.clients, self.versions, self._active_since):
+            slots.extend([None] * (index + 1 - len(slots)))
+        for slots in (self.in_flight, self.served):
+            slots.extend([0] * (index + 1 - len(slots)))
+        self._active_s.extend([0.0] * (index + 1 - len(self._active_s)))
+        self.live.extend([False] * (index + 1 - len(self.live)))
+        self.clients[index], self.live[index] = client, True
+        self.served[index], self.versions[index] = 0, None
+        self.added += 1
+        self._any_live.set()
+
+    async def remove(self, index: int) -> int:
+        """Take engine `index` out: no new work (its groups go elsewhere), then abort what it runs
+        until nothing is in flight on it (a request that reached it after one abort is aborted by
+        the next); each aborted request returns to its caller with its tokens so far. Returns how
+        many requests were in flight when it was taken out. Its slot stays empty."""
+        client = self.clients[index]
+        if client is None:
+            raise ValueError(f"index: engine slot {index} holds no engine")
+        self.mark_dead(index)
+        cut = self.in_flight[index]
+        while self.in_flight[index]:
+            try:
+                await client.abort_request()
+            except EngineError:  # it died meanwhile: its requests fail and are resubmitted (`_died`)
+                pass
+            await asyncio.sleep(_ABORT_POLL_S)
+        self.clients[index] = None
+        self.removed += 1
+        self.cut += cut
+        await client.close()
+        return cut
+
     async def close(self) -> None:
         for client in self.clients:
-            await client.close()
+            if client is not None:
+                await client.close()
+
+
+_ABORT_POLL_S = 0.02  # `remove`: how often it aborts again while requests are still in flight

@@ -12,147 +12,309 @@ next to the merged `final_hf/`. With `rl.checkpoint_every`, run checkpoints (`mo
 measures train/inference mismatch on the step's own version (`moe_rl.rl.consistency_probe`).
 The config must have passed `moe_rl.jobs.preflight.check_run` (the train command runs it before
 anything starts).
+
+Faults: a trainer rank that dies or misses `rl.call_timeout_s` (`TrainerFault`) makes the driver
+tear every process down and start again from the newest run checkpoint, through the same path as
+`--resume` (rows of redone steps replaced, no group trained twice), up to `rl.max_restarts` times
+(`faults/trainer_restarts`, `faults/steps_redone`, `faults/restart_s`). SIGTERM / SIGUSR1 stop the
+run at the end of a step with a run checkpoint (`moe_rl.rl.preemption`; `summary["preempted"]`).
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import ray
+
 from moe_rl.config import RunConfig, dump_config, to_dict
+from moe_rl.engine.client import engine_name
 from moe_rl.jobs.evaluations import DriverEvaluations
 from moe_rl.metrics import MetricsLogger
 from moe_rl.progress import StepProgress
 from moe_rl.report import write_report
 from moe_rl.rl import resume as resume_state
+from moe_rl.rl import stacks
 from moe_rl.rl.cluster import RLCluster
 from moe_rl.rl.colocate import engines_released
 from moe_rl.rl.consistency_probe import PROBE_PREFIX, ProbeRequest, probe_due
+from moe_rl.rl.preemption import StopSignals
+from moe_rl.rl.resume import RunCheckpoint
 from moe_rl.rl.rollout_actor import BatchRequest
-from moe_rl.rl.step_clock import StepClock
-from moe_rl.rl.trainer_group import SaveHFRequest
+from moe_rl.rl.step_clock import StepClock, TraceWindow
+from moe_rl.rl.trainer_group import SaveHFRequest, TrainerFault
 from moe_rl.rollout.dump import ROLLOUTS_DIR, SampleDump
 from moe_rl.rollout.expert_load import EXPERTS_FILE, write_expert_load
+from moe_rl.trace import TRACE_FILE, TRACER
 from sync.lora import adapter_name
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Faults:
+    """The trainer faults this job survived (logged with every step as `faults/*`)."""
+
+    restarts: int = 0
+    steps_redone: int = 0
+    restart_s: float = 0.0  # from each fault to its resumed loop's start, summed
+    since: float | None = None  # the fault being recovered from (perf_counter)
+    resumed_from: list[int] = field(default_factory=list)  # the step each restart resumed at
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "faults/trainer_restarts": self.restarts,
+            "faults/steps_redone": self.steps_redone,
+            "faults/restart_s": self.restart_s,
+        }
+
+
+@dataclass
+class Attempt:
+    """What one start of the run's processes ended with."""
+
+    setup_s: float
+    train_s: float
+    ledger: dict | None
+    preempted: str | None  # the stop signal honoured, or None: the run finished
 
 
 def run(config: RunConfig, resume: bool = False) -> dict:
     """Train `config.steps` RL steps; writes metrics, plots and `final_hf/` to `config.output_dir`.
     `resume`: continue from the newest run checkpoint in `config.output_dir`."""
     run_dir = Path(config.output_dir)
-    restore, first = None, 0
-    if resume:
+    TRACER.process = "driver"
+    start, faults = time.perf_counter(), Faults()
+    with StopSignals(config.rl.stop_grace_s) as stop:
+        while True:
+            try:
+                attempt = _attempt(config, _rewind(run_dir, resume, faults), stop, faults)
+                break
+            except TrainerFault as fault:
+                if faults.restarts >= config.rl.max_restarts:
+                    raise TrainerFault(
+                        f"{fault}; rl.max_restarts={config.rl.max_restarts} restarts spent: the run ends "
+                        f"(continue it with `moe-rl train --resume {run_dir}`)"
+                    ) from None
+                faults.restarts, faults.since, resume = faults.restarts + 1, time.perf_counter(), True
+                log.warning(
+                    "%s: restarting the run's processes from its newest checkpoint (restart %d of rl.max_restarts=%d)",
+                    fault,
+                    faults.restarts,
+                    config.rl.max_restarts,
+                )
+    if config.rl.report:
+        write_report(run_dir)
+    rows = resume_state.read_rows(run_dir / "metrics.jsonl")  # the steps' rows, and evaluations' of their own
+    rewards = [row["rollout/reward_mean"] for row in rows if "rollout/reward_mean" in row]
+    trained = [g for row in resume_state.read_rows(run_dir / resume_state.TRAINED_FILE) for g in row["groups"]]
+    window = max(1, min(10, len(rewards) // 4))
+    return {
+        "reward_first": sum(rewards[:window]) / window,
+        "reward_last": sum(rewards[-window:]) / window,
+        "rewards": rewards,
+        "setup_s": attempt.setup_s,
+        "train_s": attempt.train_s,
+        "wall_s": time.perf_counter() - start,
+        "trained_group_ids": trained,
+        "ledger": attempt.ledger,
+        "preempted": attempt.preempted,
+        "faults": faults.metrics(),
+        "resumed_from": faults.resumed_from,
+        "run_dir": str(run_dir),
+    }
+
+
+def _rewind(run_dir: Path, resume: bool, faults: Faults) -> RunCheckpoint | None:
+    """Where this start begins: nothing (a fresh run), or the newest run checkpoint with every row
+    and dump of the steps after it dropped (they are redone). After a trainer fault with no
+    checkpoint yet, the run starts over from step 0."""
+    if not resume:
+        return None
+    if faults.since is not None and not resume_state.complete_checkpoints(run_dir):
+        restore, step = None, 0
+    else:
         restore = resume_state.load_run_checkpoint(resume_state.latest_checkpoint(run_dir))
-        first = restore.step
-        for name in ("metrics.jsonl", EXPERTS_FILE, resume_state.TRAINED_FILE):  # steps after the checkpoint are redone
-            resume_state.truncate_rows(run_dir / name, restore.metrics_offset)
-        SampleDump(run_dir / ROLLOUTS_DIR).remove_after(restore.step)  # and their rollout dumps
+        step = restore.metrics_offset
+    if faults.since is not None:
+        faults.steps_redone += resume_state.steps_after(run_dir / "metrics.jsonl", step)
+        faults.resumed_from.append(step)
+    for name in ("metrics.jsonl", EXPERTS_FILE, resume_state.TRAINED_FILE):
+        resume_state.truncate_rows(run_dir / name, step)
+    SampleDump(run_dir / ROLLOUTS_DIR).remove_after(step)
+    return restore
+
+
+def _attempt(config: RunConfig, restore: RunCheckpoint | None, stop: StopSignals, faults: Faults) -> Attempt:
+    """Start the run's processes (from `restore`, or fresh) and train until `config.steps`, a stop
+    signal, or a `TrainerFault`."""
+    run_dir = Path(config.output_dir)
+    first = restore.step if restore is not None else 0
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(config, run_dir / "config.json")
     rollout = config.effective_rollout()
     start = time.perf_counter()
     logger = MetricsLogger(run_dir, wandb_project=config.rl.wandb_project, config=to_dict(config))
-    cluster = RLCluster(config, run_dir, restore)
+    stacks.forget_processes(run_dir)  # the last start's pids may belong to other processes by now
+    try:
+        cluster = RLCluster(config, run_dir, restore)
+    except BaseException:
+        logger.close()
+        raise
     hold = config.rl.mode == "sync" or (config.eval is not None and config.eval.hold_sync)
     evaluations = DriverEvaluations(config.eval, cluster, logger, run_dir, hold_sync=hold)
-    if restore is not None:
-        evaluations.remove_after(restore.step)
+    evaluations.remove_after(first)
     dumps = SampleDump(run_dir / ROLLOUTS_DIR) if rollout.dump else None  # records come from the worker
-    rewards, trained, ledger = [], [], None
+    ledger, preempted = None, None
     row_multiple = config.algorithm.num_mini_batches * config.trainer.micro_batch_size * config.trainer.dp
+
+    def ask_batch(version: int) -> ray.ObjectRef:
+        """Ask the rollout worker for the batch that trains `version` -> `version` + 1 (and, on a
+        probe's step, the ids of the probe's few sequences); the answer arrives when it is built."""
+        probe = probe_due(config.trainer.consistency_probe_every, version + 1)
+        request = BatchRequest(
+            rollout.groups_per_step,
+            version,
+            config.algorithm,
+            row_multiple,
+            dump=dumps is not None,
+            probe_samples=config.trainer.consistency_probe_samples if probe else 0,
+        )
+        return cluster.ask_batch(request)
+
+    def checkpoint_due(step: int) -> bool:
+        every = config.rl.checkpoint_every
+        return bool(every) and (step % every == 0 or step == config.steps)
+
+    asked = None  # the next step's batch, asked for while this step trains
     try:
+        stacks.record_processes(run_dir, _processes(cluster, run_dir))
         setup_s = time.perf_counter() - start
+        if faults.since is not None:
+            faults.restart_s, faults.since = faults.restart_s + time.perf_counter() - faults.since, None
         clock = StepClock(
             cluster.rollout_metrics()["engines/active_s"],
             colocate=config.rl.colocate,
             full_weight_sync=config.lora is None,
         )
+        window = TraceWindow(cluster, run_dir / TRACE_FILE, first, config.steps, config.rl.trace_steps)
+        checkpoints = resume_state.RunCheckpointer(
+            cluster, run_dir, config.rl.keep_checkpoints, config.rl.checkpoint_background
+        )
         if first == 0:
             evaluations.step_done(0, config.steps)  # eval.at_start
-        with StepProgress("rl", config.steps - first) as progress:
+        # a stop signal (preemption) is honoured at the end of a step whose successor's batch was not
+        # asked for yet (that batch's groups would be in no checkpoint): this step or the next
+        with StepProgress("rl", config.steps, first=first) as progress:
             for version in range(first, config.steps):
+                window.begin(version)  # rl.trace_steps: every process records its spans
+                step_start = time.time()
                 # 1. batch: the next groups the staleness bound admits, built into tensors by the
-                #    rollout worker; the driver gets their ObjectRef and the metadata it logs (and
-                #    on a probe's step the ids of the probe's few sequences)
+                #    rollout worker; the driver gets their ObjectRef and the metadata it logs. It was
+                #    asked for while the previous step trained (1b), unless that step checkpointed.
                 clock.start()
-                probe = probe_due(config.trainer.consistency_probe_every, version + 1)
-                request = BatchRequest(
-                    rollout.groups_per_step,
-                    version,
-                    config.algorithm,
-                    row_multiple,
-                    dump=dumps is not None,
-                    probe_samples=config.trainer.consistency_probe_samples if probe else 0,
-                )
-                batch = cluster.get_batch(request)
+                with TRACER.span("wait for batch"):
+                    batch = cluster.get_batch(asked or ask_batch(version))
                 metrics = clock.waited()
+                # 1b. ask for the next step's batch now, so that the rollout worker builds it while
+                #     this step trains and syncs; not when this step checkpoints (the checkpoint's
+                #     rollout state must still hold the groups that batch takes)
+                last = version + 1 == config.steps
+                ahead = not (last or checkpoint_due(version + 1) or stop.requested)
+                asked = ask_batch(version + 1) if ahead else None
                 info = batch.info
-                trained += info.group_ids
                 metrics["perf/driver_batch_bytes"] = batch.driver_bytes()
                 metrics["perf/batch_tensor_bytes"] = batch.tensor_bytes
                 # 2. train (colocated engines give their memory back meanwhile); each rank resolves the ref
                 with (
+                    TRACER.span("train"),
                     clock.training(),
                     engines_released(cluster.engines, config.engines.kind, config.rl.colocate, metrics),
                 ):
                     metrics.update(cluster.trainer.step(batch.tensors, config.algorithm, version + 1))
+                    checkpoints.complete()  # run checkpoints whose background writes are done
                 # 3. update the engines' weights to version + 1 (eval.hold_sync: after the running evaluation)
-                evaluations.before_sync()
-                metrics.update(_update_weights(cluster, config, version + 1))
-                # read before admitting the next round: the worker answers after starting its requests
-                rollout_metrics = cluster.rollout_metrics()
-                # 4. admit: the engines serve version + 1, so the rounds it allows may start
-                cluster.set_rollout_version(version + 1)
-                metrics.update(evaluations.step_done(version + 1, config.steps))
+                with TRACER.span("weight sync"):
+                    evaluations.before_sync()
+                    metrics.update(_update_weights(cluster, config, version + 1))
+                # 4. admit: the engines serve version + 1, so the rounds it allows may start (the
+                #    worker's counters come back, read before it starts them)
+                with TRACER.span("admit"):
+                    rollout_metrics = cluster.admit(version + 1)
+                with TRACER.span("evaluations"):
+                    metrics.update(evaluations.step_done(version + 1, config.steps))
                 # 5. every trainer.consistency_probe_every steps: an engine scores a few of the batch's
                 #    sequences under version + 1 and the trainer runs the same ids (the rollout goes on)
-                if probe:
-                    metrics.update(_probe(cluster, config, batch.probe_ids, version + 1))
+                if batch.probe_ids is not None:
+                    with TRACER.span("consistency probe"):
+                        metrics.update(_probe(cluster, config, batch.probe_ids, version + 1))
                 # 6. log
+                log_start = time.time()
                 metrics.update({**info.metrics(), **rollout_metrics})
                 metrics.update(clock.finish(metrics, rollout_metrics))
+                metrics.update(faults.metrics())
                 logger.log(version + 1, metrics)
                 if info.expert_counts is not None:  # the layer x expert load, for plots/experts.png
                     write_expert_load(run_dir, version + 1, info.moe_layers, info.expert_counts)
                 resume_state.record_trained(run_dir, version + 1, info.group_ids)
                 if dumps is not None:  # rollout.dump: the samples trained at this step (before its checkpoint)
                     dumps.write(version + 1, batch.records)
-                # 7. checkpoint the run every `rl.checkpoint_every` steps and at the last
-                every = config.rl.checkpoint_every
-                if every and ((version + 1) % every == 0 or version + 1 == config.steps):
-                    evaluations.collect(wait=True)  # every evaluation up to here is logged before it
-                    resume_state.save_run_checkpoint(cluster, run_dir, version + 1, config.rl.keep_checkpoints)
-                rewards.append(metrics["rollout/reward_mean"])
+                TRACER.add("log", log_start, time.time())
+                # 7. checkpoint the run every `rl.checkpoint_every` steps, at the last, and at a stop signal
+                stopping = stop.requested is not None and asked is None and not last
+                if checkpoint_due(version + 1) or stopping:
+                    with TRACER.span("checkpoint"):
+                        evaluations.collect(wait=True)  # every evaluation up to here is logged before it
+                        checkpoints.save(version + 1)
+                        if stopping:
+                            checkpoints.complete(blocking=True)
+                TRACER.add(f"step {version + 1}", step_start, time.time(), lane="steps")
+                window.end(version)
                 progress.advance(
-                    f"reward {rewards[-1]:.3f}  staleness {metrics['rollout/staleness_mean']:.2f}  "
+                    f"reward {metrics['rollout/reward_mean']:.3f}  staleness {metrics['rollout/staleness_mean']:.2f}  "
                     f"sync {metrics['time/sync_s']:.2f}s  step {metrics['time/step_s']:.2f}s"
                 )
+                if stopping:
+                    preempted = stop.requested
+                    log.warning("%s: run checkpoint of step %d written; stopping", preempted, version + 1)
+                    break
+        checkpoints.complete(blocking=True)
         train_s = time.perf_counter() - start - setup_s
-        evaluations.collect(wait=True)  # eval.at_end's evaluation of the final policy
-        if config.rl.save_hf:  # with LoRA: merged (base + adapter), for engines without LoRA
-            cluster.trainer.save_hf(SaveHFRequest(str(run_dir / "final_hf")))
-        if config.lora is not None:
-            cluster.trainer.save_adapter(str(run_dir / "final_adapter"))
+        if preempted is None:
+            evaluations.collect(wait=True)  # eval.at_end's evaluation of the final policy
+            if config.rl.save_hf:  # with LoRA: merged (base + adapter), for engines without LoRA
+                cluster.trainer.save_hf(SaveHFRequest(str(run_dir / "final_hf")))
+            if config.lora is not None:
+                cluster.trainer.save_adapter(str(run_dir / "final_adapter"))
+    except TrainerFault as fault:  # the ranks' stacks, before their processes go
+        path = stacks.save_stacks(run_dir, "trainer rank", f"fault_{faults.restarts + 1}.txt", str(fault))
+        log.warning("the trainer ranks' stacks at the fault: %s", path)
+        raise
     finally:
         ledger = cluster.close()
         logger.close()
-    if config.rl.report:
-        write_report(run_dir)
-    window = max(1, min(10, len(rewards) // 4))
-    return {
-        "reward_first": sum(rewards[:window]) / window,
-        "reward_last": sum(rewards[-window:]) / window,
-        "rewards": rewards,
-        "setup_s": setup_s,
-        "train_s": train_s,
-        "wall_s": time.perf_counter() - start,
-        "trained_group_ids": trained,
-        "ledger": ledger,
-        "run_dir": str(run_dir),
-    }
+    return Attempt(setup_s, train_s, ledger, preempted)
+
+
+def _processes(cluster: RLCluster, run_dir: Path) -> list[stacks.RunProcess]:
+    """This start's processes, each dumping its stacks on SIGUSR2 (`moe-rl stacks`): the driver, the
+    trainer ranks, the rollout worker and the engines (embedded ones into their logs)."""
+    here = [stacks.enable_stack_dumps(run_dir, "driver"), *cluster.trainer.enable_stack_dumps(str(run_dir))]
+    here.append(ray.get(cluster.rollout.__ray_call__.remote(_enable_stack_dumps, str(run_dir), "rollout worker")))
+    for index, engine in sorted(cluster.servers.items()):
+        name, pid = engine_name(index), ray.get(engine.pid.remote())
+        host = ray.get(engine.__ray_call__.remote(lambda _: socket.gethostname()))
+        log_file = str(run_dir / f"{name}.log") if cluster.config.engines.kind == "embedded" else None
+        here.append(stacks.RunProcess(name, host, pid, log_file))
+    return here
+
+
+def _enable_stack_dumps(_actor, run_dir: str, name: str) -> stacks.RunProcess:
+    """`enable_stack_dumps` inside an actor's process (through `__ray_call__`)."""
+    return stacks.enable_stack_dumps(run_dir, name)
 
 
 def _update_weights(cluster: RLCluster, config: RunConfig, version: int) -> dict[str, float]:

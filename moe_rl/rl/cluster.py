@@ -25,6 +25,11 @@ Once its process is healthy the trainer's sender takes it back and sends it the 
 version (`sync_weights` catch-up: a weight-update group of the restarted engines only, the live
 ones keep generating), and only then does the pool give it work again. `recover()` does this
 bookkeeping; the driver calls it while it waits for a batch and after each sync.
+
+Elastic engines: `recover()` also serves `moe-rl engines add/remove/list` (`moe_rl.rl.fleet`,
+through the run directory's control channel `moe_rl.rl.control`): new engines start on the run's
+starting checkpoint and are caught up as restarted ones are; a removed one's requests continue on
+the others. A local Ray keeps `_LOCAL_SPARE_CPUS` logical CPUs for such engines.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from pathlib import Path
 
 import ray
 import torch
+from ray.exceptions import GetTimeoutError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from moe_rl.config import RunConfig
@@ -43,10 +49,12 @@ from moe_rl.cpu_pools import pin_process, process_cores
 from moe_rl.engine.client import engine_index, engine_name
 from moe_rl.engine.sglang_launcher import SGLangLoRA
 from moe_rl.rl.consistency_probe import ProbeBatch, ProbeRequest
+from moe_rl.rl.fleet import EngineFleet
 from moe_rl.rl.ray_init import init_ray
 from moe_rl.rl.resume import RunCheckpoint
 from moe_rl.rl.rollout_actor import BatchRequest, EngineServer, RolloutWorker, TrainBatch, engine_placement
 from moe_rl.rl.trainer_group import SaveHFRequest, TrainerGroup
+from moe_rl.trace import TRACER
 from moe_rl.trainer.weight_sync import ConnectRequest, SyncRequest
 from parallel.bridges import bridge_for
 from parallel.peft import hf_lora_targets
@@ -97,8 +105,9 @@ def require_resources(demand: RayDemand) -> None:
 class RLCluster:
     def __init__(self, config: RunConfig, run_dir: Path, restore: RunCheckpoint | None = None):
         self.config, self.run_dir, self.restore = config, run_dir, restore
-        self.trainer = self.rollout = None
-        self.engines: list = []
+        self.trainer = self.rollout = self.fleet = None
+        self.servers: dict[int, ray.actor.ActorHandle] = {}  # engine index -> its EngineServer (removed: gone)
+        self.initial_dir = ""  # the checkpoint engines start on (`initial_hf/`, or the resumed version's)
         self.version = self.initial_version = 0  # committed on the engines / served after a restart
         self.restarting: dict[int, ray.ObjectRef] = {}  # engine index -> its restart's URL
         self.restarts = 0
@@ -111,7 +120,7 @@ class RLCluster:
         if not ray.is_initialized():
             # Local: the logical CPUs the actors ask for (they time-share cores). With RAY_ADDRESS set
             # (SLURM), the running cluster's resources are used.
-            init_ray(num_cpus=demand.cpus, num_gpus=torch.cuda.device_count() if use_gpus else 0)
+            init_ray(num_cpus=demand.cpus + _LOCAL_SPARE_CPUS, num_gpus=torch.cuda.device_count() if use_gpus else 0)
         try:
             require_resources(demand)
             self._start(use_gpus)
@@ -122,20 +131,26 @@ class RLCluster:
     def _start(self, use_gpus: bool) -> None:
         cfg = self.config
         self.trainer = TrainerGroup(
-            cfg.trainer.world_size, cfg.trainer, cfg.model, use_gpus=use_gpus, lora=cfg.lora, cpu_pools=cfg.cpu_pools
+            cfg.trainer.world_size,
+            cfg.trainer,
+            cfg.model,
+            use_gpus=use_gpus,
+            lora=cfg.lora,
+            cpu_pools=cfg.cpu_pools,
+            call_timeout_s=cfg.rl.call_timeout_s,
         )
         version = 0
         if self.restore is not None:  # resume: the engines start on the checkpoint's weights
             self.trainer.load_checkpoint(self.restore.trainer_dir)
             # the run's version, not the trainer's optimizer steps (PPO mini-batches take several)
             version = self.restore.weight_version
-        initial = str(self.run_dir / ("initial_hf" if version == 0 else f"resumed_hf_v{version}"))
+        self.initial_dir = str(self.run_dir / ("initial_hf" if version == 0 else f"resumed_hf_v{version}"))
         # LoRA: the engines serve the frozen base and adapter `policy-v{version}` on top of it
-        self.trainer.save_hf(SaveHFRequest(initial, merged=cfg.lora is None, fp8_blocks=cfg.sync.fp8_blocks))
-        self.engines = self._start_engines(initial, version)
+        self.trainer.save_hf(SaveHFRequest(self.initial_dir, merged=cfg.lora is None, fp8_blocks=cfg.sync.fp8_blocks))
+        self.version = self.initial_version = version
+        self._start_engines()
         urls = ray.get([engine.url.remote() for engine in self.engines])
         self.trainer.connect(ConnectRequest(tuple(urls), cfg.sync, cfg.engines.kind, version, self._adapter_sync()))
-        self.version = self.initial_version = version
         hf = cfg.model.load_hf_config()
         bridge = bridge_for(hf)
         worker = ray.remote(RolloutWorker).options(num_cpus=1, max_concurrency=16)
@@ -155,6 +170,12 @@ class RLCluster:
         ray.get(self.rollout.start.remote(self.restore))
         if cfg.cpu_pools is not None:
             self._record_cores()
+        self.fleet = EngineFleet(self)  # from here `moe-rl engines` gets answers
+
+    @property
+    def engines(self) -> list[ray.actor.ActorHandle]:
+        """The `EngineServer` actors of the engines in the run now, in index order."""
+        return [self.servers[index] for index in sorted(self.servers)]
 
     def _record_cores(self) -> None:
         """`cpu_pools.json` in the run directory: the cores each pinned process reports it runs on
@@ -179,22 +200,28 @@ class RLCluster:
             timeout_s=cfg.sync.timeout_s,
         )
 
-    def get_batch(self, request: BatchRequest) -> TrainBatch:
-        """The rollout worker's next batch (its tensors by ObjectRef, `moe_rl.rl.rollout_actor`);
+    def ask_batch(self, request: BatchRequest) -> ray.ObjectRef:
+        """Ask the rollout worker for a batch (`RolloutWorker.get_batch`); returns at once, the
+        worker builds it when its groups are complete. `get_batch` waits for the answer."""
+        return self.rollout.get_batch.remote(request)
+
+    def get_batch(self, asked: ray.ObjectRef) -> TrainBatch:
+        """The batch `ask_batch` asked for (its tensors by ObjectRef, `moe_rl.rl.rollout_actor`);
         recovers engines while waiting for it."""
-        return self._wait(self.rollout.get_batch.remote(request))
+        return self._wait(asked)
 
     def rollout_metrics(self) -> dict[str, float]:
         """The rollout worker's counters (`RolloutManager.metrics` plus the engines' active seconds)."""
-        return ray.get(self.rollout.metrics.remote())
+        return self._ask(self.rollout.metrics.remote(), "metrics")
 
-    def set_rollout_version(self, version: int) -> None:
-        """Tell the rollout worker that engines serve `version` now (the buffer admits by it)."""
-        ray.get(self.rollout.set_version.remote(version))
+    def admit(self, version: int) -> dict[str, float]:
+        """Tell the rollout worker that engines serve `version` now (the buffer admits by it);
+        returns its counters read just before (`rollout_metrics`)."""
+        return self._ask(self.rollout.admit.remote(version), "admit")
 
     def start_eval(self) -> None:
         """Queue an evaluation on the rollout worker (`moe_rl.rollout.evaluation`); returns at once."""
-        ray.get(self.rollout.start_eval.remote())
+        self._ask(self.rollout.start_eval.remote(), "start_eval")
 
     def finished_evals(self, wait: bool = False) -> tuple[list, int]:
         """Evaluations finished since the last call, and how many still run (`wait`: none)."""
@@ -209,6 +236,30 @@ class RLCluster:
         `moe_rl.rl.consistency_probe`); recovers engines while it waits."""
         return self._wait(self.rollout.score_probe.remote(ids, request))
 
+    def start_trace(self) -> None:
+        """Every process records its spans (`moe_rl.trace`): the driver, each trainer rank, the
+        rollout worker and each embedded engine."""
+        TRACER.start()
+        self.trainer.start_trace()
+        self._ask(self.rollout.start_trace.remote(), "start_trace")
+
+    def stop_trace(self) -> list[dict]:
+        """Stop recording; every process's spans (driver, trainer ranks, rollout worker, engines)."""
+        driver = TRACER.stop()
+        return [driver, *self.trainer.stop_trace(), *self._ask(self.rollout.stop_trace.remote(), "stop_trace")]
+
+    def _ask(self, ref: ray.ObjectRef, call: str):
+        """The answer of a rollout-worker control call (milliseconds of work), or an error naming
+        the call after `rl.call_timeout_s`: no silent hang on a wedged worker."""
+        try:
+            return ray.get(ref, timeout=self.config.rl.call_timeout_s)
+        except GetTimeoutError:
+            deadline = self.config.rl.call_timeout_s
+            raise RuntimeError(
+                f"the rollout worker did not answer `{call}` within rl.call_timeout_s={deadline:g} s; "
+                f"`moe-rl stacks {self.run_dir} 'rollout worker'` shows where it is"
+            ) from None
+
     def _wait(self, ref: ray.ObjectRef):
         while not ray.wait([ref], timeout=_POLL_S)[0]:
             self.recover()  # generation may be waiting for a restarted engine
@@ -221,16 +272,21 @@ class RLCluster:
         result = self.trainer.sync_weights(SyncRequest(version, self.config.sync.bucket_bytes, lost=tuple(lost)))
         self.version = version
         for name in result.dropped:
-            ray.get(self.rollout.mark_dead.remote(engine_index(name)))
+            self._ask(self.rollout.mark_dead.remote(engine_index(name)), "mark_dead")
         self.recover()
         return result.seconds
 
+    def engine_states(self) -> list[dict]:
+        """Per engine slot, the rollout pool's view (`RolloutWorker.engine_states`)."""
+        return self._ask(self.rollout.engine_states.remote(), "engine_states")
+
     def recover(self) -> None:
-        """Restart dead engines; re-sync restarted ones and put them back in the pool."""
-        states = ray.get(self.rollout.engine_states.remote())
+        """Restart dead engines; re-sync restarted ones and put them back in the pool; serve
+        `moe-rl engines` requests (`EngineFleet.poll`)."""
+        states = self.engine_states()
         for index, state in enumerate(states):
-            if not state["live"] and index not in self.restarting:
-                self.restarting[index] = self.engines[index].restart.remote()
+            if not state["live"] and not state["removed"] and index not in self.restarting:
+                self.restarting[index] = self.servers[index].restart.remote()
                 self.restarts += 1
                 self.lost.append(engine_name(index))
         for index, restarted in list(self.restarting.items()):
@@ -239,36 +295,48 @@ class RLCluster:
             url, name = ray.get(restarted), engine_name(index)
             if name in self.lost:  # the sender replaces the dead member with the restarted one
                 self.lost.remove(name)
-            catch_up = SyncRequest(
-                self.version, self.config.sync.bucket_bytes, joined={name: url}, served_version=self.initial_version
-            )
-            result = self.trainer.sync_weights(catch_up)
+            dropped = self.catch_up({name: url})
             del self.restarting[index]
-            if name in result.dropped:  # died again while catching up: restarted next time
+            if name in dropped:  # died again while catching up: restarted next time
                 continue
-            ray.get(self.rollout.revive.remote(index, url))
+            self._ask(self.rollout.revive.remote(index, url), "revive")
+        if self.fleet is not None:
+            self.fleet.poll()
 
-    def _start_engines(self, model_dir: str, version: int) -> list:
+    def catch_up(self, joined: dict[str, str]) -> list[str]:
+        """The trainer's sender takes in engines (name -> URL) serving the starting checkpoint
+        and sends them the committed version: a weight-update group of them only, the others keep
+        generating. Returns the names of those that died on the way."""
+        request = SyncRequest(
+            self.version, self.config.sync.bucket_bytes, joined=joined, served_version=self.initial_version
+        )
+        return self.trainer.sync_weights(request).dropped
+
+    def _start_engines(self) -> None:
         """One `EngineServer` actor per engine, placed by `engine_placement`."""
         cfg = self.config
         colocated = cfg.engines.kind == "sglang" and cfg.rl.colocate
         devices = self.trainer.devices() if colocated else None
-        engines, lora = [], self._lora_slots()
         for i, (options, gpu_ids) in enumerate(engine_placement(cfg.engines, cfg.rl.colocate, devices)):
             if "bundle" in options:
                 options = dict(
                     options,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.trainer.placement, options.pop("bundle")),
                 )
-            cpus = cfg.cpu_pools.engines[i] if cfg.cpu_pools else None
-            engines.append(
-                ray.remote(EngineServer)
-                .options(**options)
-                .remote(
-                    model_dir, cfg.engines, str(self.run_dir / f"{engine_name(i)}.log"), version, gpu_ids, lora, cpus
-                )
+            self.servers[i] = self.start_engine(
+                i, options, gpu_ids, cfg.cpu_pools.engines[i] if cfg.cpu_pools else None
             )
-        return engines
+
+    def start_engine(
+        self, index: int, options: dict, gpu_ids: list[str] | None = None, cpus: list[int] | None = None
+    ) -> ray.actor.ActorHandle:
+        """Engine `index`'s `EngineServer` (Ray `options` from `engine_placement`) on the run's
+        starting checkpoint; returns at once, its process starts in the actor."""
+        cfg, log = self.config, str(self.run_dir / f"{engine_name(index)}.log")
+        server = ray.remote(EngineServer).options(**options)
+        return server.remote(
+            self.initial_dir, cfg.engines, log, self.initial_version, gpu_ids, self._lora_slots(), cpus
+        )
 
     def _lora_slots(self):
         """SGLang's LoRA serving flags sized from the config: every kept version, plus one being
@@ -285,6 +353,8 @@ class RLCluster:
     def close(self) -> dict | None:
         ledger = None
         try:
+            if self.fleet is not None:
+                self.fleet.close()
             if self.rollout is not None:
                 ledger = ray.get(self.rollout.stop.remote())
         finally:
@@ -299,3 +369,6 @@ class RLCluster:
 
 
 _POLL_S = 0.2  # how often the driver looks for dead and restarted engines while it waits
+_LOCAL_SPARE_CPUS = 4
+"""Logical CPUs a local Ray holds beyond the run's actors: room for `moe-rl engines add` (an
+embedded engine asks one; unused logical CPUs cost nothing). Joined clusters have their own."""

@@ -13,8 +13,10 @@ import atexit
 import ipaddress
 import os
 import shutil
+import signal
 import socket
 import tempfile
+import threading
 import time
 
 import psutil
@@ -31,6 +33,10 @@ def init_ray(num_cpus: int, num_gpus: int) -> str:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     quiet = dict(log_to_driver=False, logging_level="ERROR", runtime_env=RUNTIME_ENV)
     address = os.environ.get("RAY_ADDRESS")
+    # Ray installs a crash handler in the driver that aborts on SIGTERM; the driver's own handlers
+    # (a preemption's checkpoint, `moe_rl.rl.preemption`) are put back after it
+    main = threading.current_thread() is threading.main_thread()
+    handlers = {sig: signal.getsignal(sig) for sig in _DRIVER_SIGNALS} if main else {}
     if address:
         ray.init(address=address, **quiet)
     else:  # "local" and its own temp dir: never the /tmp/ray of another (or a killed) Ray on this machine
@@ -39,7 +45,13 @@ def init_ray(num_cpus: int, num_gpus: int) -> str:
         ray.init(
             address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, _temp_dir=temp, **quiet
         )
+    for sig, handler in handlers.items():
+        if callable(handler):
+            signal.signal(sig, handler)
     return ray.get_runtime_context().gcs_address
+
+
+_DRIVER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 def wait_for_nodes(address: str, count: int, timeout_s: float) -> int:

@@ -8,10 +8,13 @@
                       partial samples (continued from their tokens on resume)
 
 Written into `step_N.tmp/` and renamed when complete (a crash leaves no half checkpoint under a
-final name); only the newest `rl.keep_checkpoints` are kept. The step-N checkpoint is taken after
-step N's weights reached the engines, so resuming means: trainer state at N, engines started on
-the trainer's version-N weights (announced as weight version N), buffer and ledger as they were,
-metrics rows and trained-group records after step N dropped (those steps are redone).
+final name); only the newest `rl.keep_checkpoints` are kept. With `rl.checkpoint_background` the
+trainer's tensors are written by background writers while training goes on (the state as it was
+at step N); the run checkpoint is renamed into place when they are done, at a later step.
+The step-N checkpoint is taken after step N's weights reached the engines, so resuming means:
+trainer state at N, engines started on the trainer's version-N weights (announced as weight
+version N), buffer and ledger as they were, metrics rows and trained-group records after step N
+dropped (those steps are redone).
 """
 
 from __future__ import annotations
@@ -50,9 +53,14 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / CHECKPOINTS / f"step_{step:06d}"
 
 
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The complete run checkpoints under `run_dir`, oldest first (not the `.tmp` ones being written)."""
+    return sorted(p for p in (Path(run_dir) / CHECKPOINTS).glob("step_*") if not p.name.endswith(".tmp"))
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path:
     """The newest complete run checkpoint under `run_dir`; ValueError when there is none."""
-    done = sorted(p for p in (Path(run_dir) / CHECKPOINTS).glob("step_*") if not p.name.endswith(".tmp"))
+    done = complete_checkpoints(run_dir)
     if not done:
         raise ValueError(
             f"--resume {str(run_dir)!r}: no run checkpoint under {CHECKPOINTS}/ (the run needs rl.checkpoint_every > 0)"
@@ -60,18 +68,38 @@ def latest_checkpoint(run_dir: str | Path) -> Path:
     return done[-1]
 
 
-def save_run_checkpoint(cluster, run_dir: Path, step: int, keep: int) -> Path:
-    """Collective on the trainer; snapshots the rollout worker between two steps."""
-    final = checkpoint_dir(run_dir, step)
-    staging = fresh_staging(final)
-    cluster.trainer.save_checkpoint(str(staging / "trainer"))
-    rollout = ray.get(cluster.rollout.snapshot.remote())
-    (staging / "rollout.json").write_text(json.dumps(rollout))
-    (staging / "state.json").write_text(json.dumps({"step": step, "weight_version": step, "metrics_offset": step}))
-    publish(staging, final)
-    for old in sorted(p for p in final.parent.glob("step_*") if not p.name.endswith(".tmp"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+class RunCheckpointer:
+    """Writes the run checkpoints of one start of the run's processes (the driver's side)."""
+
+    def __init__(self, cluster, run_dir: Path, keep: int, background: bool):
+        self.cluster, self.run_dir, self.keep, self.background = cluster, run_dir, keep, background
+        self.writing: dict[str, tuple[Path, Path]] = {}  # trainer directory -> (staging, final)
+
+    def save(self, step: int) -> None:
+        """The run at `step` (between two steps): the trainer's state (collective; in the
+        background with `background`), the rollout worker's snapshot, the step's numbers."""
+        final = checkpoint_dir(self.run_dir, step)
+        staging = fresh_staging(final)
+        trainer = str(staging / "trainer")
+        self.cluster.trainer.save_checkpoint(trainer, self.background)
+        rollout = ray.get(self.cluster.rollout.snapshot.remote())
+        (staging / "rollout.json").write_text(json.dumps(rollout))
+        (staging / "state.json").write_text(json.dumps({"step": step, "weight_version": step, "metrics_offset": step}))
+        self.writing[trainer] = (staging, final)
+        if not self.background:
+            self.complete()
+
+    def complete(self, blocking: bool = False) -> None:
+        """Put the run checkpoints whose trainer part is written into place (`blocking`: wait for
+        all), then keep the newest `keep`."""
+        if not self.writing:
+            return
+        done = list(self.writing) if not self.background else self.cluster.trainer.finish_checkpoints(blocking)
+        for trainer in done:
+            staging, final = self.writing.pop(trainer)
+            publish(staging, final)
+        for old in complete_checkpoints(self.run_dir)[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def load_run_checkpoint(path: Path) -> RunCheckpoint:
@@ -105,6 +133,23 @@ def truncate_rows(path: Path, last_step: int) -> None:
         if step <= last_step:
             kept.append(line)
     path.write_text("".join(line + "\n" for line in kept))
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a JSON lines file of the run (metrics, trained groups); a torn row is skipped."""
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
+def steps_after(path: Path, last_step: int) -> int:
+    """How many steps after `last_step` have rows in the JSON lines file `path` (a step may have
+    several: an evaluation logs a row of its own)."""
+    return len({row["step"] for row in read_rows(path) if row.get("step", 0) > last_step})
 
 
 def record_trained(run_dir: Path, step: int, group_ids: list[str]) -> None:

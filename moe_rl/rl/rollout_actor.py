@@ -4,7 +4,7 @@
 same launcher on GPUs) for its lifetime: Ray places and restarts actors, the actor starts and
 stops its process. `RolloutWorker` is an async actor: the `RolloutManager` runs on its event
 loop and keeps generating while the driver trains; the driver's calls (`get_batch`,
-`set_version`, `drain`) are coroutines on the same loop, so they never block generation.
+`admit`, `drain`) are coroutines on the same loop, so they never block generation.
 
 The batch stays off the driver: `get_batch` builds the trainer's tensors here (`build_batch`, in a
 thread, so generation goes on), puts them in Ray's object store and answers a `TrainBatch`: their
@@ -27,7 +27,7 @@ import ray
 
 from moe_rl.algorithms import AlgorithmConfig
 from moe_rl.cpu_pools import pin_process
-from moe_rl.engine.client import EngineClient, engine_name
+from moe_rl.engine.client import EngineClient, EngineError, engine_name
 from moe_rl.engine.pool import EnginePool
 from moe_rl.engine.process import EmbeddedConfig, launch_embedded
 from moe_rl.engine.sglang_launcher import SGLangConfig, launch_sglang
@@ -39,6 +39,7 @@ from moe_rl.rollout.eval_config import EvalConfig
 from moe_rl.rollout.evaluation import EvalResult, Evaluator
 from moe_rl.rollout.expert_load import MoELayers
 from moe_rl.rollout.train_batch import BatchInfo, build_batch
+from moe_rl.trace import TRACER
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +196,7 @@ class RolloutWorker:
         num_experts: int | None = None,
         moe_layers: tuple[int, ...] = (),
     ):
+        TRACER.process = "rollout worker"
         if cpus:  # `cpu_pools`: the engines' cores (building requests and scoring is generation's work)
             pin_process(cpus)
         self.config, self.urls, self.kind, self.layout = config, urls, kind, (layers, topk)
@@ -208,6 +210,8 @@ class RolloutWorker:
         # the expert load of each batch (`moe_rl.rollout.expert_load`), when samples carry routing
         self.moe = MoELayers(moe_layers, num_experts) if moe_layers and num_experts else None
         self.decode: Decode | None = None  # `rollout.dump` records, built on first use
+        self.traced: list[EngineClient] = []  # engines recording spans (`start_trace`)
+        self.active_total_s = self.active_mean_s = 0.0  # `_mean_active_s`
 
     async def start(self, restore: RunCheckpoint | None = None) -> None:
         """Start generating; `restore`: the run checkpoint to continue from."""
@@ -258,9 +262,10 @@ class RolloutWorker:
         """The manager's run-checkpoint state, between two steps (the driver waits for this call)."""
         return self.manager.snapshot()
 
-    async def get_groups(self, n_groups: int) -> list:
-        """The next staleness-bounded groups of samples (waits for them); raises if generation failed."""
-        batch = asyncio.ensure_future(self.manager.buffer.get_batch(n_groups))
+    async def get_groups(self, n_groups: int, version: int) -> list:
+        """The next groups within the staleness bound of trainer `version` (waits for them); raises
+        if generation failed."""
+        batch = asyncio.ensure_future(self.manager.buffer.get_batch(n_groups, version))
         await asyncio.wait({batch, self.task}, return_when=asyncio.FIRST_COMPLETED)
         if not batch.done():
             batch.cancel()
@@ -271,22 +276,24 @@ class RolloutWorker:
     async def get_batch(self, request: BatchRequest) -> TrainBatch:
         """The next batch as the trainer takes it: its tensors put in Ray's object store (the
         driver gets their ref and the metadata, module docstring)."""
-        groups = await self.get_groups(request.n_groups)
+        groups = await self.get_groups(request.n_groups, request.version)
         if request.dump and self.decode is None:
             self.decode = run_decoder(self.config, self.tokenizer_dir)
         # a thread: building a large batch must not stall generation on this loop
         return await asyncio.to_thread(self._build, groups, request)
 
     def _build(self, groups: list, request: BatchRequest) -> TrainBatch:
-        batch, info = build_batch(
-            groups, request.algorithm, request.version, self.config.max_staleness, request.row_multiple, self.moe
-        )
-        records = None
-        if request.dump:
-            step, version = request.version + 1, request.version
-            records = trained_records(step, groups, info, decode=self.decode, trainer_version=version, moe=self.moe)
-        probe = probe_ids(batch, request.probe_samples) if request.probe_samples else None
-        return TrainBatch(ray.put(batch), info, batch.tensor_bytes(), records, probe)
+        with TRACER.span("build batch", lane="batch build", version=request.version):
+            moe = self.moe
+            batch, info = build_batch(
+                groups, request.algorithm, request.version, self.config.max_staleness, request.row_multiple, moe
+            )
+            records = None
+            if request.dump:
+                step, version = request.version + 1, request.version
+                records = trained_records(step, groups, info, decode=self.decode, trainer_version=version, moe=moe)
+            probe = probe_ids(batch, request.probe_samples) if request.probe_samples else None
+            return TrainBatch(ray.put(batch), info, batch.tensor_bytes(), records, probe)
 
     async def score_probe(self, ids: list[list[int]], request: ProbeRequest) -> ProbeBatch | str:
         """The consistency probe's engine side (`moe_rl.rl.consistency_probe`): the batch's probe
@@ -294,12 +301,32 @@ class RolloutWorker:
         probe batch or why it is skipped."""
         return await score_rows(self.pool, ids, request)
 
+    async def start_trace(self) -> None:
+        """Record this worker's spans and every embedded engine's (`moe_rl.trace`)."""
+        TRACER.start()
+        self.traced = [c for c in self.pool.clients if c is not None and await c.start_trace()]
+
+    async def stop_trace(self) -> list[dict]:
+        """This worker's spans, then each traced engine's (an engine that died meanwhile is left out)."""
+        self.pool.trace_in_flight()
+        recorded = [TRACER.stop()]
+        for client in self.traced:
+            try:
+                recorded.append(await client.stop_trace())
+            except EngineError:
+                continue
+        return recorded
+
     async def engine_states(self) -> list[dict]:
-        """Per engine: live (gets work), requests in flight, requests served since (re)started."""
+        """Per engine slot: live (gets work), removed (no engine: taken out, or it never joined),
+        requests in flight, requests served and the (lowest, highest) token version generated
+        since it got work (`EnginePool.versions`)."""
         pool = self.pool
         return [
-            {"live": live, "in_flight": n, "served": served}
-            for live, n, served in zip(pool.live, pool.in_flight, pool.served)
+            {"live": live, "removed": client is None, "in_flight": n, "served": served, "versions": versions}
+            for client, live, n, served, versions in zip(
+                pool.clients, pool.live, pool.in_flight, pool.served, pool.versions
+            )
         ]
 
     async def mark_dead(self, index: int) -> None:
@@ -309,6 +336,17 @@ class RolloutWorker:
     async def revive(self, index: int, url: str) -> None:
         """Engine `index` was restarted at `url` and serves the current weights: give it work."""
         await self.pool.revive(index, self._client(index, url))
+
+    async def add_engine(self, index: int, url: str) -> None:
+        """A new engine `index` at `url` serves the current weights: give it work (`moe_rl.rl.fleet`)."""
+        self.pool.add(index, self._client(index, url))
+
+    async def remove_engine(self, index: int) -> int:
+        """Take engine `index` out of the pool; returns once nothing runs on it (`EnginePool.remove`:
+        its requests were aborted and continue on other engines). Returns how many were cut."""
+        if self.traced and self.pool.clients[index] in self.traced:
+            self.traced.remove(self.pool.clients[index])
+        return await self.pool.remove(index)
 
     def _client(self, index: int, url: str) -> EngineClient:
         return EngineClient(
@@ -320,8 +358,12 @@ class RolloutWorker:
             num_experts=self.num_experts,
         )
 
-    async def set_version(self, version: int) -> None:
+    async def admit(self, version: int) -> dict[str, float]:
+        """The engines serve `version`: the rounds it allows may start (`RolloutBuffer.set_version`).
+        Answers `metrics()` as read just before (one call: the driver waits for it each step)."""
+        metrics = await self.metrics()
         await self.manager.buffer.set_version(version)
+        return metrics
 
     async def drain(self) -> float:
         """Wait until no group is generating or being scored (drain-before-sync); seconds waited."""
@@ -331,15 +373,27 @@ class RolloutWorker:
         return time.perf_counter() - start
 
     async def metrics(self) -> dict[str, float]:
-        active = self.pool.active_seconds()
         return {
             **self.manager.metrics(),
             "rollout/generated_tokens": self.pool.generated_tokens,
             "engines/resubmitted_requests": self.pool.resubmitted,
             "engines/live": sum(self.pool.live),
-            "engines/active_s": sum(active) / len(active),  # cumulative, mean over engines
+            "engines/added": self.pool.added,
+            "engines/removed": self.pool.removed,
+            "engines/cut_requests": self.pool.cut,
+            "engines/active_s": self._mean_active_s(),
             "rollout/generated_tokens_per_s": self.pool.generated_tokens / (time.perf_counter() - self.started),
         }
+
+    def _mean_active_s(self) -> float:
+        """Cumulative active seconds of the mean engine: each call adds the busy seconds since the
+        last one over the engines present now, so the count changing (`moe-rl engines`) does not
+        move the past (a step's difference stays that step's busy time of the mean engine)."""
+        total = sum(self.pool.active_seconds())
+        present = sum(client is not None for client in self.pool.clients)
+        self.active_mean_s += (total - self.active_total_s) / max(1, present)
+        self.active_total_s = total
+        return self.active_mean_s
 
     async def stop(self) -> dict:
         """Stop generating; queued groups are dropped ("unused"). Returns the ledger (None when

@@ -5,13 +5,17 @@ train inside `training()` (timed: colocated engines are released for it), update
 the rollout worker's counters, then `finish(metrics, rollout_metrics)` -> `time/step_s`, the
 utilization of both pools (`utilization`, `perf/*`) and `rollout/step_generated_tokens_per_s`.
 The engines' counters are cumulative; the clock keeps their previous values to take differences.
+`TraceWindow`: which steps the timeline (`moe_rl.trace`) records.
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
+
+from moe_rl.trace import write_trace
 
 
 class StepClock:
@@ -73,3 +77,25 @@ def utilization(metrics: dict[str, float], engine_active_s: float, engine_paused
         "perf/engine_paused_s": paused,
         "perf/engine_idle_frac": (step - busy - paused) / step,
     }
+
+
+class TraceWindow:
+    """`rl.trace_steps`: the steps the timeline records (the `trace_steps` after a run's first,
+    whose start-up costs are not typical), every process's tracer turned on before the first of
+    them and collected into `path` after the last (`moe_rl.trace`)."""
+
+    def __init__(self, cluster, path: Path, first: int, steps: int, trace_steps: int):
+        """`cluster`: has `start_trace()` and `stop_trace()` (`RLCluster`); `first`: the version
+        the run starts from (a resumed run records the steps after its first); `steps`: the last."""
+        self.cluster, self.path = cluster, path
+        self.versions = range(first + 1, min(first + 1 + trace_steps, steps))
+
+    def begin(self, version: int) -> None:
+        """Before the step that trains `version` + 1."""
+        if self.versions and version == self.versions.start:
+            self.cluster.start_trace()
+
+    def end(self, version: int) -> None:
+        """After that step is logged."""
+        if self.versions and version == self.versions[-1]:
+            write_trace(self.path, self.cluster.stop_trace())

@@ -13,22 +13,27 @@ result), the request objects passing through unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Concatenate, ParamSpec, TypeVar
 
 import ray
 import torch
 import torch.distributed as dist
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from moe_rl.algorithms import AlgorithmConfig
 from moe_rl.cpu_pools import pin_process, process_cores
 from moe_rl.rl.consistency_probe import ProbeBatch, compare
+from moe_rl.rl.stacks import RunProcess, enable_stack_dumps
 from moe_rl.rollout.train_batch import RLBatch
-from moe_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
+from moe_rl.trace import TRACER
+from moe_rl.trainer.checkpoint import BackgroundCheckpoints, load_checkpoint, save_checkpoint
 from moe_rl.trainer.megatron_trainer import MegatronTrainer
 from moe_rl.trainer.rl_step import rl_step
 from moe_rl.trainer.weight_sync import ConnectRequest, SyncRequest, SyncResult, WeightSync, fp8_format
@@ -48,7 +53,11 @@ def collective(method: Callable[Concatenate[Any, P], R]) -> Callable[Concatenate
     def on_this_rank(self, *args: P.args, **kwargs: P.kwargs) -> R:
         if not torch.cuda.is_available():
             cpu_compat.apply()
-        return method(self, *args, **kwargs)
+        self.call = (method.__name__, time.monotonic())
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.call = None
 
     return on_this_rank
 
@@ -77,16 +86,31 @@ class SaveHFRequest:
     """Decoder linear weights as FP8 blocks of this size (engines that serve FP8); None: as trained."""
 
 
+class TrainerFault(RuntimeError):
+    """A trainer rank died or missed the call deadline (`rl.call_timeout_s`); the message names
+    the ranks and the call. The driver restarts the trainer from the newest run checkpoint
+    (`rl.max_restarts`) or ends the run with it."""
+
+
 class TrainerRank:
     """One rank of the trainer world (a Ray actor). `cpus`: pin the rank's process to these cores
-    (`cpu_pools.trainer`) first, before torch starts its thread pool."""
+    (`cpu_pools.trainer`) first, before torch starts its thread pool. `status` runs on a thread
+    of its own ("status" concurrency group), so it answers while a collective call is stuck."""
 
     def __init__(self, rank: int, world_size: int, threads: int, cpus: list[int] | None = None):
         self.rank, self.world_size = rank, world_size
+        TRACER.process = f"trainer rank {rank}"
         if cpus:
             pin_process(cpus)
         torch.set_num_threads(threads)
         self.trainer = self.weight_sync = None
+        self.call: tuple[str, float] | None = None  # the collective call under way and its start
+
+    @ray.method(concurrency_group="status")
+    def status(self) -> tuple[str, float] | None:
+        """(the collective call under way, its seconds so far), or None: what a missed deadline reports."""
+        call = self.call
+        return call and (call[0], time.monotonic() - call[1])
 
     def cpus(self) -> dict:
         """The cores this rank's process may run on and its torch threads (what the pools gave it)."""
@@ -100,6 +124,7 @@ class TrainerRank:
         """Rank 0: the address and a free port for the gloo/NCCL world."""
         return ray.util.get_node_ip_address(), free_port()
 
+    @collective
     def setup(self, master: tuple[str, int], trainer_config, model_config, lora=None) -> None:
         """Join the world and build this rank's model, DDP and optimizer (collective)."""
         os.environ.update(
@@ -110,14 +135,13 @@ class TrainerRank:
             MASTER_PORT=str(master[1]),
         )
         init_distributed()
-        if not torch.cuda.is_available():
-            cpu_compat.apply()
         self.hf_config = model_config.load_hf_config()
         self.model_path = model_config.path
         self.trainer = MegatronTrainer(trainer_config, self.hf_config, lora=lora)
         if model_config.path is not None:
             self.trainer.load_hf_weights(model_config.path)
         self.weight_sync = WeightSync(self.trainer, self.rank, self.world_size)
+        self.checkpoints = BackgroundCheckpoints()
 
     @collective
     def save_hf(self, request: SaveHFRequest) -> None:
@@ -132,9 +156,22 @@ class TrainerRank:
         self.trainer.save_adapter(out_dir, self.model_path)
 
     @collective
-    def save_checkpoint(self, directory: str) -> None:
-        """Megatron dist checkpoint: model, optimizer, RNG, step (collective, atomic)."""
-        save_checkpoint(self.trainer, directory)
+    def save_checkpoint(self, directory: str, background: bool = False) -> None:
+        """Megatron dist checkpoint: model, optimizer, RNG, step (collective, atomic);
+        `background`: the tensors are written while training goes on, `finish_checkpoints`
+        completes it."""
+        with TRACER.span("checkpoint"):
+            if background:
+                self.checkpoints.save(self.trainer, directory)
+            else:
+                save_checkpoint(self.trainer, directory)
+
+    @collective
+    def finish_checkpoints(self, blocking: bool) -> list[str]:
+        """Complete the background checkpoints written on every rank (`blocking`: wait for all);
+        their directories (collective)."""
+        with TRACER.span("checkpoint finish"):
+            return self.checkpoints.finish(blocking)
 
     @collective
     def load_checkpoint(self, directory: str) -> int:
@@ -153,15 +190,32 @@ class TrainerRank:
         return self.weight_sync.sync(request)
 
     @collective
-    def step(self, batch: RLBatch, algorithm: AlgorithmConfig, step: int) -> dict[str, float]:
-        """`moe_rl.trainer.rl_step.rl_step` of RL `step` on this rank (collective). `batch` arrives
-        resolved: the driver passes the rollout worker's ObjectRef, Ray fetches it into this rank."""
-        return rl_step(self.trainer, batch, algorithm, self.model_path, step=step)
+    def step(self, batch: list[ray.ObjectRef], algorithm: AlgorithmConfig, step: int) -> dict[str, float]:
+        """`moe_rl.trainer.rl_step.rl_step` of RL `step` on this rank (collective). `batch`: the
+        rollout worker's ObjectRef of the `RLBatch`, in a list so that Ray passes the ref and this
+        rank fetches the tensors itself (the timeline's "batch transfer")."""
+        with TRACER.span("batch transfer"):
+            tensors = ray.get(batch[0])
+        with TRACER.span("train step", step=step):
+            return rl_step(self.trainer, tensors, algorithm, self.model_path, step=step)
 
     @collective
     def probe(self, probe: ProbeBatch) -> dict[str, float]:
         """`moe_rl.rl.consistency_probe.compare` on this rank (collective)."""
-        return compare(self.trainer, probe)
+        with TRACER.span("consistency probe"):
+            return compare(self.trainer, probe)
+
+    def enable_stack_dumps(self, run_dir: str) -> RunProcess:
+        """SIGUSR2 dumps this rank's stacks (`moe_rl.rl.stacks`)."""
+        return enable_stack_dumps(run_dir, TRACER.process)
+
+    def start_trace(self) -> None:
+        """Record this rank's spans (`moe_rl.trace`)."""
+        TRACER.start()
+
+    def stop_trace(self) -> dict:
+        """Stop recording; this rank's spans."""
+        return TRACER.stop()
 
     def close(self) -> None:
         if self.weight_sync is not None:
@@ -174,8 +228,19 @@ class TrainerRank:
 class TrainerGroup:
     """Driver side: the trainer world's actors, every call issued to all ranks at once."""
 
-    def __init__(self, world_size: int, trainer_config, model_config, *, use_gpus: bool, lora=None, cpu_pools=None):
-
+    def __init__(
+        self,
+        world_size: int,
+        trainer_config,
+        model_config,
+        *,
+        use_gpus: bool,
+        lora=None,
+        cpu_pools=None,
+        call_timeout_s: float = 1800.0,
+    ):
+        self.call_timeout_s = call_timeout_s
+        self.faulted = False  # a rank died or missed a deadline: close() only kills the actors
         bundle = {"GPU": 1, "CPU": 1} if use_gpus else {"CPU": 1}
         self.placement = placement_group([bundle] * world_size, strategy="PACK")
         ray.get(self.placement.ready())
@@ -183,7 +248,7 @@ class TrainerGroup:
             cores = cpu_pools.trainer_cores(world_size)
         else:  # unpinned: half the machine's cores for the trainer (the engines time-share the rest)
             cores = [(None, max(1, (os.cpu_count() or 1) // (2 * world_size)))] * world_size
-        actor = ray.remote(TrainerRank)
+        actor = ray.remote(concurrency_groups={"status": 1})(TrainerRank)
         self.actors = [
             actor.options(
                 num_cpus=1,
@@ -197,9 +262,10 @@ class TrainerGroup:
 
     # -- the ranks' methods, each run on every rank at once (see TrainerRank for what they do) --
     def step(self, batch: ray.ObjectRef | RLBatch, algorithm: AlgorithmConfig, step: int) -> dict[str, float]:
-        """RL `step` on every rank; `batch`: the rollout worker's ObjectRef (each rank resolves it;
+        """RL `step` on every rank; `batch`: the rollout worker's ObjectRef (each rank fetches it;
         the tensors never pass through the driver) or an `RLBatch` (put once here)."""
-        return self._all(TrainerRank.step, batch, algorithm, step)
+        ref = ray.put(batch) if isinstance(batch, RLBatch) else batch
+        return self._all(TrainerRank.step, [ref], algorithm, step)
 
     sync_weights = on_every_rank(TrainerRank.sync_weights)
     connect = on_every_rank(TrainerRank.connect)
@@ -207,7 +273,20 @@ class TrainerGroup:
     save_hf = on_every_rank(TrainerRank.save_hf)
     save_adapter = on_every_rank(TrainerRank.save_adapter)
     save_checkpoint = on_every_rank(TrainerRank.save_checkpoint)
+    finish_checkpoints = on_every_rank(TrainerRank.finish_checkpoints)
     load_checkpoint = on_every_rank(TrainerRank.load_checkpoint)
+
+    def start_trace(self) -> None:
+        """Every rank records its spans (`moe_rl.trace`)."""
+        self._each(TrainerRank.start_trace)
+
+    def stop_trace(self) -> list[dict]:
+        """Every rank's spans, in rank order."""
+        return self._each(TrainerRank.stop_trace)
+
+    def enable_stack_dumps(self, run_dir: str) -> list[RunProcess]:
+        """SIGUSR2 dumps each rank's stacks into `run_dir` (`moe_rl.rl.stacks`); the ranks' processes."""
+        return self._each(TrainerRank.enable_stack_dumps, run_dir)
 
     def cpus(self) -> list[dict]:
         """Every rank's cores and threads, in rank order."""
@@ -219,16 +298,81 @@ class TrainerGroup:
 
     def _all(self, method, *args: Any, **kwargs: Any) -> Any:
         """`TrainerRank.method(*args, **kwargs)` on every rank (a collective); rank 0's result."""
-        args = [ray.put(a) if isinstance(a, RLBatch) else a for a in args]  # large batches: one copy
         return self._each(method, *args, **kwargs)[0]
 
     def _each(self, method, *args: Any, **kwargs: Any) -> list:
-        return ray.get([getattr(actor, method.__name__).remote(*args, **kwargs) for actor in self.actors])
+        """Every rank's result of `method`; `TrainerFault` when a rank died or the ranks did not all
+        answer within `call_timeout_s` (a Python error in a rank is raised as it is)."""
+        call = method.__name__
+        refs = [getattr(actor, call).remote(*args, **kwargs) for actor in self.actors]
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        pending, deadline = refs, time.monotonic() + self.call_timeout_s
+        try:
+            while pending:
+                done, pending = ray.wait(pending, timeout=max(0.0, deadline - time.monotonic()))
+                if not done:
+                    raise TrainerFault(self._missed(call, sorted(rank_of[ref] for ref in pending)))
+                for ref in done:
+                    try:
+                        _raise_if_died(ref, rank_of[ref], call)
+                    except RayTaskError as error:
+                        # a rank whose peer died or hangs fails its collective first (closed
+                        # connection, collective timeout): name that peer; else the error is the call's
+                        self._raise_peer_fault(call, rank_of[ref], error, pending, rank_of)
+                        raise
+        except TrainerFault:
+            self.faulted = True
+            raise
+        return ray.get(refs)
+
+    def _raise_peer_fault(self, call: str, rank: int, error: RayTaskError, pending: list, rank_of: dict) -> None:
+        done, late = ray.wait(pending, num_returns=len(pending), timeout=_SETTLE_S)
+        for ref in done:
+            with contextlib.suppress(RayTaskError):  # its own failure of the collective
+                _raise_if_died(ref, rank_of[ref], call)
+        if late:
+            first_line = str(error.cause).splitlines()[0] if str(error.cause) else type(error.cause).__name__
+            raise TrainerFault(
+                f"trainer call `{call}`: rank {rank} failed ({first_line}) while ranks "
+                f"{sorted(rank_of[ref] for ref in late)} did not answer"
+            ) from None
+
+    def _missed(self, call: str, ranks: list[int]) -> str:
+        """Who missed the deadline of `call` and where they are: each rank's call under way, or
+        that it does not answer at all (its process stopped, or wedged without releasing the GIL)."""
+        statuses = [actor.status.remote() for actor in self.actors]
+        ray.wait(statuses, num_returns=len(statuses), timeout=_SETTLE_S)
+        where = []
+        for rank in ranks:
+            try:
+                status = ray.get(statuses[rank], timeout=0)
+                where.append(f"rank {rank} in `{status[0]}` for {status[1]:.0f} s" if status else f"rank {rank} idle")
+            except (GetTimeoutError, RayActorError):
+                where.append(f"rank {rank} does not answer")
+        return (
+            f"trainer call `{call}`: ranks {ranks} did not answer within rl.call_timeout_s={self.call_timeout_s:g} s "
+            f"({'; '.join(where)})"
+        )
 
     def close(self) -> None:
         try:
-            self._all(TrainerRank.close)
+            if not self.faulted:  # a dead or stuck rank would not enter the collective close
+                self._all(TrainerRank.close)
         finally:
             for actor in self.actors:
                 ray.kill(actor)
             ray.util.remove_placement_group(self.placement)
+
+
+def _raise_if_died(ref: ray.ObjectRef, rank: int, call: str) -> None:
+    """`ray.get(ref)` of rank `rank`'s `call`: `TrainerFault` when the rank's actor died; a Python
+    error in the rank is raised as it is (`RayTaskError`)."""
+    try:
+        ray.get(ref)
+    except RayActorError:
+        raise TrainerFault(f"trainer rank {rank} died during `{call}`") from None
+
+
+_SETTLE_S = 10.0
+"""How long a failed or late call waits for the other ranks' answers: a dead peer's death, or
+each rank's `status`, arrives within it."""

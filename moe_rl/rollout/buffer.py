@@ -94,8 +94,11 @@ class RolloutBuffer:
 
     # -- consumer side -----------------------------------------------------------------------------
 
-    async def get_batch(self, n_groups: int) -> list[Group]:
-        """The next `n_groups` groups within the staleness bound, oldest first; waits for them."""
+    async def get_batch(self, n_groups: int, version: int | None = None) -> list[Group]:
+        """The next `n_groups` groups within the staleness bound of `version`, the trainer version
+        that consumes them (default: the version last set; the driver asks for a step's batch while
+        the step before trains), oldest first; waits for them."""
+        version = self.version if version is None else version
         if n_groups < 1:
             raise ValueError(f"get_batch(n_groups={n_groups}): ask for at least one group")
         batch: list[Group] = []
@@ -104,7 +107,7 @@ class RolloutBuffer:
             while len(batch) < n_groups:
                 await self._changed.wait_for(lambda: bool(self._groups))
                 group = self._groups.popleft()
-                worst = max(staleness(s, self.version) for s in group)
+                worst = max(staleness(s, version) for s in group)
                 if worst > self.max_staleness:
                     self._reject_stale(group)
                     continue
@@ -113,8 +116,8 @@ class RolloutBuffer:
         for group in batch:
             gid = group[0].group_id
             assert gid not in self.delivered and gid not in self.dropped, f"group {gid} settled twice"
-            self.delivered[gid] = self.version
-            self._staleness.extend(staleness(s, self.version) for s in group)
+            self.delivered[gid] = version
+            self._staleness.extend(staleness(s, version) for s in group)
         return batch
 
     def _reject_stale(self, group: Group) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import time
 from pathlib import Path
 
 from moe_rl.agents import AgentFailure, AgentRunner
@@ -40,6 +41,7 @@ from moe_rl.rollout.scoring import RewardScorer
 from moe_rl.sample import Sample
 from moe_rl.tasks import Prompt, Task, get_reward
 from moe_rl.tasks.registry import resolve_agent
+from moe_rl.trace import TRACER
 from sync.lora import adapter_name
 
 
@@ -232,17 +234,23 @@ class RolloutManager:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _generate_group(self, gid: str) -> Group | None:
+        start = time.time()  # the group's generate and reward spans (async: groups overlap on the loop)
         if self.agents is not None:
-            return await self._run_episodes(gid)
+            group = await self._run_episodes(gid)
+            TRACER.add("episodes", start, time.time(), lane="groups", group=gid)
+            return group
         try:
             samples = await asyncio.gather(
                 *[self._generate_sample(gid, i) for i in range(self.config.n_samples_per_prompt)]
             )
         finally:
             self.pool.release_group(gid)
+        scored = time.time()
+        TRACER.add("generate", start, scored, lane="groups", group=gid)
         rewards = await asyncio.gather(
             *[self.scorer.score(self.task.decode(s.response_ids), s.metadata.get("answer"), s) for s in samples]
         )
+        TRACER.add("reward", scored, time.time(), lane="groups", group=gid)
         for sample, reward in zip(samples, rewards):
             sample.reward = reward
         return self._filtered(gid, samples)

@@ -91,10 +91,49 @@ def _sharded_state(trainer, with_rng: bool, is_loading: bool) -> dict:
 def save_checkpoint(trainer, directory: str | Path) -> Path:
     """Save on every rank (collective); returns the final directory."""
     final, staging = Path(directory), staging_dir(directory)
+    _stage(final)
+    save_sharded(_sharded_state(trainer, with_rng=True, is_loading=False), staging)
+    _complete(trainer, staging, final)
+    return final
+
+
+class BackgroundCheckpoints:
+    """Checkpoints whose tensors are written in the background (megatron-core's async
+    `dist_checkpointing`: a forked writer holds the state as it was at `save`, so training goes on
+    meanwhile). `save` returns once the state is planned and handed over; `finish` (collective,
+    cheap when nothing is due) completes the written ones: metadata, layout record, the rename to
+    the final name. A process that dies first leaves only `<dir>.tmp`."""
+
+    def __init__(self):
+        # heavy: megatron-core, loaded only where a model is built (after parallel.cpu_compat.apply)
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.queue = AsyncCallsQueue()
+        self.pending: dict[int, Path] = {}  # the queue's call index -> final directory
+
+    def save(self, trainer, directory: str | Path) -> None:
+        final, staging = Path(directory), staging_dir(directory)
+        _stage(final)
+        request = save_sharded(_sharded_state(trainer, with_rng=True, is_loading=False), staging, asynchronous=True)
+        request.add_finalize_fn(lambda: _complete(trainer, staging, final))
+        self.pending[self.queue.schedule_async_request(request)] = final
+
+    def finish(self, blocking: bool = False) -> list[str]:
+        """Complete the checkpoints written on every rank (`blocking`: wait for all); their final
+        directories."""
+        if not self.pending:  # every rank agrees: they saved the same checkpoints
+            return []
+        return [str(self.pending.pop(index)) for index in self.queue.maybe_finalize_async_calls(blocking=blocking)]
+
+
+def _stage(final: Path) -> None:
     if dist.get_rank() == 0:
         fresh_staging(final)
     dist.barrier()
-    save_sharded(_sharded_state(trainer, with_rng=True, is_loading=False), staging)
+
+
+def _complete(trainer, staging: Path, final: Path) -> None:
+    """The tensors are written: the layout record, then the rename to `final` (collective)."""
     if dist.get_rank() == 0:
         record = {**_layout_record(trainer), "precision": trainer.config.precision}
         (staging / LAYOUT_FILE).write_text(json.dumps(record))
@@ -105,7 +144,6 @@ def save_checkpoint(trainer, directory: str | Path) -> Path:
     if dist.get_rank() == 0:
         publish(staging, final)
     dist.barrier()
-    return final
 
 
 def load_checkpoint(trainer, directory: str | Path, load_optimizer: bool = True) -> None:

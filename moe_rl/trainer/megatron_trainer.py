@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from moe_rl.config import TrainerConfig
 from moe_rl.conversion.directory import is_converted, load_model_weights
+from moe_rl.trace import TRACER
 from moe_rl.trainer.logprobs import token_entropy, token_logprobs
 from moe_rl.trainer.microbatches import (
     Batch,
@@ -330,17 +331,19 @@ class MegatronTrainer:
             self.model.train()
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            reports = self._run_schedule(
-                block,
-                partial(self._forward_step, step_loss, self.routing),
-                forward_only=False,
-                routing=self._routing_mode(block, None),
-                rows=rows // mini_batches,
-            )
+            with TRACER.span("forward-backward", mini_batch=index):
+                reports = self._run_schedule(
+                    block,
+                    partial(self._forward_step, step_loss, self.routing),
+                    forward_only=False,
+                    routing=self._routing_mode(block, None),
+                    rows=rows // mini_batches,
+                )
             if keep_logprobs:
                 logprobs = self._gather_rows(reports, "logprobs", batch["tokens"].shape[1] - 1)
                 reports = [{key: value for key, value in report.items() if key != "logprobs"} for report in reports]
-            updated, grad_norm, _ = self.optimizer.step()
+            with TRACER.span("optimizer", mini_batch=index):
+                updated, grad_norm, _ = self.optimizer.step()
             self.step += 1
             mtp = _taken_mtp_losses(sum(1 for report in reports if report["rows"]), self.config.cp > 1)
             for key, value in self._reduce_reports(reports + mtp).items():

@@ -22,6 +22,7 @@ import torch
 from moe_rl.algorithms import AlgorithmConfig, make_policy_loss, policy_metrics
 from moe_rl.rollout.expert_load import load_metrics
 from moe_rl.rollout.train_batch import RLBatch
+from moe_rl.trace import TRACER
 
 if TYPE_CHECKING:  # megatron-core loads only where a trainer runs, not in the driver
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
@@ -47,7 +48,8 @@ def rl_step(
     metrics: dict[str, float] = {}
     if recompute:
         start = time.perf_counter()
-        old = trainer.forward_logprobs(batch.tensors())
+        with TRACER.span("old logprobs"):
+            old = trainer.forward_logprobs(batch.tensors())
         metrics["time/old_logprobs_s"] = time.perf_counter() - start
         metrics.update(_logprob_diff(old, batch, mask, "offpolicy/logprob_diff"))
         batch = dataclasses.replace(batch, old_logprobs=torch.cat([torch.zeros_like(old[:, :1]), old], dim=1))
@@ -56,7 +58,8 @@ def rl_step(
         batch = dataclasses.replace(batch, ref_logprobs=ref)
     if no_replay_forward_due(trainer.config, step):
         start = time.perf_counter()
-        natural, agreement = trainer.natural_forward(batch.tensors())
+        with TRACER.span("routing-off forward"):
+            natural, agreement = trainer.natural_forward(batch.tensors())
         metrics.update(_logprob_diff(natural, batch, mask, "offpolicy/logprob_diff_no_replay"))
         for layer, share in agreement.items():
             metrics[f"routing/agreement/layer{layer}"] = float(share)
@@ -103,9 +106,10 @@ def _reference_logprobs(
     """The frozen reference's logprobs at the batch's token positions (built on first use: the
     initial policy, rebuilt from model.path or trainer.seed, so a resumed run gets the same)."""
     start = time.perf_counter()
-    if trainer.reference is None:
-        trainer.build_reference(algorithm.ref_model_path or model_path)
-    ref = trainer.reference_logprobs(batch.tensors())
+    with TRACER.span("ref logprobs"):
+        if trainer.reference is None:
+            trainer.build_reference(algorithm.ref_model_path or model_path)
+        ref = trainer.reference_logprobs(batch.tensors())
     metrics["time/ref_logprobs_s"] = time.perf_counter() - start
     return torch.cat([torch.zeros_like(ref[:, :1]), ref], dim=1)
 

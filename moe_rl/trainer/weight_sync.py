@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 import torch.distributed as dist
 
 from moe_rl.engine.client import EngineClient, engine_name
+from moe_rl.trace import TRACER
 from parallel.export import export_source_ranks
 from parallel.fp8 import BlockFP8
 from parallel.peft import adapter_config, hf_lora_targets, write_adapter
@@ -58,18 +59,19 @@ class ConnectRequest:
 
 @dataclass(frozen=True)
 class SyncRequest:
-    """`WeightSync.sync`: one weight update, or a catch-up of restarted engines."""
+    """`WeightSync.sync`: one weight update, or a catch-up of restarted or new engines."""
 
     version: int
     """The version to commit; the committed one again: only the engines behind receive it."""
     bucket_bytes: int
     """The export's gather bucket (`sync.bucket_bytes`)."""
     joined: Mapping[str, str] = field(default_factory=dict)
-    """Restarted engines (name -> url) the sender takes back first."""
+    """Restarted or new engines (name -> url; new: `moe-rl engines add`, `moe_rl.rl.fleet`) the sender
+    takes in first."""
     served_version: int = 0
     """The version the `joined` engines serve (what they were restarted from)."""
     lost: tuple[str, ...] = ()
-    """Engines known dead, removed from the sender first."""
+    """Engines known dead, or taken out of the fleet (`moe-rl engines remove`), removed from the sender first."""
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,8 @@ class WeightSync:
                 self.syncer.add(self._client(name, url), request.served_version)
             except SyncError:  # it died again: restarted next time (raising here would strand the ranks)
                 dropped.append(name)
-        engines, more = self._converge(request.version, request.bucket_bytes)
+        with TRACER.span("weight sync", version=request.version):
+            engines, more = self._converge(request.version, request.bucket_bytes)
         return SyncResult(engines, dropped + more, time.perf_counter() - start)
 
     def _converge(self, version: int, bucket_bytes: int) -> tuple[list[str], list[str]]:
@@ -139,6 +142,8 @@ class WeightSync:
             else:
                 if stats is not None:
                     engines, dropped = stats.engines, dropped + stats.dropped
+                    for phase, start, end in stats.phases:
+                        TRACER.add(f"sync {phase}", start, end, lane="weight sync phases")
         if error is not None:
             raise error
         return engines, dropped

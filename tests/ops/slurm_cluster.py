@@ -5,7 +5,8 @@ are missing (as root; otherwise the caller skips with the reason), writes a mung
 slurm.conf into its own directory, and starts munged, slurmctld and slurmd there with PID files,
 ports of their own and no systemd or cgroups (proctrack/linuxproc, task/none). The node
 advertises a fake `gpu:8` gres (placeholder device files, AutoDetect=off), so a job may ask for
-`--gpus-per-node=8` as the sbatch header does, or for `--gpus-per-node=0` as CPU users do.
+`--gpus-per-node=8` as the sbatch header does, or for `--gpus-per-node=0` as CPU users do. A
+requeued job may start again 30 s after its requeue (`cred_expire`; SLURM's default is 120 s).
 `stop()` cancels what is left and ends the three daemons; every wait is bounded.
 """
 
@@ -101,7 +102,8 @@ class SlurmCluster:
                     "SlurmdUser=root",
                     "AuthType=auth/munge",
                     "CredType=cred/munge",
-                    f"AuthInfo=socket={d}/munge/munge.socket",
+                    # cred_expire also delays a requeued job's next start (default 120 s)
+                    f"AuthInfo=socket={d}/munge/munge.socket,cred_expire=30",
                     f"StateSaveLocation={d}/state",
                     f"SlurmdSpoolDir={d}/spool",
                     f"SlurmctldPidFile={d}/slurmctld.pid",
@@ -163,9 +165,13 @@ class SlurmCluster:
         return int(out.split(";")[0])
 
     def job_state(self, job: int) -> str:
+        return self.job_field(job, "JobState")
+
+    def job_field(self, job: int, name: str) -> str:
+        """One field of `scontrol show job` (JobState, Restarts, ExitCode, ...); UNKNOWN if absent."""
         out = self.run(["scontrol", "show", "job", str(job)], check=False).stdout
         for field in out.split():
-            if field.startswith("JobState="):
+            if field.startswith(f"{name}="):
                 return field.split("=", 1)[1]
         return "UNKNOWN"
 

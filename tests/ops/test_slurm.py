@@ -1,8 +1,10 @@
 """The SLURM path under a real SLURM (slurm-wlm 22.05 + munge on this machine, `slurm_cluster`):
 `sbatch scripts/slurm/train.sbatch` with the CPU demo (as a CPU user submits it, and with the
-header as written against a fake `gpu:8` node), `srun` + the torchrun scripts, and `scancel` of a
-running job. Each job completes (or is cancelled) with its metrics written and leaves no Ray,
-torchrun or trainer process and no Ray temp dir behind; a local run starts afterwards."""
+header as written against a fake `gpu:8` node), `srun` + the torchrun scripts, `scancel` of a
+running job, and preemption: USR1 to the batch shell checkpoints the run, requeues the job and
+the job resumes it; a second signal ends it at once. Each job completes (or is cancelled) with
+its metrics written and leaves no Ray, torchrun or trainer process and no Ray temp dir behind; a
+local run starts afterwards."""
 
 from __future__ import annotations
 
@@ -66,7 +68,9 @@ def _address_file_state():
     return RAY_ADDRESS_FILE.stat().st_mtime_ns if RAY_ADDRESS_FILE.exists() else None
 
 
-def _submit_demo(slurm: SlurmCluster, tmp_path: Path, extra_sbatch: list[str], steps: int) -> tuple[int, Path, Path]:
+def _submit_demo(
+    slurm: SlurmCluster, tmp_path: Path, extra_sbatch: list[str], steps: int, overrides: tuple[str, ...] = ()
+) -> tuple[int, Path, Path]:
     run = tmp_path / "run"
     job = slurm.sbatch(
         [
@@ -77,6 +81,7 @@ def _submit_demo(slurm: SlurmCluster, tmp_path: Path, extra_sbatch: list[str], s
             "configs/demo_cpu.yaml",
             f"steps={steps}",
             f"output_dir={run}",
+            *overrides,
         ],
         cwd=REPO,
         env=_job_env(),
@@ -87,6 +92,15 @@ def _submit_demo(slurm: SlurmCluster, tmp_path: Path, extra_sbatch: list[str], s
 def _metrics(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_for_rows(slurm: SlurmCluster, job: int, run: Path, log: Path, rows: int, timeout_s: float = 600) -> None:
+    """Until the running job's metrics hold `rows` rows (training is under way)."""
+    deadline = time.monotonic() + timeout_s
+    while len(_metrics(run)) < rows:
+        assert slurm.job_state(job) in ("PENDING", "RUNNING"), log.read_text()[-3000:] if log.exists() else ""
+        assert time.monotonic() < deadline, f"the job wrote fewer than {rows} metrics rows in {timeout_s} s"
+        time.sleep(0.5)
 
 
 def _check_finished_job(job: int, run: Path, log: Path, state: str, address_before) -> str:
@@ -135,11 +149,7 @@ def test_sbatch_header_as_written_on_a_gpu_node(slurm, tmp_path):
 def test_scancel_of_a_running_job_ends_it_clean(slurm, tmp_path):
     before = _address_file_state()
     job, run, log = _submit_demo(slurm, tmp_path, ["--gpus-per-node=0"], steps=100000)
-    deadline = time.monotonic() + 600
-    while len(_metrics(run)) < 2:  # training is under way
-        assert slurm.job_state(job) in ("PENDING", "RUNNING"), log.read_text()[-3000:] if log.exists() else ""
-        assert time.monotonic() < deadline, "the job wrote no metrics in 600 s"
-        time.sleep(1)
+    _wait_for_rows(slurm, job, run, log, 2)
     slurm.run(["scancel", str(job)])
     assert slurm.wait_job(job, 120) == "CANCELLED"
     assert not Path(f"/tmp/moe-rl-ray-{job}").exists()
@@ -147,6 +157,50 @@ def test_scancel_of_a_running_job_ends_it_clean(slurm, tmp_path):
     assert _address_file_state() == before
     assert len(_metrics(run)) >= 2  # what the run had written is still there
     (REPO / f"moe-rl-{job}-ray.log").unlink(missing_ok=True)
+
+
+def test_usr1_checkpoints_requeues_and_the_job_resumes(slurm, tmp_path):
+    """What the header's `--signal=B:USR1@300` does before the time limit: USR1 to the batch shell
+    only. First a USR1 to every job step (not the shell), which Ray ignores: training goes on. Then
+    USR1 to the batch shell: the driver checkpoints (rl.checkpoint_every=0: only on the signal),
+    exits 75, Ray stops, the job requeues itself and its second start continues the run
+    (--auto-resume) to the end: every step once, no group trained twice."""
+    before = _address_file_state()
+    steps = 60  # a demo step takes ~0.2 s: room for the signal to arrive before the last one
+    job, run, log = _submit_demo(slurm, tmp_path, ["--gpus-per-node=0"], steps, ("rl.checkpoint_every=0",))
+    _wait_for_rows(slurm, job, run, log, 2)
+    slurm.run(["scancel", "--signal=USR1", str(job)])  # the steps, never the batch shell
+    _wait_for_rows(slurm, job, run, log, len(_metrics(run)) + 1)  # Ray is still there
+    slurm.run(["scancel", "--signal=USR1", "--batch", str(job)])
+    text = _check_finished_job(job, run, log, slurm.wait_job(job, 900), before)
+    assert slurm.job_field(job, "Restarts") == "1", text[-3000:]
+    (checkpoint,) = (run / "checkpoints").iterdir()  # the signal's, and no other
+    step = int(checkpoint.name.removeprefix("step_"))
+    assert f"preempted by SIGUSR1: run checkpoint at step {step}/{steps}" in text
+    assert f"moe-rl: job {job} requeued" in text and "requeued 1 x" in text
+    assert f"over {steps} steps" in text
+    assert [m["step"] for m in _metrics(run)] == list(range(1, steps + 1))
+    trained = [json.loads(line)["groups"] for line in (run / "trained.jsonl").read_text().splitlines()]
+    groups = [group for row in trained for group in row]
+    assert len(groups) == len(set(groups))
+
+
+def test_a_second_signal_ends_the_job_at_once_without_ray_left(slurm, tmp_path):
+    """USR1 then TERM to the batch shell: the driver exits at once (no checkpoint, no requeue), then
+    Ray stops; nothing of the job is left."""
+    before = _address_file_state()
+    job, run, log = _submit_demo(slurm, tmp_path, ["--gpus-per-node=0"], 100000, ("rl.checkpoint_every=0",))
+    _wait_for_rows(slurm, job, run, log, 2)
+    slurm.run(["scancel", "--signal=USR1", "--batch", str(job)])
+    slurm.run(["scancel", "--signal=TERM", "--batch", str(job)])
+    assert slurm.wait_job(job, 300) == "FAILED"
+    assert slurm.job_field(job, "Restarts") == "0"
+    assert not Path(f"/tmp/moe-rl-ray-{job}").exists()
+    _assert_nothing_left(f"/tmp/moe-rl-ray-{job}", str(run))
+    assert _address_file_state() == before
+    ray_log = REPO / f"moe-rl-{job}-ray.log"
+    assert "srun: error" not in ray_log.read_text()
+    ray_log.unlink()
 
 
 def test_srun_torchrun_train(slurm, tmp_path):

@@ -111,7 +111,7 @@ def test_rl_cluster_pins_trainer_engine_and_rollout_worker(tmp_path):
         # the driver, every thread of it, runs on the trainer's cores while the cluster lives
         tids = os.listdir("/proc/self/task")
         assert {tuple(sorted(os.sched_getaffinity(int(t)))) for t in tids} == {(CORES[0],)}
-        batch = cluster.get_batch(BatchRequest(1, 0, AlgorithmConfig(), row_multiple=8))
+        batch = cluster.get_batch(cluster.ask_batch(BatchRequest(1, 0, AlgorithmConfig(), row_multiple=8)))
         assert len(batch.info.group_ids) == 1  # and generation works on them
         recorded = json.loads((tmp_path / "cpu_pools.json").read_text())
         assert recorded == {

@@ -11,8 +11,6 @@ committed weight version (its /model_info) and got work again after its restart.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import os
 import signal
 import threading
@@ -21,10 +19,9 @@ import time
 import pytest
 import ray
 
-from moe_rl.config import EngineConfig
-from moe_rl.engine.client import EngineClient
 from moe_rl.rl.cluster import RLCluster
-from tests.rl.test_rl_modes import tiny_config
+from tests.rl.cluster_runs import on_engine, run_with_cluster
+from tests.rl.test_rl_modes import check_ledger
 
 pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
@@ -70,11 +67,11 @@ class FaultyCluster(RLCluster):
                 if ray.get(self.rollout.engine_states.remote())[0]["in_flight"] >= 1:
                     # hold them there (an in-place pause keeps requests in the engine), so they are
                     # still in flight when the process dies, not finished in between
-                    asyncio.run(_pause(self.url(0)))
+                    asyncio.run(on_engine(self.url(0), lambda client: client.pause_generation("in_place")))
                     if ray.get(self.rollout.engine_states.remote())[0]["in_flight"] >= 1:
                         self.kill(0, "killed_in_rollout")
                         return
-                    asyncio.run(_continue(self.url(0)))
+                    asyncio.run(on_engine(self.url(0), lambda client: client.continue_generation()))
             time.sleep(0.002)
 
     def recover(self) -> None:
@@ -105,50 +102,18 @@ class FaultyCluster(RLCluster):
         return super().close()
 
 
-async def _pause(url: str) -> None:
-    client = EngineClient(url)
-    try:
-        await client.pause_generation("in_place")
-    finally:
-        await client.close()
-
-
-async def _continue(url: str) -> None:
-    client = EngineClient(url)
-    try:
-        await client.continue_generation()
-    finally:
-        await client.close()
-
-
 async def _served_version(url: str) -> str:
-    client = EngineClient(url)
-    try:
-        return (await client.model_info())["weight_version"]
-    finally:
-        await client.close()
+    return (await on_engine(url, lambda client: client.model_info()))["weight_version"]
 
 
 def test_engine_killed_in_rollout_and_in_sync(tmp_path, monkeypatch):
-    from moe_rl.jobs import rl
-
-    clusters = []
-    monkeypatch.setattr(rl, "RLCluster", lambda *a: clusters.append(FaultyCluster(*a)) or clusters[-1])
-    config = dataclasses.replace(tiny_config(tmp_path, "fully_async"), steps=STEPS, engines=EngineConfig(count=2))
-    summary = rl.run(config)
-    cluster = clusters[0]
-    rows = [json.loads(line) for line in open(f"{config.output_dir}/metrics.jsonl")]
+    summary, cluster, rows = run_with_cluster(FaultyCluster, tmp_path, monkeypatch, STEPS, engines=2)
     print(cluster.events, cluster.final, [r["time/step_s"] for r in rows])
 
     # the trainer was not disturbed: every step ran
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     # every started group trained exactly once, or dropped once with a reason
-    ledger, trained = summary["ledger"], summary["trained_group_ids"]
-    assert len(trained) == len(set(trained)) == STEPS * GROUPS
-    assert set(trained) == set(ledger["delivered"])
-    assert not set(ledger["delivered"]) & set(ledger["dropped"])
-    assert set(ledger["started"]) == set(ledger["delivered"]) | set(ledger["dropped"])
-    assert set(ledger["dropped"].values()) <= {"stale", "stopped", "unused", "oversampled", "zero_variance"}
+    check_ledger(summary, GROUPS, STEPS)
     # engine-1 died as sync 2 started: dropped, engine-0 committed version 2 in that same sync
     events = cluster.events
     assert events[0] == ("killed_in_sync", 1, SYNC_KILL_AT - 1) and events[1] == ("engine-0 serves", "2")

@@ -10,6 +10,7 @@ import pytest
 from moe_rl.config import load_config
 from moe_rl.report import write_report
 from moe_rl.rollout.expert_load import write_expert_load
+from moe_rl.trace import write_trace
 
 pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
@@ -39,6 +40,7 @@ def test_demo_config_is_rl_and_modes_set_staleness():
         ("algorithm.num_mini_batches=3", "algorithm.num_mini_batches"),  # 64 rows, micro 32 x dp 1
         ("algorithm.clip_ratio_c=0.5", "algorithm.clip_ratio_c"),
         ("sync.fp8_blocks=0", "fp8_blocks"),
+        ("rl.trace_steps=-1", "rl.trace_steps"),
     ],
 )
 def test_bad_rl_settings_name_the_field(override, field):
@@ -84,6 +86,25 @@ def test_report_writes_every_plot(tmp_path):
     for step in range(1, 6):  # the routing's layer x expert load (layer 0 dense)
         write_expert_load(tmp_path, step, [1, 2], np.array([[step, 4, 4, 4], [8, 0, 2, 2]]))
     assert "experts.png" in {p.name for p in write_report(tmp_path)}
+    # with a step timeline (trace.json): two steps of a driver, a trainer rank and an engine
+    recorded = [
+        {
+            "process": "driver",
+            "events": [(f"step {i}", i, i + 1, "steps", None, {}) for i in (2, 3)],
+            "cpu_s": 0.1,
+            "wall_s": 2,
+        },
+        {
+            "process": "trainer rank 0",
+            "events": [("train step", i + 0.1, i + 0.6, "MainThread", None, {}) for i in (2, 3)],
+        },
+        {
+            "process": "engine-0",
+            "events": [("decode", i + 0.2, i + 0.3, "scheduler", None, {"rows": 8}) for i in (2, 3)],
+        },
+    ]
+    write_trace(tmp_path / "trace.json", recorded)
+    assert "timeline.png" in {p.name for p in write_report(tmp_path)}
     # the probe's gap (every other step) against the off-policy gap (every step, one step at 0: off the log axis)
     gaps = [{"offpolicy/logprob_diff_mean": 0.02 * (s > 1)} for s in range(1, 6)]
     for gap in gaps[1::2]:

@@ -94,10 +94,10 @@ def check_utilization(rows: list[dict]) -> None:
     assert rows[-1]["rollout/generated_tokens"] > 0
 
 
-def check_ledger(summary: dict, groups: int = 4) -> None:
+def check_ledger(summary: dict, groups: int = 4, steps: int = STEPS) -> None:
     """Trained exactly once, or dropped exactly once with a reason; nothing else."""
     ledger, trained = summary["ledger"], summary["trained_group_ids"]
-    assert len(trained) == len(set(trained)) == STEPS * groups
+    assert len(trained) == len(set(trained)) == steps * groups
     assert set(trained) == set(ledger["delivered"])
     assert not set(ledger["delivered"]) & set(ledger["dropped"])
     assert set(ledger["started"]) == set(ledger["delivered"]) | set(ledger["dropped"])
@@ -105,6 +105,39 @@ def check_ledger(summary: dict, groups: int = 4) -> None:
         reason in {"stale", "stopped", "unused", "oversampled", "zero_variance"}
         for reason in ledger["dropped"].values()
     )
+
+
+def check_trace(run_dir, rows: list[dict]) -> list[dict]:
+    """The step timeline (`trace.json`, rl.trace_steps=5 by default: steps 2..STEPS here): every
+    process has its lane, each traced step holds the driver's and every trainer rank's spans in
+    their order, and the engine's forwards are at most one per generated token (the trace's cost
+    grows with the work, one tuple a span). Returns the spans."""
+    from moe_rl.trace import read_trace
+
+    spans = read_trace(run_dir / "trace.json")
+    processes = {s["process"] for s in spans}
+    assert processes == {"driver", "trainer rank 0", "trainer rank 1", "rollout worker", "engine-0"}, processes
+    steps = sorted((s for s in spans if s["lane"] == "steps"), key=lambda s: s["start"])
+    assert [s["name"] for s in steps] == [f"step {i}" for i in range(2, STEPS + 1)]
+    for step in steps:
+        inside = [s for s in spans if step["start"] <= s["start"] and s["end"] <= step["end"] + 1e-6]
+        driver = [
+            s["name"]
+            for s in sorted(inside, key=lambda s: s["start"])
+            if s["lane"] == "MainThread" and s["process"] == "driver"
+        ]
+        assert driver[:3] == ["wait for batch", "train", "weight sync"], driver
+        for rank in ("trainer rank 0", "trainer rank 1"):
+            names = [s["name"] for s in inside if s["process"] == rank]
+            for name in ("batch transfer", "train step", "forward-backward", "optimizer", "weight sync"):
+                assert name in names, (rank, name, names)
+        # the sync source's phases, in order, inside its weight sync
+        phases = [s["name"] for s in sorted(inside, key=lambda s: s["start"]) if s["lane"] == "weight sync phases"]
+        assert phases == ["sync pause", "sync buckets", "sync commit", "sync resume"], phases
+        assert "update_weight_version" in [s["name"] for s in inside if s["process"] == "engine-0"]
+    forwards = [s for s in spans if s["process"] == "engine-0" and s["name"] in ("decode", "prefill")]
+    assert 0 < len(forwards) <= rows[-1]["rollout/generated_tokens"]
+    return spans
 
 
 @pytest.mark.parametrize("mode, bound", [("sync", 0), ("one_step_off", 1)])
@@ -121,6 +154,11 @@ def test_sync_and_one_step_off(tmp_path, mode, bound):
     assert all(r["train/skipped"] == 0 for r in rows)
     if mode == "one_step_off":
         assert all("time/drain_s" in r for r in rows)
+    spans = check_trace(tmp_path / mode, rows)
+    if mode == "sync":  # staleness 0: the engine never generates while a rank trains (one clock shows it)
+        forwards = [s for s in spans if s["name"] in ("decode", "prefill")]
+        for train in (s for s in spans if s["name"] == "train step"):
+            assert not [f for f in forwards if f["start"] < train["end"] and train["start"] < f["end"]]
 
 
 def test_the_batch_stays_off_the_driver(tmp_path):
@@ -192,9 +230,13 @@ def test_fully_async_partial_rollouts_r3_probe_expert_load_and_frozen_routers_in
         "consistency_probe_samples": 3,
         "moe": {"freeze_router": True},
     }
+    # a group whose samples tie has zero GRPO advantage: regenerate it, so every step trains on a
+    # signal whatever the random rewards (all 16 groups of one-digit copies tied in one CI run)
+    rollout = {"task_options": {"num_stop_tokens": 40, "length": 6}, "drop_zero_variance_groups": True}
     config = tiny_config(
         tmp_path,
         "fully_async",
+        rollout,
         model={"path": str(hf_dir), "hf_config": None},
         trainer=trainer,
         save_hf=True,
@@ -247,6 +289,7 @@ def test_fully_async_partial_rollouts_r3_probe_expert_load_and_frozen_routers_in
             assert 0.0 <= r[f"experts/max_violation/layer{layer}"] <= 1.0
             assert 0.0 < r[f"experts/entropy/layer{layer}"] <= math.log(4) + 1e-9
         assert "experts/max_violation_mean" in r
+    check_trace(tmp_path / "fully_async", rows)
     load = read_expert_load(tmp_path / "fully_async")
     assert [row["step"] for row in load] == [1, 2, 3, 4] and all(row["layers"] == [0, 1] for row in load)
     # the RL job's own plots
@@ -255,6 +298,7 @@ def test_fully_async_partial_rollouts_r3_probe_expert_load_and_frozen_routers_in
         "time.png",
         "utilization.png",
         "experts.png",
+        "timeline.png",
     }
     # frozen routers: bit-equal to the loaded checkpoint in final_hf; the attention trained
     loaded = load_file(next(hf_dir.glob("*.safetensors")))
@@ -263,6 +307,7 @@ def test_fully_async_partial_rollouts_r3_probe_expert_load_and_frozen_routers_in
     }
     gates = [name for name in loaded if name.endswith("mlp.gate.weight")]
     assert len(gates) == 2 and all(torch.equal(final[name], loaded[name]) for name in gates)
+    assert all(r["train/grad_norm"] > 0 for r in rows)
     assert not torch.equal(
         final["model.layers.0.self_attn.o_proj.weight"], loaded["model.layers.0.self_attn.o_proj.weight"]
     )

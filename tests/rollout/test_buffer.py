@@ -62,6 +62,22 @@ def test_stale_groups_are_dropped_or_requeued_and_counted():
     assert buffer.dropped == {} and buffer.requeued == 1 and [g[0].group_id for g in rejected] == ["old"]
 
 
+def test_staleness_counts_against_the_consuming_version():
+    """The driver asks for step v + 1's batch while version v is still the buffer's: a group one
+    version behind v is two behind v + 1, so at bound 1 it is stale for that batch."""
+
+    async def go():
+        buffer = RolloutBuffer(groups_per_step=1, max_staleness=1)
+        await buffer.set_version(3)
+        await buffer.put(group("behind v", [2, 3]))
+        await buffer.put(group("at v", [3, 3]))
+        return buffer, await buffer.get_batch(1, version=4)
+
+    buffer, batch = asyncio.run(go())
+    assert [g[0].group_id for g in batch] == ["at v"]
+    assert buffer.dropped == {"behind v": "stale"} and buffer.delivered == {"at v": 4}
+
+
 def test_get_batch_waits_and_measures_trainer_wait():
     async def go():
         buffer = RolloutBuffer(groups_per_step=2, max_staleness=0)

@@ -125,3 +125,27 @@ def test_distributed_optimizer_resume_gives_each_parameter_its_own_adam_step(tmp
         assert got.keys() == want.keys()
         differ = [name for name in want if not torch.equal(got[name], want[name])]
         assert not differ, f"rank {rank}: the resumed step differs from the uninterrupted one in {differ}"
+
+
+def save_in_background_then_continue(directory):
+    """A background save, two steps while its writers run, then its completion: training changed
+    the weights meanwhile, the checkpoint must hold them as they were at the save."""
+    from moe_rl.trainer.checkpoint import BackgroundCheckpoints
+
+    trainer, batch = _trainer(DP2, distributed=True), _batch()
+    trainer.train_step(batch)
+    trainer.train_step(batch)
+    checkpoints = BackgroundCheckpoints()
+    checkpoints.save(trainer, directory)
+    assert not directory.exists()  # in place only once completed
+    losses = [trainer.train_step(batch).loss for _ in range(2)]
+    return losses, checkpoints.finish(blocking=True)
+
+
+def test_background_checkpoint_holds_the_state_of_its_save(tmp_path):
+    directory = tmp_path / "ckpt"
+    (reference, done), _ = spawn(save_in_background_then_continue, 2, directory)
+    assert done == [str(directory)] and not (tmp_path / "ckpt.tmp").exists()
+    (resumed, step_loaded), _ = spawn(load_then_continue, 2, DP2, directory, True)
+    assert step_loaded == 2
+    assert resumed == reference  # the same arithmetic from the same state: equal, not close

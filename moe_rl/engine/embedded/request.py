@@ -18,13 +18,9 @@ import random
 from typing import Callable
 
 import numpy as np
-import torch
 
 from moe_rl.engine.sampling import SamplingParams
 from moe_rl.sample import encode_routed_experts
-
-SAMPLING_EPS = 1e-6
-"""A temperature below this samples greedily (SGLang's `_SAMPLING_EPS`: dividing by it would overflow)."""
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)
@@ -51,24 +47,12 @@ class Request:
 
     def __post_init__(self) -> None:
         seed = self.params.sampling_seed
-        self.generator = torch.Generator().manual_seed(seed if seed is not None else random.getrandbits(63))
+        # the request's own draws (`sampler.sample_tokens`): seeded, independent of its batchmates
+        self.rng = random.Random(seed if seed is not None else random.getrandbits(63))
 
-    def sample(self, logprobs: torch.Tensor) -> int:
-        """Draw the next token from the raw log-softmax `logprobs` [V] with this request's params."""
-        p = self.params
-        if p.temperature < SAMPLING_EPS:
-            return int(torch.argmax(logprobs))
-        scores = logprobs / p.temperature
-        if 0 < p.top_k < scores.numel():
-            kth = torch.topk(scores, p.top_k).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            outside = sorted_probs.cumsum(-1) - sorted_probs > p.top_p  # keep the smallest set reaching top_p
-            probs = probs.clone()
-            probs[order[outside]] = 0.0
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+    def uniform(self) -> float:
+        """This request's next uniform number in (0, 1] for `sampler.sample_tokens`."""
+        return 1.0 - self.rng.random()
 
     @property
     def prefill_only(self) -> bool:

@@ -27,6 +27,8 @@ from transformers import DynamicCache
 
 from moe_rl.engine.embedded.request import Request
 from moe_rl.engine.embedded.runner import ModelRunner
+from moe_rl.engine.embedded.sampler import sample_tokens
+from moe_rl.trace import TRACER
 
 
 class Scheduler:
@@ -134,7 +136,8 @@ class Scheduler:
                 self._commands.clear()
             for fn, future in commands:
                 try:
-                    future.set_result(fn())
+                    with TRACER.span(getattr(fn, "__name__", "command").lstrip("_")):
+                        future.set_result(fn())
                 except Exception as error:  # reported to the caller, the loop keeps serving
                     future.set_exception(error)
             if self.paused:
@@ -164,7 +167,8 @@ class Scheduler:
             mask[row, width - len(seq) :] = 1
         cache = DynamicCache()
         score = any(r.wants_input_logprobs for r in new)
-        logprobs, routed, inputs = self.runner.forward(ids, mask, cache, [r.lora_name for r in new], score)
+        with TRACER.span("prefill", rows=len(new), width=width):
+            logprobs, routed, inputs = self.runner.forward(ids, mask, cache, [r.lora_name for r in new], score)
         for row, (request, seq) in enumerate(zip(new, sequences)):
             fed = routed[row, width - len(seq) :]
             request.add_routing(fed[request.num_routed_rows :])
@@ -177,33 +181,39 @@ class Scheduler:
     def _decode(self) -> None:
         ids = torch.tensor([[r.output_ids[-1]] for r in self._running], dtype=torch.long)
         self._mask = torch.cat([self._mask, torch.ones(len(self._running), 1, dtype=torch.long)], dim=1)
-        logprobs, routed, _ = self.runner.forward(ids, self._mask, self._cache, [r.lora_name for r in self._running])
+        adapters = [r.lora_name for r in self._running]
+        with TRACER.span("decode", rows=len(self._running)):
+            logprobs, routed, _ = self.runner.forward(ids, self._mask, self._cache, adapters)
         for row, request in enumerate(self._running):
             request.add_routing(routed[row])
         self._sample_and_finish(0, logprobs)
 
     def _sample_and_finish(self, first: int, logprobs: torch.Tensor) -> None:
-        """Sample the next token of running rows first.. from `logprobs` [rows, V]; retire finished."""
-        done = []
-        for i, row_logprobs in enumerate(logprobs):
-            row = first + i
-            request = self._running[row]
-            if request.prefill_only:  # max_new_tokens=0: scored, nothing to sample (SGLang's finish)
-                request.finish({"type": "length", "length": 0}, self.weight_version)
-                done.append(row)
-                continue
-            try:
-                token = request.sample(row_logprobs)
-            except Exception as error:  # noqa: BLE001 - this request's sampling fails it, no other
-                request.fail(error)
-                done.append(row)
-                continue
-            request.append_token(token, float(row_logprobs[token]), self.weight_version)
-            reason = request.finish_reason_now()
-            if reason is not None:
-                request.finish(reason, self.weight_version)
-                done.append(row)
-        self._remove_rows(done)
+        """Sample the next token of running rows first.. from `logprobs` [rows, V] (one batched
+        draw, `sampler.sample_tokens`); retire finished rows."""
+        rows = self._running[first : first + len(logprobs)]
+        done = [first + i for i, request in enumerate(rows) if request.prefill_only]
+        for row in done:  # max_new_tokens=0: scored, nothing to sample (SGLang's finish)
+            self._running[row].finish({"type": "length", "length": 0}, self.weight_version)
+        sampling = [i for i, request in enumerate(rows) if not request.prefill_only]
+        if sampling:
+            picked = logprobs[sampling] if len(sampling) < len(rows) else logprobs
+            tokens, valid = sample_tokens(
+                picked, [rows[i].params for i in sampling], [rows[i].uniform() for i in sampling]
+            )
+            chosen = picked.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+            for i, token, logprob, ok in zip(sampling, tokens, chosen, valid):
+                request = rows[i]
+                if not ok:  # this row's scores had no probability mass: it fails, no other request
+                    request.fail(ValueError(f"request {request.rid}: no finite probability to sample from"))
+                    done.append(first + i)
+                    continue
+                request.append_token(token, logprob, self.weight_version)
+                reason = request.finish_reason_now()
+                if reason is not None:
+                    request.finish(reason, self.weight_version)
+                    done.append(first + i)
+        self._remove_rows(sorted(done))
 
     # -- KV cache bookkeeping ----------------------------------------------------------------------
 

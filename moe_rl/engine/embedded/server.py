@@ -32,8 +32,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import faulthandler
 import json
 import math
+import signal
+import sys
+import threading
 import time
 import uuid
 
@@ -46,6 +50,7 @@ from moe_rl.engine.embedded.runner import ModelRunner, load_checkpoint_state
 from moe_rl.engine.embedded.scheduler import Scheduler
 from moe_rl.engine.process import EmbeddedConfig
 from moe_rl.engine.sampling import SamplingParams
+from moe_rl.trace import TRACER
 from parallel.bridges.rope import max_positions
 from sync.flattened_payload import decode
 from sync.receiver import WeightReceiver
@@ -53,6 +58,15 @@ from sync.receiver import WeightReceiver
 
 class BadRequest(ValueError):
     pass
+
+
+_INLINE_BYTES = 1 << 16
+"""Request bodies up to this size are parsed on the event loop (`EmbeddedServer._body`)."""
+
+# paths without a span of their own: generation shows as the scheduler's forwards, and polls are noise
+_UNTRACED = frozenset(
+    {"/generate", "/health", "/health_generate", "/get_load", "/v1/loads", "/start_trace", "/stop_trace"}
+)
 
 
 def _check(body: object, path: str) -> dict:
@@ -109,6 +123,8 @@ class EmbeddedServer:
             "/end_weight_update": self.end_update,
             "/release_memory_occupation": self.release_memory,
             "/resume_memory_occupation": self.resume_memory,
+            "/start_trace": self.start_trace,
+            "/stop_trace": self.stop_trace,
             **self.lora.routes(),
         }
         for path, handler in routes.items():
@@ -123,13 +139,17 @@ class EmbeddedServer:
             app.router.add_get(path, self.server_info)
         app.router.add_get("/get_load", self.get_load)
         app.router.add_get("/v1/loads", self.loads)
+        app.on_startup.append(self._startup)
         app.on_shutdown.append(self._shutdown)
         return app
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
         try:
-            return await handler(request)
+            if request.path in _UNTRACED:
+                return await handler(request)
+            with TRACER.span(request.path.lstrip("/"), lane="http"):  # the control calls, one at a time
+                return await handler(request)
         except ValueError as error:  # BadRequest and the receiver's / runner's input errors
             return web.json_response(
                 {"error": {"message": str(error)}, "success": False, "message": str(error)}, status=400
@@ -154,14 +174,18 @@ class EmbeddedServer:
         if not request.can_read_body:
             return _check({}, request.path)
         raw = await request.read()
-        try:  # parsed and checked off the event loop: a large body never stalls /health
-            body = await asyncio.to_thread(json.loads, raw)
+        try:  # a large body is parsed off the event loop (it never stalls /health); a small one here,
+            # where a thread hop would cost more than the parse
+            body = json.loads(raw) if len(raw) <= _INLINE_BYTES else await asyncio.to_thread(json.loads, raw)
         except ValueError:
             raise BadRequest(f"{request.path}: the body is not valid JSON") from None
         return _check(body, request.path)
 
     async def _on_scheduler(self, fn):
         return await asyncio.wrap_future(self.scheduler.call(fn))
+
+    async def _startup(self, app) -> None:
+        self.handoff = Handoff(asyncio.get_running_loop())
 
     async def _shutdown(self, app) -> None:
         self.scheduler.stop()
@@ -170,7 +194,10 @@ class EmbeddedServer:
     # -- generation --------------------------------------------------------------------------------
 
     async def generate(self, http: web.Request) -> web.Response:
-        request = await asyncio.to_thread(self._parse_generate, await self._body(http))  # per-id checks off the loop
+        body = await self._body(http)
+        small = http.content_length is not None and http.content_length <= _INLINE_BYTES
+        # per-id checks of a long prompt off the loop
+        request = self._parse_generate(body) if small else await asyncio.to_thread(self._parse_generate, body)
         if self.released or self.runner.weights_state != "loaded":
             raise RuntimeError(
                 f"/generate refused: memory released {sorted(self.released)}, weights "
@@ -179,7 +206,7 @@ class EmbeddedServer:
         self.lora.acquire(request.lora_name)  # an unknown adapter fails this request only
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
-        request.on_done = lambda result: loop.call_soon_threadsafe(_resolve, done, result)
+        request.on_done = lambda result: self.handoff.put(done, result)
         self._rids.add(request.rid)
         try:
             self.scheduler.submit(request)
@@ -287,6 +314,17 @@ class EmbeddedServer:
         if self.scheduler.num_requests and not self.scheduler.paused:
             return web.Response(status=400, text="Flush cache failed: requests are running.\n")
         return web.Response(status=200, text="Cache flushed.\n")
+
+    async def start_trace(self, http: web.Request) -> web.Response:
+        """Extension (not SGLang's): record this engine's spans (`moe_rl.trace`), named by the
+        query's `process` (e.g. `/start_trace?process=engine-0`)."""
+        TRACER.process = http.query.get("process", TRACER.process)
+        TRACER.start()
+        return web.json_response({"success": True})
+
+    async def stop_trace(self, http: web.Request) -> web.Response:
+        """Extension: stop recording; answers the spans (`Tracer.stop`)."""
+        return web.json_response(TRACER.stop())
 
     async def health(self, http: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -518,6 +556,30 @@ class EmbeddedServer:
         return web.json_response({"success": True, "message": f"Serving weight version {version}."})
 
 
+class Handoff:
+    """Results from the scheduler thread to the event loop's futures, one loop wakeup per batch of
+    them (a forward can finish dozens of requests; a wakeup each cost more than the responses)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Future, object]] = []
+
+    def put(self, future: asyncio.Future, result) -> None:
+        """From any thread: resolve `future` with `result` (an exception fails it) on the loop."""
+        with self._lock:
+            self._pending.append((future, result))
+            first = len(self._pending) == 1
+        if first:  # the drain already scheduled takes the later ones too
+            self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for future, result in pending:
+            _resolve(future, result)
+
+
 def _resolve(future: asyncio.Future, result) -> None:
     if future.done():
         return
@@ -529,8 +591,18 @@ def _resolve(future: asyncio.Future, result) -> None:
 
 def serve(config: EmbeddedConfig) -> None:
     """Blocking: load the model and serve until SIGINT/SIGTERM (on `config.port`, which must be set)."""
+    if _has_fd(sys.stderr):  # `moe-rl stacks`: every thread's stack to the log (not in-process under pytest)
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
     server = EmbeddedServer(str(config.model_path), config.weight_version, config.max_batch, config.device)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request
     web.run_app(
         server.app(), host=config.host, port=config.port, print=None, handle_signals=True, handler_cancellation=True
     )
+
+
+def _has_fd(stream) -> bool:
+    try:
+        stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last two
+        return False
+    return True

@@ -23,7 +23,9 @@ group it arrives on. Bucket indices (the checksum tags) run across the groups of
 Versions are integers sent as decimal strings (SGLang's `weight_version` is a string). Buckets
 normally carry none (the sender names the version only at the commit, see `sync.engine_api`);
 one that does must name a version above the committed one, else ValueError before any
-collective. A commit of a version that is not above the committed one is refused.
+collective. A commit of a version that is not above the committed one is refused, except the
+first commit after joining a group: a new sync source (a trainer restarted from an older run
+checkpoint while the engine kept running) rolls the engine back to its version.
 
 Storage (why a sync runs at wire speed): the receiver keeps two sets of weight storage, one
 holding the served version and one the version being staged, and swaps them at commit. A set
@@ -77,6 +79,7 @@ class WeightReceiver:
         self._staging_open = False  # buckets of a new version are being received
         self._labelled: int | None = None  # the version the staged buckets named, if they did
         self._rejected: int | None = None  # the first bucket that failed its checksum: no commit
+        self._rejoined = False  # a group was joined since the last commit: the next may go back
         self._state = threading.RLock()
         self._turn = threading.Condition(self._state)  # orders collectives by bucket index
         self._tickets = 0  # buckets of the staged version announced so far
@@ -99,6 +102,7 @@ class WeightReceiver:
         self.groups[group_name] = WeightUpdateGroup.join(
             master_address, master_port, rank, world_size, group_name, backend, timeout_s
         )
+        self._rejoined = True
 
     @property
     def group(self) -> WeightUpdateGroup | None:
@@ -212,6 +216,12 @@ class WeightReceiver:
             return sorted(self._staged)
 
     @property
+    def may_go_back(self) -> bool:
+        """The next commit may be of an older version than the served one: the first after a group
+        was joined (a new sync source: see the module docstring)."""
+        return self._rejoined
+
+    @property
     def labelled_version(self) -> int | None:
         """The version the staged buckets named (None: they named none, the commit names it)."""
         return self._labelled
@@ -226,7 +236,7 @@ class WeightReceiver:
         the served storage: see the module docstring for how long they stay valid)."""
         version = _parse_version(weight_version)
         with self._state:
-            if version <= self.version:
+            if version <= self.version and not self.may_go_back:
                 raise ValueError(f"new_version: {version} is stale or repeated (serving {self.version})")
             if not self.staged or self._rejected is not None or self._labelled not in (None, version):
                 raise RuntimeError(
@@ -244,7 +254,7 @@ class WeightReceiver:
                 del staging[key]
             tensors = self._staged
             self._staging = 1 - self._staging  # the old served set takes the next version
-            self.version = version
+            self.version, self._rejoined = version, False
             self._reset()
             return tensors
 
@@ -262,7 +272,7 @@ class WeightReceiver:
         """Checks a bucket's version (if it names one); returns how errors should name it."""
         if weight_version is not None:
             version = _parse_version(weight_version)
-            if version <= self.version:
+            if version <= self.version and not self.may_go_back:
                 raise ValueError(
                     f"weight_version: {version} is stale or repeated (serving {self.version}); versions must increase"
                 )

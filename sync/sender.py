@@ -41,7 +41,9 @@ live engines then commit it (`moe_rl`'s trainer does). An orchestrator that give
 restarts the `partial` engines from the last published weights.
 
 Engines that come back (an orchestrator restarted one): `add(engine, served_version)` makes it a
-member again; if it serves an older version than the committed one it is *behind*, and
+member again; if it serves an older version than the committed one (or, `served_version=None`,
+weights this sender never sent: it kept running while the trainer restarted from an older run
+checkpoint) it is *behind*, and
 `update(stream, sender.version)` (the committed version, exported again) forms a group with only
 the engines behind and sends them that version, without pausing the others; the next new
 version re-forms the group with every member. The orchestrator gives a restarted engine work
@@ -82,17 +84,19 @@ class WeightSender(Syncer):
         self.transport = transport or make_transport(config.transport, config)
         self._group: EngineSet | None = None  # the members the transport's group was formed with
 
-    def add(self, engine: EngineEndpoint, served_version: int) -> None:
-        """A (re)started or new engine serving `served_version` joins, replacing a member of its name."""
-        if served_version > self.version:
-            raise ValueError(f"served_version: {served_version} is newer than the committed {self.version}")
+    def add(self, engine: EngineEndpoint, served_version: int | None) -> None:
+        """A (re)started or new engine serving `served_version` joins, replacing a member of its name.
+        None: weights this sender did not send (an engine kept running while the trainer restarted
+        from an older checkpoint): it is behind whatever it serves, and gets the committed version."""
         self.engines.add(engine)
         self.transport.broken = True  # the group must be re-formed with the new process
         self.partial.discard(engine.name)
-        if served_version < self.version:
+        if served_version is None or served_version < self.version:
             self.behind.add(engine.name)
-        else:
+        elif served_version == self.version:
             self.behind.discard(engine.name)
+        else:
+            raise ValueError(f"served_version: {served_version} is newer than the committed {self.version}")
 
     def remove(self, name: str) -> None:
         """Forget a member the orchestrator knows is dead or took out of the fleet (the next update

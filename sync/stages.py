@@ -229,7 +229,7 @@ class StagedSync(ViaCoordinator):
             exhaust(named_tensors)
         return None
 
-    def add(self, engine: EngineEndpoint, served_version: int) -> None:
+    def add(self, engine: EngineEndpoint, served_version: int | None) -> None:
         """A restarted engine joins (call on every rank; see `WeightSender.add`)."""
         super().add(engine, served_version)
         if self.source is not None:

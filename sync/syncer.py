@@ -54,9 +54,10 @@ class Syncer(ABC):
         names the engines found dead: the caller retries with a fresh export)."""
 
     @abstractmethod
-    def add(self, engine: EngineEndpoint, served_version: int) -> None:
-        """A restarted engine serving `served_version` joins, replacing the member of its name.
-        Raises SyncError where it cannot join (it stays out)."""
+    def add(self, engine: EngineEndpoint, served_version: int | None) -> None:
+        """A restarted engine serving `served_version` joins, replacing the member of its name
+        (None: weights of no version this syncer sent, see `WeightSender.add`). Raises SyncError
+        where it cannot join (it stays out)."""
 
     @abstractmethod
     def remove(self, name: str) -> None:
@@ -78,7 +79,7 @@ class Bystander(Syncer):
     def update(self, export: Export, version: int) -> None:
         exhaust(export)
 
-    def add(self, engine: EngineEndpoint, served_version: int) -> None:
+    def add(self, engine: EngineEndpoint, served_version: int | None) -> None:
         pass
 
     def remove(self, name: str) -> None:
@@ -101,7 +102,7 @@ class ViaCoordinator(Syncer):
     def pending(self, version: int) -> bool:
         return self.sender is not None and self.sender.pending(version)
 
-    def add(self, engine: EngineEndpoint, served_version: int) -> None:
+    def add(self, engine: EngineEndpoint, served_version: int | None) -> None:
         if self.sender is not None:
             self.sender.add(engine, served_version)
 

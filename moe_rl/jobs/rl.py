@@ -14,9 +14,11 @@ The config must have passed `moe_rl.jobs.preflight.check_run` (the train command
 anything starts).
 
 Faults: a trainer rank that dies or misses `rl.call_timeout_s` (`TrainerFault`) makes the driver
-tear every process down and start again from the newest run checkpoint, through the same path as
-`--resume` (rows of redone steps replaced, no group trained twice), up to `rl.max_restarts` times
-(`faults/trainer_restarts`, `faults/steps_redone`, `faults/restart_s`). SIGTERM / SIGUSR1 stop the
+tear the trainer and the rollout worker down and start them again from the newest run checkpoint,
+through the same path as `--resume` (rows of redone steps replaced, no group trained twice), up to
+`rl.max_restarts` times (`faults/trainer_restarts`, `faults/steps_redone`, `faults/restart_s`). The
+engines keep running and are rolled back to the checkpoint's version by the new trainer's first
+sync (`RLCluster.detach_engines`). SIGTERM / SIGUSR1 stop the
 run at the end of a step with a run checkpoint (`moe_rl.rl.preemption`; `summary["preempted"]`).
 """
 
@@ -63,6 +65,7 @@ class Faults:
     restart_s: float = 0.0  # from each fault to its resumed loop's start, summed
     since: float | None = None  # the fault being recovered from (perf_counter)
     resumed_from: list[int] = field(default_factory=list)  # the step each restart resumed at
+    engines: list = field(default_factory=list)  # engine servers kept through the last fault (Ray actors)
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -159,8 +162,9 @@ def _attempt(config: RunConfig, restore: RunCheckpoint | None, stop: StopSignals
     start = time.perf_counter()
     logger = MetricsLogger(run_dir, wandb_project=config.rl.wandb_project, config=to_dict(config))
     stacks.forget_processes(run_dir)  # the last start's pids may belong to other processes by now
+    kept, faults.engines = faults.engines, []  # the cluster owns them now (and stops them if it fails)
     try:
-        cluster = RLCluster(config, run_dir, restore)
+        cluster = RLCluster(config, run_dir, restore, kept)
     except BaseException:
         logger.close()
         raise
@@ -292,6 +296,8 @@ def _attempt(config: RunConfig, restore: RunCheckpoint | None, stop: StopSignals
     except TrainerFault as fault:  # the ranks' stacks, before their processes go
         path = stacks.save_stacks(run_dir, "trainer rank", f"fault_{faults.restarts + 1}.txt", str(fault))
         log.warning("the trainer ranks' stacks at the fault: %s", path)
+        if faults.restarts < config.rl.max_restarts:  # the restarted trainer rolls them back to its version
+            faults.engines = cluster.detach_engines()
         raise
     finally:
         ledger = cluster.close()
@@ -305,10 +311,10 @@ def _processes(cluster: RLCluster, run_dir: Path) -> list[stacks.RunProcess]:
     here = [stacks.enable_stack_dumps(run_dir, "driver"), *cluster.trainer.enable_stack_dumps(str(run_dir))]
     here.append(ray.get(cluster.rollout.__ray_call__.remote(_enable_stack_dumps, str(run_dir), "rollout worker")))
     for index, engine in sorted(cluster.servers.items()):
-        name, pid = engine_name(index), ray.get(engine.pid.remote())
-        host = ray.get(engine.__ray_call__.remote(lambda _: socket.gethostname()))
-        log_file = str(run_dir / f"{name}.log") if cluster.config.engines.kind == "embedded" else None
-        here.append(stacks.RunProcess(name, host, pid, log_file))
+        pid = ray.get(engine.pid.remote())
+        host, log_path = ray.get(engine.__ray_call__.remote(lambda server: (socket.gethostname(), server.log_path)))
+        log_file = log_path if cluster.config.engines.kind == "embedded" else None  # kept engines keep theirs
+        here.append(stacks.RunProcess(engine_name(index), host, pid, log_file))
     return here
 
 

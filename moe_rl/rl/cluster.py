@@ -41,7 +41,7 @@ from pathlib import Path
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError
+from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from moe_rl.config import RunConfig
@@ -103,10 +103,21 @@ def require_resources(demand: RayDemand) -> None:
 
 
 class RLCluster:
-    def __init__(self, config: RunConfig, run_dir: Path, restore: RunCheckpoint | None = None):
-        self.config, self.run_dir, self.restore = config, run_dir, restore
+    def __init__(
+        self,
+        config: RunConfig,
+        run_dir: Path,
+        restore: RunCheckpoint | None = None,
+        kept: list[ray.actor.ActorHandle] | None = None,
+    ):
+        """`kept`: engine servers of the run's last start, kept running through a trainer fault
+        (`detach_engines`); the restarted trainer sends them its version instead of new ones starting."""
+        self.config, self.run_dir, self.restore, self.kept = config, run_dir, restore, bool(kept)
         self.trainer = self.rollout = self.fleet = None
-        self.servers: dict[int, ray.actor.ActorHandle] = {}  # engine index -> its EngineServer (removed: gone)
+        self.detached = False  # `detach_engines` took the engines: `close` leaves them and Ray
+        # engine index -> its EngineServer (removed: gone); kept ones numbered 0..n-1 again (the new
+        # rollout worker and sender name engines by position)
+        self.servers: dict[int, ray.actor.ActorHandle] = dict(enumerate(kept or []))
         self.initial_dir = ""  # the checkpoint engines start on (`initial_hf/`, or the resumed version's)
         self.version = self.initial_version = 0  # committed on the engines / served after a restart
         self.restarting: dict[int, ray.ObjectRef] = {}  # engine index -> its restart's URL
@@ -148,9 +159,13 @@ class RLCluster:
         # LoRA: the engines serve the frozen base and adapter `policy-v{version}` on top of it
         self.trainer.save_hf(SaveHFRequest(self.initial_dir, merged=cfg.lora is None, fp8_blocks=cfg.sync.fp8_blocks))
         self.version = self.initial_version = version
-        self._start_engines()
+        if self.kept:
+            self._adopt_engines()
+        else:
+            self._start_engines()
         urls = ray.get([engine.url.remote() for engine in self.engines])
-        self.trainer.connect(ConnectRequest(tuple(urls), cfg.sync, cfg.engines.kind, version, self._adapter_sync()))
+        connect = ConnectRequest(tuple(urls), cfg.sync, cfg.engines.kind, version, self._adapter_sync(), kept=self.kept)
+        self.trainer.connect(connect)
         hf = cfg.model.load_hf_config()
         bridge = bridge_for(hf)
         worker = ray.remote(RolloutWorker).options(num_cpus=1, max_concurrency=16)
@@ -327,6 +342,32 @@ class RLCluster:
                 i, options, gpu_ids, cfg.cpu_pools.engines[i] if cfg.cpu_pools else None
             )
 
+    def _adopt_engines(self) -> None:
+        """The kept engine servers: their restarts now start on the resumed checkpoint. One whose
+        actor is gone (its node with it) is replaced by a new engine."""
+        cfg = self.config
+        adopted = {
+            index: server.adopt.remote(self.initial_dir, self.initial_version) for index, server in self.servers.items()
+        }
+        for index, ref in adopted.items():
+            try:
+                ray.get(ref, timeout=cfg.rl.call_timeout_s)
+            except (RayActorError, GetTimeoutError):
+                ray.kill(self.servers[index])
+                options, _ = engine_placement(cfg.engines, colocate=False)[0]
+                cpus = cfg.cpu_pools.engines[index] if cfg.cpu_pools else None
+                self.servers[index] = self.start_engine(index, options, cpus=cpus)
+
+    def detach_engines(self) -> list[ray.actor.ActorHandle]:
+        """After a trainer fault: the engine servers, in index order, taken out of this cluster so
+        that `close` leaves them (and Ray) running for the restarted trainer, which rolls them back
+        to its version. None where they cannot outlive the trainer: colocated (they live in its
+        GPUs' bundles), or with LoRA (they hold adapters of the discarded versions)."""
+        if self.config.rl.colocate or self.config.lora is not None:
+            return []
+        kept, self.servers, self.detached = self.engines, {}, True
+        return kept
+
     def start_engine(
         self, index: int, options: dict, gpu_ids: list[str] | None = None, cpus: list[int] | None = None
     ) -> ray.actor.ActorHandle:
@@ -362,7 +403,8 @@ class RLCluster:
                 self.trainer.close()
             for engine in self.engines:
                 ray.get(engine.stop.remote())
-            ray.shutdown()
+            if not self.detached:  # kept engines live in this Ray
+                ray.shutdown()
             if self.config.cpu_pools is not None:
                 pin_process(self.cores_before_pinning)
         return ledger

@@ -146,6 +146,15 @@ class EngineServer:
         self.process = self._launch()
         return self.process.url
 
+    def adopt(self, model_dir: str, weight_version: int) -> str:
+        """Kept across a trainer restart: a later restart starts on `model_dir` (the resumed run
+        checkpoint, serving `weight_version`); a process found dead is restarted on it now (the
+        trainer's connect sends it that version anyway). Returns its URL."""
+        self.model_dir, self.weight_version = model_dir, weight_version
+        if self.process.process.poll() is not None:
+            return self.restart()
+        return self.process.url
+
     def stop(self) -> None:
         self.process.stop()
 
@@ -412,6 +421,9 @@ class RolloutWorker:
         for gid in sorted(buffer.queued_ids()):
             buffer.drop(gid, "unused")
         self.manager.close()
+        # the engines may outlive this worker (kept through a trainer fault): none goes on with its requests
+        clients = [client for client in self.pool.clients if client is not None]
+        await asyncio.gather(*(client.abort_request() for client in clients), return_exceptions=True)
         await self.pool.close()
         return {
             "accounting": self.manager.accounting(),

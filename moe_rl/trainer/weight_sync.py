@@ -55,6 +55,9 @@ class ConnectRequest:
     """The version the engines serve now (0, or the run checkpoint's on a resume)."""
     adapters: AdapterSyncConfig | None = None
     """With LoRA: how adapters reach the engines (then only adapters move); None: full weights."""
+    kept: bool = False
+    """The engines kept running while the trainer restarted from a run checkpoint: they serve the
+    run's later versions (or part of one), which it discarded; `version` is sent to them at once."""
 
 
 @dataclass(frozen=True)
@@ -93,8 +96,9 @@ class WeightSync:
         self.kind, self.fp8 = "embedded", None
 
     def connect(self, request: ConnectRequest) -> None:
-        """Build this rank's Syncer for the engines (they serve `request.version`); with LoRA the
-        adapter of that version is loaded on them at once. Collective."""
+        """Build this rank's Syncer for the engines (they serve `request.version`, or, kept across a
+        trainer restart, are sent it now); with LoRA the adapter of that version is loaded on them
+        at once. Collective."""
         self.sources, self.kind = export_source_ranks(), request.kind
         self.fp8 = fp8_format(request.sync.fp8_blocks)
         sync_config = request.sync
@@ -106,7 +110,11 @@ class WeightSync:
             lora = self.trainer.lora
             peft = adapter_config(lora, hf_lora_targets(self.trainer.bridge, lora.targets))
             setup = dataclasses.replace(setup, peft_config=peft, write_adapter=write_adapter)
-        self.syncer = make_syncer([self._client(engine_name(i), url) for i, url in enumerate(request.urls)], setup)
+        clients = [self._client(engine_name(i), url) for i, url in enumerate(request.urls)]
+        self.syncer = make_syncer(clients, setup)
+        if request.kept:  # behind whatever they serve: the first commit over the new group rolls them back
+            for client in clients:
+                self.syncer.add(client, None)
         self._converge(request.version, sync_config.bucket_bytes)  # adapters: `policy-v{version}`
 
     def sync(self, request: SyncRequest) -> SyncResult:

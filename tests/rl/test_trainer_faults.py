@@ -44,11 +44,20 @@ def last_step(run_dir: Path) -> int:
     return max((r["step"] for r in rows(run_dir / "metrics.jsonl")), default=0)
 
 
-def rank_pids(run_dir: Path) -> dict[str, int]:
+def pids(run_dir: Path, kind: str) -> dict[str, int]:
+    """The pids of this start's processes whose names start with `kind` (processes.json)."""
     try:
-        return {p.name: p.pid for p in read_processes(run_dir) if p.name.startswith("trainer rank")}
+        return {p.name: p.pid for p in read_processes(run_dir) if p.name.startswith(kind)}
     except (ValueError, json.JSONDecodeError):
         return {}
+
+
+def rank_pids(run_dir: Path) -> dict[str, int]:
+    return pids(run_dir, "trainer rank")
+
+
+def pids_of_engines(run_dir: Path) -> dict[str, int]:
+    return pids(run_dir, "engine-")
 
 
 class Injector(threading.Thread):
@@ -59,6 +68,7 @@ class Injector(threading.Thread):
         super().__init__(daemon=True)
         self.run_dir, self.steps, self.sig, self.rng = run_dir, steps, sig, rng
         self.hit: list[tuple[int, str]] = []  # (last step logged, rank) per injected fault
+        self.engines: dict[str, int] = {}  # the engines' pids before the first fault
         self.finished = threading.Event()
 
     def run(self) -> None:
@@ -67,6 +77,7 @@ class Injector(threading.Thread):
                 if self.finished.wait(0.05):
                     return
             pids = rank_pids(self.run_dir)
+            self.engines = self.engines or pids_of_engines(self.run_dir)
             rank = self.rng.choice(sorted(pids))
             os.kill(pids[rank], self.sig)
             self.hit.append((last_step(self.run_dir), rank))
@@ -109,6 +120,10 @@ def test_three_trainer_ranks_killed_at_random_steps_the_run_finishes_exactly_onc
     assert metrics[-1]["faults/steps_redone"] == sum(hit - start for start, hit in zip(resumed, hits))
     assert metrics[-1]["faults/restart_s"] > 0
     check_ledger(summary, config.rollout.groups_per_step, steps)  # every group trained once, or dropped once
+    # the engines kept running through the faults, rolled back to each resumed version: no token
+    # of a version the run discarded (it would be newer than the step's trainer: negative staleness)
+    assert pids_of_engines(run_dir) == injector.engines and len(injector.engines) == config.engines.count
+    assert not [key for row in metrics for key in row if key.startswith("rollout/staleness_count/-")]
 
 
 def test_a_rank_that_stops_answering_is_named_with_the_call(tmp_path):

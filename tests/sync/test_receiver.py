@@ -103,3 +103,37 @@ def test_a_bucket_verified_before_the_rejection_acks_even_if_its_ack_comes_later
     assert errors[0] is None and "checksum mismatch" in str(errors[1])
     with pytest.raises(RuntimeError, match="bucket 1 failed its checksum"):
         receiver.commit(1)
+
+
+def test_only_a_newly_joined_group_may_roll_the_receiver_back(joined):
+    """Versions only increase over one group; the first commit after joining one may go back (a
+    trainer restarted from an older run checkpoint while the engine kept running), once."""
+    source, receiver = joined
+    pool = ThreadPoolExecutor(2)
+    states = {v: {f"layer.{i}.w": torch.randn(4) + v for i in range(10)} for v in (1, 2, 3)}
+    for version in (1, 2, 3):
+        assert send(source, receiver, states[version], version, pool) == [None] * 3
+        receiver.commit(version)
+    assert send(source, receiver, states[2], None, pool) == [None] * 3  # unlabelled: the commit names it
+    with pytest.raises(ValueError, match="stale or repeated"):
+        receiver.commit(2)
+    receiver.abort()
+
+    store = host_store("127.0.0.1", 2, timeout_s=30)  # a new source, under the same group name
+    receiver.leave("g")
+    joiner = threading.Thread(target=receiver.join, args=("127.0.0.1", store.port, 1, 2, "g", "gloo", 30))
+    joiner.start()
+    new_source = WeightUpdateGroup.join("127.0.0.1", store.port, 0, 2, "g", "gloo", 30, store=store)
+    joiner.join()
+    try:
+        assert receiver.may_go_back
+        assert send(new_source, receiver, states[2], None, pool) == [None] * 3
+        tensors = receiver.commit(2)
+        assert receiver.version == 2 and all(torch.equal(tensors[k], v) for k, v in states[2].items())
+        assert not receiver.may_go_back
+        assert send(new_source, receiver, states[1], None, pool) == [None] * 3
+        with pytest.raises(ValueError, match="stale or repeated"):  # once only
+            receiver.commit(1)
+    finally:
+        receiver.leave()
+        new_source.destroy()

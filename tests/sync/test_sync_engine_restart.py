@@ -4,7 +4,9 @@ group, a real `WeightReceiver`) and the real sender.
 Proves: a receiver SIGKILLed mid-broadcast fails the update within seconds, not `timeout_s`, and
 the same version retried commits on the live engine; a restarted engine added back is caught up
 to the committed version without pausing the others; an engine dead before the group re-forms
-aborts the rendezvous at once (no wait for `timeout_s`) and the retry commits on the rest.
+aborts the rendezvous at once (no wait for `timeout_s`) and the retry commits on the rest; a new
+sender (the trainer restarted from an older run checkpoint) rolls engines that kept running back
+to its version.
 """
 
 from __future__ import annotations
@@ -79,3 +81,30 @@ def test_dead_engines_dropped_fast_and_restarted_engine_caught_up(engines, qwen3
         if replacement is not None:
             replacement.kill()
             replacement.join(5)
+
+
+def test_a_new_sender_rolls_kept_engines_back_to_its_version(engines, qwen3_moe_state, tmp_path):
+    """The trainer restarted from the run checkpoint of version 2 while the engines kept serving 3:
+    its new sender takes them as serving weights it never sent (`add(engine, None)`), forms its
+    group under the name the dead source's group still holds on them, and commits version 2 there."""
+    clients, _ = engines
+    states = {v: {k: t * v for k, t in qwen3_moe_state.items()} for v in (1, 2, 3)}
+    old = WeightSender(clients, SyncConfig(bucket_bytes=8192, timeout_s=TIMEOUT_S))
+    for version in (1, 2, 3):
+        old.update(iter(states[version].items()), version)
+    old.transport.group.destroy()  # its process died: the engines still hold their side of the group
+    new = WeightSender(clients, SyncConfig(bucket_bytes=8192, timeout_s=TIMEOUT_S), version=2)
+    try:
+        for engine in clients:
+            new.add(engine, served_version=None)
+        assert new.behind == {"engine-0", "engine-1"} and new.pending(2)
+        assert new.update(iter(states[2].items()), 2).engines == ["engine-0", "engine-1"]
+        for engine in clients:
+            assert engine.served_version() == 2
+            assert_same(served(engine, tmp_path), states[2])
+        new.update(iter(states[3].items()), 3)  # and on from there, over the same group
+        for engine in clients:
+            assert engine.served_version() == 3
+            assert_same(served(engine, tmp_path), states[3])
+    finally:
+        new.close()

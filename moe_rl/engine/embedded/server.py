@@ -449,14 +449,17 @@ class EmbeddedServer:
 
     def _version(self, value: object, field: str, same_ok: bool) -> str:
         """A weight version as the engine takes it: a non-negative integer (SGLang's string form, e.g.
-        "3"), never older than the served one (equal only where `same_ok`: a reload)."""
+        "3"), never older than the served one (equal only where `same_ok`: a reload), except the
+        first commit over a newly joined group (`WeightReceiver.may_go_back`: a rollback)."""
         version, served = protocol.weight_version_number(value), self.scheduler.weight_version
         if version is None:
             raise BadRequest(
                 f"{field}: {value!r} is not a weight version; versions are non-negative integers, "
                 f'sent as strings (e.g. "3")'
             )
-        if served.isdigit() and (version < int(served) or (version == int(served) and not same_ok)):
+        going_back = served.isdigit() and (version < int(served) or (version == int(served) and not same_ok))
+        rollback = field == "new_version" and self.receiver.may_go_back and self.receiver.staged
+        if going_back and not rollback:
             raise BadRequest(
                 f"{field}: {version} is not newer than the served version {served}; versions only increase"
             )

@@ -18,10 +18,11 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import sys
 from pathlib import Path
 
-from moe_rl.rl.preemption import EXIT_PREEMPTED
+from moe_rl.rl.preemption import EXIT_PREEMPTED, StopSignals
 
 COMMAND = ("train",)
 HELP = "train a model from a YAML config (dotted overrides: trainer.tp=2); RL when it has a rollout section"
@@ -49,6 +50,13 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    # SIGTERM / SIGUSR1 are caught from the first moment: a stop before the RL run's processes start
+    # still exits EXIT_PREEMPTED (the sbatch script requeues on it); a supervised run gets them back
+    with StopSignals(grace_s=None) as stop:
+        return _run(args, stop)
+
+
+def _run(args, stop: StopSignals) -> int:
 
     # heavy: torch (through moe_rl.config); the CLI imports every command module to build its parser
     from moe_rl.config import load_config
@@ -72,7 +80,13 @@ def run(args) -> int:
     flag = "--resume" if args.resume is not None else "--auto-resume" if args.auto_resume else None
     if flag is not None and not config.is_rl:
         raise ValueError(f"{flag}: only RL runs write run checkpoints; restart supervised runs from their config")
+    if not config.is_rl:  # the default actions: a stop signal ends a supervised run at once
+        stop.release()
+        if stop.requested is not None:  # caught while the config was read: acted on now
+            signal.raise_signal(signal.Signals[stop.requested])
     check_run(config)  # every input the processes would open, before any starts (or a run dir is cleared)
+    if stop.requested is not None:  # before anything started: nothing to save
+        return preempted(stop.requested, config)
     resume = args.resume is not None
     if config.is_rl:
         protect_local_ray()
@@ -86,7 +100,7 @@ def run(args) -> int:
         # heavy: Ray and torch, imported after protect_local_ray as above
         from moe_rl.jobs import rl
 
-        summary = rl.run(config, resume=resume)
+        summary = rl.run(config, resume=resume, stop=stop)
         if summary.get("preempted"):
             return preempted(summary["preempted"], config)
         print(
@@ -167,8 +181,11 @@ def preempted(signal_name: str, config) -> int:
     line saying how to continue it, and the exit status train.sbatch requeues the job on."""
 
     # heavy: Ray (moe_rl.rl.resume, moe_rl.jobs.rl); imported by the run that just returned
-    from moe_rl.rl.resume import latest_checkpoint, load_run_checkpoint
+    from moe_rl.rl.resume import complete_checkpoints, latest_checkpoint, load_run_checkpoint
 
+    if not complete_checkpoints(config.output_dir):  # stopped before its processes started
+        print(f"preempted by {signal_name} before the run started; start it again with the same command")
+        return EXIT_PREEMPTED
     checkpoint = latest_checkpoint(config.output_dir)
     step = load_run_checkpoint(checkpoint).step
     print(

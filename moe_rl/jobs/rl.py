@@ -85,30 +85,34 @@ class Attempt:
     preempted: str | None  # the stop signal honoured, or None: the run finished
 
 
-def run(config: RunConfig, resume: bool = False) -> dict:
+def run(config: RunConfig, resume: bool = False, stop: StopSignals | None = None) -> dict:
     """Train `config.steps` RL steps; writes metrics, plots and `final_hf/` to `config.output_dir`.
-    `resume`: continue from the newest run checkpoint in `config.output_dir`."""
+    `resume`: continue from the newest run checkpoint in `config.output_dir`. `stop`: the stop
+    signals caught since the command started (`moe-rl train`), else caught from here on."""
+    if stop is None:
+        with StopSignals(config.rl.stop_grace_s) as stop:
+            return run(config, resume, stop)
+    stop.set_grace(config.rl.stop_grace_s)
     run_dir = Path(config.output_dir)
     TRACER.process = "driver"
     start, faults = time.perf_counter(), Faults()
-    with StopSignals(config.rl.stop_grace_s) as stop:
-        while True:
-            try:
-                attempt = _attempt(config, _rewind(run_dir, resume, faults), stop, faults)
-                break
-            except TrainerFault as fault:
-                if faults.restarts >= config.rl.max_restarts:
-                    raise TrainerFault(
-                        f"{fault}; rl.max_restarts={config.rl.max_restarts} restarts spent: the run ends "
-                        f"(continue it with `moe-rl train --resume {run_dir}`)"
-                    ) from None
-                faults.restarts, faults.since, resume = faults.restarts + 1, time.perf_counter(), True
-                log.warning(
-                    "%s: restarting the run's processes from its newest checkpoint (restart %d of rl.max_restarts=%d)",
-                    fault,
-                    faults.restarts,
-                    config.rl.max_restarts,
-                )
+    while True:
+        try:
+            attempt = _attempt(config, _rewind(run_dir, resume, faults), stop, faults)
+            break
+        except TrainerFault as fault:
+            if faults.restarts >= config.rl.max_restarts:
+                raise TrainerFault(
+                    f"{fault}; rl.max_restarts={config.rl.max_restarts} restarts spent: the run ends "
+                    f"(continue it with `moe-rl train --resume {run_dir}`)"
+                ) from None
+            faults.restarts, faults.since, resume = faults.restarts + 1, time.perf_counter(), True
+            log.warning(
+                "%s: restarting the trainer from the newest run checkpoint (restart %d of rl.max_restarts=%d)",
+                fault,
+                faults.restarts,
+                config.rl.max_restarts,
+            )
     if config.rl.report:
         write_report(run_dir)
     rows = resume_state.read_rows(run_dir / "metrics.jsonl")  # the steps' rows, and evaluations' of their own

@@ -31,9 +31,11 @@ class StopRequested(SystemExit):
 
 class StopSignals:
     """Catches SIGTERM and SIGUSR1 while the run is in this context (main thread only; elsewhere,
-    as under pytest-xdist workers' threads, it does nothing); `requested` names the first signal."""
+    as under pytest-xdist workers' threads, it does nothing); `requested` names the first signal.
+    `grace_s` None: not known yet (`moe-rl train` catches signals before the config is read); the
+    grace period of a signal caught meanwhile starts at `set_grace`."""
 
-    def __init__(self, grace_s: float):
+    def __init__(self, grace_s: float | None):
         self.grace_s = grace_s
         self.requested: str | None = None
         self._previous: dict[int, object] = {}
@@ -46,10 +48,21 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Give the signals their handlers from before (idempotent)."""
         if self._timer is not None:
             self._timer.cancel()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        self._previous = {}
+
+    def set_grace(self, grace_s: float) -> None:
+        """The run's `rl.stop_grace_s`; a signal already caught starts its grace period now."""
+        self.grace_s = grace_s
+        if self.requested is not None and self._timer is None:
+            self._start_grace(signal.Signals[self.requested])
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
@@ -57,12 +70,15 @@ class StopSignals:
             raise StopRequested(128 + signum)
         self.requested = name
         log.warning(
-            "%s: the run checkpoints at the end of this step and exits %d (again, or after %.0f s: at once)",
+            "%s: the run checkpoints at the end of this step and exits %d (again, or after rl.stop_grace_s: at once)",
             name,
             EXIT_PREEMPTED,
-            self.grace_s,
         )
-        # the grace period: the same signal again, from a timer thread (handlers run on the main thread)
+        if self.grace_s is not None:
+            self._start_grace(signum)
+
+    def _start_grace(self, signum: int) -> None:
+        """The grace period: the same signal again, from a timer thread (handlers run on the main thread)."""
         self._timer = threading.Timer(self.grace_s, signal.raise_signal, (signum,))
         self._timer.daemon = True
         self._timer.start()

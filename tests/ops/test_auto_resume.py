@@ -7,6 +7,7 @@ process (the real path runs under SLURM in test_slurm.py)."""
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 
@@ -30,7 +31,7 @@ def rl_runs(monkeypatch):
 
     calls = {"resume": [], "summary": {"reward_first": 0.0, "reward_last": 0.0, "wall_s": 1.0, "setup_s": 0.5}}
 
-    def run(config, resume=False):
+    def run(config, resume=False, stop=None):
         calls["resume"].append(resume)
         return calls["summary"]
 
@@ -97,3 +98,39 @@ def test_a_preempted_run_exits_75_naming_its_checkpoint(tmp_path, rl_runs, capsy
     out = capsys.readouterr().out
     assert f"preempted by SIGUSR1: run checkpoint at step 3/9 ({run}/checkpoints/step_000003)" in out
     assert f"continue with: moe-rl train --resume {run}" in out
+
+
+def test_a_stop_signal_before_the_run_started_exits_75(tmp_path, monkeypatch, capsys, rl_runs):
+    """SIGTERM while the config's inputs are checked (a real signal to this process, raised by the
+    check): nothing started, nothing to save; exit 75, so that the job is requeued."""
+    from moe_rl.jobs import preflight
+
+    monkeypatch.setattr(preflight, "check_run", lambda config: signal.raise_signal(signal.SIGTERM))
+    assert cli.main(["train", DEMO, f"output_dir={tmp_path / 'run'}"]) == 75
+    assert "preempted by SIGTERM before the run started; start it again" in capsys.readouterr().out
+    assert rl_runs["resume"] == [] and not (tmp_path / "run").exists()
+
+
+def test_a_stop_signal_while_a_supervised_config_is_read_reaches_the_handler_before(monkeypatch):
+    """`moe-rl train` catches stop signals before it knows the run's kind; a supervised run gives
+    them back to the handlers from before (here a recording one) and raises the one it caught."""
+    from moe_rl import config as config_module
+    from moe_rl.jobs import preflight
+
+    caught, load_config = [], config_module.load_config
+
+    def load_with_signal(*args):
+        signal.raise_signal(signal.SIGTERM)
+        return load_config(*args)
+
+    def stop_here(config):
+        raise ValueError(f"caught {caught}")
+
+    monkeypatch.setattr(config_module, "load_config", load_with_signal)
+    monkeypatch.setattr(preflight, "check_run", stop_here)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: caught.append(signum))
+    try:
+        assert cli.main(["train", SUPERVISED]) == 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert caught == [signal.SIGTERM]

@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import threading
 import time
+from inspect import signature
 from multiprocessing.managers import SyncManager
 from pathlib import Path
 
@@ -31,7 +32,10 @@ def save_sharded(state: dict, directory: str | Path, asynchronous: bool = False)
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
         manager.start(_exit_with_parent, (os.getpid(),))
         filesystem_async._results_queue = manager.Queue()  # the proxy keeps the Manager alive
-    return dist_checkpointing.save(state, str(directory), async_sharded_save=asynchronous)
+    # megatron-core >= 0.19 writes asynchronously through nvidia-resiliency-ext by default
+    # (`async_strategy="nvrx"`), an optional package: its own writer, as 0.16 has it
+    writer = {"async_strategy": "mcore"} if "async_strategy" in signature(dist_checkpointing.save).parameters else {}
+    return dist_checkpointing.save(state, str(directory), async_sharded_save=asynchronous, **writer)
 
 
 def _exit_with_parent(parent: int) -> None:

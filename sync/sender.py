@@ -43,7 +43,7 @@ restarts the `partial` engines from the last published weights.
 Engines that come back (an orchestrator restarted one): `add(engine, served_version)` makes it a
 member again; if it serves an older version than the committed one (or, `served_version=None`,
 weights this sender never sent: it kept running while the trainer restarted from an older run
-checkpoint) it is *behind*, and
+checkpoint, and the orchestrator had it leave the dead source's groups first) it is *behind*, and
 `update(stream, sender.version)` (the committed version, exported again) forms a group with only
 the engines behind and sends them that version, without pausing the others; the next new
 version re-forms the group with every member. The orchestrator gives a restarted engine work

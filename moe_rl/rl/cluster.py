@@ -59,6 +59,7 @@ from moe_rl.trainer.weight_sync import ConnectRequest, SyncRequest
 from parallel.bridges import bridge_for
 from parallel.peft import hf_lora_targets
 from sync.config import AdapterSyncConfig
+from sync.stages import stage_config
 
 
 @dataclass(frozen=True)
@@ -346,8 +347,12 @@ class RLCluster:
         """The kept engine servers: their restarts now start on the resumed checkpoint. One whose
         actor is gone (its node with it) is replaced by a new engine."""
         cfg = self.config
+        # the dead trainer's weight-update groups: one per pipeline stage, or one (sync.stages)
+        stages = cfg.trainer.pp
+        groups = sorted({cfg.sync.group_name, *(stage_config(cfg.sync, s, stages).group_name for s in range(stages))})
         adopted = {
-            index: server.adopt.remote(self.initial_dir, self.initial_version) for index, server in self.servers.items()
+            index: server.adopt.remote(self.initial_dir, self.initial_version, groups)
+            for index, server in self.servers.items()
         }
         for index, ref in adopted.items():
             try:

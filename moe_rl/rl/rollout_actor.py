@@ -17,10 +17,13 @@ driver asks for them (`start_eval`); each evaluates the version the engines serv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import json
 import os
 import pickle
 import time
+import urllib.request
 from typing import Any
 
 import ray
@@ -146,13 +149,21 @@ class EngineServer:
         self.process = self._launch()
         return self.process.url
 
-    def adopt(self, model_dir: str, weight_version: int) -> str:
-        """Kept across a trainer restart: a later restart starts on `model_dir` (the resumed run
-        checkpoint, serving `weight_version`); a process found dead is restarted on it now (the
-        trainer's connect sends it that version anyway). Returns its URL."""
+    def adopt(self, model_dir: str, weight_version: int, groups: list[str]) -> str:
+        """Kept across a trainer restart: the engine leaves the dead trainer's weight-update
+        `groups` (SGLang keeps a name taken until then; one it is not in answers "does not exist"),
+        and a later restart starts on `model_dir` (the resumed run checkpoint, serving
+        `weight_version`); a process found dead is restarted on it now. Returns its URL."""
         self.model_dir, self.weight_version = model_dir, weight_version
         if self.process.process.poll() is not None:
             return self.restart()
+        for group in groups:
+            body = json.dumps({"group_name": group}).encode()
+            request = urllib.request.Request(
+                f"{self.process.url}/destroy_weights_update_group", body, {"Content-Type": "application/json"}
+            )
+            with contextlib.suppress(OSError), urllib.request.urlopen(request, timeout=60):
+                pass
         return self.process.url
 
     def stop(self) -> None:

@@ -72,9 +72,6 @@ class BroadcastTransport(Transport):
         name taken until then, and every later join under that name would fail)."""
         cfg = self.config
         ranks = engines.results(lambda e: e.num_group_ranks(), "server_info")
-        # a group of this name left on the engines by an earlier source (a trainer restarted while
-        # they kept running) is left first: SGLang keeps a name taken until then; a no-op if none
-        engines.call(lambda e: e.destroy_weights_update_group(cfg.group_name))
         relays = len(self.relays) if self.relays is not None else 0
         world_size = 1 + relays + sum(ranks.values())
         self._store = host_store(cfg.address, world_size, cfg.timeout_s, cfg.master_port)

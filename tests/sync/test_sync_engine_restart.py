@@ -85,14 +85,16 @@ def test_dead_engines_dropped_fast_and_restarted_engine_caught_up(engines, qwen3
 
 def test_a_new_sender_rolls_kept_engines_back_to_its_version(engines, qwen3_moe_state, tmp_path):
     """The trainer restarted from the run checkpoint of version 2 while the engines kept serving 3:
-    its new sender takes them as serving weights it never sent (`add(engine, None)`), forms its
-    group under the name the dead source's group still holds on them, and commits version 2 there."""
+    the engines leave the dead source's group, its new sender takes them as serving weights it
+    never sent (`add(engine, None)`), forms its group under the same name and commits version 2."""
     clients, _ = engines
     states = {v: {k: t * v for k, t in qwen3_moe_state.items()} for v in (1, 2, 3)}
     old = WeightSender(clients, SyncConfig(bucket_bytes=8192, timeout_s=TIMEOUT_S))
     for version in (1, 2, 3):
         old.update(iter(states[version].items()), version)
-    old.transport.group.destroy()  # its process died: the engines still hold their side of the group
+    old.transport.group.destroy()  # its process died: the engines still hold their side of the group,
+    # which the orchestrator has them leave (`EngineServer.adopt`)
+    assert not old.engines.call(lambda e: e.destroy_weights_update_group(old.config.group_name))
     new = WeightSender(clients, SyncConfig(bucket_bytes=8192, timeout_s=TIMEOUT_S), version=2)
     try:
         for engine in clients:

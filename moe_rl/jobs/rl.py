@@ -65,7 +65,7 @@ class Faults:
     restart_s: float = 0.0  # from each fault to its resumed loop's start, summed
     since: float | None = None  # the fault being recovered from (perf_counter)
     resumed_from: list[int] = field(default_factory=list)  # the step each restart resumed at
-    engines: list = field(default_factory=list)  # engine servers kept through the last fault (Ray actors)
+    engines: list[ray.actor.ActorHandle] = field(default_factory=list)  # engine servers kept through the last fault
 
     def metrics(self) -> dict[str, float]:
         return {

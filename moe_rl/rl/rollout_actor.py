@@ -19,11 +19,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import os
 import pickle
 import time
-import urllib.request
 from typing import Any
 
 import ray
@@ -157,13 +155,17 @@ class EngineServer:
         self.model_dir, self.weight_version = model_dir, weight_version
         if self.process.process.poll() is not None:
             return self.restart()
-        for group in groups:
-            body = json.dumps({"group_name": group}).encode()
-            request = urllib.request.Request(
-                f"{self.process.url}/destroy_weights_update_group", body, {"Content-Type": "application/json"}
-            )
-            with contextlib.suppress(OSError), urllib.request.urlopen(request, timeout=60):
-                pass
+
+        async def leave() -> None:
+            client = EngineClient(self.process.url, kind=self.engines.kind)
+            try:
+                for group in groups:
+                    with contextlib.suppress(EngineError):  # not in that group
+                        await client.destroy_weights_update_group(group)
+            finally:
+                await client.close()
+
+        asyncio.run(leave())
         return self.process.url
 
     def stop(self) -> None:

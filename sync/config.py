@@ -12,6 +12,34 @@ ADAPTER_ROUTES = ("disk", "tensors")
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
+DELTA_ENCODINGS = ("auto", "gaps", "bitmap", "dense")
+
+
+@dataclass(kw_only=True)
+class DeltaConfig:
+    """Delta sync (`sync.delta`): each sending rank keeps the bytes it last sent of its own tensors,
+    in the engine's format (after the HF conversion and FP8 quantization), and sends only the
+    elements that changed bitwise, on a version chain every engine verifies."""
+
+    enabled: bool = False
+    full_every: int = 50
+    """A full anchor every this many versions (also at the start, and whenever an engine needs one:
+    it joined, restarted, or refused a delta)."""
+    encoding: str = "auto"
+    """"auto" picks per bucket by density: position gaps (sparse), a bitmap (denser), dense
+    (most elements changed); or force one of "gaps", "bitmap", "dense"."""
+    density: float = 0.01
+    """The changed fraction `moe-rl plan` models (`moe-rl bench sync` measures it: ~1% at RL
+    learning rates, see docs/sync.md); the sync itself never reads it."""
+
+    def __post_init__(self):
+        if not isinstance(self.full_every, int) or self.full_every < 1:
+            raise ValueError(f"delta.full_every: {self.full_every!r} must be an integer >= 1 (1 = always full)")
+        if self.encoding not in DELTA_ENCODINGS:
+            raise ValueError(f"delta.encoding: {self.encoding!r} is not one of {DELTA_ENCODINGS}")
+        if not 0.0 < self.density <= 1.0:
+            raise ValueError(f"delta.density: {self.density!r} must be a fraction in (0, 1], e.g. 0.01")
+
 
 @dataclass(kw_only=True)
 class SyncConfig(TransportConfig):
@@ -33,6 +61,8 @@ class SyncConfig(TransportConfig):
     (engines then start at rank_offset 1 + relays), so NCCL rings the broadcast through their NICs
     too (`sync.relay`). None: every other GPU of the root's node with nccl (up to
     cluster.nics_per_node - 1), none with gloo; 0: none."""
+    delta: DeltaConfig = field(default_factory=DeltaConfig)
+    """Send only what changed since the last version (`sync.delta`); full-weight sync only."""
     lora_route: str = "tensors"
     """With `lora:`, only adapters move and generation never pauses (`sync.lora`): "tensors"
     (`/load_lora_adapter_from_tensors`) or "disk" (PEFT directories `policy-v{N}/` in `disk_dir`,

@@ -1,0 +1,421 @@
+"""Delta sync's codec: each tensor travels as the elements that changed bitwise since the version
+the engines hold, and both ends keep the bytes that the next delta applies on.
+
+At RL learning rates most values of the served weights (bf16, FP8) keep their bits from one step
+to the next, so a version can travel as the changed elements alone. This module owns the wire
+format (`encode`, `apply`, `header`), the sender's memory of what it sent (`KeptCopy`) and an
+engine's copy of what it received (`AppliedCopy`); it knows nothing of transports or buckets.
+
+Contract:
+1. Bitwise: elements are compared and carried as integers of their own size (1 byte: fp8, int8,
+   uint8, bool; 2: bf16, fp16; 4: fp32; 8: fp64, int64). An element changed iff its bits differ,
+   so NaN payloads and -0.0 travel exactly.
+2. Overwrite, never XOR: a payload sets each changed element to its new bits, so applying it to
+   the base or to its own result gives the same tensor (a retried update is harmless).
+3. One payload per tensor: a flat uint8 tensor under the tensor's own name, so it packs into the
+   flattened buckets (`sync.bucket`) like any tensor. A fixed little-endian header, then the body.
+4. Header (`HEADER_NBYTES` = 64 bytes, then the shape as ndim int64): magic b"MRLD", format (u8,
+   `FORMAT`), encoding (u8: 0 none, 1 gaps, 2 bitmap, 3 dense), hash kind (u8: 1 = zlib CRC-32),
+   element size (u8), dtype (u8, an index into `DTYPES`), ndim (u8), 6 zero bytes; numel, count
+   of changed elements, gap tokens (u64 each); base_version, version (i64: the version it applies
+   on and the one it produces); the hash of the target's bytes AFTER applying (u64).
+5. Body (each section but the last zero-padded to a multiple of 8 bytes):
+   - none (count 0, whatever encoding was asked): empty; the header still carries both versions
+     and the hash, so the engine verifies its copy and learns the tensor is at `version`;
+   - gaps: `tokens` u16 tokens, then the count changed values. A token t < 65535 skips t unchanged
+     elements and marks the next one changed; t = 65535 (the escape) skips 65535 unchanged
+     elements and marks none, so a gap g is g // 65535 escapes, then g % 65535;
+   - bitmap: ceil(numel / 8) bytes, bit i (little-endian bit order) set iff element i changed,
+     then the values;
+   - dense: every element's bits (the whole new tensor).
+   "auto" takes the smallest payload for the count (`payload_nbytes`; ties go to dense, then bitmap).
+6. `apply` checks the header against the target (element size, numel) and the base version BEFORE
+   writing anything, then hashes the whole target after writing. A mismatch then means the target
+   holds neither version: only a full anchor repairs it.
+7. Versions: a delta applies on exactly `base_version`. `KeptCopy` and `AppliedCopy` hold no version
+   while a stream is under way, so an update that fails halfway, on either side, makes the next one
+   a full anchor (the sender calls `KeptCopy.invalidate` when the engines did not commit).
+
+Encoding and decoding are vectorized (torch and numpy on the host). Memory: encode holds a bool
+mask (1 byte per element), the changed positions (8 bytes each) and the payload; apply holds the
+positions or the unpacked bitmap (8 or 1 bytes per element) besides the payload.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+
+from sync.config import DELTA_ENCODINGS
+
+MAGIC, FORMAT, CRC32 = b"MRLD", 1, 1
+ENCODINGS = ("none", "gaps", "bitmap", "dense")
+"""The header's encoding ids, in order."""
+DTYPES = (
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+)
+"""The header's dtype ids, in order."""
+ESCAPE = 0xFFFF
+_FIXED = struct.Struct("<4sBBBBBB6xQQQqqQ")
+HEADER_NBYTES = _FIXED.size
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class DeltaError(ValueError):
+    """A payload that does not apply: another base version, a header that does not match the target,
+    a malformed body, or a hash mismatch after applying (the target is then known-bad)."""
+
+
+@dataclass(frozen=True)
+class DeltaHeader:
+    """A payload's header (contract point 4)."""
+
+    encoding: str
+    element_size: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    count: int
+    tokens: int
+    base_version: int
+    version: int
+    hash: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """The whole payload's length."""
+        return payload_nbytes(self.encoding, self.shape, self.element_size, self.count, self.tokens)
+
+
+def payload_nbytes(encoding: str, shape: tuple[int, ...], element_size: int, count: int, tokens: int) -> int:
+    """Bytes of a payload (contract points 4-5); `tokens` = count + escapes, read by "gaps" only."""
+    head, values = HEADER_NBYTES + 8 * len(shape), count * element_size
+    if encoding == "none":
+        return head
+    if encoding == "gaps":
+        return head + _pad8(2 * tokens) + values
+    if encoding == "bitmap":
+        return head + _pad8(math.ceil(math.prod(shape) / 8)) + values
+    assert encoding == "dense", encoding
+    return head + math.prod(shape) * element_size
+
+
+def encode(
+    new: torch.Tensor, old: torch.Tensor | None, base_version: int, version: int, encoding: str = "auto"
+) -> torch.Tensor:
+    """The payload (flat uint8, on the host) that turns `old`'s bits into `new`'s. `old` None: dense
+    (every element counts as changed); else `old` must have `new`'s shape and dtype. A device tensor
+    is copied to the host first."""
+    if encoding not in DELTA_ENCODINGS:
+        raise ValueError(f"encoding: {encoding!r} is not one of {DELTA_ENCODINGS}")
+    new_bits = _bits(new)
+    mask, positions, count = None, None, new.numel()
+    if old is not None:
+        if old.shape != new.shape or old.dtype != new.dtype:
+            raise ValueError(
+                f"old: {old.dtype}{list(old.shape)} is not new's {new.dtype}{list(new.shape)}; pass old=None (dense)"
+            )
+        mask = new_bits != _bits(old)
+        count = int(torch.count_nonzero(mask))
+    sizes = dict(shape=tuple(new.shape), element_size=new.element_size(), count=count)
+    chosen = "dense" if old is None else encoding
+    if count == 0 and old is not None:
+        chosen = "none"
+    elif chosen == "auto":
+        best = min(("dense", "bitmap"), key=lambda e: payload_nbytes(e, tokens=0, **sizes))
+        if payload_nbytes("gaps", tokens=count, **sizes) < payload_nbytes(best, tokens=0, **sizes):
+            positions = _changed(mask)  # only when gaps may win: 8 bytes per changed element
+            escapes = int((_gaps(positions) // ESCAPE).sum())
+            best = min((best, "gaps"), key=lambda e: payload_nbytes(e, tokens=count + escapes, **sizes))
+        chosen = best
+    tokens = None
+    if chosen == "gaps":
+        tokens = _gap_tokens(_changed(mask) if positions is None else positions)
+    out = np.zeros(payload_nbytes(chosen, tokens=0 if tokens is None else tokens.numel(), **sizes), np.uint8)
+    head = _FIXED.pack(
+        MAGIC,
+        FORMAT,
+        ENCODINGS.index(chosen),
+        CRC32,
+        new.element_size(),
+        _dtype_id(new.dtype),
+        new.dim(),
+        new.numel(),
+        count,
+        0 if tokens is None else tokens.numel(),
+        base_version,
+        version,
+        zlib.crc32(new_bits.numpy().view(np.uint8)),
+    )
+    head += struct.pack(f"<{new.dim()}q", *new.shape)
+    out[: len(head)] = np.frombuffer(head, np.uint8)
+    at = len(head)
+    if chosen == "gaps":
+        out[at : at + 2 * tokens.numel()].view(np.uint16)[:] = tokens.numpy()
+        at += _pad8(2 * tokens.numel())
+    elif chosen == "bitmap":
+        packed = np.packbits(mask.numpy(), bitorder="little")
+        out[at : at + packed.size] = packed
+        at += _pad8(packed.size)
+    if chosen != "none":
+        values = new_bits if chosen == "dense" else new_bits[mask]
+        out[at:].view(values.numpy().dtype)[:] = values.numpy()
+    return torch.from_numpy(out)
+
+
+def header(payload: torch.Tensor) -> DeltaHeader:
+    """The header of a payload, checked (DeltaError if it is not one this format reads)."""
+    if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise DeltaError(f"payload: expected a flat uint8 tensor, got {getattr(payload, 'dtype', type(payload))}")
+    if payload.device.type != "cpu" or payload.numel() < HEADER_NBYTES:
+        raise DeltaError(f"payload: {payload.numel()} bytes on {payload.device}; need a host payload of a header")
+    data = payload.numpy()
+    magic, fmt, enc, kind, size, dtype, ndim, numel, count, tokens, base, version, digest = _FIXED.unpack(
+        data[:HEADER_NBYTES].tobytes()
+    )
+    if magic != MAGIC or fmt != FORMAT or kind != CRC32 or enc >= len(ENCODINGS) or dtype >= len(DTYPES):
+        raise DeltaError(f"payload: not a delta of format {FORMAT} (magic {magic!r}, format {fmt}, encoding {enc})")
+    shape = struct.unpack(f"<{ndim}q", data[HEADER_NBYTES : HEADER_NBYTES + 8 * ndim].tobytes())
+    if size != DTYPES[dtype].itemsize or math.prod(shape) != numel or count > numel:
+        raise DeltaError(f"payload: inconsistent header (element size {size}, shape {shape}, numel {numel})")
+    return DeltaHeader(ENCODINGS[enc], size, DTYPES[dtype], shape, count, tokens, base, version, digest)
+
+
+def apply(payload: torch.Tensor, target: torch.Tensor, base_version: int) -> int:
+    """Overwrite the changed elements of `target` (a contiguous host tensor holding `base_version`'s
+    bits of this tensor, any dtype of the payload's element size) and return the version produced.
+    DeltaError before anything is written: the header does not match the target (element size,
+    numel), the payload is malformed, or it applies on another version than `base_version`.
+    DeltaError after writing: the target's hash is not the payload's, so the target now holds
+    neither version and only a full anchor repairs it."""
+    head = header(payload)
+    if target.element_size() != head.element_size or target.numel() != head.numel:
+        raise DeltaError(
+            f"target: {target.element_size()}-byte x {target.numel()} elements, the payload is for "
+            f"{head.element_size}-byte x {head.numel}"
+        )
+    if head.base_version != base_version:
+        raise DeltaError(f"payload: applies on version {head.base_version}, the target holds {base_version}")
+    if payload.numel() != head.nbytes:
+        raise DeltaError(f"payload: {payload.numel()} bytes, its header describes {head.nbytes}")
+    if target.device.type != "cpu" or not target.is_contiguous():
+        raise ValueError(f"target: must be a contiguous host tensor, got {target.device}, {target.stride()}")
+    bits = _bits(target).numpy()  # shares target's memory
+    body = payload.numpy()[HEADER_NBYTES + 8 * len(head.shape) :]
+    values = body[body.size - head.count * head.element_size :].view(bits.dtype)  # the last section
+    if head.encoding == "dense":
+        bits[:] = body.view(bits.dtype)
+    elif head.encoding == "gaps":
+        bits[_positions(body[: 2 * head.tokens].view(np.uint16), head)] = values
+    elif head.encoding == "bitmap":
+        mask = np.unpackbits(body[: math.ceil(head.numel / 8)], count=head.numel, bitorder="little").view(bool)
+        if int(np.count_nonzero(mask)) != head.count:
+            raise DeltaError(f"payload: the bitmap marks {np.count_nonzero(mask)} elements, the header {head.count}")
+        bits[mask] = values
+    if zlib.crc32(bits.view(np.uint8)) != head.hash:
+        raise DeltaError(f"hash mismatch after applying version {head.version}: the target is corrupt, load an anchor")
+    return head.version
+
+
+@dataclass
+class DeltaStats:
+    """What one `KeptCopy.encode_stream` sent (an anchor counts every element as changed)."""
+
+    version: int
+    anchor: bool
+    elements: int = 0
+    changed: int = 0
+    dense_bytes: int = 0
+    """The tensors' own bytes (what a full update sends)."""
+    wire_bytes: int = 0
+    encode_s: float = 0.0
+    """Seconds inside the stream (encoding, hashing, updating the kept copy), not the consumer's."""
+
+    @property
+    def changed_fraction(self) -> float:
+        return self.changed / self.elements if self.elements else 0.0
+
+    @property
+    def wire_fraction(self) -> float:
+        return self.wire_bytes / self.dense_bytes if self.dense_bytes else 0.0
+
+
+class KeptCopy:
+    """A sending rank's memory of the bytes it last sent, per tensor name, on the host (pinned where
+    CUDA is available): the bytes the engines hold at `version` once that update committed.
+    Memory: one version of this rank's tensors (`nbytes`), besides `encode`'s transient buffers.
+
+    `version` is None before the first anchor, while a stream is under way (the kept bytes are
+    updated as it goes) and after `invalidate`: a delta then is refused, the next update is a full
+    anchor. The sender calls `invalidate()` when an update did not commit on every engine."""
+
+    def __init__(self):
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.version: int | None = None
+        self.stats: DeltaStats | None = None
+        self._pin = torch.cuda.is_available()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def invalidate(self) -> None:
+        """Forget which version the engines hold (the next update must be a full anchor)."""
+        self.version = None
+
+    def encode_stream(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, full: bool, encoding: str = "auto"
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) unchanged for a full anchor (`full`), else (name, payload) against the kept
+        bytes at `self.version` (a tensor never sent, or of another shape or dtype, goes dense). The
+        kept copy follows as the stream goes and holds `version` once the stream is exhausted; an
+        anchor forgets the names it did not carry. RuntimeError for a delta with no version kept."""
+        if not full and self.version is None:
+            raise RuntimeError("delta without a kept version: send a full anchor first (full=True)")
+        if encoding not in DELTA_ENCODINGS:
+            raise ValueError(f"encoding: {encoding!r} is not one of {DELTA_ENCODINGS}")
+        base, self.version = self.version, None
+        stats = self.stats = DeltaStats(version=version, anchor=full)
+        seen = set()
+        for name, tensor in named_tensors:
+            start = time.perf_counter()
+            kept = self.tensors.get(name)
+            if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype:
+                kept = self.tensors[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._pin)
+                base_bits = None
+            else:
+                base_bits = kept
+            out = tensor if full else encode(tensor, base_bits, base, version, encoding)
+            stats.changed += tensor.numel() if full else header(out).count
+            kept.copy_(tensor)
+            seen.add(name)
+            stats.elements += tensor.numel()
+            stats.dense_bytes += tensor.numel() * tensor.element_size()
+            stats.wire_bytes += out.numel() * out.element_size()
+            stats.encode_s += time.perf_counter() - start
+            yield name, out
+        if full:
+            self.tensors = {name: t for name, t in self.tensors.items() if name in seen}
+        self.version = version
+
+
+class AppliedCopy:
+    """An engine's copy of the bytes it was sent (name -> host tensor) and their `version`, for an
+    engine that keeps them (the embedded engine, a receiver-only engine). Memory: one version.
+
+    `version` is None before the first anchor, while a stream is under way and after any failure
+    (a `DeltaError` included): the copy then needs an anchor (`load_full`) and refuses deltas."""
+
+    def __init__(self):
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.version: int | None = None
+
+    @property
+    def needs_anchor(self) -> bool:
+        return self.version is None
+
+    def load_full(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Hold exactly `named_tensors` (copied) at `version`: a full anchor."""
+        self.version, seen = None, set()
+        for name, tensor in named_tensors:
+            kept = self.tensors.get(name)
+            if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype:
+                kept = self.tensors[name] = torch.empty(tensor.shape, dtype=tensor.dtype)
+            kept.copy_(tensor)
+            seen.add(name)
+        self.tensors = {name: t for name, t in self.tensors.items() if name in seen}
+        self.version = version
+
+    def apply_stream(self, named_payloads: Iterable[tuple[str, torch.Tensor]], base_version: int) -> int:
+        """Apply one version's payloads (a `KeptCopy.encode_stream` delta, every one on `base_version`,
+        checked by its hash) and return the version they produce. A dense payload of an unknown name,
+        or of another shape or dtype, replaces the tensor. DeltaError if the copy needs an anchor or
+        holds another version than `base_version`, and for any payload that does not apply."""
+        if self.version is None:
+            raise DeltaError("the applied copy needs an anchor (load_full) before it takes deltas")
+        held, self.version = self.version, None
+        if held != base_version:
+            raise DeltaError(f"the stream applies on version {base_version}, the copy holds {held}; needs an anchor")
+        produced = base_version
+        for index, (name, payload) in enumerate(named_payloads):
+            head = header(payload)
+            target = self.tensors.get(name)
+            if head.encoding == "dense" and (
+                target is None or target.shape != head.shape or target.dtype != head.dtype
+            ):
+                target = self.tensors[name] = torch.empty(head.shape, dtype=head.dtype)
+            elif target is None:
+                raise DeltaError(f"{name}: not held here and its payload is not dense; needs an anchor")
+            version = apply(payload, target, base_version)
+            if index and version != produced:
+                raise DeltaError(f"{name}: produces version {version}, the stream's others {produced}")
+            produced = version
+        self.version = produced
+        return produced
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The flat host integer view of `tensor`'s elements (contiguous copy only when needed)."""
+    if tensor.element_size() not in _BITS:
+        raise ValueError(f"{tensor.dtype}: delta sync carries elements of 1, 2, 4 or 8 bytes")
+    return tensor.detach().cpu().contiguous().view(-1).view(_BITS[tensor.element_size()])
+
+
+def _dtype_id(dtype: torch.dtype) -> int:
+    if dtype not in DTYPES:
+        raise ValueError(f"{dtype}: delta sync carries the dtypes {[str(d) for d in DTYPES]}")
+    return DTYPES.index(dtype)
+
+
+def _gaps(positions: torch.Tensor) -> torch.Tensor:
+    """Unchanged elements before each changed position (ascending int64 positions)."""
+    return torch.diff(positions, prepend=positions.new_tensor([-1])) - 1
+
+
+def _gap_tokens(positions: torch.Tensor) -> torch.Tensor:
+    """The gaps encoding's u16 tokens (as int32) of ascending positions (contract point 5)."""
+    gaps = _gaps(positions)
+    ends = torch.cumsum(gaps // ESCAPE + 1, 0) - 1  # each gap's last token; escapes fill the rest
+    tokens = torch.full((int(ends[-1]) + 1,), ESCAPE, dtype=torch.int32)
+    tokens[ends] = (gaps % ESCAPE).to(torch.int32)
+    return tokens
+
+
+def _positions(tokens: np.ndarray, head: DeltaHeader) -> np.ndarray:
+    """The changed positions the gap tokens mark; DeltaError if they disagree with the header."""
+    escape = tokens == ESCAPE
+    steps = np.where(escape, ESCAPE, tokens.astype(np.int64) + 1)
+    positions = (np.cumsum(steps) - 1)[~escape]
+    if positions.size != head.count or (positions.size and positions[-1] >= head.numel):
+        raise DeltaError(f"payload: the gap tokens mark {positions.size} positions, not {head.count} within numel")
+    return positions
+
+
+def _pad8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+def _changed(mask: torch.Tensor) -> torch.Tensor:
+    """Ascending int64 positions of the set elements of a flat bool mask."""
+    return torch.nonzero(mask).view(-1)

@@ -9,8 +9,13 @@ top-k), where the top-k of the logits is not the routing. Dense layers keep rows
 SGLang's capture buffer does.
 
 Weights: the checkpoint-format state dict (HF names as on disk, per-expert tensors) is kept, so a
-weight update is "merge new checkpoint tensors -> build a staged model -> swap": transformers does
-the per-expert -> fused conversion, and no forward ever sees a half-loaded model.
+weight update is "merge new checkpoint tensors -> load them into a staged model -> swap":
+transformers does the per-expert -> fused conversion, and no forward ever sees a half-loaded model.
+The staged model is a spare instance (double buffering): the first update builds it, each swap
+makes the model it replaced the next spare, and later updates load the merged checkpoint into it in
+place through transformers' own converter (the one `from_pretrained` runs). That takes about a third
+of the time of building a model (3.9 against 11.7 ms for the bench's tiny Qwen3-MoE), and the weight
+sync's commit waits on it while generation is paused.
 
 Memory occupation (SGLang's `/release_memory_occupation` tag "weights", for colocated RL):
 `release_weights` drops the model and the checkpoint tensors (their memory is freed) and keeps
@@ -30,6 +35,9 @@ import torch
 import transformers
 from safetensors.torch import load_file
 from transformers import AutoConfig, DynamicCache
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import convert_and_load_state_dict_in_model
+from transformers.modeling_utils import LoadStateDictConfig
 
 from moe_rl.engine.embedded.lora import LoraAdapter
 from moe_rl.engine.embedded.lora_hooks import LoraSet
@@ -97,6 +105,7 @@ class ModelRunner:
         self._hooks: list = []
         self.lora = LoraSet()
         self.model = self._install(self._build(self.checkpoint))
+        self._spare: torch.nn.Module | None = None  # the model the last swap replaced: the next staged one
         self._layout = {name: (tensor.shape, tensor.dtype) for name, tensor in self.checkpoint.items()}
         self.weights_state = "loaded"
         """"loaded" | "released" (no tensors) | "reallocated" (allocated, waiting for a full update)."""
@@ -130,17 +139,31 @@ class ModelRunner:
                 )
         # copy: the receiver reuses its storage two versions later, the checkpoint must not alias it
         merged = {**self.checkpoint, **{k: v.to(self.checkpoint[k].dtype, copy=True) for k, v in tensors.items()}}
-        return self._build(merged), merged
+        if self._spare is None:
+            return self._build(merged), merged
+        return self._load(self._spare, merged), merged
 
     def _build(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
         model = self.model_class.from_pretrained(None, config=self.config, state_dict=state, dtype=torch.float32)
         return model.to(self.device)
+
+    def _load(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """`model` (not the live one) holding every tensor of `state` (a full checkpoint), converted
+        as `from_pretrained` converts them."""
+        config = LoadStateDictConfig(dtype=torch.float32, weight_mapping=get_model_conversion_mapping(model))
+        with torch.no_grad():
+            info, _ = convert_and_load_state_dict_in_model(model, dict(state), config)
+        problems = info.missing_keys | info.unexpected_keys | set(info.mismatched_keys) | set(info.conversion_errors)
+        assert not problems and not info.error_msgs, f"the checkpoint did not load in place: {problems or info.error_msgs}"
+        return model
 
     def swap(self, model: torch.nn.Module, checkpoint: dict[str, torch.Tensor]) -> None:
         """Make a staged model live (scheduler thread, between forwards)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        if model is not self.model:  # no forward uses the replaced model after this: the next spare
+            self._spare = self.model
         self.model = self._install(model)
         self.checkpoint = checkpoint
         self.weights_state = "loaded"
@@ -149,7 +172,7 @@ class ModelRunner:
         """Free the model and checkpoint tensors (scheduler thread, no request running)."""
         for hook in self._hooks:
             hook.remove()
-        self._hooks, self.model, self.checkpoint = [], None, None
+        self._hooks, self.model, self._spare, self.checkpoint = [], None, None, None
         self.weights_state = "released"
         gc.collect()
 
@@ -168,11 +191,12 @@ class ModelRunner:
             )
 
     def weight_bytes(self) -> int:
-        """Bytes held by the live model's parameters and buffers and the checkpoint tensors."""
+        """Bytes held by the live and spare models' parameters and buffers and the checkpoint tensors."""
         storages = {}
         tensors = list((self.checkpoint or {}).values())
-        if self.model is not None:
-            tensors += list(self.model.parameters()) + list(self.model.buffers())
+        for model in (self.model, self._spare):
+            if model is not None:
+                tensors += list(model.parameters()) + list(model.buffers())
         for tensor in tensors:
             storage = tensor.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()

@@ -12,7 +12,8 @@ head of the queue (recomputed on `continue`); `in_place` keeps everything and ju
 Logprobs: each sampled token reports the raw model log-softmax (temperature 1, before top-k/top-p),
 i.e. log pi(token | prefix) of the policy, which is what the trainer recomputes. A prefill that
 admits a request asking for prompt logprobs (`logprob_start_len` >= 0) computes every position's
-logits; a prefill-only request (`max_new_tokens=0`) leaves right after it, holding no KV.
+logits; a prefill-only request (`max_new_tokens=0`: a score, e.g. the consistency probe's) leaves
+right after it, holding no KV, so a full batch (`max_batch`) does not hold it back.
 """
 
 from __future__ import annotations
@@ -154,8 +155,14 @@ class Scheduler:
 
     def _admit(self) -> None:
         with self._cond:
-            count = min(len(self._waiting), self.max_batch - len(self._running))
-            new = self._admitting = [self._waiting.popleft() for _ in range(count)]
+            new, held, room = [], collections.deque(), self.max_batch - len(self._running)
+            for request in self._waiting:  # a prefill-only request leaves after its prefill: no decode slot
+                if request.prefill_only or room > 0:
+                    new.append(request)
+                    room -= not request.prefill_only
+                else:
+                    held.append(request)
+            self._waiting, self._admitting = held, new
         if not new:
             return
         sequences = [r.input_ids + r.output_ids for r in new]

@@ -1,0 +1,64 @@
+"""The embedded engine's model runner and scheduler in-process (no server): weight swaps through the
+spare model, and prefill-only requests that a full batch does not hold back."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from moe_rl.engine.embedded.request import Request
+from moe_rl.engine.embedded.runner import ModelRunner
+from moe_rl.engine.embedded.scheduler import Scheduler
+from moe_rl.engine.sampling import SamplingParams
+
+
+def test_updates_load_into_the_spare_model_exactly_as_a_fresh_build(qwen3_dir):
+    runner = ModelRunner(qwen3_dir)
+    first = runner.model
+    generator = torch.Generator().manual_seed(0)
+    for update in range(3):
+        names = sorted(runner.checkpoint)[update::2]  # a different half of the tensors each time
+        tensors = {n: torch.randn(runner.checkpoint[n].shape, generator=generator) for n in names}
+        staged, merged = runner.build_staged(tensors)
+        assert staged is not runner.model  # staged beside the live model, which keeps serving
+        runner.swap(staged, merged)
+        # update 0 builds a model; later ones load into the model the previous swap replaced
+        assert (runner.model is first) == (update % 2 == 1)
+        fresh = runner._build(merged).state_dict()
+        live = runner.model.state_dict()
+        assert fresh.keys() == live.keys()
+        for name in fresh:
+            assert torch.equal(fresh[name], live[name]), (update, name)
+
+
+def test_a_full_batch_does_not_hold_back_a_prefill_only_request(qwen3_dir):
+    runner = ModelRunner(qwen3_dir)
+    scheduler = Scheduler(runner, "0", max_batch=2)
+    done = {}
+    finished = threading.Event()
+
+    def request(rid: str, max_new_tokens: int) -> Request:
+        def on_done(result):
+            done[rid] = result
+            if rid == "score":
+                finished.set()
+
+        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+        return Request(rid=rid, input_ids=[1, 2, 3], params=params, eos_token_ids=frozenset(), on_done=on_done)
+
+    try:
+        # the batch is full of long requests before the score arrives
+        scheduler.call(lambda: scheduler.pause("in_place")).result()
+        for rid in ("a", "b", "c"):
+            scheduler.submit(request(rid, 10_000))
+        scheduler.submit(request("score", 0))
+        scheduler.call(scheduler.unpause).result()
+        assert finished.wait(timeout=120)
+        # answered while both slots still decode, and before the request queued ahead of it
+        assert done["score"]["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+        running, waiting, _, _ = scheduler.call(scheduler.load).result()
+        assert (running, waiting) == (2, 1) and "c" not in done
+    finally:
+        scheduler.call(lambda: scheduler.abort(None)).result()
+        scheduler.stop()

@@ -43,9 +43,10 @@ Sync buffers: the trainer's stage sources hold two buckets (`sync.bucket_bytes`,
 other is on the wire), each relay one; every engine GPU one receive buffer per bucket.
 
 Engine memory per GPU (SGLang): weights E * (dense / (tp / attn_dp) + experts / tp) (E = bytes of
-`cluster.param_dtype`, what the engines hold; DP attention replicates attention over attn_dp
-groups), one sync bucket; the rest of `engines.mem_fraction_static` of the GPU is KV cache, which
-must hold the longest sequence (`moe_rl.plan.sequences`).
+`cluster.param_dtype`, what the engines hold; with `sync.fp8_blocks` N the engines serve the FP8
+checkpoint the sync sends: decoder layers at 1 + 4 / N^2 bytes a parameter; DP attention replicates
+attention over attn_dp groups), one sync bucket; the rest of `engines.mem_fraction_static` of the
+GPU is KV cache, which must hold the longest sequence (`moe_rl.plan.sequences`).
 
 Bytes per sync: every engine receives the whole exported HF state dict in the trainer's precision
 (broadcast), i.e. B x the model's unique parameters; with `sync.fp8_blocks` N, decoder linears
@@ -62,6 +63,12 @@ published sync time of the same model (SYNC_ANCHORS) where there is one. Where t
 measured figures (`benchmarks/gpu_metrics.json`, written by `scripts/gpu_check.sh`), the plan lists
 them, takes link efficiencies from them, and models the FP8 quantization of `sync.fp8_blocks` at
 the measured rate on the owners' GPUs.
+
+Delta sync (`sync.delta.enabled`): the same links carrying each stage's deltas at
+`sync.delta.density`, the owners' encode as links of their turn, anchors amortised, and the kept
+copies as pinned host memory per node (`moe_rl.plan.delta`, which also gives the bytes an engine
+rank receives against its own shard). `make_plan(..., link_gbps=G)` (`moe-rl plan --link-gbps G`)
+adds a cross-datacentre link of G Gb/s that every byte crosses once.
 """
 
 from __future__ import annotations
@@ -72,6 +79,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_rl.config import PARAM_DTYPES, RunConfig
+from moe_rl.plan.delta import HEADER_BYTES, DeltaSync, Owners, encoded_fraction, engine_rank_ratio, node_ranges
 from moe_rl.plan.groups import layout_line, parallel_groups, span
 from moe_rl.plan.sequences import check_kv_cache, sequence_notes
 from moe_rl.plan.sync_links import StageBytes, SyncLinks, model_sync
@@ -87,6 +95,7 @@ SYNC_ANCHORS: dict[tuple[str, float], str] = {
     ("Qwen3MoeForCausalLM", 235.1): "Miles Qwen3-235B-A22B 10.75 s NCCL, 3.2 s RDMA; checkpoint-engine 6.2 s",
     ("DeepseekV3ForCausalLM", 671.0): "NeMo-RL DeepSeek-V3 2.4-2.8 s",
     ("Glm4MoeForCausalLM", 355.0): "slime GLM-4.5-355B 48 s",
+    ("DeepseekV3ForCausalLM", 1026.4): "Perplexity Kimi-K2 1.3 s RDMA; Miles 7.2 s RDMA, 53 s broadcast",
 }
 """Published full-weight sync times, keyed by (HF architecture, billions of parameters): a model
 matches with the architecture and a parameter count within 10%."""
@@ -100,6 +109,8 @@ class ParamCounts:
     expert_per_layer: tuple[int, ...]
     embedding: int
     head: int  # final norm + lm_head (0 for lm_head when tied)
+    tensors: int = 0  # parameter tensors, each with its own header in a delta
+    layer_tensors: int = 0  # of them in decoder layers (FP8 adds a scale tensor to each: counted so)
 
     @property
     def total(self) -> int:
@@ -124,17 +135,19 @@ def _count(config_json: str) -> ParamCounts:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf)
     layers = hf.num_hidden_layers
-    dense, expert, embedding, head = [0] * layers, [0] * layers, 0, 0
+    dense, expert, embedding, head, tensors, layer_tensors = [0] * layers, [0] * layers, 0, 0, 0, 0
     for name, param in model.named_parameters():  # tied parameters appear once
         parts = name.split(".")
+        tensors += 1
         if parts[:2] == ["model", "layers"]:
             layer = int(parts[2])
+            layer_tensors += 1
             (expert if ".experts." in name else dense)[layer] += param.numel()
         elif name.startswith(("lm_head", "model.norm")):
             head += param.numel()
         else:
             embedding += param.numel()
-    return ParamCounts(tuple(dense), tuple(expert), embedding, head)
+    return ParamCounts(tuple(dense), tuple(expert), embedding, head, tensors, layer_tensors)
 
 
 @dataclass
@@ -151,6 +164,8 @@ class Plan:
     sync_links: SyncLinks
     params: ParamCounts
     sync_anchor: str | None = None  # a published sync time of this model
+    engine_rank: tuple[float, float] | None = None  # (own shard bytes, received / own) of one engine rank
+    delta: DeltaSync | None = None  # with sync.delta.enabled
     notes: list[str] = field(default_factory=list)
 
     def render(self) -> str:
@@ -168,12 +183,29 @@ class Plan:
             + "  ".join(f"{k} {v:.1f}" for k, v in self.trainer_memory.items())
         )
         lines.append("engine memory per GPU (GB): " + "  ".join(f"{k} {v:.1f}" for k, v in self.engine_memory.items()))
+        if self.delta:
+            nodes = len(self.placement)
+            lines.append(
+                f"host memory per node (GB, pinned: the delta's kept copies): {node_ranges(self.delta.kept, nodes)}"
+            )
         anchor = f" (public: {self.sync_anchor})" if self.sync_anchor else ""
         worst = self.sync_links.bottleneck
+        delta = (
+            f"; delta ~{self.delta.per_step:.2f} s a step ({self.delta.bytes / GB:.2f} GB a delta at density "
+            f"{self.delta.density:g}, anchors amortised: sync delta below)"
+            if self.delta
+            else ""
+        )
         lines.append(
             f"sync: {self.sync_bytes / GB:.2f} GB to each engine per step, ~{self.sync_seconds:.1f} s modelled, "
-            f"bottleneck {worst.name} ({worst.bytes / GB:.1f} GB at {worst.gb_per_s:.0f} GB/s){anchor}"
+            f"bottleneck {worst.name} ({worst.bytes / GB:.1f} GB at {worst.gb_per_s:.0f} GB/s){delta}{anchor}"
         )
+        if self.engine_rank:
+            own, ratio = self.engine_rank
+            lines.append(
+                f"sync per engine rank: receives {self.sync_bytes / GB:.2f} GB for its own {own / GB:.2f} GB shard, "
+                f"{ratio:.1f}x (SGLang's /update_weights_from_distributed broadcasts every bucket to every TP rank)"
+            )
         links = self.sync_links
         lines.append(
             f"sync links (modelled: {len(links.turns)} stage turn(s), {links.nics} NIC(s) of the root's node in "
@@ -181,6 +213,8 @@ class Plan:
         )
         for name, (nbytes, seconds) in links.per_link().items():
             lines.append(f"  {name:42s} {nbytes / GB:8.1f} GB {seconds:7.2f} s")
+        if self.delta:
+            lines += self.delta.render()
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
     @property
@@ -193,8 +227,11 @@ def load_gpu_metrics(path: Path = GPU_METRICS) -> dict[str, dict]:
     return json.loads(path.read_text()).get("measured", {}) if path.is_file() else {}
 
 
-def make_plan(config: RunConfig, gpu_metrics: Path = GPU_METRICS) -> Plan:
-    """Validate `config` against its cluster and return the plan; ValueError when it cannot run."""
+def make_plan(config: RunConfig, gpu_metrics: Path = GPU_METRICS, link_gbps: float | None = None) -> Plan:
+    """Validate `config` against its cluster and return the plan; ValueError when it cannot run.
+    `link_gbps`: trainer and engines in two datacentres joined by one link of that many Gb/s."""
+    if link_gbps is not None and link_gbps <= 0:
+        raise ValueError(f"--link-gbps {link_gbps:g}: must be > 0 (Gb/s of the link between the datacentres, e.g. 10)")
     if config.cluster is None:
         raise ValueError(
             "cluster: missing; add a cluster section (nodes, gpus_per_node, gpu_memory_gb) to plan "
@@ -226,10 +263,21 @@ def make_plan(config: RunConfig, gpu_metrics: Path = GPU_METRICS) -> Plan:
         trainer_stage=stage,
         engine_memory=engine,
         sync_bytes=sync_bytes,
-        sync_links=sync_model(config, hf, counts, dtype_bytes, adapter, measured),
+        sync_links=sync_model(config, hf, counts, dtype_bytes, adapter, measured, link_gbps),
         params=counts,
-        sync_anchor=None if adapter else sync_anchor(hf, counts),
-    )  # anchors are full-weight syncs
+        sync_anchor=None if adapter else sync_anchor(hf, counts),  # anchors are full-weight syncs
+    )
+    if config.is_rl:
+        wire = wire_stages(config, hf, counts, dtype_bytes, adapter)
+        plan.engine_rank = engine_rank_ratio(config.engines, sum(s.dense for s in wire), sum(s.experts for s in wire))
+    if config.is_rl and adapter is None and config.sync.delta.enabled:
+        plan.delta = delta_model(config, hf, counts, dtype_bytes, measured, plan.sync_links, link_gbps)
+        if plan.delta.per_step >= plan.sync_seconds:
+            plan.notes.append(
+                f"sync.delta saves no time here: ~{plan.delta.per_step:.2f} s a step against "
+                f"~{plan.sync_seconds:.2f} s full, bound by {plan.delta.links.bottleneck.name}; it still "
+                f"sends {plan.delta.bytes / GB:.2f} GB, not {plan.sync_bytes / GB:.2f} GB"
+            )
     if adapter is None and config.sync.fp8_blocks:
         plan.notes.append(
             f"sync.fp8_blocks={config.sync.fp8_blocks}: decoder linears as FP8 blocks, about "
@@ -263,37 +311,96 @@ def make_plan(config: RunConfig, gpu_metrics: Path = GPU_METRICS) -> Plan:
     return plan
 
 
-def sync_model(
-    config: RunConfig, hf, counts: ParamCounts, dtype_bytes: int, adapter, measured: dict[str, dict]
-) -> SyncLinks:
-    """The sync's links for this layout and `sync:` options (`moe_rl.plan.sync_links`); a LoRA sync
-    moves only the adapter, from the source of each stage as a full sync would."""
-    t, sync = config.trainer, config.sync
+def stage_params(config: RunConfig, hf, counts: ParamCounts, adapter) -> list[tuple[float, float, float]]:
+    """Per pipeline stage: (decoder dense, routed experts, embedding + head) parameters; with LoRA
+    the stage's share of the adapter (dense, experts, none)."""
+    t = config.trainer
     per_stage = hf.num_hidden_layers // t.pp
-    fp8 = sync.fp8_blocks if adapter is None else None
-    layer_bytes = dtype_bytes if fp8 is None else 1 + 4 / fp8**2
-    stages, quantize = [], []
+    parts = []
     for p in range(t.pp):
         layers = range(p * per_stage, (p + 1) * per_stage)
         dense = sum(counts.dense_per_layer[i] for i in layers)
         experts = sum(counts.expert_per_layer[i] for i in layers)
         ends = (counts.embedding if p == 0 else 0) + (counts.head if p == t.pp - 1 else 0)
-        if adapter is not None:
-            dense, experts, ends = adapter[0] / t.pp, adapter[1] / t.pp, 0
-        stages.append(StageBytes(dense * layer_bytes + ends * dtype_bytes, experts * layer_bytes))
-        quantize.append((dense + experts / t.ep) * dtype_bytes)  # the busiest owner reads these
+        parts.append((dense, experts, ends) if adapter is None else (adapter[0] / t.pp, adapter[1] / t.pp, 0))
+    return parts
+
+
+def sync_model(
+    config: RunConfig, hf, counts: ParamCounts, dtype_bytes: int, adapter, measured: dict[str, dict], link_gbps=None
+) -> SyncLinks:
+    """The sync's links for this layout and `sync:` options (`moe_rl.plan.sync_links`); a LoRA sync
+    moves only the adapter, from the source of each stage as a full sync would."""
+    fp8 = config.sync.fp8_blocks if adapter is None else None
+    stages = wire_stages(config, hf, counts, dtype_bytes, adapter)
+    quantize = _quantize(config, stage_params(config, hf, counts, adapter), dtype_bytes, measured, fp8)
+    return _links(config, stages, measured, quantize, link_gbps=link_gbps)
+
+
+def wire_stages(config: RunConfig, hf, counts: ParamCounts, dtype_bytes: int, adapter) -> list[StageBytes]:
+    """Each stage's bytes in a full sync's wire format (the engines' format): the trainer's
+    precision, decoder layers as FP8 blocks with `sync.fp8_blocks`."""
+    fp8 = config.sync.fp8_blocks if adapter is None else None
+    layer_bytes = dtype_bytes if fp8 is None else 1 + 4 / fp8**2
+    return [
+        StageBytes(d * layer_bytes + e * dtype_bytes, x * layer_bytes)
+        for d, x, e in stage_params(config, hf, counts, adapter)
+    ]
+
+
+def delta_model(
+    config: RunConfig,
+    hf,
+    counts: ParamCounts,
+    dtype_bytes: int,
+    measured: dict[str, dict],
+    full: SyncLinks,
+    link_gbps=None,
+) -> DeltaSync:
+    """`sync.delta` at `sync.delta.density` (`moe_rl.plan.delta`): each stage's bytes as deltas
+    (decoder linears as FP8 with `sync.fp8_blocks`, their scales dense; headers per tensor), its
+    owners' encode as links of its turn, their kept copies per node."""
+    t, d, fp8 = config.trainer, config.sync.delta, config.sync.fp8_blocks
+    wide = encoded_fraction(dtype_bytes, d.density, d.encoding)  # elements in the trainer's precision
+    if fp8:
+        layer_full, layer_delta = 1 + 4 / fp8**2, encoded_fraction(1, d.density, d.encoding) + 4 / fp8**2
+    else:
+        layer_full, layer_delta = dtype_bytes, dtype_bytes * wide
+    tensors = counts.layer_tensors * (2 if fp8 else 1) + counts.tensors - counts.layer_tensors
+    parts = stage_params(config, hf, counts, None)
+    stages, encode, kept = [], [], {}
+    for p, (dense, experts, ends) in enumerate(parts):
+        owners = Owners.of_stage(p, dense * layer_full + ends * dtype_bytes, experts * layer_full, t)
+        headers = HEADER_BYTES * tensors / t.pp
+        stages.append(StageBytes(dense * layer_delta + ends * dtype_bytes * wide + headers, experts * layer_delta))
+        encode.append(owners.encode_links(config.cluster.gpus_per_node))
+        for node, nbytes in owners.per_node(config.cluster.gpus_per_node).items():
+            kept[node] = kept.get(node, 0.0) + nbytes
+    quantize = _quantize(config, parts, dtype_bytes, measured, fp8)
+    links = _links(config, stages, measured, quantize, encode=encode, link_gbps=link_gbps)
+    return DeltaSync(d.density, d.encoding, d.full_every, sum(s.total for s in stages), links, full.seconds, kept)
+
+
+def _quantize(config: RunConfig, parts, dtype_bytes: int, measured: dict[str, dict], fp8) -> tuple[list, float] | None:
+    """(per stage, the full-precision bytes the busiest owner quantizes; the GPU check's rate) where
+    it measured one; the root quantizes its stage's decoder dense weights and its own experts."""
     rate = measured.get("fp8_quantize_gb_per_s", {}).get("value") if fp8 else None
-    relays = sync_relays(config)
+    return ([(d + x / config.trainer.ep) * dtype_bytes for d, x, _ in parts], rate) if rate else None
+
+
+def _links(config: RunConfig, stages, measured, quantize, *, encode=None, link_gbps=None) -> SyncLinks:
     return model_sync(
         stages=stages,
-        trainer=t,
+        trainer=config.trainer,
         engines=config.engines,
         cluster=config.cluster,
-        stage_groups=sync.stage_groups,
-        relays=relays,
-        quantize=quantize if rate else None,
-        quantize_gb_per_s=rate,
+        stage_groups=config.sync.stage_groups,
+        relays=sync_relays(config),
+        quantize=quantize[0] if quantize else None,
+        quantize_gb_per_s=quantize[1] if quantize else None,
         measured=measured,
+        encode=encode,
+        link_gbps=link_gbps,
     )
 
 
@@ -483,9 +590,11 @@ def _activation_bytes(hf, s: int, b: int, *, moe: bool) -> float:
 
 
 def engine_memory(config: RunConfig, counts: ParamCounts, dtype_bytes: int) -> dict[str, float]:
-    e, gpu = config.engines, config.cluster.gpu_memory_gb
-    dense = counts.total - counts.experts
-    weights = dtype_bytes * (dense / (e.tp // e.attn_dp) + counts.experts / e.tp) / GB
+    e, gpu, fp8 = config.engines, config.cluster.gpu_memory_gb, config.sync.fp8_blocks
+    layer_bytes = 1 + 4 / fp8**2 if fp8 and config.lora is None else dtype_bytes  # FP8 engines: the sync's format
+    ends = counts.embedding + counts.head
+    dense = (counts.total - counts.experts - ends) * layer_bytes + ends * dtype_bytes
+    weights = (dense / (e.tp // e.attn_dp) + counts.experts * layer_bytes / e.tp) / GB
     buffer = config.sync.bucket_bytes / GB if config.lora is None else 0.0  # each TP rank receives every bucket
     kv_cache = e.mem_fraction_static * gpu - weights - buffer
     if kv_cache <= 0:

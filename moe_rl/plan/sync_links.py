@@ -22,6 +22,11 @@ Bytes of a NIC link are per NIC (the link's bytes / its NICs).
   funnel NIC         funnel only: the other stages' bytes into the first stage's source
   FP8 quantization   on the owners' GPUs (each EP member its experts), at the rate the GPU check
                      measured (`benchmarks/gpu_metrics.json`), where it did
+  delta encode       with `sync.delta`: the busiest owner's PCIe and node's host memory
+                     (`moe_rl.plan.delta`); with the funnel, the slowest stage's (stages encode at once)
+  cross-datacentre   with `moe-rl plan --link-gbps G`: trainer and engines in two datacentres joined
+                     by one link of G Gb/s, which every byte of the turn crosses once (each NCCL ring
+                     crosses it once, the rings share it), at the NIC efficiency
 
 Each link moves bytes at its Gb/s (`cluster.nic_gbps`, `cluster.nvlink_gbps`) x an efficiency:
 NIC_EFFICIENCY / NVLINK_EFFICIENCY (modelled), or `nic_efficiency` / `nvlink_efficiency` from
@@ -110,11 +115,15 @@ def model_sync(
     quantize: list[float] | None = None,
     quantize_gb_per_s: float | None = None,
     measured: dict[str, dict] | None = None,
+    encode: list[list[Link]] | None = None,
+    link_gbps: float | None = None,
 ) -> SyncLinks:
     """The links of each turn. `trainer`: tp, pp, ep, etp (expert_tp), world_size; `engines`:
     count, tp; `cluster`: gpus_per_node, nic_gbps, nics_per_node, nvlink_gbps; `relays`: trainer
     ranks behind the root on its node; `quantize`: per stage, the full-precision bytes the busiest
-    owner quantizes (None: no FP8, or no measured rate), at `quantize_gb_per_s` (the GPU check's)."""
+    owner quantizes (None: no FP8, or no measured rate), at `quantize_gb_per_s` (the GPU check's);
+    `encode`: per stage, the delta encode's links (None: a full sync); `link_gbps`: a
+    cross-datacentre link between the trainer and the engines (None: one datacentre)."""
     measured = measured or {}
     nic_eff, nic_note = _efficiency(measured, "nic_efficiency", NIC_EFFICIENCY)
     nvl_eff, nvl_note = _efficiency(measured, "nvlink_efficiency", NVLINK_EFFICIENCY)
@@ -159,13 +168,21 @@ def model_sync(
             return []
         return [Link("FP8 quantization (owner GPU)", quantize[stage], quantize_gb_per_s)]
 
+    def crossing(nbytes: float) -> list[Link]:
+        return [Link("cross-datacentre link", nbytes, link_gbps / 8 * nic_eff)] if link_gbps else []
+
     turns: list[list[Link]] = []
     if stage_groups or pp == 1:
         for stage, nbytes in enumerate(stages):
-            turns.append(gather(stage, nbytes) + broadcast(nbytes.total) + quantized(stage))
+            encoded = encode[stage] if encode else []
+            turns.append(
+                gather(stage, nbytes) + broadcast(nbytes.total) + quantized(stage) + encoded + crossing(nbytes.total)
+            )
     else:  # the funnel: one turn, everything through the first stage's source
         total = sum(s.total for s in stages)
-        turn = gather(0, stages[0]) + broadcast(total) + quantized(0)
+        # every stage's owners encode at once: the slowest stage's encode links
+        slowest = [max(links, key=lambda link: link.seconds) for links in zip(*encode)] if encode else []
+        turn = gather(0, stages[0]) + broadcast(total) + quantized(0) + slowest + crossing(total)
         # the funnel arrives point-to-point on the root's own NIC, with its off-node gathers when
         # no relay takes them
         own = turn[0].bytes if nics == 1 else 0.0

@@ -17,9 +17,17 @@ MODELS = sorted(Path("configs/models").glob("*.yaml"))
 TINY = hf_fields(QWEN3_MOE, norm_topk_prob=False, tie_word_embeddings=False)
 
 
-def test_five_model_configs_ship():
+def test_seven_model_configs_ship():
     names = {p.stem for p in MODELS}
-    assert names == {"qwen3_30b_a3b", "qwen3_235b_a22b", "deepseek_v3", "glm45_air", "mixtral_8x7b"}
+    assert names == {
+        "qwen3_30b_a3b",
+        "qwen3_235b_a22b",
+        "deepseek_v3",
+        "glm45_air",
+        "glm45",
+        "kimi_k2",
+        "mixtral_8x7b",
+    }
 
 
 @pytest.mark.parametrize("path", MODELS, ids=lambda p: p.stem)
@@ -404,6 +412,8 @@ def test_shipped_configs_print_sync_seconds_and_their_anchor(path, capsys):
         "qwen3_30b_a3b": SYNC_ANCHORS[("Qwen3MoeForCausalLM", 30.5)],
         "qwen3_235b_a22b": SYNC_ANCHORS[("Qwen3MoeForCausalLM", 235.1)],
         "deepseek_v3": SYNC_ANCHORS[("DeepseekV3ForCausalLM", 671.0)],
+        "glm45": SYNC_ANCHORS[("Glm4MoeForCausalLM", 355.0)],
+        "kimi_k2": SYNC_ANCHORS[("DeepseekV3ForCausalLM", 1026.4)],
     }
     assert cli.main(["plan", str(path)]) == 0
     line = next(row for row in capsys.readouterr().out.splitlines() if row.startswith("sync: "))

@@ -1,0 +1,160 @@
+"""The delta sync (`sync.delta`) and the bytes each engine rank receives, as `moe-rl plan` models
+them (modelled, not measured).
+
+Wire bytes of a delta. A tensor of n elements of e bytes, a fraction d of them changed
+(`sync.delta.density`), goes as the smallest of (`sync.delta.encoding` "auto"; a forced one as itself):
+  gaps     d n (GAP_BYTES + e)        a uint16 gap to each changed element, then its bytes (escapes
+                                      for gaps >= 65536 are rare below d ~ 1/65536: not counted)
+  bitmap   n / 8 + d n e              one bit per element, then the changed elements' bytes
+  dense    n e                        every element
+plus HEADER_BYTES per tensor. Below d = 1/16 gaps win: at 1% a bf16 tensor sends 2% of its bytes,
+an FP8 one 3%. FP8's float32 scales (one per block x block) are few and most change every step:
+modelled dense. A full anchor goes every `sync.delta.full_every` versions, so a step costs on
+average ((F - 1) x a delta + a full sync) / F.
+
+Who encodes. Every owner diffs its own shard, in the engine's format, against the copy of it it
+last sent, kept in pinned host memory: the stage source's TP group its dense shard (embedding and
+head included, vocab-parallel), each EP member its experts (after its node-local ETP gather);
+gathers and broadcast then carry encoded bytes. An owner's shard crosses PCIe once per sync
+(the kept copy up to the GPU for the compare, or the shard down to the host; the changed
+elements written back are few), and the kept copies of a node's owners are read through its host
+memory once: the encode lasts the longer of the two, pipelined with the wire bucket by bucket like
+the FP8 quantization (a link of the turn, `moe_rl.plan.sync_links`).
+
+Bytes per engine rank. SGLang 0.5.23's `/update_weights_from_distributed` has every TP rank of an
+engine join the group (rank_offset + tp_rank) and receive each whole bucket
+(`sglang/srt/model_executor/model_runner_components/weight_updater.py`,
+`WeightUpdater._receive_bucketed_weights_from_distributed`: `FlattenedTensorBucket.empty` at the
+full shapes, then `torch.distributed.broadcast`); its weight loaders then keep the rank's slice.
+So an engine rank receives the whole sync for its own shard (weights of the engine split over
+tp / attn_dp for dense, tp for experts): `engine_rank_ratio`, tp with attn_dp 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_rl.plan.sync_links import GB, Link, SyncLinks
+
+GAP_BYTES = 2
+HEADER_BYTES = 64
+PCIE_GB_PER_S = 50.0
+"""Modelled: one GPU's PCIe Gen5 x16 link, one direction (64 GB/s line rate; pinned copies reach
+~50 GB/s on H100/H200 hosts). Not measured here."""
+HOST_MEMORY_GB_PER_S = 400.0
+"""Modelled: a node's host memory read bandwidth (two sockets of 8-channel DDR5-4800, 614 GB/s
+peak; ~2/3 of it for streaming reads). Not measured here."""
+
+
+def encoded_fraction(element_bytes: int, density: float, encoding: str = "auto") -> float:
+    """The fraction of a tensor's bytes its delta takes (headers aside)."""
+    sizes = {
+        "gaps": density * (GAP_BYTES + element_bytes),
+        "bitmap": 1 / 8 + density * element_bytes,
+        "dense": float(element_bytes),
+    }
+    return (min(sizes.values()) if encoding == "auto" else sizes[encoding]) / element_bytes
+
+
+@dataclass(frozen=True)
+class Owners:
+    """A stage's sending ranks: {global trainer rank: bytes of its shard in the engine's format}."""
+
+    shards: dict[int, float]
+
+    @classmethod
+    def of_stage(cls, stage: int, dense: float, experts: float, trainer) -> Owners:
+        """`dense`, `experts`: the stage's bytes in the engine's format; `trainer`: tp, pp, ep,
+        expert_tp, world_size (ranks placed tp fastest, EP members `expert_tp` apart)."""
+        root = stage * (trainer.world_size // trainer.pp)
+        shards: dict[int, float] = {}
+        for i in range(trainer.tp):
+            shards[root + i] = shards.get(root + i, 0.0) + dense / trainer.tp
+        for j in range(trainer.ep):
+            member = root + j * trainer.expert_tp
+            shards[member] = shards.get(member, 0.0) + experts / trainer.ep
+        return cls(shards)
+
+    def per_node(self, gpus_per_node: int) -> dict[int, float]:
+        nodes: dict[int, float] = {}
+        for rank, nbytes in self.shards.items():
+            nodes[rank // gpus_per_node] = nodes.get(rank // gpus_per_node, 0.0) + nbytes
+        return nodes
+
+    def encode_links(self, gpus_per_node: int) -> list[Link]:
+        return [
+            Link("delta encode, PCIe of the busiest owner", max(self.shards.values()), PCIE_GB_PER_S),
+            Link(
+                "delta encode, host memory of busiest node",
+                max(self.per_node(gpus_per_node).values()),
+                HOST_MEMORY_GB_PER_S,
+            ),
+        ]
+
+
+@dataclass
+class DeltaSync:
+    """One delta and a step's average, beside the full sync (`moe-rl plan`'s `sync delta:` line)."""
+
+    density: float
+    encoding: str
+    full_every: int
+    bytes: float  # wire bytes of one delta, to each engine
+    links: SyncLinks  # one delta's links, the encode among them
+    full_seconds: float
+    kept: dict[int, float]  # node -> pinned host bytes of its owners' kept copies
+
+    @property
+    def seconds(self) -> float:
+        return self.links.seconds
+
+    @property
+    def per_step(self) -> float:
+        """Seconds a step, anchors amortised: one full sync every `full_every` versions."""
+        return ((self.full_every - 1) * self.seconds + self.full_seconds) / self.full_every
+
+    def encode(self) -> tuple[float, float]:
+        """(bytes, seconds) of the busiest owner's PCIe over the sync's turns."""
+        return self.links.per_link()["delta encode, PCIe of the busiest owner"]
+
+    def render(self) -> list[str]:
+        worst = self.links.bottleneck
+        nbytes, seconds = self.encode()
+        turns = len(self.links.turns)
+        each = f" (summed over {turns} stage turns)" if turns > 1 else ""
+        return [
+            f"sync delta (sync.delta, at density {self.density:g}, encoding {self.encoding}): {self.bytes / GB:.2f} GB "
+            f"to each engine, ~{self.seconds:.2f} s a delta (bottleneck {worst.name}), ~{self.per_step:.2f} s a "
+            f"step with a full anchor every {self.full_every} versions (full ~{self.full_seconds:.2f} s)",
+            f"  encode: the busiest sending rank diffs {nbytes / GB:.1f} GB of its shard against its host copy{each}, "
+            f"{seconds:.2f} s at {PCIE_GB_PER_S:g} GB/s PCIe (modelled; host memory {HOST_MEMORY_GB_PER_S:g} GB/s)",
+            "sync delta links (modelled, one delta):",
+        ] + [
+            f"  {name:42s} {nbytes / GB:8.2f} GB {seconds:7.2f} s"
+            for name, (nbytes, seconds) in self.links.per_link().items()
+        ]
+
+
+def engine_rank_ratio(engines, dense: float, experts: float) -> tuple[float, float]:
+    """(own shard bytes, received / own) of one engine rank for a sync of `dense` + `experts` bytes:
+    SGLang's broadcast gives every TP rank the whole sync (module docstring)."""
+    own = dense / (engines.tp // engines.attn_dp) + experts / engines.tp
+    return own, (dense + experts) / own
+
+
+def node_ranges(per_node: dict[int, float], nodes: int) -> str:
+    """`node 0 98.4, nodes 1-7 81.9 each, nodes 8-79 none` (GB), equal neighbours merged."""
+    runs: list[tuple[int, int, float]] = []
+    for node in range(nodes):
+        value = round(per_node.get(node, 0.0) / GB, 1)
+        if runs and runs[-1][2] == value:
+            runs[-1] = (runs[-1][0], node, value)
+        else:
+            runs.append((node, node, value))
+    parts = []
+    for first, last, value in runs:
+        shown = f"{value:.1f}" if value else "none"
+        parts.append(
+            f"node {first} {shown}" if first == last else f"nodes {first}-{last} {shown}{' each' * bool(value)}"
+        )
+    return ", ".join(parts)

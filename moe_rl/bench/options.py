@@ -7,9 +7,11 @@ parsed arguments, `moe_rl.config.load_config(path, cls=SyncBench)` one from a YA
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from parallel.layout import ParallelLayout
+
+DELTA_FORMATS = ("bf16", "fp8")
 
 
 def _positive(options, *names: str) -> None:
@@ -41,9 +43,42 @@ class EngineBench:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DeltaBench:
+    """The `delta:` section of `moe-rl bench sync CONFIG` (`moe_rl.bench.delta`): a tiny model trained
+    at RL learning rates, each step's served weights sent as a delta (`sync.delta`)."""
+
+    lrs: list[float] = field(default_factory=lambda: [1.0e-6, 1.0e-5])
+    """Adam learning rates, one run each per format (YAML needs the dot: 1.0e-6, not 1e-6)."""
+    formats: list[str] = field(default_factory=lambda: list(DELTA_FORMATS))
+    """Served formats: "bf16" (every tensor), "fp8" (decoder linear weights as FP8 blocks + scales)."""
+    steps: int = 100
+    """Optimizer steps per run, each followed by a sync."""
+    full_every: int = 50
+    """A full anchor at step 0 and every this many steps (DeltaConfig.full_every)."""
+    encoding: str = "auto"
+    """DeltaConfig.encoding: "auto", "gaps", "bitmap" or "dense"."""
+    fp8_blocks: int = 32
+    """FP8 block size (rows = cols); must divide the model's linear dims (128 on real models)."""
+    batch_size: int = 16
+    """Sequences per step."""
+    seq_len: int = 32
+    """Tokens per sequence."""
+    seed: int = 0
+    """Seeds the init and the batches: every run starts from the same weights, sees the same data."""
+
+    def __post_init__(self):
+        _positive(self, "steps", "full_every", "fp8_blocks", "batch_size", "seq_len")
+        if not self.lrs or any(lr <= 0 for lr in self.lrs):
+            raise ValueError(f"delta.lrs={self.lrs!r}: need positive learning rates, e.g. [1.0e-6, 1.0e-5]")
+        if not self.formats or any(f not in DELTA_FORMATS for f in self.formats):
+            raise ValueError(f"delta.formats={self.formats!r}: pick from {list(DELTA_FORMATS)}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class SyncBench:
-    """`moe-rl bench sync CONFIG` (`moe_rl.bench.sync`; with `lora`, `moe_rl.bench.lora`), read
-    from YAML (configs/bench/sync_1g.yaml, configs/bench/sync_lora.yaml)."""
+    """`moe-rl bench sync CONFIG` (`moe_rl.bench.sync`; with `lora`, `moe_rl.bench.lora`; with
+    `delta`, `moe_rl.bench.delta`), read from YAML (configs/bench/sync_1g.yaml,
+    configs/bench/sync_lora.yaml, configs/bench/sync_delta.yaml)."""
 
     model: dict
     """Qwen3MoeConfig fields of the random-init model."""
@@ -61,15 +96,24 @@ class SyncBench:
     """With layout.pp > 1: one group per stage (false: the funnel)."""
     lora: dict | None = None
     """LoRAConfig fields: compare adapter and full-weight syncs to one embedded engine instead."""
+    delta: DeltaBench | None = None
+    """Measure delta sync instead (one process: `layout`, the buckets and the engines are unused)."""
     output: str | None = None
-    """The JSON written; None: bench_sync.json (bench_sync_lora.json with `lora`)."""
+    """The JSON written; None: bench_sync.json (bench_sync_lora.json with `lora`, bench_sync_delta.json
+    with `delta`)."""
 
     def __post_init__(self):
         _positive(self, "bucket_mb", "export_bucket_mb", "num_engines", "repeats")
+        if self.lora is not None and self.delta is not None:
+            raise ValueError("lora and delta: the bench measures one of them; drop one section")
 
     @property
     def output_path(self) -> str:
-        return self.output or ("bench_sync_lora.json" if self.lora is not None else "bench_sync.json")
+        if self.output:
+            return self.output
+        if self.lora is not None:
+            return "bench_sync_lora.json"
+        return "bench_sync_delta.json" if self.delta is not None else "bench_sync.json"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -154,7 +154,9 @@ class ModelRunner:
         with torch.no_grad():
             info, _ = convert_and_load_state_dict_in_model(model, dict(state), config)
         problems = info.missing_keys | info.unexpected_keys | set(info.mismatched_keys) | set(info.conversion_errors)
-        assert not problems and not info.error_msgs, f"the checkpoint did not load in place: {problems or info.error_msgs}"
+        assert not problems and not info.error_msgs, (
+            f"the checkpoint did not load in place: {problems or info.error_msgs}"
+        )
         return model
 
     def swap(self, model: torch.nn.Module, checkpoint: dict[str, torch.Tensor]) -> None:

@@ -17,8 +17,9 @@ Contract:
 4. Header (`HEADER_NBYTES` = 64 bytes, then the shape as ndim int64): magic b"MRLD", format (u8,
    `FORMAT`), encoding (u8: 0 none, 1 gaps, 2 bitmap, 3 dense), hash kind (u8: 1 = zlib CRC-32),
    element size (u8), dtype (u8, an index into `DTYPES`), ndim (u8), 6 zero bytes; numel, count
-   of changed elements, gap tokens (u64 each); base_version, version (i64: the version it applies
-   on and the one it produces); the hash of the target's bytes AFTER applying (u64).
+   of changed elements (numel when there is no base), gap tokens (u64 each); base_version,
+   version (i64: the version it applies on and the one it produces); the hash of the target's
+   bytes AFTER applying (u64).
 5. Body (each section but the last zero-padded to a multiple of 8 bytes):
    - none (count 0, whatever encoding was asked): empty; the header still carries both versions
      and the hash, so the engine verifies its copy and learns the tensor is at `version`;
@@ -196,6 +197,8 @@ def header(payload: torch.Tensor) -> DeltaHeader:
     )
     if magic != MAGIC or fmt != FORMAT or kind != CRC32 or enc >= len(ENCODINGS) or dtype >= len(DTYPES):
         raise DeltaError(f"payload: not a delta of format {FORMAT} (magic {magic!r}, format {fmt}, encoding {enc})")
+    if data.size < HEADER_NBYTES + 8 * ndim:
+        raise DeltaError(f"payload: {data.size} bytes, too short for its header's {ndim} dims")
     shape = struct.unpack(f"<{ndim}q", data[HEADER_NBYTES : HEADER_NBYTES + 8 * ndim].tobytes())
     if size != DTYPES[dtype].itemsize or math.prod(shape) != numel or count > numel:
         raise DeltaError(f"payload: inconsistent header (element size {size}, shape {shape}, numel {numel})")

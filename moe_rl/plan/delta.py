@@ -19,7 +19,10 @@ gathers and broadcast then carry encoded bytes. An owner's shard crosses PCIe on
 (the kept copy up to the GPU for the compare, or the shard down to the host; the changed
 elements written back are few), and the kept copies of a node's owners are read through its host
 memory once: the encode lasts the longer of the two, pipelined with the wire bucket by bucket like
-the FP8 quantization (a link of the turn, `moe_rl.plan.sync_links`).
+the FP8 quantization (a link of the turn, `moe_rl.plan.sync_links`). PCIe is the bound only for a
+compare that keeps up with it (on the GPU, or threaded on the host): `sync.delta` today compares
+and hashes (CRC-32) on the host, which the plan takes at a measured `delta_encode_gb_per_s` per rank
+where the GPU check's file (`benchmarks/gpu_metrics.json`) has one.
 
 Bytes per engine rank. SGLang 0.5.23's `/update_weights_from_distributed` has every TP rank of an
 engine join the group (rank_offset + tp_rank) and receive each whole bucket
@@ -37,7 +40,8 @@ from dataclasses import dataclass
 from moe_rl.plan.sync_links import GB, Link, SyncLinks
 
 GAP_BYTES = 2
-HEADER_BYTES = 64
+HEADER_BYTES = 64 + 2 * 8
+"""`sync.delta`'s header (64 bytes) and a 2-D shape (int64 a dimension), per tensor."""
 PCIE_GB_PER_S = 50.0
 """Modelled: one GPU's PCIe Gen5 x16 link, one direction (64 GB/s line rate; pinned copies reach
 ~50 GB/s on H100/H200 hosts). Not measured here."""
@@ -81,9 +85,11 @@ class Owners:
             nodes[rank // gpus_per_node] = nodes.get(rank // gpus_per_node, 0.0) + nbytes
         return nodes
 
-    def encode_links(self, gpus_per_node: int) -> list[Link]:
+    def encode_links(self, gpus_per_node: int, gb_per_s: float = PCIE_GB_PER_S) -> list[Link]:
+        """The busiest owner's shard at `gb_per_s` (PCIe, or a slower measured encode), the busiest
+        node's kept copies through its host memory."""
         return [
-            Link("delta encode, PCIe of the busiest owner", max(self.shards.values()), PCIE_GB_PER_S),
+            Link("delta encode, PCIe of the busiest owner", max(self.shards.values()), gb_per_s),
             Link(
                 "delta encode, host memory of busiest node",
                 max(self.per_node(gpus_per_node).values()),
@@ -103,6 +109,7 @@ class DeltaSync:
     links: SyncLinks  # one delta's links, the encode among them
     full_seconds: float
     kept: dict[int, float]  # node -> pinned host bytes of its owners' kept copies
+    rate: str = f"PCIe, {PCIE_GB_PER_S:g} GB/s modelled"  # where the encode's rate comes from
 
     @property
     def seconds(self) -> float:
@@ -127,7 +134,8 @@ class DeltaSync:
             f"to each engine, ~{self.seconds:.2f} s a delta (bottleneck {worst.name}), ~{self.per_step:.2f} s a "
             f"step with a full anchor every {self.full_every} versions (full ~{self.full_seconds:.2f} s)",
             f"  encode: the busiest sending rank diffs {nbytes / GB:.1f} GB of its shard against its host copy{each}, "
-            f"{seconds:.2f} s at {PCIE_GB_PER_S:g} GB/s PCIe (modelled; host memory {HOST_MEMORY_GB_PER_S:g} GB/s)",
+            f"{seconds:.2f} s at {nbytes / seconds / GB if seconds else 0:.3g} GB/s ({self.rate}; host memory "
+            f"{HOST_MEMORY_GB_PER_S:g} GB/s modelled)",
             "sync delta links (modelled, one delta):",
         ] + [
             f"  {name:42s} {nbytes / GB:8.2f} GB {seconds:7.2f} s"

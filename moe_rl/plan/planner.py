@@ -79,7 +79,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_rl.config import PARAM_DTYPES, RunConfig
-from moe_rl.plan.delta import HEADER_BYTES, DeltaSync, Owners, encoded_fraction, engine_rank_ratio, node_ranges
+from moe_rl.plan.delta import (
+    HEADER_BYTES,
+    PCIE_GB_PER_S,
+    DeltaSync,
+    Owners,
+    encoded_fraction,
+    engine_rank_ratio,
+    node_ranges,
+)
 from moe_rl.plan.groups import layout_line, parallel_groups, span
 from moe_rl.plan.sequences import check_kv_cache, sequence_notes
 from moe_rl.plan.sync_links import StageBytes, SyncLinks, model_sync
@@ -368,17 +376,22 @@ def delta_model(
         layer_full, layer_delta = dtype_bytes, dtype_bytes * wide
     tensors = counts.layer_tensors * (2 if fp8 else 1) + counts.tensors - counts.layer_tensors
     parts = stage_params(config, hf, counts, None)
+    measured_rate = measured.get("delta_encode_gb_per_s")
+    rate = min(PCIE_GB_PER_S, measured_rate["value"]) if measured_rate else PCIE_GB_PER_S
     stages, encode, kept = [], [], {}
     for p, (dense, experts, ends) in enumerate(parts):
         owners = Owners.of_stage(p, dense * layer_full + ends * dtype_bytes, experts * layer_full, t)
         headers = HEADER_BYTES * tensors / t.pp
         stages.append(StageBytes(dense * layer_delta + ends * dtype_bytes * wide + headers, experts * layer_delta))
-        encode.append(owners.encode_links(config.cluster.gpus_per_node))
+        encode.append(owners.encode_links(config.cluster.gpus_per_node, rate))
         for node, nbytes in owners.per_node(config.cluster.gpus_per_node).items():
             kept[node] = kept.get(node, 0.0) + nbytes
     quantize = _quantize(config, parts, dtype_bytes, measured, fp8)
     links = _links(config, stages, measured, quantize, encode=encode, link_gbps=link_gbps)
-    return DeltaSync(d.density, d.encoding, d.full_every, sum(s.total for s in stages), links, full.seconds, kept)
+    delta = DeltaSync(d.density, d.encoding, d.full_every, sum(s.total for s in stages), links, full.seconds, kept)
+    if measured_rate:
+        delta.rate = f"measured encode on {measured_rate.get('gpu', '?')}, {measured_rate.get('date', '?')}"
+    return delta
 
 
 def _quantize(config: RunConfig, parts, dtype_bytes: int, measured: dict[str, dict], fp8) -> tuple[list, float] | None:

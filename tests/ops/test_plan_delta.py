@@ -122,3 +122,18 @@ def test_a_cross_datacentre_link_carries_every_byte_once(capsys):
     assert "cross-datacentre link" in capsys.readouterr().out
     assert cli.main(["plan", "configs/models/kimi_k2.yaml", "--link-gbps", "0"]) == 2
     assert "--link-gbps 0: must be > 0" in capsys.readouterr().err
+
+
+def test_a_measured_encode_rate_replaces_pcie(tmp_path):
+    """`sync.delta` compares on the host today: where the GPU check measured its rate per rank, the
+    encode runs at it (never faster than PCIe)."""
+    import json
+
+    metrics = tmp_path / "gpu_metrics.json"
+    rate = {"value": 2.0, "unit": "GB/s of shard per rank", "gpu": "NVIDIA H200", "date": "2026-12-06"}
+    metrics.write_text(json.dumps({"measured": {"delta_encode_gb_per_s": rate}}))
+    config = load_config("configs/models/qwen3_30b_a3b.yaml", list(DELTA))
+    p = make_plan(config, gpu_metrics=metrics)
+    nbytes, seconds = p.delta.encode()
+    assert seconds == pytest.approx(nbytes / 2e9)
+    assert "measured encode on NVIDIA H200, 2026-12-06" in p.render()

@@ -592,6 +592,8 @@ class RunConfig:
                 "live on the sync source's GPU, which only engine 0 sees; use one engine or "
                 "sync.transport: broadcast"
             )
+        if self.sync.delta.enabled:
+            self._check_delta()
         if self.lora is not None and self.rl.colocate:
             raise ValueError(
                 "lora with rl.colocate: adapter sync keeps engines generating while the trainer "
@@ -609,6 +611,19 @@ class RunConfig:
                 "sync.pause_mode='in_place' with sync.transport='disk': SGLang's disk update "
                 "flushes the KV cache, refused while in-place-paused requests run; use "
                 "pause_mode abort or retract, or transport broadcast"
+            )
+
+    def _check_delta(self) -> None:
+        """`sync.delta` goes where a delta travels (the engines' side: `check_sync` in preflight)."""
+        if self.lora is not None:
+            raise ValueError(
+                "sync.delta.enabled with lora: only the adapters move (a few MB), deltas are for "
+                "full-weight sync; set sync.delta.enabled: false"
+            )
+        if self.sync.transport != "broadcast":
+            raise ValueError(
+                f"sync.delta.enabled with sync.transport={self.sync.transport!r}: deltas travel in "
+                "broadcast buckets; use sync.transport: broadcast, or set sync.delta.enabled: false"
             )
 
     def _check_cluster(self) -> None:

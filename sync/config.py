@@ -6,13 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sync.delta import DELTA_ENCODINGS, DeltaStats
 from sync.transports.base import TransportConfig
 
 ADAPTER_ROUTES = ("disk", "tensors")
 
 PAUSE_MODES = ("abort", "retract", "in_place")
-
-DELTA_ENCODINGS = ("auto", "gaps", "bitmap", "dense")
 
 
 @dataclass(kw_only=True)
@@ -115,6 +114,9 @@ class SyncStats:
     phases: list[tuple[str, float, float]] = field(default_factory=list)
     """(phase, start, end) in wall-clock seconds (`time.time()`, for a timeline): pause, buckets
     (buckets), commit, resume."""
+    delta: DeltaStats | None = None
+    """With `sync.delta`: what the update carried (an anchor or a delta, changed elements, the
+    tensors' own bytes against the bytes sent)."""
 
     @property
     def gb_per_s(self) -> float:

@@ -54,9 +54,12 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from sync.config import DELTA_ENCODINGS
-
 MAGIC, FORMAT, CRC32 = b"MRLD", 1, 1
+DELTA_ENCODINGS = ("auto", "gaps", "bitmap", "dense")
+"""What `sync.delta.encoding` and `encode` take: "auto" picks per tensor (contract point 5)."""
+DELTA_LOAD_FORMAT = "flattened_bucket_delta"
+"""The load_format that announces a bucket of payloads (an embedded-engine extension: SGLang
+0.5.23's distributed route has no custom loader, see docs/weight-sync.md)."""
 ENCODINGS = ("none", "gaps", "bitmap", "dense")
 """The header's encoding ids, in order."""
 DTYPES = (
@@ -324,11 +327,14 @@ class KeptCopy:
 
 
 class AppliedCopy:
-    """An engine's copy of the bytes it was sent (name -> host tensor) and their `version`, for an
-    engine that keeps them (the embedded engine, a receiver-only engine). Memory: one version.
+    """An engine's copy of the bytes it was sent (name -> host tensor) at `version`, what the next
+    delta applies on; for engines that keep them (the embedded engine's receiver, a receiver-only
+    engine). Staged, as an engine commits: `stage` makes each tensor of the next version beside the
+    held one, `hold` takes a committed version (its tensors, not copies), so a version that never
+    commits leaves the copy as it was. Memory: the held version, plus a copy of each changed tensor
+    while a version is staged (an unchanged one is the held tensor itself).
 
-    `version` is None before the first anchor, while a stream is under way and after any failure
-    (a `DeltaError` included): the copy then needs an anchor (`load_full`) and refuses deltas."""
+    `version` is None before the first anchor: the copy then refuses deltas."""
 
     def __init__(self):
         self.tensors: dict[str, torch.Tensor] = {}
@@ -338,44 +344,62 @@ class AppliedCopy:
     def needs_anchor(self) -> bool:
         return self.version is None
 
-    def load_full(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Hold exactly `named_tensors` (copied) at `version`: a full anchor."""
-        self.version, seen = None, set()
-        for name, tensor in named_tensors:
-            kept = self.tensors.get(name)
-            if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype:
-                kept = self.tensors[name] = torch.empty(tensor.shape, dtype=tensor.dtype)
-            kept.copy_(tensor)
-            seen.add(name)
-        self.tensors = {name: t for name, t in self.tensors.items() if name in seen}
-        self.version = version
+    def stage(self, name: str, payload: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+        """The tensor `payload` makes of the held `name` and the version it produces, written into
+        `out` where given (storage of the payload's dtype and shape), else into a copy (an unchanged
+        tensor: the held one itself); the held copy is left as it is. DeltaError if the copy needs an
+        anchor, the payload applies on another version, `name` is not held as the payload's dtype and
+        shape (unless the payload is dense), or the result fails its hash."""
+        if self.version is None:
+            raise DeltaError(f"{name}: a delta arrived but this engine holds no anchor; send a full version")
+        head = header(payload)
+        if head.base_version != self.version:
+            raise DeltaError(
+                f"{name}: the delta applies on version {head.base_version}, this engine holds {self.version}"
+            )
+        held = self.tensors.get(name)
+        if head.encoding != "dense" and (held is None or held.shape != head.shape or held.dtype != head.dtype):
+            raise DeltaError(f"{name}: not held here as {head.dtype}{list(head.shape)}; send a full version")
+        if out is not None:
+            target = out
+            if head.encoding != "dense":
+                target.copy_(held)
+        elif head.encoding == "dense":
+            target = torch.empty(head.shape, dtype=head.dtype)
+        else:  # unchanged: the held tensor itself, its hash checked; changed: a copy to write into
+            target = held if head.encoding == "none" else held.clone()
+        return target, apply(payload, target, self.version)
+
+    def hold(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """The committed `version` is `tensors` (kept as they are: the caller does not write them again)."""
+        self.tensors, self.version = dict(tensors), version
 
     def apply_stream(self, named_payloads: Iterable[tuple[str, torch.Tensor]], base_version: int) -> int:
-        """Apply one version's payloads (a `KeptCopy.encode_stream` delta, every one on `base_version`,
-        checked by its hash) and return the version they produce. A dense payload of an unknown name,
-        or of another shape or dtype, replaces the tensor. DeltaError if the copy needs an anchor or
-        holds another version than `base_version`, and for any payload that does not apply."""
-        if self.version is None:
-            raise DeltaError("the applied copy needs an anchor (load_full) before it takes deltas")
-        held, self.version = self.version, None
-        if held != base_version:
-            raise DeltaError(f"the stream applies on version {base_version}, the copy holds {held}; needs an anchor")
-        produced = base_version
-        for index, (name, payload) in enumerate(named_payloads):
-            head = header(payload)
-            target = self.tensors.get(name)
-            if head.encoding == "dense" and (
-                target is None or target.shape != head.shape or target.dtype != head.dtype
-            ):
-                target = self.tensors[name] = torch.empty(head.shape, dtype=head.dtype)
-            elif target is None:
-                raise DeltaError(f"{name}: not held here and its payload is not dense; needs an anchor")
-            version = apply(payload, target, base_version)
-            if index and version != produced:
-                raise DeltaError(f"{name}: produces version {version}, the stream's others {produced}")
-            produced = version
-        self.version = produced
-        return produced
+        """Stage and hold one whole delta version (`KeptCopy.encode_stream`'s, every payload on
+        `base_version`); returns the version produced. DeltaError, the copy unchanged, if the copy
+        holds another version, a payload does not apply, two payloads name one tensor, payloads
+        produce different versions, or a held tensor got no payload (a lost bucket)."""
+        if self.version != base_version:
+            raise DeltaError(f"the stream applies on version {base_version}, the copy holds {self.version}")
+        staged: dict[str, torch.Tensor] = {}
+        produced = set()
+        for name, payload in named_payloads:
+            if name in staged:
+                raise DeltaError(f"{name}: two payloads in one version (a duplicated bucket)")
+            staged[name], version = self.stage(name, payload)
+            produced.add(version)
+        check_complete(staged, self.tensors, produced)
+        (version,) = produced
+        self.hold(staged, version)
+        return version
+
+
+def check_complete(staged: dict[str, torch.Tensor], held: dict[str, torch.Tensor], produced: set[int]) -> None:
+    """DeltaError unless a staged delta version covers every held tensor and names one version."""
+    if missing := sorted(set(held) - set(staged)):
+        raise DeltaError(f"{len(missing)} tensors got no payload (a lost bucket?), e.g. {missing[0]}")
+    if len(produced) != 1:
+        raise DeltaError(f"the payloads produce versions {sorted(produced)}, not one")
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:

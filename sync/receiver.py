@@ -48,6 +48,15 @@ A checksum mismatch rejects the version: that bucket's call raises, and so does 
 bucket's call that finishes after it; an earlier bucket acks whenever its checksum finishes
 (its own bytes verified), so a sender reading acks in bucket order names the corrupted one.
 
+Deltas (`sync.delta`, announced with load_format `DELTA_LOAD_FORMAT`): a bucket's tensors are
+payloads, each naming the version it applies on. The receiver keeps the served version's tensors
+(`applied`, an `AppliedCopy` of views of the served set: no copy) and writes each tensor of the
+delta into the staging set (the held bytes, then the payload's changed elements), each checked
+by its hash; the payload bytes themselves land in a buffer of their own. A payload on another
+base, a failed hash, or two payloads of one tensor reject the version as a failed checksum does;
+a commit whose delta did not cover every held tensor (a lost bucket) or produces another version
+is refused. The served version is never touched: the sender then sends a full version (an anchor).
+
 A failed collective leaves the group unusable: the receiver drops what it staged, leaves the
 group and re-raises; the sender then forms a new group with the engines still alive.
 """
@@ -62,6 +71,7 @@ from safetensors.torch import load_file
 
 from sync.bucket import TensorMeta, layout, unpack
 from sync.bucket import checksum as bucket_checksum
+from sync.delta import AppliedCopy, DeltaError, check_complete, header
 from sync.group import WeightUpdateGroup
 
 _Key = tuple  # a bucket layout: ((name, dtype, shape), ...)
@@ -76,6 +86,9 @@ class WeightReceiver:
         self._staging = 1  # index of the set being staged into
         self._used: set[_Key] = set()  # segments the staged version wrote
         self._staged: dict[str, torch.Tensor] = {}
+        self.applied = AppliedCopy()  # the served version's tensors, what a delta applies on
+        self._produced: set[int] = set()  # the versions the staged delta payloads produce
+        self._payloads: set[str] = set()  # the tensors the staged delta payloads carried
         self._staging_open = False  # buckets of a new version are being received
         self._labelled: int | None = None  # the version the staged buckets named, if they did
         self._rejected: int | None = None  # the first bucket that failed its checksum: no commit
@@ -133,11 +146,14 @@ class WeightReceiver:
         weight_version: str | int | None = None,
         checksum: str | None = None,
         group_name: str | None = None,
+        delta: bool = False,
     ) -> list[tuple[str, torch.Tensor]]:
         """Collective with the sender's broadcast of this bucket; returns the staged tensors.
+        `delta`: the bucket holds delta payloads (load_format `sync.delta.DELTA_LOAD_FORMAT`).
 
-        Raises ValueError for a stale version, bad metadata or a checksum mismatch (the group
-        stays usable; the version's staged data is dropped), RuntimeError for a failed collective.
+        Raises ValueError for a stale version, bad metadata, a checksum mismatch or a delta that
+        does not apply (the group stays usable; the version's staged data is dropped),
+        RuntimeError for a failed collective.
         """
         if not self.groups:
             raise RuntimeError("receive_bucket before join(): call /init_weights_update_group first")
@@ -161,8 +177,10 @@ class WeightReceiver:
         try:
             with self._state:
                 group = self.groups.get(group_name)  # None if an earlier bucket's collective failed meanwhile
-                if group is not None:
-                    data, bucket = self._segment(metas), index
+                if group is not None:  # a delta's payloads are not kept: a buffer of their own
+                    nbytes = sum(m.nbytes for m in metas)
+                    data = torch.empty(nbytes, dtype=torch.uint8) if delta else self._segment(metas)
+                    bucket = index
             if group is not None:
                 group.broadcast(data, src=0)
         except Exception as error:  # noqa: BLE001 - re-raised below, after the turn passed on
@@ -184,7 +202,13 @@ class WeightReceiver:
                 f"bucket {bucket} of version {version}: checksum mismatch (announced {checksum}, "
                 f"received {got}); bucket rejected, still serving version {self.version}"
             )
-        tensors = [(name, t.to(self.device)) for name, t in unpack(data, metas)]
+        try:
+            received = self._decode(unpack(data, metas)) if delta else unpack(data, metas)
+        except DeltaError as error:
+            with self._state:
+                self._rejected = bucket if self._rejected is None else min(self._rejected, bucket)
+            raise ValueError(f"bucket {bucket} of version {version}: {error}; still serving {self.version}") from None
+        tensors = [(name, t.to(self.device)) for name, t in received]
         with self._state:
             if not self._staging_open:
                 raise ValueError(f"version {version} was dropped (aborted); resend it")
@@ -249,10 +273,13 @@ class WeightReceiver:
                         else "nothing is staged"
                     )
                 )
+            if self._produced:  # a delta: every held tensor, all at the committed version
+                check_complete(self._staged, self.applied.tensors, self._produced | {version})
             staging = self._sets[self._staging]
             for key in set(staging) - self._used:  # layouts this version did not use
                 del staging[key]
             tensors = self._staged
+            self.applied.hold(tensors, version)
             self._staging = 1 - self._staging  # the old served set takes the next version
             self.version, self._rejoined = version, False
             self._reset()
@@ -265,6 +292,7 @@ class WeightReceiver:
 
     def _reset(self) -> None:
         self._staged, self._staging_open, self._labelled = {}, False, None
+        self._produced, self._payloads = set(), set()
         self._rejected, self._used = None, set()
         self._tickets = self._buckets = 0
 
@@ -286,15 +314,40 @@ class WeightReceiver:
         group = self.group
         return group.timeout.total_seconds() if group is not None else 0.0
 
-    def _segment(self, metas: list[TensorMeta]) -> torch.Tensor:
-        """The staging set's storage for this bucket layout (allocated on first use)."""
+    def _segment(self, metas: list[TensorMeta], nbytes: int | None = None) -> torch.Tensor:
+        """The staging set's storage for this bucket layout (allocated on first use); `nbytes`:
+        the layout's length where it is not the packed one."""
         key = tuple((m.name, m.dtype, m.shape) for m in metas)
         storage = self._sets[self._staging]
         if key not in storage:
-            nbytes = sum(m.nbytes for m in metas)
+            nbytes = sum(m.nbytes for m in metas) if nbytes is None else nbytes
             storage[key] = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)  # all groups: one device
         self._used.add(key)
         return storage[key]
+
+    def _decode(self, payloads: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """A delta bucket's tensors, each written into the staging set (outside the collective
+        turn, like a checksum). DeltaError if a payload does not apply or names a tensor twice."""
+        heads = [header(payload) for _, payload in payloads]
+        metas, offset = [], 0
+        for (name, _), head in zip(payloads, heads):  # each tensor aligned (any dtype after any)
+            offset = -(-offset // 8) * 8
+            metas.append(TensorMeta(name, head.dtype, head.shape, offset))
+            offset += metas[-1].nbytes
+        with self._state:
+            storage = self._segment(metas, nbytes=offset)
+        decoded = []
+        for (name, payload), meta in zip(payloads, metas):
+            with self._state:
+                if name in self._payloads:
+                    raise DeltaError(f"{name}: two payloads in one version (a duplicated bucket)")
+                self._payloads.add(name)
+            out = storage[meta.offset : meta.offset + meta.nbytes].view(meta.dtype).view(meta.shape)
+            tensor, version = self.applied.stage(name, payload, out)
+            with self._state:
+                self._produced.add(version)
+            decoded.append((name, tensor))
+        return decoded
 
 
 def _split_tag(tag: str | None) -> tuple[str | None, int | None]:

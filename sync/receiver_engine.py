@@ -36,6 +36,7 @@ from aiohttp import web
 from safetensors.torch import save_file
 
 from sync import traffic
+from sync.delta import DELTA_LOAD_FORMAT
 from sync.receiver import WeightReceiver
 
 
@@ -85,7 +86,8 @@ def _serve(ports, fail_at: tuple[int, int] | None, timeout_s: float) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         buckets[version] = buckets.get(version, 0) + 1
         keys = ("names", "dtypes", "shapes", "weight_version", "checksum", "group_name")
-        await blocking(receiver.receive_bucket, *(b.get(key) for key in keys))
+        delta = b.get("load_format") == DELTA_LOAD_FORMAT
+        await blocking(receiver.receive_bucket, *(b.get(key) for key in keys), delta)
 
     async def update_version(b):
         weights.update(await blocking(receiver.commit, b["new_version"]))
@@ -181,6 +183,7 @@ class ReceiverEngineClient:
         self.name = name or f"receiver-engine@{port}"
         self.timeout_s = timeout_s
         self.verifies_checksums = True  # its WeightReceiver checks every bucket's CRC-32
+        self.applies_deltas = True  # and applies delta buckets (`sync.delta`)
 
     async def _call(self, route: str, timeout_s: float | None = None, **body) -> dict:
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)

@@ -24,7 +24,8 @@ source instead (`sync.pipeline.stage_stream`), which broadcasts them all over on
   2. (re)open the transport if needed (forms the weight-update group with the target engines);
   3. pause generation (`mode`) on every target; flush the KV cache unless the mode is in_place;
   4. open the weight-update session where the transport loads in place (SGLang's rule);
-  5. transport.send: stream buckets; every target acknowledges every bucket;
+  5. transport.send: stream buckets; every target acknowledges every bucket (with `sync.delta`:
+     the stream as payloads against the kept copy, or a full anchor, see below);
   6. close the session, on failure too;
   7. commit: `update_weight_version` on every target, only if steps 5 and 6 fully succeeded;
   8. resume generation: every target after a commit; after a failure, only the targets whose
@@ -39,6 +40,14 @@ serves a new version until it committed all of it. When the failure was an engin
 (`error.dropped` is not empty), the caller retries the same version with a fresh export: the
 live engines then commit it (`moe_rl`'s trainer does). An orchestrator that gives up instead
 restarts the `partial` engines from the last published weights.
+
+Deltas (`SyncConfig.delta`, `sync.delta`): the sender keeps the bytes it last sent (`kept`, on
+the host) and sends each new version as payloads against them, every payload naming the version
+it applies on, each engine checking every tensor's hash and the whole version at its commit. A
+full anchor goes instead at the first update, every `delta.full_every` versions, after any failed
+update (the kept copy no longer says what the engines hold), to engines behind or holding part
+of a version, when the transport or an engine cannot take deltas, and for a catch-up resend.
+Engines refusing a delta fail the update like any engine error: they stay paused until the anchor.
 
 Engines that come back (an orchestrator restarted one): `add(engine, served_version)` makes it a
 member again; if it serves an older version than the committed one (or, `served_version=None`,
@@ -60,6 +69,7 @@ from typing import Iterable
 import torch
 
 from sync.config import SyncConfig, SyncStats
+from sync.delta import KeptCopy
 from sync.engine_api import EngineEndpoint
 from sync.engine_set import EngineSet, SyncError, describe, require_health
 from sync.syncer import Syncer
@@ -83,6 +93,8 @@ class WeightSender(Syncer):
         # `transport`: one built by the caller (per-stage groups, `sync.stages`), else config.transport's
         self.transport = transport or make_transport(config.transport, config)
         self._group: EngineSet | None = None  # the members the transport's group was formed with
+        self.kept = KeptCopy() if config.delta.enabled else None  # what the engines hold, for deltas
+        self.anchored: int | None = None  # the version of the last full anchor
 
     def add(self, engine: EngineEndpoint, served_version: int | None) -> None:
         """A (re)started or new engine serving `served_version` joins, replacing a member of its name.
@@ -135,10 +147,11 @@ class WeightSender(Syncer):
             if self.transport.session:
                 session = True
                 self._on_all(targets, "begin_weight_update", lambda e: e.begin_weight_update())
-            # 5. send every bucket, acknowledged by every target
+            # 5. send every bucket, acknowledged by every target (a delta, or the full version)
             touched = True
             marks.append(("buckets", time.time()))
-            nbytes = self.transport.send(named_tensors, version, targets)
+            stream = self._encoded(named_tensors, version, targets)
+            nbytes = self.transport.send(stream, version, targets)
             # 6. close the session
             session = False
             marks.append(("commit", time.time()))
@@ -152,6 +165,8 @@ class WeightSender(Syncer):
             self.partial -= set(targets.names)
         except BaseException as failure:
             exhaust(named_tensors)  # if we failed before sending: other ranks run the export
+            if self.kept is not None:  # the engines may hold anything now: the next is an anchor
+                self.kept.invalidate()
             if session:
                 targets.call(lambda e: e.end_weight_update())  # best effort: the next begin needs it
             if isinstance(failure, SyncError):
@@ -174,7 +189,28 @@ class WeightSender(Syncer):
             [n for n in targets.names if n not in dead],
             sorted(dead),
             [(phase, began, end) for (phase, began), end in zip(marks, ends)],
+            self.kept.stats if self.kept is not None else None,
         )
+
+    def _encoded(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, targets: EngineSet):
+        """The stream as `targets` get it: with `sync.delta`, payloads against the kept copy when a
+        delta is due (see the module docstring), else the full version (the kept copy follows it)."""
+        self.transport.delta = False
+        if self.kept is None:
+            return named_tensors
+        delta = (
+            self.kept.version == self.version  # the kept copy is what every engine committed last
+            and version > self.version  # a new version (a catch-up resend goes in full)
+            and self.anchored is not None
+            and version - self.anchored < self.config.delta.full_every
+            and not (self.behind | self.partial) & set(targets.names)
+            and self.transport.carries_deltas
+            and all(engine.applies_deltas for engine in targets.engines)
+        )
+        if not delta:
+            self.anchored = version
+        self.transport.delta = delta
+        return self.kept.encode_stream(named_tensors, version, full=not delta, encoding=self.config.delta.encoding)
 
     def _drop_dead(self, targets: EngineSet) -> list[str]:
         """After a failure: drop the targets that no longer answer /health; returns their names."""

@@ -19,6 +19,10 @@ stages' sources as turns:
          different orders (which would deadlock their collectives). Bucket indices run on across
          the stages (the receiver orders collectives by them);
   close  every stage's group, stage by stage.
+With `sync.delta` each stage source keeps its own stage's last sent bytes (`KeptCopy`: per shard,
+never the whole model on one rank) and sends a delta or a full version as the coordinator's
+sender decides (the same for every stage).
+
 A stage that fails reports the engine and bucket back; the coordinator raises `SyncError` as for
 one group (the later stages only run their exports), and the sender drops dead engines and
 re-forms every stage's group at the next update.
@@ -41,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from sync.config import SyncConfig, SyncStats
+from sync.delta import KeptCopy
 from sync.engine_api import EngineEndpoint
 from sync.engine_set import EngineSet, SyncError
 from sync.relay import Relay, RelayLink
@@ -103,7 +108,7 @@ class StageGroupsTransport(BroadcastTransport):
         nbytes = super().send(named_tensors, version, engines)
         first = self.buckets_sent
         for stage, rank in self.peers.items():
-            reply = _ask(rank, ("send", version, engines.names, first))
+            reply = _ask(rank, ("send", version, engines.names, first, self.delta))
             if "message" in reply:
                 self.broken = True  # that stage's group may be gone: re-form every stage's next time
                 raise SyncError(f"stage {stage}: {reply['message']}", engine=reply["engine"], bucket=reply["bucket"])
@@ -127,6 +132,8 @@ class StageSource:
         self.transport = BroadcastTransport(stage_config(config, stage, stages))
         self.coordinator = coordinator
         self._group: EngineSet | None = None
+        self.kept = KeptCopy() if config.delta.enabled else None  # this stage's last sent bytes
+        self.encoding = config.delta.encoding
 
     def serve(self, named_tensors: Stream) -> None:
         """One update: answer the coordinator until it says "end"; the export runs out either way."""
@@ -149,14 +156,28 @@ class StageSource:
             elif op == "close":
                 self.transport.close(self._group or self.engines.subset(set(args[0])))
             elif op == "send":
-                version, names, self.transport.first_index = args
+                version, names, self.transport.first_index, delta = args
                 consumed = True
                 try:
-                    sent = self.transport.send(stream, version, self.engines.subset(set(names)))
+                    targets = self.engines.subset(set(names))
+                    sent = self.transport.send(self._encoded(stream, version, delta), version, targets)
                     reply = {"bytes": sent, "buckets": self.transport.buckets_sent}
                 except SyncError as error:  # the transport ran the export out
                     reply = {"message": str(error), "engine": error.engine, "bucket": error.bucket}
             dist.send_object_list([reply], dst=self.coordinator)
+
+    def _encoded(self, stream: Stream, version: int, delta: bool) -> Stream:
+        """This stage's stream as the coordinator asked for it: a delta against this stage's kept
+        copy (which follows every version it sends), or the full version. SyncError, the export
+        run out, for a delta this stage cannot make (its kept copy names no version: a send of
+        it failed); the coordinator then anchors."""
+        self.transport.delta = delta
+        if self.kept is None:
+            return stream
+        if delta and self.kept.version is None:
+            exhaust(stream)
+            raise SyncError(f"{self.transport.config.group_name}: no kept version to send a delta on; send an anchor")
+        return self.kept.encode_stream(stream, version, full=not delta, encoding=self.encoding)
 
     def add(self, engine: EngineEndpoint) -> None:
         self.engines.add(engine)

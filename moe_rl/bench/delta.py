@@ -85,7 +85,7 @@ def measure(model_fields: dict, options: DeltaBench, lr: float, fmt: str) -> dic
         payloads = list(kept.encode_stream(served(model, fmt, options.fp8_blocks), step, anchor, options.encoding))
         start = time.perf_counter()
         if anchor:
-            engine.load_full(payloads, step)
+            engine.hold(dict(payloads), step)
         else:
             engine.apply_stream(payloads, step - 1)
         stats = kept.stats

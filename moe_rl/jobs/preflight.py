@@ -10,7 +10,8 @@ from inside a Ray actor minutes later:
 2. packed sequences and context parallelism run where the trainer will be: on GPUs (Transformer
    Engine here, or a `cluster:` section) `trainer.pack_sequences` and `trainer.cp` > 1 need
    `trainer.precision: bf16`;
-3. the weight-sync transport has what it needs (`sync.disk_dir` for `disk`);
+3. the weight-sync transport has what it needs (`sync.disk_dir` for `disk`), and the engines can
+   apply `sync.delta` (the embedded engine; SGLang 0.5.23 cannot);
 4. the task: a user's `package.module:Class` imports and is a `Task` subclass, its options are
    ones it takes, its dataset's files, keys and rows are valid (`moe_rl.tasks.dataset`), its
    reward (`rollout.reward`) and agent import and are functions of the right kind, the chat
@@ -118,11 +119,18 @@ def check_model(model: ModelConfig) -> None:
 
 
 def check_sync(config: RunConfig) -> None:
-    """The weight-sync transport's required fields (the sender would fail on them after start-up)."""
+    """The weight-sync transport's required fields (the sender would fail on them after start-up),
+    and engines that can apply `sync.delta` (`moe-rl plan` still models a delta for any config)."""
     if config.sync.transport == "disk" and not config.sync.disk_dir and config.lora is None:
         raise ValueError(
             "sync.transport='disk' needs sync.disk_dir: a directory that the trainer writes and every "
             "engine reads (shared storage on a cluster); set it, or use sync.transport: broadcast"
+        )
+    if config.sync.delta.enabled and config.engines.kind != "embedded":
+        raise ValueError(
+            f"sync.delta.enabled with engines.kind={config.engines.kind!r}: SGLang 0.5.23 loads a broadcast "
+            "bucket with its own loader (its custom loaders serve only /update_weights_from_tensor), so it "
+            "cannot apply a delta; set sync.delta.enabled: false (docs/weight-sync.md#delta-sync)"
         )
 
 

@@ -281,16 +281,16 @@ class RLCluster:
             self.recover()  # generation may be waiting for a restarted engine
         return ray.get(ref)
 
-    def sync(self, version: int) -> float:
+    def sync(self, version: int) -> dict[str, float]:
         """Weight update to `version` on every live engine (dead ones are dropped and restarted);
-        returns its seconds."""
+        returns its metrics: `time/sync_s`, and with `sync.delta` what it carried (`SyncResult.metrics`)."""
         lost, self.lost = self.lost, []
         result = self.trainer.sync_weights(SyncRequest(version, self.config.sync.bucket_bytes, lost=tuple(lost)))
         self.version = version
         for name in result.dropped:
             self._ask(self.rollout.mark_dead.remote(engine_index(name)), "mark_dead")
         self.recover()
-        return result.seconds
+        return {"time/sync_s": result.seconds, **result.metrics}
 
     def engine_states(self) -> list[dict]:
         """Per engine slot, the rollout pool's view (`RolloutWorker.engine_states`)."""

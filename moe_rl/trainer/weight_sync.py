@@ -86,6 +86,10 @@ class SyncResult:
     dropped: list[str]
     """Engines found dead and dropped on the way (the driver restarts them)."""
     seconds: float
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    """With `sync.delta`, of the update that committed (the sync source's own stage):
+    `sync/anchor` (1: a full version), `sync/changed_fraction`, `sync/wire_fraction` (bytes sent
+    over the tensors' own bytes) and `sync/wire_bytes` (every stage's)."""
 
 
 class WeightSync:
@@ -133,12 +137,13 @@ class WeightSync:
             except SyncError:  # it died again: restarted next time (raising here would strand the ranks)
                 dropped.append(name)
         with TRACER.span("weight sync", version=request.version):
-            engines, more = self._converge(request.version, request.bucket_bytes)
-        return SyncResult(engines, dropped + more, time.perf_counter() - start)
+            engines, more, metrics = self._converge(request.version, request.bucket_bytes)
+        return SyncResult(engines, dropped + more, time.perf_counter() - start, metrics)
 
-    def _converge(self, version: int, bucket_bytes: int) -> tuple[list[str], list[str]]:
-        """Update until the engines hold `version`: (engines that committed, engines dropped)."""
-        engines, dropped, error = [], [], None
+    def _converge(self, version: int, bucket_bytes: int) -> tuple[list[str], list[str], dict[str, float]]:
+        """Update until the engines hold `version`: (engines that committed, engines dropped, the
+        committed update's delta metrics)."""
+        engines, dropped, error, metrics = [], [], None, {}
         while self._agree(error is None and self.syncer.pending(version)):
             try:
                 stats = self.syncer.update(self._export(bucket_bytes), version)
@@ -152,9 +157,16 @@ class WeightSync:
                     engines, dropped = stats.engines, dropped + stats.dropped
                     for phase, start, end in stats.phases:
                         TRACER.add(f"sync {phase}", start, end, lane="weight sync phases")
+                    if stats.delta is not None:
+                        metrics = {
+                            "sync/anchor": float(stats.delta.anchor),
+                            "sync/changed_fraction": stats.delta.changed_fraction,
+                            "sync/wire_fraction": stats.delta.wire_fraction,
+                            "sync/wire_bytes": float(stats.bytes),
+                        }
         if error is not None:
             raise error
-        return engines, dropped
+        return engines, dropped, metrics
 
     def _export(self, bucket_bytes: int) -> Export:
         """What this rank feeds its Syncer (collective): the policy's trained tensors, i.e. the

@@ -77,6 +77,10 @@ class Transport(ABC):
     """True if the engine loads this transport's pieces in place, inside SGLang's
     `/begin_weight_update` ... `/end_weight_update` session (the sender opens and closes it)."""
     broken: bool = True  # nothing opened yet
+    carries_deltas: ClassVar[bool] = False
+    """True if `send` can announce its pieces as `sync.delta` payloads (`delta`)."""
+    delta: bool = False
+    """Set by the sender before `send`: the stream is payloads (`sync.delta.DELTA_LOAD_FORMAT`)."""
 
     def __init__(self, config: TransportConfig):
         self.config = config

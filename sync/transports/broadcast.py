@@ -5,8 +5,9 @@ Group ranks: this root 0, its relays 1..R (`sync.relay`, trainer ranks on the ro
 
 Per bucket, on the trainer source rank (group rank 0):
   - announce it to every engine (`update_weights_from_distributed`, load_format
-    "flattened_bucket", names/dtypes/shapes, checksum; no weight_version: the sender commits the
-    version once every bucket arrived, see `sync.engine_api`) on the engine loop,
+    "flattened_bucket", or `sync.delta.DELTA_LOAD_FORMAT` for a bucket of delta payloads;
+    names/dtypes/shapes, checksum; no weight_version: the sender commits the version once every
+    bucket arrived, see `sync.engine_api`) on the engine loop,
   - broadcast its flat buffer over the weight-update group, concurrently with the announce,
   - announce bucket k+1 only once the broadcast of bucket k completed (so each engine sees
     bucket k's collective before bucket k+1's), and wait for every engine's ack of bucket k
@@ -29,6 +30,7 @@ from typing import Iterable
 import torch
 
 from sync.bucket import Bucket, BucketPacker
+from sync.delta import DELTA_LOAD_FORMAT
 from sync.engine_set import EngineSet, SyncError, describe
 from sync.group import WeightUpdateGroup, client_store, host_store
 from sync.transports.base import Transport, exhaust
@@ -50,6 +52,7 @@ def _completes(work, within_s: float) -> bool:
 class BroadcastTransport(Transport):
     name = "broadcast"
     session = True
+    carries_deltas = True
 
     def __init__(self, config):
         super().__init__(config)
@@ -182,7 +185,7 @@ class BroadcastTransport(Transport):
                 **fields,
                 group_name=self.config.group_name,
                 weight_version=None,
-                load_format="flattened_bucket",
+                load_format=DELTA_LOAD_FORMAT if self.delta else "flattened_bucket",
                 checksum=None if bucket.checksum is None else f"{bucket.checksum}#{bucket.index}",
             )
         )

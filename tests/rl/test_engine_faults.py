@@ -45,13 +45,13 @@ class FaultyCluster(RLCluster):
         os.kill(ray.get(self.engines[index].pid.remote()), signal.SIGKILL)
         self.events.append((why, index, self.version))
 
-    def sync(self, version: int) -> float:
+    def sync(self, version: int) -> dict[str, float]:
         if version == SYNC_KILL_AT:
             self.kill(1, "killed_in_sync")
-        seconds = super().sync(version)
+        metrics = super().sync(version)
         if version == SYNC_KILL_AT:  # the live engine committed in that same sync
             self.events.append(("engine-0 serves", asyncio.run(_served_version(self.url(0)))))
-        return seconds
+        return metrics
 
     def get_batch(self, n_groups: int) -> list:
         # A real step takes minutes and outlasts a restart; here steps take 0.3 s and a restart

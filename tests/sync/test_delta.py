@@ -192,12 +192,12 @@ def test_kept_and_applied_copies_follow_a_chain():
     kept, engine = KeptCopy(), AppliedCopy()
     with pytest.raises(RuntimeError, match="full anchor"):
         next(kept.encode_stream(named_export(0, gen), 0, full=False))
-    engine.load_full(kept.encode_stream(named_export(0, gen), 0, full=True), 0)
+    engine.hold(dict(kept.encode_stream(named_export(0, gen), 0, full=True)), 0)
     assert kept.version == 0 and kept.stats.anchor and kept.nbytes == 256 * 64 * 2 + 4 * 4 + 9
     for version in range(1, 6):
         export = named_export(version, gen)
-        if version == 3:
-            export.append(("new", torch.arange(5.0)))  # never sent before: dense inside a delta
+        if version >= 3:  # never sent before version 3: dense inside that delta, then a delta like the rest
+            export.append(("new", torch.arange(5.0) + (version == 5)))
         assert engine.apply_stream(kept.encode_stream(export, version, full=False), version - 1) == version
         stats = kept.stats
         assert stats.wire_bytes < stats.dense_bytes and 0 < stats.changed_fraction < 1
@@ -211,16 +211,32 @@ def test_kept_and_applied_copies_follow_a_chain():
         next(kept.encode_stream(named_export(7, gen), 7, full=False))
 
 
-def test_applied_copy_refuses_deltas_after_an_error_until_an_anchor():
+def test_applied_copy_refuses_a_faulty_version_whole_and_keeps_what_it_held():
     gen = torch.Generator().manual_seed(9)
     kept, engine = KeptCopy(), AppliedCopy()
-    engine.load_full(kept.encode_stream(named_export(0, gen), 0, full=True), 0)
-    payloads = list(kept.encode_stream(named_export(1, gen), 1, full=False))
-    with pytest.raises(DeltaError, match="applies on version 5"):
-        engine.apply_stream(payloads, base_version=5)
-    assert engine.needs_anchor
-    with pytest.raises(DeltaError, match="needs an anchor"):
-        engine.apply_stream(payloads, base_version=0)
-    engine.load_full(named_export(1, gen), 1)
-    kept_stream = kept.encode_stream(named_export(2, gen), 2, full=False)
-    assert engine.apply_stream(kept_stream, 1) == 2
+    with pytest.raises(DeltaError, match="holds no anchor"):
+        engine.stage("w", encode(torch.zeros(3), torch.ones(3), 0, 1))
+    engine.hold(dict(kept.encode_stream(named_export(0, gen), 0, full=True)), 0)
+    held = {name: tensor.clone() for name, tensor in engine.tensors.items()}
+    v1 = list(kept.encode_stream(named_export(1, gen), 1, full=False))
+    v2 = list(kept.encode_stream(named_export(2, gen), 2, full=False))
+    corrupt = [(name, p.clone()) for name, p in v1]
+    corrupt[0][1][-1] ^= 1  # the last value byte of "w": its hash fails after applying
+    faults = {
+        "applies on version 1": v2,  # a later version's buckets first (reordered across versions)
+        "lost bucket": v1[1:],
+        "duplicated bucket": v1 + v1[:1],
+        "hash mismatch": corrupt,
+        "produce versions": [v1[0], *[(n, encode(engine.tensors[n], engine.tensors[n], 0, 9)) for n, _ in v1[1:]]],
+    }
+    for match, payloads in faults.items():
+        with pytest.raises(DeltaError, match=match):
+            engine.apply_stream(payloads, base_version=0)
+        assert engine.version == 0  # nothing half-applied: the held copy is the anchor's, bit for bit
+        for name, tensor in held.items():
+            assert_bit_equal(engine.tensors[name], tensor)
+    with pytest.raises(DeltaError, match="the copy holds 0"):
+        engine.apply_stream(v2, base_version=1)
+    assert engine.apply_stream(v1, 0) == 1 and engine.apply_stream(v2, 1) == 2
+    for name, tensor in kept.tensors.items():  # what the sender sent last, bit for bit
+        assert_bit_equal(engine.tensors[name], tensor)

@@ -179,3 +179,70 @@ def test_relays_take_every_bucket_behind_each_stage_source(engines, tmp_path):
         assert sent == 2 * by_rank[source]["exported"], by_rank[source]
         assert by_rank[relay]["received"] == {"broadcast": sent} and by_rank[relay]["relayed"] > 0, by_rank[relay]
         assert by_rank[relay]["sent"] == {}, by_rank[relay]
+
+
+def staged_delta_sync(hf_dir: str, ports: list[int], out_dir: str, layout: ParallelLayout) -> dict:
+    """Rank function: per-stage groups with `sync.delta`: version 1 (the anchor), 2 (every weight
+    doubled: dense payloads) and 3 (one element of each parameter moved: sparse payloads); each
+    stage source returns what its stage exported last and the coordinator each version's stats."""
+    import torch.distributed as dist
+
+    from parallel.bridges import bridge_for
+    from parallel.export import export_hf_weights, export_source_ranks
+    from parallel.hf_import import load_hf_weights
+    from parallel.model import build_gpt_model, init_model_parallel
+    from sync.config import DeltaConfig, SyncConfig
+    from sync.receiver_engine import ReceiverEngineClient
+    from sync.stages import StagedSync
+
+    bridge = bridge_for(json.loads((Path(hf_dir) / "config.json").read_text()))
+    init_model_parallel(layout, seed=1234)
+    model = build_gpt_model(bridge, layout)
+    load_hf_weights(model, bridge, hf_dir)
+    sources = export_source_ranks()
+    clients = [ReceiverEngineClient(port, name=f"engine-{i}") for i, port in enumerate(ports)]
+    sync = StagedSync(clients, SyncConfig(bucket_bytes=16384, timeout_s=60, delta=DeltaConfig(enabled=True)), sources)
+    exported, stats = {}, []
+
+    def own_stage():
+        for name, tensor in export_hf_weights(model, bridge, bucket_bytes=16384):
+            exported[name] = tensor.clone()
+            yield name, tensor
+
+    for version in (1, 2, 3):
+        with torch.no_grad():
+            for param in model.parameters():
+                if version == 2:
+                    param.mul_(2)
+                elif version == 3:
+                    param.view(-1)[0] += 0.5
+        result = sync.update(own_stage(), version)
+        if result is not None:
+            stats.append((result.delta.anchor, result.bytes, result.delta.dense_bytes))
+            for i, client in enumerate(clients):
+                client.dump_weights(f"{out_dir}/engine{i}-v{version}.safetensors")
+        dist.barrier()
+    sync.close()
+    return {"source": dist.get_rank() in sources.values(), "exported": exported, "stats": stats}
+
+
+def test_each_stage_sends_deltas_of_its_own_layers(engines, tmp_path):
+    """`sync.delta` over per-stage groups: each stage source keeps and diffs only its own stage's
+    bytes; the engines serve exactly what the stages exported at every version."""
+    from transformers import Qwen3MoeForCausalLM
+
+    clients, _ = engines
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(tiny_qwen3_moe_config()).save_pretrained(tmp_path / "hf")
+    ports = [int(c.url.rsplit(":", 1)[1]) for c in clients]
+    layout = ParallelLayout(world_size=2, pp=2)
+    ranks = spawn(staged_delta_sync, 2, str(tmp_path / "hf"), ports, str(tmp_path), layout)
+    want = {name: t for r in ranks if r["source"] for name, t in r["exported"].items()}
+    assert len(want) == len(load_file(tmp_path / "hf" / "model.safetensors"))
+    for i in range(len(clients)):
+        assert_same(load_file(tmp_path / f"engine{i}-v3.safetensors"), want)
+    (stats,) = [r["stats"] for r in ranks if r["stats"]]
+    assert [anchor for anchor, _, _ in stats] == [True, False, False]
+    _, sparse_bytes, _ = stats[2]
+    _, dense_bytes, _ = stats[0]  # the anchor: every stage's bytes as they are
+    assert sparse_bytes < 0.2 * dense_bytes  # one element per parameter moved: headers, a few values

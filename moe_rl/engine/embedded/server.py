@@ -52,6 +52,7 @@ from moe_rl.engine.process import EmbeddedConfig
 from moe_rl.engine.sampling import SamplingParams
 from moe_rl.trace import TRACER
 from parallel.bridges.rope import max_positions
+from sync.delta import DELTA_LOAD_FORMAT
 from sync.flattened_payload import decode
 from sync.receiver import WeightReceiver
 
@@ -520,8 +521,9 @@ class EmbeddedServer:
     async def update_from_distributed(self, http: web.Request) -> web.Response:
         body = await self._body(http)
         self._require_session("update_weights_from_distributed")
-        if body.get("load_format") not in (None, "flattened_bucket"):
-            raise BadRequest(f"load_format={body['load_format']!r}: the embedded engine takes 'flattened_bucket'")
+        formats = (None, "flattened_bucket", DELTA_LOAD_FORMAT)  # the second: a bucket of deltas (`sync.delta`)
+        if body.get("load_format") not in formats:
+            raise BadRequest(f"load_format={body['load_format']!r}: the embedded engine takes one of {formats[1:]}")
         await asyncio.to_thread(
             self.receiver.receive_bucket,
             body["names"],
@@ -530,6 +532,7 @@ class EmbeddedServer:
             body.get("weight_version"),
             body.get("checksum"),
             body.get("group_name"),
+            body.get("load_format") == DELTA_LOAD_FORMAT,
         )
         return web.json_response({"success": True, "message": f"Staged {len(body['names'])} tensors."})
 

@@ -12,17 +12,30 @@ an FP8 one 3%. FP8's float32 scales (one per block x block) are few and most cha
 modelled dense. A full anchor goes every `sync.delta.full_every` versions, so a step costs on
 average ((F - 1) x a delta + a full sync) / F.
 
-Who encodes. Every owner diffs its own shard, in the engine's format, against the copy of it it
-last sent, kept in pinned host memory: the stage source's TP group its dense shard (embedding and
-head included, vocab-parallel), each EP member its experts (after its node-local ETP gather);
-gathers and broadcast then carry encoded bytes. An owner's shard crosses PCIe once per sync
-(the kept copy up to the GPU for the compare, or the shard down to the host; the changed
-elements written back are few), and the kept copies of a node's owners are read through its host
-memory once: the encode lasts the longer of the two, pipelined with the wire bucket by bucket like
-the FP8 quantization (a link of the turn, `moe_rl.plan.sync_links`). PCIe is the bound only for a
-compare that keeps up with it (on the GPU, or threaded on the host): `sync.delta` today compares
-and hashes (CRC-32) on the host, which the plan takes at a measured `delta_encode_gb_per_s` per rank
-where the GPU check's file (`benchmarks/gpu_metrics.json`) has one.
+Who encodes: two designs, both modelled.
+  as built   (`sync/sender.py` `WeightSender._encoded`, `sync/stages.py` `StageSource._encoded`,
+             `sync/delta.py` `KeptCopy`): each stage source (the rank that broadcasts its stage over
+             its own weight-update group; with the funnel, the first stage's source for every stage)
+             keeps the HF tensors it last sent for its whole stage in host memory and diffs the
+             stream after the export's gathers. The gathers (TP, ETP, EP; FP8 quantized at the
+             owners as in a full sync) and the funnel carry dense bytes, the full sync's gather
+             links unchanged; the source copies its whole stage device -> host over its PCIe
+             (SOURCE_PCIE_PASSES times) and compares and hashes (CRC-32) it on the host; only the
+             broadcast (root node's NICs, relays, engine nodes' NICs) carries encoded bytes. Kept:
+             one stage's bytes on its source's node, whose host memory moves it HOST_PASSES times.
+  owner-side (not built; the issue's design): every owner diffs its own shard, in the engine's
+             format, against the copy of it it last sent, kept in pinned host memory: the stage
+             source's TP group its dense shard (embedding and head included, vocab-parallel), each
+             EP member its experts (after its node-local ETP gather); gathers and broadcast then
+             carry encoded bytes. An owner's shard crosses PCIe once per sync (the kept copy up to
+             the GPU for the compare, or the shard down to the host; the changed elements written
+             back are few), and the kept copies of a node's owners are read through its host memory
+             once.
+Either encode lasts the longer of its PCIe and host-memory links, pipelined with the wire bucket
+by bucket like the FP8 quantization (links of the turn, `moe_rl.plan.sync_links`). PCIe is the
+bound only for a compare that keeps up with it (on the GPU, or threaded on the host): `sync.delta`
+today compares and hashes on the host, which the plan takes at a measured `delta_encode_gb_per_s`
+per rank where the GPU check's file (`benchmarks/gpu_metrics.json`) has one.
 
 Bytes per engine rank. SGLang 0.5.23's `/update_weights_from_distributed` has every TP rank of an
 engine join the group (rank_offset + tp_rank) and receive each whole bucket
@@ -48,6 +61,13 @@ PCIE_GB_PER_S = 50.0
 HOST_MEMORY_GB_PER_S = 400.0
 """Modelled: a node's host memory read bandwidth (two sockets of 8-channel DDR5-4800, 614 GB/s
 peak; ~2/3 of it for streaming reads). Not measured here."""
+SOURCE_PCIE_PASSES = 2
+"""As built, a stage source's PCIe carries its stage twice device -> host: `sync.delta.encode`
+takes each tensor to the host for the compare, then `KeptCopy.encode_stream` copies the device
+tensor again into the kept copy (copying the host bits instead would make it 1)."""
+HOST_PASSES = SOURCE_PCIE_PASSES + 2
+"""As built, the source node's host memory moves its stage four times: the two copies in from the
+device (SOURCE_PCIE_PASSES), then the compare reading the new bytes and the kept copy."""
 
 
 def encoded_fraction(element_bytes: int, density: float, encoding: str = "auto") -> float:
@@ -62,7 +82,8 @@ def encoded_fraction(element_bytes: int, density: float, encoding: str = "auto")
 
 @dataclass(frozen=True)
 class Owners:
-    """A stage's sending ranks: {global trainer rank: bytes of its shard in the engine's format}."""
+    """Owner-side (not built): a stage's sending ranks, {global trainer rank: bytes of its shard in
+    the engine's format}."""
 
     shards: dict[int, float]
 
@@ -98,18 +119,34 @@ class Owners:
         ]
 
 
+def source_encode_links(nbytes: float, measured_gb_per_s: float | None = None) -> list[Link]:
+    """As built: a stage source encoding `nbytes` of its stage (gathered, in the engine's format):
+    its PCIe (SOURCE_PCIE_PASSES), its node's host memory (HOST_PASSES) and, where the GPU check
+    measured one, the host compare's rate."""
+    links = [
+        Link("delta encode, PCIe of the stage source", SOURCE_PCIE_PASSES * nbytes, PCIE_GB_PER_S),
+        Link("delta encode, host memory of source node", HOST_PASSES * nbytes, HOST_MEMORY_GB_PER_S),
+    ]
+    if measured_gb_per_s:
+        links.append(Link("delta encode, host compare (measured)", nbytes, measured_gb_per_s))
+    return links
+
+
 @dataclass
 class DeltaSync:
-    """One delta and a step's average, beside the full sync (`moe-rl plan`'s `sync delta:` line)."""
+    """One delta and a step's average, beside the full sync (`moe-rl plan`'s `sync delta:` line), for
+    one design of who encodes (module docstring): "as built", or "owner-side" (not built)."""
 
+    design: str
     density: float
     encoding: str
     full_every: int
     bytes: float  # wire bytes of one delta, to each engine
     links: SyncLinks  # one delta's links, the encode among them
-    full_seconds: float
-    kept: dict[int, float]  # node -> pinned host bytes of its owners' kept copies
+    full_seconds: float  # an anchor: the full sync (as built, with the kept copies following)
+    kept: dict[int, float]  # node -> host bytes of the kept copies
     rate: str = f"PCIe, {PCIE_GB_PER_S:g} GB/s modelled"  # where the encode's rate comes from
+    owner_side: DeltaSync | None = None  # as built: the owner-side design beside it
 
     @property
     def seconds(self) -> float:
@@ -121,26 +158,44 @@ class DeltaSync:
         return ((self.full_every - 1) * self.seconds + self.full_seconds) / self.full_every
 
     def encode(self) -> tuple[float, float]:
-        """(bytes, seconds) of the busiest owner's PCIe over the sync's turns."""
-        return self.links.per_link()["delta encode, PCIe of the busiest owner"]
+        """(bytes, seconds) over the sync's turns of the slowest encode link."""
+        encodes = {name: v for name, v in self.links.per_link().items() if name.startswith("delta encode")}
+        return max(encodes.values(), key=lambda v: v[1])
 
     def render(self) -> list[str]:
         worst = self.links.bottleneck
         nbytes, seconds = self.encode()
         turns = len(self.links.turns)
-        each = f" (summed over {turns} stage turns)" if turns > 1 else ""
-        return [
-            f"sync delta (sync.delta, at density {self.density:g}, encoding {self.encoding}): {self.bytes / GB:.2f} GB "
-            f"to each engine, ~{self.seconds:.2f} s a delta (bottleneck {worst.name}), ~{self.per_step:.2f} s a "
-            f"step with a full anchor every {self.full_every} versions (full ~{self.full_seconds:.2f} s)",
-            f"  encode: the busiest sending rank diffs {nbytes / GB:.1f} GB of its shard against its host copy{each}, "
-            f"{seconds:.2f} s at {nbytes / seconds / GB if seconds else 0:.3g} GB/s ({self.rate}; host memory "
-            f"{HOST_MEMORY_GB_PER_S:g} GB/s modelled)",
-            "sync delta links (modelled, one delta):",
-        ] + [
-            f"  {name:42s} {nbytes / GB:8.2f} GB {seconds:7.2f} s"
-            for name, (nbytes, seconds) in self.links.per_link().items()
+        each = f", summed over {turns} stage turns" if turns > 1 else ""
+        if self.design == "as built":
+            who = (
+                f"each stage source copies its gathered stage device -> host ({SOURCE_PCIE_PASSES}x) and "
+                f"compares it on the host against its kept copy; slowest encode link {nbytes / GB:.1f} GB{each}"
+            )
+        else:
+            who = f"the busiest sending rank diffs {nbytes / GB:.1f} GB of its shard against its host copy{each}"
+        lines = [
+            f"sync delta ({self.design}; sync.delta, at density {self.density:g}, encoding {self.encoding}): "
+            f"{self.bytes / GB:.2f} GB to each engine, ~{self.seconds:.2f} s a delta (bottleneck {worst.name}), "
+            f"~{self.per_step:.2f} s a step with a full anchor every {self.full_every} versions "
+            f"(anchor ~{self.full_seconds:.2f} s)",
+            f"  encode: {who}, {seconds:.2f} s ({self.rate}; host memory {HOST_MEMORY_GB_PER_S:g} GB/s modelled)",
         ]
+        if self.owner_side:
+            o = self.owner_side
+            lines.append(
+                f"  owner-side diffs (not built): ~{o.per_step:.2f} s a step (~{o.seconds:.2f} s a delta, bottleneck "
+                f"{o.links.bottleneck.name}): every owner diffs its own shard before the gathers, which then "
+                f"carry encoded bytes"
+            )
+        return (
+            lines
+            + [f"sync delta links ({self.design}, modelled, one delta):"]
+            + [
+                f"  {name:42s} {nbytes / GB:8.2f} GB {seconds:7.2f} s"
+                for name, (nbytes, seconds) in self.links.per_link().items()
+            ]
+        )
 
 
 def engine_rank_ratio(engines, dense: float, experts: float) -> tuple[float, float]:

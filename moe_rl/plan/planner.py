@@ -64,11 +64,12 @@ measured figures (`benchmarks/gpu_metrics.json`, written by `scripts/gpu_check.s
 them, takes link efficiencies from them, and models the FP8 quantization of `sync.fp8_blocks` at
 the measured rate on the owners' GPUs.
 
-Delta sync (`sync.delta.enabled`): the same links carrying each stage's deltas at
-`sync.delta.density`, the owners' encode as links of their turn, anchors amortised, and the kept
-copies as pinned host memory per node (`moe_rl.plan.delta`, which also gives the bytes an engine
-rank receives against its own shard). `make_plan(..., link_gbps=G)` (`moe-rl plan --link-gbps G`)
-adds a cross-datacentre link of G Gb/s that every byte crosses once.
+Delta sync (`sync.delta.enabled`): the same links with each stage's deltas at `sync.delta.density`
+on the broadcast, as built (the stage sources diff after the gathers, which stay dense) and
+owner-side (not built: every owner diffs its shard before the gathers); the encode as links of its
+turn, anchors amortised, and the kept copies as host memory per node (`moe_rl.plan.delta`, which
+also gives the bytes an engine rank receives against its own shard). `make_plan(..., link_gbps=G)`
+(`moe-rl plan --link-gbps G`) adds a cross-datacentre link of G Gb/s that every byte crosses once.
 """
 
 from __future__ import annotations
@@ -87,10 +88,11 @@ from moe_rl.plan.delta import (
     encoded_fraction,
     engine_rank_ratio,
     node_ranges,
+    source_encode_links,
 )
 from moe_rl.plan.groups import layout_line, parallel_groups, span
 from moe_rl.plan.sequences import check_kv_cache, sequence_notes
-from moe_rl.plan.sync_links import StageBytes, SyncLinks, model_sync
+from moe_rl.plan.sync_links import Link, StageBytes, SyncLinks, model_sync
 from parallel.model import PRECISIONS
 
 GB = 1e9
@@ -199,8 +201,8 @@ class Plan:
         anchor = f" (public: {self.sync_anchor})" if self.sync_anchor else ""
         worst = self.sync_links.bottleneck
         delta = (
-            f"; delta ~{self.delta.per_step:.2f} s a step ({self.delta.bytes / GB:.2f} GB a delta at density "
-            f"{self.delta.density:g}, anchors amortised: sync delta below)"
+            f"; delta as built ~{self.delta.per_step:.2f} s a step ({self.delta.bytes / GB:.2f} GB a delta at "
+            f"density {self.delta.density:g}, anchors amortised: sync delta below)"
             if self.delta
             else ""
         )
@@ -366,8 +368,10 @@ def delta_model(
     link_gbps=None,
 ) -> DeltaSync:
     """`sync.delta` at `sync.delta.density` (`moe_rl.plan.delta`): each stage's bytes as deltas
-    (decoder linears as FP8 with `sync.fp8_blocks`, their scales dense; headers per tensor), its
-    owners' encode as links of its turn, their kept copies per node."""
+    (decoder linears as FP8 with `sync.fp8_blocks`, their scales dense; headers per tensor), the
+    encode as links of its turn, the kept copies per node; as built (the stage sources diff after
+    the gathers; an anchor is the full sync with the kept copies following over PCIe), with the
+    owner-side design (not built; its anchor the full sync) beside it."""
     t, d, fp8 = config.trainer, config.sync.delta, config.sync.fp8_blocks
     wide = encoded_fraction(dtype_bytes, d.density, d.encoding)  # elements in the trainer's precision
     if fp8:
@@ -378,19 +382,50 @@ def delta_model(
     parts = stage_params(config, hf, counts, None)
     measured_rate = measured.get("delta_encode_gb_per_s")
     rate = min(PCIE_GB_PER_S, measured_rate["value"]) if measured_rate else PCIE_GB_PER_S
-    stages, encode, kept = [], [], {}
+    per_node = config.cluster.gpus_per_node
+    stages, owner_encode, owner_kept = [], [], {}
     for p, (dense, experts, ends) in enumerate(parts):
         owners = Owners.of_stage(p, dense * layer_full + ends * dtype_bytes, experts * layer_full, t)
         headers = HEADER_BYTES * tensors / t.pp
         stages.append(StageBytes(dense * layer_delta + ends * dtype_bytes * wide + headers, experts * layer_delta))
-        encode.append(owners.encode_links(config.cluster.gpus_per_node, rate))
-        for node, nbytes in owners.per_node(config.cluster.gpus_per_node).items():
-            kept[node] = kept.get(node, 0.0) + nbytes
+        owner_encode.append(owners.encode_links(per_node, rate))
+        for node, nbytes in owners.per_node(per_node).items():
+            owner_kept[node] = owner_kept.get(node, 0.0) + nbytes
     quantize = _quantize(config, parts, dtype_bytes, measured, fp8)
-    links = _links(config, stages, measured, quantize, encode=encode, link_gbps=link_gbps)
-    delta = DeltaSync(d.density, d.encoding, d.full_every, sum(s.total for s in stages), links, full.seconds, kept)
+    wire = sum(s.total for s in stages)
+    # as built: each stage source encodes its gathered stage (the funnel's root every stage's)
+    dense = wire_stages(config, hf, counts, dtype_bytes, None)
+    compare = measured_rate["value"] if measured_rate else None
+    if config.sync.stage_groups or t.pp == 1:
+        sources = [(p * (t.world_size // t.pp), s.total) for p, s in enumerate(dense)]
+    else:
+        sources = [(0, sum(s.total for s in dense))]
+    kept: dict[int, float] = {}
+    for rank, nbytes in sources:
+        kept[rank // per_node] = kept.get(rank // per_node, 0.0) + nbytes
+    as_built = _links(
+        config,
+        stages,
+        measured,
+        quantize,
+        encode=[source_encode_links(nbytes, compare) for _, nbytes in sources],
+        gathered=dense,
+        link_gbps=link_gbps,
+    )
+    # as built, an anchor is the full sync with each source's kept copy following over its PCIe
+    follow = [[Link("kept copy update, PCIe of the stage source", nbytes, PCIE_GB_PER_S)] for _, nbytes in sources]
+    anchor = _links(config, dense, measured, quantize, encode=follow, link_gbps=link_gbps)
+    owner_side = _links(config, stages, measured, quantize, encode=owner_encode, link_gbps=link_gbps)
+    designs = {"as built": (as_built, anchor, kept), "owner-side": (owner_side, full, owner_kept)}
+    delta, owner = (
+        DeltaSync(design, d.density, d.encoding, d.full_every, wire, links, anchored.seconds, nodes)
+        for design, (links, anchored, nodes) in designs.items()
+    )
     if measured_rate:
-        delta.rate = f"measured encode on {measured_rate.get('gpu', '?')}, {measured_rate.get('date', '?')}"
+        where = f"{measured_rate.get('gpu', '?')}, {measured_rate.get('date', '?')}"
+        delta.rate = f"PCIe {PCIE_GB_PER_S:g} GB/s modelled, host compare measured on {where}"
+        owner.rate = f"measured encode on {where}"
+    delta.owner_side = owner
     return delta
 
 
@@ -401,7 +436,7 @@ def _quantize(config: RunConfig, parts, dtype_bytes: int, measured: dict[str, di
     return ([(d + x / config.trainer.ep) * dtype_bytes for d, x, _ in parts], rate) if rate else None
 
 
-def _links(config: RunConfig, stages, measured, quantize, *, encode=None, link_gbps=None) -> SyncLinks:
+def _links(config: RunConfig, stages, measured, quantize, *, encode=None, gathered=None, link_gbps=None) -> SyncLinks:
     return model_sync(
         stages=stages,
         trainer=config.trainer,
@@ -413,6 +448,7 @@ def _links(config: RunConfig, stages, measured, quantize, *, encode=None, link_g
         quantize_gb_per_s=quantize[1] if quantize else None,
         measured=measured,
         encode=encode,
+        gathered=gathered,
         link_gbps=link_gbps,
     )
 

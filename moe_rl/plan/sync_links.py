@@ -22,8 +22,10 @@ Bytes of a NIC link are per NIC (the link's bytes / its NICs).
   funnel NIC         funnel only: the other stages' bytes into the first stage's source
   FP8 quantization   on the owners' GPUs (each EP member its experts), at the rate the GPU check
                      measured (`benchmarks/gpu_metrics.json`), where it did
-  delta encode       with `sync.delta`: the busiest owner's PCIe and node's host memory
-                     (`moe_rl.plan.delta`); with the funnel, the slowest stage's (stages encode at once)
+  delta encode       with `sync.delta` (`moe_rl.plan.delta`), as built: the stage source's PCIe and
+                     its node's host memory, the gathers and the funnel carrying dense bytes (`gathered`);
+                     owner-side (not built): the busiest owner's PCIe and node's host memory, with the
+                     funnel the slowest stage's (stages encode at once)
   cross-datacentre   with `moe-rl plan --link-gbps G`: trainer and engines in two datacentres joined
                      by one link of G Gb/s, which every byte of the turn crosses once (each NCCL ring
                      crosses it once, the rings share it), at the NIC efficiency
@@ -116,15 +118,19 @@ def model_sync(
     quantize_gb_per_s: float | None = None,
     measured: dict[str, dict] | None = None,
     encode: list[list[Link]] | None = None,
+    gathered: list[StageBytes] | None = None,
     link_gbps: float | None = None,
 ) -> SyncLinks:
     """The links of each turn. `trainer`: tp, pp, ep, etp (expert_tp), world_size; `engines`:
     count, tp; `cluster`: gpus_per_node, nic_gbps, nics_per_node, nvlink_gbps; `relays`: trainer
     ranks behind the root on its node; `quantize`: per stage, the full-precision bytes the busiest
     owner quantizes (None: no FP8, or no measured rate), at `quantize_gb_per_s` (the GPU check's);
-    `encode`: per stage, the delta encode's links (None: a full sync); `link_gbps`: a
+    `encode`: per stage, the delta encode's links (None: a full sync; one list with the funnel for
+    an encode at the root); `gathered`: per stage, the bytes the gathers and the funnel carry (None:
+    `stages`; an as-built delta diffs after them, so they carry the full sync's); `link_gbps`: a
     cross-datacentre link between the trainer and the engines (None: one datacentre)."""
     measured = measured or {}
+    gathered = gathered or stages
     nic_eff, nic_note = _efficiency(measured, "nic_efficiency", NIC_EFFICIENCY)
     nvl_eff, nvl_note = _efficiency(measured, "nvlink_efficiency", NVLINK_EFFICIENCY)
     nic = cluster.nic_gbps / 8 * nic_eff
@@ -176,17 +182,22 @@ def model_sync(
         for stage, nbytes in enumerate(stages):
             encoded = encode[stage] if encode else []
             turns.append(
-                gather(stage, nbytes) + broadcast(nbytes.total) + quantized(stage) + encoded + crossing(nbytes.total)
+                gather(stage, gathered[stage])
+                + broadcast(nbytes.total)
+                + quantized(stage)
+                + encoded
+                + crossing(nbytes.total)
             )
     else:  # the funnel: one turn, everything through the first stage's source
         total = sum(s.total for s in stages)
         # every stage's owners encode at once: the slowest stage's encode links
         slowest = [max(links, key=lambda link: link.seconds) for links in zip(*encode)] if encode else []
-        turn = gather(0, stages[0]) + broadcast(total) + quantized(0) + slowest + crossing(total)
+        turn = gather(0, gathered[0]) + broadcast(total) + quantized(0) + slowest + crossing(total)
         # the funnel arrives point-to-point on the root's own NIC, with its off-node gathers when
         # no relay takes them
         own = turn[0].bytes if nics == 1 else 0.0
-        turn.append(Link("funnel + gather, the root's NIC in", total - stages[0].total + own, nic))
+        funnel = sum(s.total for s in gathered) - gathered[0].total
+        turn.append(Link("funnel + gather, the root's NIC in", funnel + own, nic))
         turns.append(turn)
     return SyncLinks(turns, nics, {"NIC": nic_note, "NVLink": nvl_note})
 

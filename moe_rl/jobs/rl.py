@@ -335,7 +335,7 @@ def _update_weights(cluster: RLCluster, config: RunConfig, version: int) -> dict
         metrics["time/drain_s"] = cluster.drain()
     # 2. pause engines (sync.pause_mode), stream buckets, commit `version`, resume (WeightSender)
     #    (an engine that died is dropped, the others commit; it is restarted and caught up later)
-    metrics.update(cluster.sync(version))  # time/sync_s (+ sync/* with sync.delta)
+    metrics.update(cluster.sync(version))  # time/sync_s (+ delta/* with sync.delta)
     metrics["engines/restarts"] = cluster.restarts
     return metrics
 

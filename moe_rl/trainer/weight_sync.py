@@ -88,8 +88,8 @@ class SyncResult:
     seconds: float
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     """With `sync.delta`, of the update that committed (the sync source's own stage):
-    `sync/anchor` (1: a full version), `sync/changed_fraction`, `sync/wire_fraction` (bytes sent
-    over the tensors' own bytes) and `sync/wire_bytes` (every stage's)."""
+    `delta/anchor` (1: a full version), `delta/changed_fraction`, `delta/wire_fraction` (bytes sent
+    over the tensors' own bytes) and `delta/wire_bytes` (every stage's)."""
 
 
 class WeightSync:
@@ -159,10 +159,10 @@ class WeightSync:
                         TRACER.add(f"sync {phase}", start, end, lane="weight sync phases")
                     if stats.delta is not None:
                         metrics = {
-                            "sync/anchor": float(stats.delta.anchor),
-                            "sync/changed_fraction": stats.delta.changed_fraction,
-                            "sync/wire_fraction": stats.delta.wire_fraction,
-                            "sync/wire_bytes": float(stats.bytes),
+                            "delta/anchor": float(stats.delta.anchor),
+                            "delta/changed_fraction": stats.delta.changed_fraction,
+                            "delta/wire_fraction": stats.delta.wire_fraction,
+                            "delta/wire_bytes": float(stats.bytes),
                         }
         if error is not None:
             raise error

@@ -217,6 +217,19 @@ def test_fp8_weight_sync(tmp_path):
     assert len(probed) == 2 and all(r["consistency/probe/logprob_diff_mean"] > 10 * PROBE_BOUND for r in probed)
 
 
+def test_delta_weight_sync(tmp_path):
+    """sync.delta: the first sync an anchor, then deltas; every step's probe (engine and trainer on
+    the same version) sees the same weights, to the arithmetic's level: the deltas rebuilt them exactly."""
+    config = tiny_config(tmp_path, "sync", trainer={"consistency_probe_every": 1})
+    config.sync.delta.enabled = True
+    summary, rows = run(config)
+    check_ledger(summary)
+    assert [r["delta/anchor"] for r in rows] == [1.0, 0.0, 0.0, 0.0]
+    for r in rows:
+        assert 0 < r["delta/changed_fraction"] <= 1 and r["delta/wire_bytes"] > 0
+        assert r["consistency/probe/skipped"] == 0 and r["consistency/probe/logprob_diff_max"] < PROBE_BOUND, r
+
+
 def test_fully_async_partial_rollouts_r3_probe_expert_load_and_frozen_routers_in_the_final_checkpoint(tmp_path):
     """From a checkpoint at model.path with trainer.moe.freeze_router: the routers of `final_hf` are
     the loaded ones, bit for bit, while the rest trained; the expert load is logged every step; the

@@ -312,9 +312,10 @@ class KeptCopy:
                 base_bits = None
             else:
                 base_bits = kept
-            out = tensor if full else encode(tensor, base_bits, base, version, encoding)
+            host = tensor.detach().cpu()  # the shard crosses to the host once: compare and keep from there
+            out = tensor if full else encode(host, base_bits, base, version, encoding)
             stats.changed += tensor.numel() if full else header(out).count
-            kept.copy_(tensor)
+            kept.copy_(host)
             seen.add(name)
             stats.elements += tensor.numel()
             stats.dense_bytes += tensor.numel() * tensor.element_size()

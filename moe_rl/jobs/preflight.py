@@ -130,7 +130,7 @@ def check_sync(config: RunConfig) -> None:
         raise ValueError(
             f"sync.delta.enabled with engines.kind={config.engines.kind!r}: SGLang 0.5.23 loads a broadcast "
             "bucket with its own loader (its custom loaders serve only /update_weights_from_tensor), so it "
-            "cannot apply a delta; set sync.delta.enabled: false (docs/weight-sync.md#delta-sync)"
+            "cannot apply a delta; set sync.delta.enabled: false (docs/delta-sync.md)"
         )
 
 

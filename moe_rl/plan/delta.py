@@ -61,12 +61,11 @@ PCIE_GB_PER_S = 50.0
 HOST_MEMORY_GB_PER_S = 400.0
 """Modelled: a node's host memory read bandwidth (two sockets of 8-channel DDR5-4800, 614 GB/s
 peak; ~2/3 of it for streaming reads). Not measured here."""
-SOURCE_PCIE_PASSES = 2
-"""As built, a stage source's PCIe carries its stage twice device -> host: `sync.delta.encode`
-takes each tensor to the host for the compare, then `KeptCopy.encode_stream` copies the device
-tensor again into the kept copy (copying the host bits instead would make it 1)."""
+SOURCE_PCIE_PASSES = 1
+"""As built, a stage source's PCIe carries its stage once device -> host: `KeptCopy.encode_stream`
+takes each tensor to the host, compares it there and keeps those host bits."""
 HOST_PASSES = SOURCE_PCIE_PASSES + 2
-"""As built, the source node's host memory moves its stage four times: the two copies in from the
+"""As built, the source node's host memory moves its stage three times: the copy in from the
 device (SOURCE_PCIE_PASSES), then the compare reading the new bytes and the kept copy."""
 
 

@@ -282,6 +282,11 @@ def make_plan(config: RunConfig, gpu_metrics: Path = GPU_METRICS, link_gbps: flo
         plan.engine_rank = engine_rank_ratio(config.engines, sum(s.dense for s in wire), sum(s.experts for s in wire))
     if config.is_rl and adapter is None and config.sync.delta.enabled:
         plan.delta = delta_model(config, hf, counts, dtype_bytes, measured, plan.sync_links, link_gbps)
+        if config.engines.kind == "sglang":
+            plan.notes.append(
+                "sync.delta is modelled here, but SGLang 0.5.23 engines cannot apply a delta yet (its "
+                "broadcast route has no custom loader): `moe-rl train` refuses it (docs/delta-sync.md)"
+            )
         if plan.delta.per_step >= plan.sync_seconds:
             plan.notes.append(
                 f"sync.delta saves no time here: ~{plan.delta.per_step:.2f} s a step against "

@@ -75,8 +75,8 @@ def test_owner_side_owners_encode_their_shards_and_keep_them_in_host_memory():
     assert nbytes == pytest.approx(2 * (c.total - c.experts + c.experts / 8))
     assert seconds == pytest.approx(nbytes / (PCIE_GB_PER_S * 1e9))
     assert sum(owner.kept.values()) == pytest.approx(p.sync_bytes) and set(owner.kept) == {0}
-    kimi = plan("kimi_k2").delta.owner_side
-    assert sum(kimi.kept.values()) == pytest.approx(plan("kimi_k2").sync_bytes)
+    kimi = plan("kimi_k2", *DELTA).delta.owner_side
+    assert sum(kimi.kept.values()) == pytest.approx(plan("kimi_k2", *DELTA).sync_bytes)
 
 
 def _turn_bytes(links, prefix: str) -> list[dict[str, float]]:
@@ -144,7 +144,7 @@ def test_an_engine_rank_receives_tp_times_its_shard():
 
 def test_shipped_1t_and_355b_configs_plan(capsys):
     for stem in ("kimi_k2", "glm45"):
-        assert cli.main(["plan", f"configs/models/{stem}.yaml"]) == 0
+        assert cli.main(["plan", f"configs/models/{stem}.yaml", *DELTA]) == 0
     out = capsys.readouterr().out
     assert "sync delta (as built; sync.delta, at density 0.01" in out and "host memory per node (GB, pinned" in out
     assert "owner-side diffs (not built): ~" in out
@@ -177,7 +177,7 @@ def test_qwen3_235b_in_bf16_owner_side_is_bound_by_the_encode():
 
 
 def test_a_cross_datacentre_link_carries_every_byte_once(capsys):
-    p = plan("kimi_k2", link_gbps=10)
+    p = plan("kimi_k2", *DELTA, link_gbps=10)
     rate = 10 / 8 * NIC_EFFICIENCY * 1e9
     assert p.sync_seconds == pytest.approx(p.sync_bytes / rate)
     assert p.delta.links.per_link()["cross-datacentre link"][0] == pytest.approx(p.delta.bytes)

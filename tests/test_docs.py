@@ -89,12 +89,14 @@ def class_body(body: list[ast.stmt], name: str) -> list[ast.stmt] | None:
 
 @cache
 def sync_config_keys() -> set[str]:
-    """The `sync:` section's fields (`SyncConfig` and the `TransportConfig` it extends)."""
+    """The `sync:` section's fields (`SyncConfig` and the `TransportConfig` it extends), and its
+    nested section's as `delta.<field>` (`DeltaConfig`)."""
     keys = set()
     for path, name in ((ROOT / "sync/config.py", "SyncConfig"), (ROOT / "sync/transports/base.py", "TransportConfig")):
         body = class_body(tree(path).body, name)
         keys |= {node.target.id for node in body if isinstance(node, ast.AnnAssign)}
-    return keys
+    delta = class_body(tree(ROOT / "sync/config.py").body, "DeltaConfig")
+    return keys | {f"delta.{node.target.id}" for node in delta if isinstance(node, ast.AnnAssign)}
 
 
 def missing_name(dotted: str) -> str | None:
@@ -113,6 +115,8 @@ def missing_name(dotted: str) -> str | None:
     rest = parts[cut:]
     if not rest:
         return None
+    if parts[0] == "sync" and ".".join(parts[1:]) in sync_config_keys():
+        return None  # the config key sync.<field> (sync.delta.<field>: a module of that name exists too)
     if parts[0] == "sync" and cut == 1 and rest[0] in sync_config_keys():
         return None  # the config key sync.<field>
     body = tree(path).body

@@ -20,6 +20,23 @@ from tests.sync.test_sync_broadcast import assert_same
 pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
 
+def rank_setup(hf_dir: str, ports: list[int], layout: ParallelLayout):
+    """On a rank: the bridge, the Megatron model holding the HF weights, the stage sources and a
+    client per receiver engine."""
+    from parallel.bridges import bridge_for
+    from parallel.export import export_source_ranks
+    from parallel.hf_import import load_hf_weights
+    from parallel.model import build_gpt_model, init_model_parallel
+    from sync.receiver_engine import ReceiverEngineClient
+
+    bridge = bridge_for(json.loads((Path(hf_dir) / "config.json").read_text()))
+    init_model_parallel(layout, seed=1234)
+    model = build_gpt_model(bridge, layout)
+    load_hf_weights(model, bridge, hf_dir)
+    clients = [ReceiverEngineClient(port, name=f"engine-{i}") for i, port in enumerate(ports)]
+    return bridge, model, export_source_ranks(), clients
+
+
 def staged_sync(
     hf_dir: str, ports: list[int], out_dir: str, layout: ParallelLayout, stage_groups: bool, relays: int = 0
 ) -> dict:
@@ -29,24 +46,15 @@ def staged_sync(
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from parallel.bridges import bridge_for
-    from parallel.export import export_hf_weights, export_source_ranks
-    from parallel.hf_import import load_hf_weights
+    from parallel.export import export_hf_weights
     from parallel.mappings import GATHER_BYTES
-    from parallel.model import build_gpt_model, init_model_parallel
     from sync import traffic
     from sync.config import SyncConfig
     from sync.pipeline import stage_stream, sync_source
-    from sync.receiver_engine import ReceiverEngineClient
     from sync.sender import WeightSender, exhaust
     from sync.stages import StagedSync
 
-    bridge = bridge_for(json.loads((Path(hf_dir) / "config.json").read_text()))
-    init_model_parallel(layout, seed=1234)
-    model = build_gpt_model(bridge, layout)
-    load_hf_weights(model, bridge, hf_dir)
-    sources = export_source_ranks()
-    clients = [ReceiverEngineClient(port, name=f"engine-{i}") for i, port in enumerate(ports)]
+    bridge, model, sources, clients = rank_setup(hf_dir, ports, layout)
     config = SyncConfig(bucket_bytes=16384, timeout_s=60)
     rank = dist.get_rank()
     if stage_groups:
@@ -187,20 +195,11 @@ def staged_delta_sync(hf_dir: str, ports: list[int], out_dir: str, layout: Paral
     stage source returns what its stage exported last and the coordinator each version's stats."""
     import torch.distributed as dist
 
-    from parallel.bridges import bridge_for
-    from parallel.export import export_hf_weights, export_source_ranks
-    from parallel.hf_import import load_hf_weights
-    from parallel.model import build_gpt_model, init_model_parallel
+    from parallel.export import export_hf_weights
     from sync.config import DeltaConfig, SyncConfig
-    from sync.receiver_engine import ReceiverEngineClient
     from sync.stages import StagedSync
 
-    bridge = bridge_for(json.loads((Path(hf_dir) / "config.json").read_text()))
-    init_model_parallel(layout, seed=1234)
-    model = build_gpt_model(bridge, layout)
-    load_hf_weights(model, bridge, hf_dir)
-    sources = export_source_ranks()
-    clients = [ReceiverEngineClient(port, name=f"engine-{i}") for i, port in enumerate(ports)]
+    bridge, model, sources, clients = rank_setup(hf_dir, ports, layout)
     sync = StagedSync(clients, SyncConfig(bucket_bytes=16384, timeout_s=60, delta=DeltaConfig(enabled=True)), sources)
     exported, stats = {}, []
 

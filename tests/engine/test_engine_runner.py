@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from moe_rl.engine.embedded.request import Request
 from moe_rl.engine.embedded.runner import ModelRunner
 from moe_rl.engine.embedded.scheduler import Scheduler
 from moe_rl.engine.sampling import SamplingParams
+from tests.tiny_models import QWEN3_MOE, hf_config, save_random_model
 
 
-def test_updates_load_into_the_spare_model_exactly_as_a_fresh_build(qwen3_dir):
-    runner = ModelRunner(qwen3_dir)
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-embeddings"])
+def test_updates_load_into_the_spare_model_exactly_as_a_fresh_build(qwen3_dir, tmp_path, tied):
+    model_dir = save_random_model(hf_config(QWEN3_MOE, tie_word_embeddings=True), tmp_path) if tied else qwen3_dir
+    runner = ModelRunner(model_dir)
     first = runner.model
     generator = torch.Generator().manual_seed(0)
     for update in range(3):
@@ -25,6 +29,8 @@ def test_updates_load_into_the_spare_model_exactly_as_a_fresh_build(qwen3_dir):
         runner.swap(staged, merged)
         # update 0 builds a model; later ones load into the model the previous swap replaced
         assert (runner.model is first) == (update % 2 == 1)
+        if tied:  # the checkpoint has no lm_head: the head stays the embedding itself
+            assert runner.model.lm_head.weight is runner.model.model.embed_tokens.weight
         fresh = runner._build(merged).state_dict()
         live = runner.model.state_dict()
         assert fresh.keys() == live.keys()

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 import time
 import zlib
 from dataclasses import dataclass
@@ -335,11 +336,16 @@ class AppliedCopy:
     commits leaves the copy as it was. Memory: the held version, plus a copy of each changed tensor
     while a version is staged (an unchanged one is the held tensor itself).
 
-    `version` is None before the first anchor: the copy then refuses deltas."""
+    `version` is None before the first anchor: the copy then refuses deltas. The staged version's
+    bookkeeping (the tensors its payloads carried, the versions they produce: `produced`) lives here
+    until `hold` or `discard`; `stage` may run on several threads at once (an engine's buckets)."""
 
     def __init__(self):
         self.tensors: dict[str, torch.Tensor] = {}
         self.version: int | None = None
+        self.produced: set[int] = set()  # the versions the staged payloads produce
+        self._names: set[str] = set()  # the tensors the staged payloads carried
+        self._lock = threading.Lock()
 
     @property
     def needs_anchor(self) -> bool:
@@ -350,9 +356,14 @@ class AppliedCopy:
         `out` where given (storage of the payload's dtype and shape), else into a copy (an unchanged
         tensor: the held one itself); the held copy is left as it is. DeltaError if the copy needs an
         anchor, the payload applies on another version, `name` is not held as the payload's dtype and
-        shape (unless the payload is dense), or the result fails its hash."""
+        shape (unless the payload is dense), the staged version already has a payload of `name` (a
+        duplicated bucket), or the result fails its hash."""
         if self.version is None:
             raise DeltaError(f"{name}: a delta arrived but this engine holds no anchor; send a full version")
+        with self._lock:
+            if name in self._names:
+                raise DeltaError(f"{name}: two payloads in one version (a duplicated bucket)")
+            self._names.add(name)
         head = header(payload)
         if head.base_version != self.version:
             raise DeltaError(
@@ -369,11 +380,20 @@ class AppliedCopy:
             target = torch.empty(head.shape, dtype=head.dtype)
         else:  # unchanged: the held tensor itself, its hash checked; changed: a copy to write into
             target = held if head.encoding == "none" else held.clone()
-        return target, apply(payload, target, self.version)
+        version = apply(payload, target, self.version)
+        with self._lock:
+            self.produced.add(version)
+        return target, version
 
     def hold(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """The committed `version` is `tensors` (kept as they are: the caller does not write them again)."""
         self.tensors, self.version = dict(tensors), version
+        self.discard()
+
+    def discard(self) -> None:
+        """Forget the staged version's bookkeeping (it was dropped, or committed)."""
+        with self._lock:
+            self.produced, self._names = set(), set()
 
     def apply_stream(self, named_payloads: Iterable[tuple[str, torch.Tensor]], base_version: int) -> int:
         """Stage and hold one whole delta version (`KeptCopy.encode_stream`'s, every payload on
@@ -383,14 +403,14 @@ class AppliedCopy:
         if self.version != base_version:
             raise DeltaError(f"the stream applies on version {base_version}, the copy holds {self.version}")
         staged: dict[str, torch.Tensor] = {}
-        produced = set()
-        for name, payload in named_payloads:
-            if name in staged:
-                raise DeltaError(f"{name}: two payloads in one version (a duplicated bucket)")
-            staged[name], version = self.stage(name, payload)
-            produced.add(version)
-        check_complete(staged, self.tensors, produced)
-        (version,) = produced
+        try:
+            for name, payload in named_payloads:
+                staged[name], _ = self.stage(name, payload)
+            check_complete(staged, self.tensors, self.produced)
+        except DeltaError:
+            self.discard()
+            raise
+        (version,) = self.produced
         self.hold(staged, version)
         return version
 

@@ -87,8 +87,6 @@ class WeightReceiver:
         self._used: set[_Key] = set()  # segments the staged version wrote
         self._staged: dict[str, torch.Tensor] = {}
         self.applied = AppliedCopy()  # the served version's tensors, what a delta applies on
-        self._produced: set[int] = set()  # the versions the staged delta payloads produce
-        self._payloads: set[str] = set()  # the tensors the staged delta payloads carried
         self._staging_open = False  # buckets of a new version are being received
         self._labelled: int | None = None  # the version the staged buckets named, if they did
         self._rejected: int | None = None  # the first bucket that failed its checksum: no commit
@@ -273,8 +271,8 @@ class WeightReceiver:
                         else "nothing is staged"
                     )
                 )
-            if self._produced:  # a delta: every held tensor, all at the committed version
-                check_complete(self._staged, self.applied.tensors, self._produced | {version})
+            if self.applied.produced:  # a delta: every held tensor, all at the committed version
+                check_complete(self._staged, self.applied.tensors, self.applied.produced | {version})
             staging = self._sets[self._staging]
             for key in set(staging) - self._used:  # layouts this version did not use
                 del staging[key]
@@ -292,7 +290,7 @@ class WeightReceiver:
 
     def _reset(self) -> None:
         self._staged, self._staging_open, self._labelled = {}, False, None
-        self._produced, self._payloads = set(), set()
+        self.applied.discard()
         self._rejected, self._used = None, set()
         self._tickets = self._buckets = 0
 
@@ -327,7 +325,8 @@ class WeightReceiver:
 
     def _decode(self, payloads: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """A delta bucket's tensors, each written into the staging set (outside the collective
-        turn, like a checksum). DeltaError if a payload does not apply or names a tensor twice."""
+        turn, like a checksum). DeltaError if a payload does not apply or names a tensor twice
+        (`AppliedCopy.stage`)."""
         heads = [header(payload) for _, payload in payloads]
         metas, offset = [], 0
         for (name, _), head in zip(payloads, heads):  # each tensor aligned (any dtype after any)
@@ -338,15 +337,8 @@ class WeightReceiver:
             storage = self._segment(metas, nbytes=offset)
         decoded = []
         for (name, payload), meta in zip(payloads, metas):
-            with self._state:
-                if name in self._payloads:
-                    raise DeltaError(f"{name}: two payloads in one version (a duplicated bucket)")
-                self._payloads.add(name)
             out = storage[meta.offset : meta.offset + meta.nbytes].view(meta.dtype).view(meta.shape)
-            tensor, version = self.applied.stage(name, payload, out)
-            with self._state:
-                self._produced.add(version)
-            decoded.append((name, tensor))
+            decoded.append((name, self.applied.stage(name, payload, out)[0]))
         return decoded
 
 

@@ -226,7 +226,8 @@ def test_delta_weight_sync(tmp_path):
     check_ledger(summary)
     assert [r["delta/anchor"] for r in rows] == [1.0, 0.0, 0.0, 0.0]
     for r in rows:
-        assert 0 < r["delta/changed_fraction"] <= 1 and r["delta/wire_bytes"] > 0
+        # a step whose groups all tied trains on zero advantages and may change nothing: 0 is valid
+        assert 0 <= r["delta/changed_fraction"] <= 1 and r["delta/wire_bytes"] > 0
         assert r["consistency/probe/skipped"] == 0 and r["consistency/probe/logprob_diff_max"] < PROBE_BOUND, r
 
 

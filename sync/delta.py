@@ -134,14 +134,14 @@ def encode(
     is copied to the host first."""
     if encoding not in DELTA_ENCODINGS:
         raise ValueError(f"encoding: {encoding!r} is not one of {DELTA_ENCODINGS}")
-    new_bits = _bits(new)
+    new_bits = bits(new)
     mask, positions, count = None, None, new.numel()
     if old is not None:
         if old.shape != new.shape or old.dtype != new.dtype:
             raise ValueError(
                 f"old: {old.dtype}{list(old.shape)} is not new's {new.dtype}{list(new.shape)}; pass old=None (dense)"
             )
-        mask = new_bits != _bits(old)
+        mask = new_bits != bits(old)
         count = int(torch.count_nonzero(mask))
     sizes = dict(shape=tuple(new.shape), element_size=new.element_size(), count=count)
     chosen = "dense" if old is None else encoding
@@ -228,19 +228,19 @@ def apply(payload: torch.Tensor, target: torch.Tensor, base_version: int) -> int
         raise DeltaError(f"payload: {payload.numel()} bytes, its header describes {head.nbytes}")
     if target.device.type != "cpu" or not target.is_contiguous():
         raise ValueError(f"target: must be a contiguous host tensor, got {target.device}, {target.stride()}")
-    bits = _bits(target).numpy()  # shares target's memory
+    elements = bits(target).numpy()  # shares target's memory
     body = payload.numpy()[HEADER_NBYTES + 8 * len(head.shape) :]
-    values = body[body.size - head.count * head.element_size :].view(bits.dtype)  # the last section
+    values = body[body.size - head.count * head.element_size :].view(elements.dtype)  # the last section
     if head.encoding == "dense":
-        bits[:] = body.view(bits.dtype)
+        elements[:] = body.view(elements.dtype)
     elif head.encoding == "gaps":
-        bits[_positions(body[: 2 * head.tokens].view(np.uint16), head)] = values
+        elements[_positions(body[: 2 * head.tokens].view(np.uint16), head)] = values
     elif head.encoding == "bitmap":
         mask = np.unpackbits(body[: math.ceil(head.numel / 8)], count=head.numel, bitorder="little").view(bool)
         if int(np.count_nonzero(mask)) != head.count:
             raise DeltaError(f"payload: the bitmap marks {np.count_nonzero(mask)} elements, the header {head.count}")
-        bits[mask] = values
-    if zlib.crc32(bits.view(np.uint8)) != head.hash:
+        elements[mask] = values
+    if zlib.crc32(elements.view(np.uint8)) != head.hash:
         raise DeltaError(f"hash mismatch after applying version {head.version}: the target is corrupt, load an anchor")
     return head.version
 
@@ -423,8 +423,9 @@ def check_complete(staged: dict[str, torch.Tensor], held: dict[str, torch.Tensor
         raise DeltaError(f"the payloads produce versions {sorted(produced)}, not one")
 
 
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The flat host integer view of `tensor`'s elements (contiguous copy only when needed)."""
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The flat host integer view of `tensor`'s elements (contiguous copy only when needed): what
+    deltas compare and hash, so NaN payloads and -0.0 count as the bits they are."""
     if tensor.element_size() not in _BITS:
         raise ValueError(f"{tensor.dtype}: delta sync carries elements of 1, 2, 4 or 8 bytes")
     return tensor.detach().cpu().contiguous().view(-1).view(_BITS[tensor.element_size()])

@@ -33,9 +33,7 @@ import torch
 from moe_rl.bench.options import DeltaBench, SyncBench
 from parallel.fp8 import SCALE_SUFFIX, BlockFP8
 from sync.config import DeltaConfig
-from sync.delta import AppliedCopy, KeptCopy
-
-_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+from sync.delta import AppliedCopy, KeptCopy, bits
 
 
 def hf_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -144,8 +142,7 @@ def _bit_equal(expected: dict[str, torch.Tensor], held: dict[str, torch.Tensor])
         other = held[name]
         if tensor.dtype != other.dtype or tensor.shape != other.shape:
             return False
-        integers = _INTEGERS[tensor.element_size()]
-        if not torch.equal(tensor.contiguous().view(integers), other.view(integers)):
+        if not torch.equal(bits(tensor), bits(other)):
             return False
     return True
 

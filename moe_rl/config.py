@@ -620,10 +620,11 @@ class RunConfig:
                 "sync.delta.enabled with lora: only the adapters move (a few MB), deltas are for "
                 "full-weight sync; set sync.delta.enabled: false"
             )
-        if self.sync.transport != "broadcast":
+        if self.sync.transport not in ("broadcast", "disk"):
             raise ValueError(
                 f"sync.delta.enabled with sync.transport={self.sync.transport!r}: deltas travel in "
-                "broadcast buckets; use sync.transport: broadcast, or set sync.delta.enabled: false"
+                "broadcast buckets or as delta files on shared storage; use sync.transport: broadcast "
+                "or disk, or set sync.delta.enabled: false"
             )
 
     def _check_cluster(self) -> None:

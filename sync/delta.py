@@ -385,8 +385,9 @@ class AppliedCopy:
             self.produced.add(version)
         return target, version
 
-    def hold(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """The committed `version` is `tensors` (kept as they are: the caller does not write them again)."""
+    def hold(self, tensors: dict[str, torch.Tensor], version: int | None) -> None:
+        """The committed `version` is `tensors` (kept as they are: the caller does not write them
+        again); None: a version nobody can name, so the copy refuses deltas until an anchor."""
         self.tensors, self.version = dict(tensors), version
         self.discard()
 

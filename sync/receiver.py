@@ -10,7 +10,8 @@ SGLang route (see `sync.engine_api` for the whole sequence):
     /update_weights_from_distributed -> receiver.receive_bucket(names, dtypes, shapes,
                                                    weight_version, checksum, group_name)
     /update_weights_from_tensor   -> receiver.stage_tensors(decoded payload, weight_version)
-    /update_weights_from_disk     -> receiver.stage_from_disk(model_path, weight_version)
+    /update_weights_from_disk     -> receiver.stage_from_disk(model_path, weight_version) (an anchor,
+                                     or a delta chain on storage: `sync.published`)
     /update_weight_version        -> tensors = receiver.commit(new_version); load them into
                                      the model under the lock that guards generation
     /continue_generation          -> receiver.abort()   (drops an uncommitted version, if any)
@@ -67,8 +68,8 @@ import threading
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
+from sync import published
 from sync.bucket import TensorMeta, layout, unpack
 from sync.bucket import checksum as bucket_checksum
 from sync.delta import AppliedCopy, DeltaError, check_complete, header
@@ -227,15 +228,25 @@ class WeightReceiver:
             return sorted(tensors)
 
     def stage_from_disk(self, model_path: str | Path, weight_version: str | int) -> list[str]:
-        """Stage every tensor of the `*.safetensors` files in `model_path`; returns their names."""
-        files = sorted(Path(model_path).glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"model_path: no *.safetensors files in {model_path}")
+        """Stage the version published in `model_path` (`sync.published`: an anchor's safetensors
+        files, or a delta resolved from the served version or the last anchor, every hash checked);
+        returns the names. ValueError if it cannot be resolved or is not `weight_version`."""
+        tensors, version = published.resolve(Path(model_path), self.applied)
+        if version is not None and version != _parse_version(weight_version):
+            raise ValueError(f"model_path: {model_path} publishes version {version}, not {weight_version}")
         with self._state:
-            self._begin(weight_version)
-            for file in files:
-                self._staged.update(load_file(file, device=str(self.device)))
+            self._begin(weight_version)  # copies: a resolved tensor may be one the served set holds
+            self._staged.update((name, t.to(self.device, copy=True)) for name, t in tensors.items())
             return sorted(self._staged)
+
+    def loaded(self, tensors: dict[str, torch.Tensor], version: int | None) -> None:
+        """The engine serves `tensors` at `version`, loaded outside the buckets (a disk load): the
+        served version and the copy deltas apply on follow (None: an unversioned load, after which
+        deltas are refused until an anchor)."""
+        with self._state:
+            if version is not None:
+                self.version = max(self.version, version)
+            self.applied.hold(tensors, version)
 
     @property
     def may_go_back(self) -> bool:

@@ -1,27 +1,27 @@
-"""Disk transport: safetensors on storage shared with the engines (no NCCL between the jobs).
+"""Disk transport: versions published on storage shared with the engines (no NCCL between the jobs).
 
-`send` writes the stream as safetensors shards of at most `bucket_bytes` into a hidden temporary
-directory under `disk_dir`, then publishes it with one atomic rename to `disk_dir/v{version}`,
-so an engine never sees a half-written version; then every engine is told, concurrently,
-through `update_weights_from_disk(model_path, weight_version)`. After the sender commits, the
-previous published versions are removed at the next `send`. Sending a version that is already
-published (the sender catching a restarted engine up to the committed version) writes nothing:
-the export is exhausted and the engines load the published directory.
+`send` writes the stream as one version directory, `disk_dir/v{version}` (`sync.published`: a
+hidden temporary directory renamed at the end, so an engine never sees a half-written version),
+then tells every engine, concurrently, through `update_weights_from_disk(model_path,
+weight_version)`. A full version is safetensors shards of at most `bucket_bytes`, as any HF loader
+reads them; with `sync.delta` the stream is payloads (`sync.delta`), written as zstd-compressed
+delta files that name their base version, and an engine resolves the chain from what it holds, or
+from the last anchor (`sync.published.resolve`). Once a version is published, older ones are
+pruned: the newest anchor and the deltas after it stay. Sending a version that is already published (the
+sender catching a restarted engine up to the committed version) writes nothing: the export is
+exhausted and the engines load the published directory, a delta's chain included.
 
 Memory on the source rank: one shard (the tensors of at most `bucket_bytes`, held until written).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterable
 
 import torch
-from safetensors.torch import save_file
 
+from sync import published
 from sync.engine_set import EngineSet, SyncError, describe
 from sync.transports.base import Transport
 
@@ -29,6 +29,7 @@ from sync.transports.base import Transport
 class DiskTransport(Transport):
     name = "disk"
     session = False  # SGLang's /update_weights_from_disk loads outside a session
+    carries_deltas = True
 
     def __init__(self, config):
         super().__init__(config)
@@ -41,43 +42,17 @@ class DiskTransport(Transport):
         self.broken = False
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, engines: EngineSet) -> int:
-        final = self.root / f"v{version}"
+        final = published.version_dir(self.root, version)
         if final.exists():  # published whole (atomic rename): a restarted engine catches up on it
             nbytes = sum(t.numel() * t.element_size() for _, t in named_tensors)  # runs the export
         else:
-            nbytes = self._publish(named_tensors, version, final)
+            nbytes = published.publish(self.root, named_tensors, version, self.config.bucket_bytes, self.delta)
+            published.prune(self.root)
         if failed := engines.call(lambda e: e.update_weights_from_disk(str(final), str(version))):
             raise SyncError(
                 f"update_weights_from_disk of {final} failed: {describe(failed)}", engine=next(iter(failed))
             )
         return nbytes
-
-    def _publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, final: Path) -> int:
-
-        self._remove_old(keep=version)
-        tmp = Path(tempfile.mkdtemp(prefix=f".v{version}-", dir=self.root))
-        nbytes, shard, shard_bytes, index = 0, {}, 0, 0
-        try:
-            for name, tensor in named_tensors:
-                size = tensor.numel() * tensor.element_size()
-                if shard and shard_bytes + size > self.config.bucket_bytes:
-                    save_file(shard, tmp / f"model-{index:05d}.safetensors")
-                    shard, shard_bytes, index = {}, 0, index + 1
-                shard[name] = tensor.detach().contiguous().cpu()
-                shard_bytes += size
-                nbytes += size
-            if shard:
-                save_file(shard, tmp / f"model-{index:05d}.safetensors")
-            os.rename(tmp, final)  # atomic publish
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return nbytes
-
-    def _remove_old(self, keep: int) -> None:
-        for path in self.root.glob("v*"):
-            if path.is_dir() and path.name[1:].isdigit() and int(path.name[1:]) < keep:
-                shutil.rmtree(path, ignore_errors=True)
 
     def close(self, engines: EngineSet) -> None:
         self.broken = True

@@ -217,11 +217,15 @@ def test_fp8_weight_sync(tmp_path):
     assert len(probed) == 2 and all(r["consistency/probe/logprob_diff_mean"] > 10 * PROBE_BOUND for r in probed)
 
 
-def test_delta_weight_sync(tmp_path):
-    """sync.delta: the first sync an anchor, then deltas; every step's probe (engine and trainer on
-    the same version) sees the same weights, to the arithmetic's level: the deltas rebuilt them exactly."""
+@pytest.mark.parametrize("transport", ["broadcast", "disk"])
+def test_delta_weight_sync(tmp_path, transport):
+    """sync.delta: the first sync an anchor, then deltas (in broadcast buckets, or as delta files the
+    embedded engine resolves from storage); every step's probe (engine and trainer on the same
+    version) sees the same weights, to the arithmetic's level: the deltas rebuilt them exactly."""
     config = tiny_config(tmp_path, "sync", trainer={"consistency_probe_every": 1})
     config.sync.delta.enabled = True
+    if transport == "disk":
+        config.sync.transport, config.sync.disk_dir = "disk", str(tmp_path / "versions")
     summary, rows = run(config)
     check_ledger(summary)
     assert [r["delta/anchor"] for r in rows] == [1.0, 0.0, 0.0, 0.0]

@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 from aiohttp import web
 
@@ -52,6 +53,7 @@ from moe_rl.engine.process import EmbeddedConfig
 from moe_rl.engine.sampling import SamplingParams
 from moe_rl.trace import TRACER
 from parallel.bridges.rope import max_positions
+from sync import published
 from sync.delta import DELTA_LOAD_FORMAT
 from sync.flattened_payload import decode
 from sync.receiver import WeightReceiver
@@ -467,15 +469,22 @@ class EmbeddedServer:
         return str(version)
 
     async def update_from_disk(self, http: web.Request) -> web.Response:
+        """An anchor's safetensors files (SGLang's route), or a delta published on storage
+        (`sync.published`), resolved from the served version or from the last anchor."""
         body = await self._body(http)
         version = self.scheduler.weight_version  # no weight_version: the label stays (SGLang)
         if body.get("weight_version") is not None:
             version = self._version(body["weight_version"], "weight_version", same_ok=True)
-        tensors = await asyncio.to_thread(load_checkpoint_state, body["model_path"])
+        path = Path(body["model_path"])
+        if published.is_delta(path):
+            tensors, resolved = await asyncio.to_thread(published.resolve, path, self.receiver.applied)
+            if str(resolved) != version:
+                raise BadRequest(f"model_path: {path} publishes version {resolved}, not {version}")
+        else:
+            tensors = await asyncio.to_thread(load_checkpoint_state, path)
         await self._swap(tensors, version, bool(body.get("abort_all_requests")))
-        if version.isdigit():
-            self.receiver.version = max(self.receiver.version, int(version))
-        return web.json_response({"success": True, "message": f"Loaded {body['model_path']}", "num_paused_requests": 0})
+        self.receiver.loaded(tensors, int(version) if version.isdigit() else None)
+        return web.json_response({"success": True, "message": f"Loaded {path}", "num_paused_requests": 0})
 
     async def init_group(self, http: web.Request) -> web.Response:
         body = await self._body(http)

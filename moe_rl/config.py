@@ -331,6 +331,12 @@ class EngineConfig:
     """SGLang `--attn-dp-size` (DP attention): attention replicated over attn_dp groups of tp/attn_dp GPUs."""
     mem_fraction_static: float = 0.85
     """SGLang `--mem-fraction-static`: share of GPU memory for weights + KV cache."""
+    join_from: str | None = None
+    """Where a restarted or added engine gets the committed version before it gets work: "peer" (a
+    live engine sends it over a group of their own and the trainer keeps stepping: `moe_rl.rl.joins`)
+    or "trainer" (its sender exports and sends the version again). None: "peer" for embedded
+    engines, "trainer" for SGLang (0.5.23 has no route that sends weights). With `lora:` the
+    trainer sends the adapters either way."""
 
     def __post_init__(self):
         if self.kind not in ENGINE_KINDS:
@@ -357,10 +363,21 @@ class EngineConfig:
             )
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"engines.mem_fraction_static={self.mem_fraction_static}: must be in (0, 1)")
+        if self.join_from not in (None, "peer", "trainer"):
+            raise ValueError(f"engines.join_from={self.join_from!r}: use peer, trainer or leave it unset")
+        if self.join_from == "peer" and self.kind != "embedded":
+            raise ValueError(
+                "engines.join_from=peer: SGLang 0.5.23 engines cannot send their weights to a peer; "
+                "set engines.join_from: trainer (or leave it unset)"
+            )
 
     @property
     def gpus_per_engine(self) -> int:
         return self.tp
+
+    @property
+    def joins_from_peer(self) -> bool:
+        return self.join_from == "peer" or (self.join_from is None and self.kind == "embedded")
 
 
 @dataclass(kw_only=True)

@@ -248,6 +248,18 @@ class WeightReceiver:
                 self.version = max(self.version, version)
             self.applied.hold(tensors, version)
 
+    def snapshot(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """The served version and a host copy of its tensors (`sync.peer_feed`). ValueError if this
+        receiver holds no copy of what it serves (it serves its starting checkpoint, or an
+        unversioned load)."""
+        with self._state:
+            if self.applied.version is None or self.applied.version != self.version:
+                raise ValueError(
+                    f"this engine holds no copy of the version it serves ({self.version}): it received "
+                    "none since it started; feed joiners from the trainer or from another engine"
+                )
+            return self.version, {name: t.to("cpu", copy=True) for name, t in self.applied.tensors.items()}
+
     @property
     def may_go_back(self) -> bool:
         """The next commit may be of an older version than the served one: the first after a group

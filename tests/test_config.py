@@ -79,6 +79,11 @@ def test_context_parallel_divides_data_parallel_and_pads_sequences(config_file):
             r"set trainer.moe.router_bias_update_rate: 0",
         ),
         (["trainer.moe.aux_loss_coeff=-0.01"], r"trainer.moe.aux_loss_coeff=-0.01: must be a number >= 0"),
+        (["engines.join_from=neighbour"], r"engines.join_from='neighbour': use peer, trainer or leave it unset"),
+        (
+            ["engines.kind=sglang", "engines.join_from=peer"],
+            r"join_from=peer: SGLang 0.5.23 engines cannot send their weights.*set engines.join_from: trainer",
+        ),
         (
             ["trainer.moe.freeze_router=true", "trainer.moe.router_bias_update_rate=0.001"],
             r"freeze_router=true with trainer.moe.router_bias_update_rate=0.001.*set router_bias_update_rate: 0",

@@ -424,6 +424,17 @@ class EngineClient:
             timeout_s=max(self.timeout_s, 600.0),
         )
 
+    async def feed_peers(
+        self, engines: dict[str, str], bucket_bytes: int, timeout_s: float, backend: str | None = None
+    ) -> dict:
+        """Embedded engines (an extension route): send the version this engine serves to `engines`
+        (name -> URL) and commit it there (`sync.peer_feed`); returns {version, bytes, seconds,
+        engines}. Not idempotent: a feed cut off is not repeated here (the caller decides)."""
+        if self.kind != "embedded":
+            raise ValueError(f"{self.name}: only embedded engines feed peers (SGLang 0.5.23 has no such route)")
+        body = {"engines": dict(engines), "bucket_bytes": bucket_bytes, "timeout_s": timeout_s, "backend": backend}
+        return await self._request("POST", "/feed_peers", body, timeout_s=timeout_s + 30, idempotent=False)
+
     async def init_weights_update_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
     ) -> None:

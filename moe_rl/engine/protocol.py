@@ -251,6 +251,11 @@ EMBEDDED_EXTENSIONS: dict[str, frozenset[str]] = {
 """Fields only the embedded engine takes (sync.engine_api: the bucket's CRC-32, verified on receipt).
 The client sends them to embedded engines only."""
 
+EMBEDDED_ROUTES: dict[str, frozenset[str]] = {
+    "/feed_peers": frozenset({"engines", "bucket_bytes", "timeout_s", "backend"}),  # sync.peer_feed
+}
+"""Routes only the embedded engine has (SGLang 0.5.23 has no counterpart), with their fields."""
+
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -360,7 +365,8 @@ def weight_version_number(label: object) -> int | None:
 def unknown_fields(path: str, body: dict) -> list[str]:
     """Names in `body` that the embedded engine does not take for `path` (sampling params included)."""
     extra = EMBEDDED_EXTENSIONS.get(path, frozenset()) | (ROUTER_IGNORED if path == "/generate" else frozenset())
-    bad = sorted(set(body) - REQUEST_FIELDS[path] - extra)
+    known = REQUEST_FIELDS[path] if path in REQUEST_FIELDS else EMBEDDED_ROUTES[path]
+    bad = sorted(set(body) - known - extra)
     if path == "/generate" and isinstance(body.get("sampling_params"), dict):
         bad += sorted(f"sampling_params.{k}" for k in set(body["sampling_params"]) - SAMPLING_FIELDS)
     return bad

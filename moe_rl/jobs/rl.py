@@ -337,6 +337,7 @@ def _update_weights(cluster: RLCluster, config: RunConfig, version: int) -> dict
     #    (an engine that died is dropped, the others commit; it is restarted and caught up later)
     metrics.update(cluster.sync(version))  # time/sync_s (+ delta/* with sync.delta)
     metrics["engines/restarts"] = cluster.restarts
+    metrics.update(cluster.joins.metrics())  # engines/join_* (`moe_rl.rl.joins`)
     return metrics
 
 

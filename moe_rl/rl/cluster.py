@@ -21,9 +21,10 @@ Engine faults (the driver's side; the trainer is never stopped): an engine found
 rollout pool (its requests failed and `/health` does not answer; the pool has already resubmitted
 them elsewhere) or by the weight sender (it could not resume after a sync; the sync was retried on
 the live engines), is restarted by its `EngineServer` in the background (`engines/restarts`).
-Once its process is healthy the trainer's sender takes it back and sends it the committed
-version (`sync_weights` catch-up: a weight-update group of the restarted engines only, the live
-ones keep generating), and only then does the pool give it work again. `recover()` does this
+Once its process is healthy it gets the committed version, from a live engine (`moe_rl.rl.joins`:
+the trainer keeps stepping) or from the trainer's sender (`sync_weights` catch-up: a weight-update
+group of the restarted engines only, the live ones keep generating), and only then does the pool
+give it work again. `recover()` does this
 bookkeeping; the driver calls it while it waits for a batch and after each sync.
 
 Elastic engines: `recover()` also serves `moe-rl engines add/remove/list` (`moe_rl.rl.fleet`,
@@ -34,6 +35,7 @@ the others. A local Ray keeps `_LOCAL_SPARE_CPUS` logical CPUs for such engines.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -50,6 +52,7 @@ from moe_rl.engine.client import engine_index, engine_name
 from moe_rl.engine.sglang_launcher import SGLangLoRA
 from moe_rl.rl.consistency_probe import ProbeBatch, ProbeRequest
 from moe_rl.rl.fleet import EngineFleet
+from moe_rl.rl.joins import Joins
 from moe_rl.rl.ray_init import init_ray
 from moe_rl.rl.resume import RunCheckpoint
 from moe_rl.rl.rollout_actor import BatchRequest, EngineServer, RolloutWorker, TrainBatch, engine_placement
@@ -114,7 +117,7 @@ class RLCluster:
         """`kept`: engine servers of the run's last start, kept running through a trainer fault
         (`detach_engines`); the restarted trainer sends them its version instead of new ones starting."""
         self.config, self.run_dir, self.restore, self.kept = config, run_dir, restore, bool(kept)
-        self.trainer = self.rollout = self.fleet = None
+        self.trainer = self.rollout = self.fleet = self.joins = None
         self.detached = False  # `detach_engines` took the engines: `close` leaves them and Ray
         # engine index -> its EngineServer (removed: gone); kept ones numbered 0..n-1 again (the new
         # rollout worker and sender name engines by position)
@@ -186,6 +189,7 @@ class RLCluster:
         ray.get(self.rollout.start.remote(self.restore))
         if cfg.cpu_pools is not None:
             self._record_cores()
+        self.joins = Joins(self, from_peer=cfg.engines.joins_from_peer and cfg.lora is None)
         self.fleet = EngineFleet(self)  # from here `moe-rl engines` gets answers
 
     @property
@@ -285,7 +289,12 @@ class RLCluster:
         """Weight update to `version` on every live engine (dead ones are dropped and restarted);
         returns its metrics: `time/sync_s`, and with `sync.delta` what it carried (`SyncResult.metrics`)."""
         lost, self.lost = self.lost, []
-        result = self.trainer.sync_weights(SyncRequest(version, self.config.sync.bucket_bytes, lost=tuple(lost)))
+        # engines a peer fed since the last sync serve the committed version: members from now on
+        joined = self.joins.take_pending()
+        request = SyncRequest(
+            version, self.config.sync.bucket_bytes, joined=joined, served_version=self.version, lost=tuple(lost)
+        )
+        result = self.trainer.sync_weights(request)
         self.version = version
         for name in result.dropped:
             self._ask(self.rollout.mark_dead.remote(engine_index(name)), "mark_dead")
@@ -297,32 +306,41 @@ class RLCluster:
         return self._ask(self.rollout.engine_states.remote(), "engine_states")
 
     def recover(self) -> None:
-        """Restart dead engines; re-sync restarted ones and put them back in the pool; serve
-        `moe-rl engines` requests (`EngineFleet.poll`)."""
+        """Restart dead engines; bring restarted ones to the committed version (`moe_rl.rl.joins`)
+        and put them back in the pool; serve `moe-rl engines` requests (`EngineFleet.poll`)."""
         states = self.engine_states()
         for index, state in enumerate(states):
             if not state["live"] and not state["removed"] and index not in self.restarting:
                 self.restarting[index] = self.servers[index].restart.remote()
                 self.restarts += 1
+                self.joins.forget(index)  # fed by a peer but not yet a member: nothing to remove there
                 self.lost.append(engine_name(index))
         for index, restarted in list(self.restarting.items()):
-            if not ray.wait([restarted], timeout=0)[0]:
+            if index in self.joins.active or not ray.wait([restarted], timeout=0)[0]:
                 continue
-            url, name = ray.get(restarted), engine_name(index)
-            if name in self.lost:  # the sender replaces the dead member with the restarted one
-                self.lost.remove(name)
-            dropped = self.catch_up({name: url})
-            del self.restarting[index]
-            if name in dropped:  # died again while catching up: restarted next time
-                continue
-            self._ask(self.rollout.revive.remote(index, url), "revive")
+            url = ray.get(restarted)
+            self.joins.start(index, url, done=functools.partial(self._restarted, index, url))
+        self.joins.poll()
         if self.fleet is not None:
             self.fleet.poll()
+
+    def _restarted(self, index: int, url: str, serving: bool) -> None:
+        """Engine `index`'s restart is over: it serves the committed version (give it work), or it
+        died again while catching up (restarted next time)."""
+        del self.restarting[index]
+        if serving:
+            self._ask(self.rollout.revive.remote(index, url), "revive")
+
+    def url_of(self, index: int) -> str:
+        return ray.get(self.servers[index].url.remote())
 
     def catch_up(self, joined: dict[str, str]) -> list[str]:
         """The trainer's sender takes in engines (name -> URL) serving the starting checkpoint
         and sends them the committed version: a weight-update group of them only, the others keep
         generating. Returns the names of those that died on the way."""
+        for name in joined:  # the sender replaces the dead member with the restarted one
+            if name in self.lost:
+                self.lost.remove(name)
         request = SyncRequest(
             self.version, self.config.sync.bucket_bytes, joined=joined, served_version=self.initial_version
         )
@@ -401,6 +419,8 @@ class RLCluster:
         try:
             if self.fleet is not None:
                 self.fleet.close()
+            if self.joins is not None:
+                self.joins.close()
             if self.rollout is not None:
                 ledger = ray.get(self.rollout.stop.remote())
         finally:

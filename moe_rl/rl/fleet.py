@@ -11,9 +11,9 @@ Add N, as numbered steps (the same catch-up a restarted engine takes, `moe_rl.rl
   2. start N `EngineServer` actors at the next indices (`engine-{n}`, never reused), placed as
      `engine_placement` places engines, on the run's starting checkpoint (serving its version);
      the driver goes on while they load;
-  3. once one is healthy, the trainer's sender takes it in and sends it the committed version
-     (`SyncRequest.joined`: a weight-update group of the new engines only; the others keep
-     generating);
+  3. once one is healthy, it gets the committed version (`moe_rl.rl.joins`): from a live engine
+     (the trainer keeps stepping), or from the trainer's sender (`SyncRequest.joined`: a
+     weight-update group of the new engines only; the others keep generating);
   4. only then does the rollout pool give it work (`EnginePool.add`), so it never serves a version
      other than the one every engine holds; `engines/added` counts it.
   An engine that fails to start or dies while catching up is stopped and named in the answer.
@@ -33,6 +33,7 @@ The fleet's size is not part of a run checkpoint: `--resume` starts `engines.cou
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -55,6 +56,7 @@ class Adding:
     request: FleetRequest
     starting: dict[int, tuple[ray.actor.ActorHandle, ray.ObjectRef]]
     began: float = field(default_factory=time.perf_counter)
+    joining: set[int] = field(default_factory=set)  # up, getting the committed version (`moe_rl.rl.joins`)
     joined: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
 
@@ -137,19 +139,24 @@ class EngineFleet:
                 except ray.exceptions.RayError as error:
                     self._discard(server)
                     adding.failed.append(f"{engine_name(index)} did not start ({_summary(error)})")
-            if ready:
-                dropped = self.cluster.catch_up({engine_name(i): url for i, (_, url) in ready.items()})
-                for index, (server, url) in ready.items():
-                    if engine_name(index) in dropped:
-                        self._discard(server)
-                        adding.failed.append(f"{engine_name(index)} died while it received the weights")
-                        continue
-                    self.cluster.servers[index] = server
-                    ray.get(self.cluster.rollout.add_engine.remote(index, url))
-                    adding.joined.append(engine_name(index))
-            if not adding.starting:
+            for index, (server, url) in ready.items():
+                adding.joining.add(index)
+                self.cluster.joins.start(index, url, done=functools.partial(self._joined, adding, index, server, url))
+            if not adding.starting and not adding.joining:
                 self.adding.remove(adding)
                 self._answer_add(adding)
+
+    def _joined(self, adding: Adding, index: int, server, url: str, serving: bool) -> None:
+        """Add, step 4, for one engine: it serves the committed version (the pool gives it work), or
+        it died while it received the weights."""
+        adding.joining.discard(index)
+        if serving:
+            self.cluster.servers[index] = server
+            ray.get(self.cluster.rollout.add_engine.remote(index, url))
+            adding.joined.append(engine_name(index))
+        else:
+            self._discard(server)
+            adding.failed.append(f"{engine_name(index)} died while it received the weights")
 
     def _answer_add(self, adding: Adding) -> None:
         seconds = time.perf_counter() - adding.began

@@ -14,14 +14,18 @@ from tests.rl.test_rl_modes import tiny_config
 Answer = TypeVar("Answer")
 
 
-def run_with_cluster(cluster_class, tmp_path, monkeypatch, steps: int, engines: int) -> tuple[dict, object, list[dict]]:
-    """A fully-async `tiny_config` run of `steps` steps on `engines` engines, with `cluster_class`
-    as the driver's cluster; the summary, the cluster and the metrics rows."""
+def run_with_cluster(
+    cluster_class, tmp_path, monkeypatch, steps: int, engines: int, **engine_options
+) -> tuple[dict, object, list[dict]]:
+    """A fully-async `tiny_config` run of `steps` steps on `engines` engines (`engine_options`: more
+    `engines.*` fields), with `cluster_class` as the driver's cluster; the summary, the cluster and
+    the metrics rows."""
     from moe_rl.jobs import rl
 
     clusters = []
     monkeypatch.setattr(rl, "RLCluster", lambda *a: clusters.append(cluster_class(*a)) or clusters[-1])
-    config = dataclasses.replace(tiny_config(tmp_path, "fully_async"), steps=steps, engines=EngineConfig(count=engines))
+    engine_config = EngineConfig(count=engines, **engine_options)
+    config = dataclasses.replace(tiny_config(tmp_path, "fully_async"), steps=steps, engines=engine_config)
     summary = rl.run(config)
     rows = [json.loads(line) for line in open(f"{config.output_dir}/metrics.jsonl")]
     return summary, clusters[0], rows

@@ -5,7 +5,8 @@ engine-1 is still restarting (so for a while no engine is live and requests wait
 
 Proves: the run finishes every step; every started group is trained exactly once or dropped once
 with a reason; the lost requests were resubmitted; each engine was restarted once, serves the
-committed weight version (its /model_info) and got work again after its restart.
+committed weight version (its /model_info) and got work again after its restart, fed by the other
+engine (`moe_rl.rl.joins`), not by the trainer.
 """
 
 from __future__ import annotations
@@ -129,3 +130,8 @@ def test_engine_killed_in_rollout_and_in_sync(tmp_path, monkeypatch):
     assert final["versions"] == [str(STEPS)] * 2 and final["version"] == STEPS
     assert all(state["live"] for state in final["states"])
     assert final["states"][1]["served"] > 0
+    # each restarted engine got the committed version from the other, live one: the trainer sent
+    # the joiners nothing (its stall for them is 0), and the next sync took them in
+    assert rows[-1]["engines/joins_from_peer"] == 2 and rows[-1]["engines/joins_from_trainer"] == 0
+    assert sum(r["engines/join_trainer_seconds"] for r in rows) == 0
+    assert sum(r["engines/join_bytes"] for r in rows) > 0

@@ -186,6 +186,8 @@ def test_engines_added_and_removed_mid_run(tmp_path, monkeypatch):
     assert (rows[-1]["engines/added"], rows[-1]["engines/removed"]) == (1, 1)
     # no restart was needed on the way
     assert rows[-1]["engines/restarts"] == 0
+    # the new engine got the committed version from a live engine, not from the trainer
+    assert (rows[-1]["engines/joins_from_peer"], rows[-1]["engines/joins_from_trainer"]) == (1, 0)
     # per step: live engines, seconds, generated tokens/s (shared cores, parked steps: recorded, not asserted)
     for r in rows:
         tokens_per_s = r["rollout/step_generated_tokens_per_s"]

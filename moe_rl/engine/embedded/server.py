@@ -41,10 +41,12 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
 from moe_rl.engine import protocol
+from moe_rl.engine.client import EngineClient
 from moe_rl.engine.embedded.lora_routes import LoraRoutes
 from moe_rl.engine.embedded.request import Request
 from moe_rl.engine.embedded.runner import ModelRunner, load_checkpoint_state
@@ -53,9 +55,11 @@ from moe_rl.engine.process import EmbeddedConfig
 from moe_rl.engine.sampling import SamplingParams
 from moe_rl.trace import TRACER
 from parallel.bridges.rope import max_positions
-from sync import published
+from sync import peer_feed, published
+from sync.config import SyncConfig
 from sync.delta import DELTA_LOAD_FORMAT
 from sync.flattened_payload import decode
+from sync.group import address_for
 from sync.receiver import WeightReceiver
 
 
@@ -78,7 +82,8 @@ def _check(body: object, path: str) -> dict:
     unknown = protocol.unknown_fields(path, body)
     if unknown:
         raise BadRequest(
-            f"{path}: unknown field(s) {unknown}; SGLang's fields are {sorted(protocol.REQUEST_FIELDS[path])}"
+            f"{path}: unknown field(s) {unknown}; its fields are "
+            f"{sorted(protocol.REQUEST_FIELDS.get(path) or protocol.EMBEDDED_ROUTES[path])}"
         )
     missing = [f for f in protocol.REQUIRED_FIELDS.get(path, ()) if f not in body]
     if missing:
@@ -128,6 +133,7 @@ class EmbeddedServer:
             "/resume_memory_occupation": self.resume_memory,
             "/start_trace": self.start_trace,
             "/stop_trace": self.stop_trace,
+            "/feed_peers": self.feed_peers,
             **self.lora.routes(),
         }
         for path, handler in routes.items():
@@ -485,6 +491,25 @@ class EmbeddedServer:
         await self._swap(tensors, version, bool(body.get("abort_all_requests")))
         self.receiver.loaded(tensors, int(version) if version.isdigit() else None)
         return web.json_response({"success": True, "message": f"Loaded {path}", "num_paused_requests": 0})
+
+    async def feed_peers(self, http: web.Request) -> web.Response:
+        """Extension: send the served version to joining engines over a group of their own and
+        commit it there (`sync.peer_feed`), while this engine keeps generating. Body: `engines`
+        (name -> URL), `bucket_bytes`, `timeout_s`, `backend`."""
+        body = await self._body(http)
+        engines = body.get("engines")
+        if not isinstance(engines, dict) or not engines:
+            raise BadRequest("engines: a non-empty mapping of engine name -> URL to feed")
+        hosts = [urlsplit(url).hostname or "127.0.0.1" for url in engines.values()]
+        config = SyncConfig(
+            bucket_bytes=_int(body.get("bucket_bytes", 64 << 20), "bucket_bytes", 1),
+            timeout_s=float(body.get("timeout_s", 120.0)),
+            backend=body.get("backend"),
+            master_address=address_for(hosts),
+        )
+        joiners = [EngineClient(url, kind="embedded", name=name, retries=1) for name, url in engines.items()]
+        result = await asyncio.to_thread(peer_feed.feed, self.receiver, joiners, config)
+        return web.json_response({"success": True, **dataclasses.asdict(result)})
 
     async def init_group(self, http: web.Request) -> web.Response:
         body = await self._body(http)

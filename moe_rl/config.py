@@ -23,6 +23,7 @@ from moe_rl.agents.config import EpisodeConfig
 from moe_rl.algorithms.config import AlgorithmConfig
 from moe_rl.conversion.directory import HF_FILES_DIR, is_converted, read_meta
 from moe_rl.cpu_pools import CpuPoolsConfig
+from moe_rl.engine.sglang_options import check_options
 from moe_rl.rollout.config import RolloutConfig
 from moe_rl.rollout.eval_config import EvalConfig
 from parallel.bridges import Bridge, bridge_for, without_mtp
@@ -317,7 +318,8 @@ class EngineConfig:
     count: int = 1
     """Number of engine servers; generation is spread over them, groups stay on one engine."""
     max_batch: int = 64
-    """Most requests one engine decodes together."""
+    """Most requests one engine decodes together (SGLang `--max-running-requests`, the embedded
+    engine's `--max-batch`)."""
     threads: int = 1
     """CPU threads per embedded engine process."""
     tp: int = 1
@@ -331,6 +333,11 @@ class EngineConfig:
     """SGLang `--attn-dp-size` (DP attention): attention replicated over attn_dp groups of tp/attn_dp GPUs."""
     mem_fraction_static: float = 0.85
     """SGLang `--mem-fraction-static`: share of GPU memory for weights + KV cache."""
+    sglang: dict[str, Any] = field(default_factory=dict)
+    """Any other SGLang 0.5.23 server option, by its flag's name: {moe_a2a_backend: deepep,
+    kv_cache_dtype: fp8_e4m3, chunked_prefill_size: 8192, enable_eplb: true, ...}. Checked before
+    start against the table of SGLang's options (`moe_rl.engine.sglang_options`); the ones moe-rl
+    sets itself are refused with the field that owns them."""
 
     def __post_init__(self):
         if self.kind not in ENGINE_KINDS:
@@ -357,6 +364,12 @@ class EngineConfig:
             )
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"engines.mem_fraction_static={self.mem_fraction_static}: must be in (0, 1)")
+        if self.sglang and self.kind != "sglang":
+            raise ValueError(
+                f"engines.sglang={self.sglang}: SGLang server options with engines.kind={self.kind!r}; "
+                "set engines.kind: sglang or remove them"
+            )
+        check_options(self.sglang, tp=self.tp, ep=self.ep)
 
     @property
     def gpus_per_engine(self) -> int:

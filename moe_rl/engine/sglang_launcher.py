@@ -6,11 +6,11 @@ attention), `--mem-fraction-static`, `--weight-version` (the initial version), `
 (colocated mode: release/resume memory around training), and the LoRA flags (`--enable-lora`,
 `--max-lora-rank`, `--lora-target-modules`, `--max-loaded-loras`, `--max-loras-per-batch`; without
 `--enable-lora` SGLang answers 400 to `/load_lora_adapter`), `--max-running-requests`
-(`engines.max_batch`), then any other server option (`engines.sglang`, checked against SGLang's table
-by `moe_rl.engine.sglang_options`). `engine_sglang_config` builds an RL engine's `SGLangConfig`
-from the run config: the launch and `moe-rl plan`'s printed command both come from it. `--dp-size` is always 1: in 0.5.23 it
-runs data-parallel replicas behind one server, whose weight-update and LoRA routes assert
-`dp_size == 1`; more replicas are more engines.
+(`engines.max_batch`), then any other server option (`engines.sglang`, checked against SGLang's
+table by `moe_rl.engine.sglang_options`). `engine_sglang_config` builds an RL engine's
+`SGLangConfig` from the engines section: the launch and `moe-rl plan`'s printed command both come
+from it. `--dp-size` is always 1: in 0.5.23 it runs data-parallel replicas behind one server,
+whose weight-update and LoRA routes assert `dp_size == 1`; more replicas are more engines.
 
 Logprobs: SGLang returns `log_softmax(logits / temperature)` unless `SGLANG_RETURN_ORIGINAL_LOGPROB=1`
 (srt/layers/sampler.py); the trainer's importance ratios assume the temperature-1 logprobs of the

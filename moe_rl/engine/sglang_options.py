@@ -102,7 +102,9 @@ def check_options(options: dict, *, tp: int, ep: int, where: str = "engines.sgla
             )
         entry = table()["options"][name]
         if name in OWNED or entry["dest"] in OWNED:
-            raise ValueError(f"{where}.{key}: moe-rl sets this option itself; {OWNED.get(name) or OWNED[entry['dest']]}")
+            raise ValueError(
+                f"{where}.{key}: moe-rl sets this option itself; {OWNED.get(name) or OWNED[entry['dest']]}"
+            )
         if name.startswith(SPECULATIVE):
             raise ValueError(
                 f"{where}.{key}: speculative decoding is configured by engines.speculative (moe-rl keeps the "
@@ -112,6 +114,8 @@ def check_options(options: dict, *, tp: int, ep: int, where: str = "engines.sgla
             raise ValueError(f"{where}.{key}: deprecated in SGLang {SGLANG_VERSION}; use {entry['replacement']}")
         _values(entry, value, f"{where}.{key}")
     resolved = {_name_of(str(key)): value for key, value in options.items()}
+    if len(resolved) < len(options):
+        raise ValueError(f"{where}={options}: names one option twice (an alias and its name); keep one")
     for rule in RULES:
         rule(resolved, tp, ep, where)
 
@@ -237,7 +241,9 @@ def read_parser() -> dict:
             continue
         flag, *others = action.option_strings
         negated = isinstance(action, argparse.BooleanOptionalAction)
-        aliases = [o[2:].replace("-", "_") for o in others if o.startswith("--") and not (negated and o.startswith("--no-"))]
+        aliases = [
+            o[2:].replace("-", "_") for o in others if o.startswith("--") and not (negated and o.startswith("--no-"))
+        ]
         entry: dict[str, Any] = {"flag": flag, "dest": action.dest}
         if aliases:
             entry["aliases"] = aliases
@@ -254,7 +260,9 @@ def read_parser() -> dict:
             if action.nargs in ("+", "*"):
                 entry["nargs"] = action.nargs
         if action.choices is not None and entry["kind"] != "deprecated":
-            entry["choices"] = sorted(action.choices, key=str) if isinstance(action.choices, set) else list(action.choices)
+            entry["choices"] = (
+                sorted(action.choices, key=str) if isinstance(action.choices, set) else list(action.choices)
+            )
         options[flag[2:].replace("-", "_")] = entry
     return {
         "sglang": SGLANG_VERSION,

@@ -9,8 +9,8 @@ attention group (`engines.tp / engines.attn_dp` GPUs with DP attention, all `eng
                                                                     GPU of the group)
 per layer, at KV_BYTES a value (SGLang's default KV cache dtype follows the model's bf16
 activations), or at `engines.sglang.kv_cache_dtype`'s bytes (`sglang_options.KV_CACHE_BYTES`: 1 for
-FP8, 0.5625 for FP4 with its block scales). A sequence must fit the KV cache left on a GPU (`engine_memory`'s kv_cache) whole:
-SGLang caps a request at the tokens its cache can hold.
+FP8, 0.5625 for FP4 with its block scales). A sequence must fit the KV cache left on a GPU
+(`engine_memory`'s kv_cache) whole: SGLang caps a request at the tokens its cache can hold.
 """
 
 from __future__ import annotations

@@ -223,6 +223,16 @@ def _plan(*overrides: str) -> subprocess.CompletedProcess:
     )
 
 
+LAUNCH_CHECKED = (
+    "moe_a2a_backend",
+    "kv_cache_dtype",
+    "max_running_requests",
+    "tp_size",
+    "ep_size",
+    "mem_fraction_static",
+)
+
+
 def _parse_launches(argvs: list[list[str]]) -> list[dict]:
     from sglang.srt.server_args import ServerArgs
 
@@ -230,8 +240,7 @@ def _parse_launches(argvs: list[list[str]]) -> list[dict]:
     for argv in argvs:
         parsed = _sglang_parse(argv)
         args = ServerArgs.from_cli_args(SimpleNamespace(**parsed["namespace"]))
-        out.append({"unknown": parsed["unknown"], **{k: getattr(args, k) for k in ("moe_a2a_backend",
-                    "kv_cache_dtype", "max_running_requests", "tp_size", "ep_size", "mem_fraction_static")}})  # fmt: skip
+        out.append({"unknown": parsed["unknown"], **{k: getattr(args, k) for k in LAUNCH_CHECKED}})
     return out
 
 
@@ -239,7 +248,9 @@ def test_plan_prints_launch_commands_sglang_parses_with_the_options():
     done = _plan("engines.sglang.moe_a2a_backend=deepep", "engines.sglang.kv_cache_dtype=fp8_e4m3")
     assert done.returncode == 0, done.stderr
     engines = load_config(RECIPE).engines
-    lines = [line.strip() for line in done.stdout.splitlines() if line.strip().startswith("engine ") and "sglang" in line]
+    lines = [
+        line.strip() for line in done.stdout.splitlines() if line.strip().startswith("engine ") and "sglang" in line
+    ]
     assert len(lines) == engines.count
     argvs = []
     for line in lines:

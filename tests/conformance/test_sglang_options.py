@@ -71,14 +71,9 @@ def _sample(entry: dict):
     return SAMPLES.get(entry["type"], 4096 if entry["type"] == "human_readable_int" else None)
 
 
-def test_the_table_is_sglangs_parser():
-    assert sglang_oracle.call(read_parser) == table()
-
-
-def test_every_option_is_parsed_by_sglang_as_written():
-    """Every option moe-rl passes through (not owned, not speculative, not deprecated) with a value of
-    its type, all in one `engines.sglang`: accepted by `check_options`, and SGLang's parser reads
-    each back as written."""
+def _samples() -> tuple[dict, dict]:
+    """Every option moe-rl passes through (not owned, not speculative, not deprecated) with a value
+    of its type: (engines.sglang, {dest: the value SGLang must parse})."""
     options, expected = {}, {}
     for name, entry in table()["options"].items():
         if name in OWNED or name.startswith(SPECULATIVE) or entry["kind"] == "deprecated":
@@ -88,9 +83,45 @@ def test_every_option_is_parsed_by_sglang_as_written():
             continue
         options[name] = [value] if entry["kind"] == "list" else value
         expected[entry["dest"]] = options[name]
+    return options, expected
+
+
+def _ask_sglang(questions: dict) -> dict:
+    return {
+        "table": read_parser(),
+        "samples": _sglang_parse(questions["samples"]),
+        "a2a": _a2a_ep_sizes(questions["backends"]),
+        "eplb": _eplb_outcomes(questions["eplb"]),
+        "kv": _kv_element_bytes(questions["kv"]),
+        "nearest": _nearest_flag(questions["flag"]),
+    }
+
+
+@pytest.fixture(scope="module")
+def sglang() -> dict:
+    """SGLang's code on the questions of the tests below, asked in one oracle process (each costs
+    an import of SGLang, torch and transformers)."""
+    questions = {
+        "samples": ["--model-path", "/m", *option_args(_samples()[0])],
+        "backends": table()["options"]["moe_a2a_backend"]["choices"],
+        "eplb": [_eplb_record(options, ep) for options, ep in EPLB_CASES],
+        "kv": sorted(KV_CACHE_BYTES),
+        "flag": "--moe-a2a-backnd",
+    }
+    return sglang_oracle.call(_ask_sglang, questions)
+
+
+def test_the_table_is_sglangs_parser(sglang):
+    assert sglang["table"] == table()
+
+
+def test_every_option_is_parsed_by_sglang_as_written(sglang):
+    """All of them in one `engines.sglang`: accepted by `check_options`, and SGLang's parser reads
+    each back as written."""
+    options, expected = _samples()
     assert len(options) > 400
     check_options(options, tp=2, ep=2)
-    parsed = sglang_oracle.call(_sglang_parse, ["--model-path", "/m", *option_args(options)])
+    parsed = sglang["samples"]
     assert "error" not in parsed, parsed.get("error")
     assert parsed["unknown"] == []
     got = {dest: parsed["namespace"].get(dest) for dest in expected}
@@ -103,12 +134,10 @@ def _a2a_ep_sizes(backends: list[str]) -> dict:
     return {b: _a2a_ep_size(SimpleNamespace(moe_a2a_backend=b, tp_size=8, ep_size=2)) for b in backends}
 
 
-def test_a2a_backends_that_reset_ep_size_are_refused_unless_ep_is_tp():
-    backends = table()["options"]["moe_a2a_backend"]["choices"]
-    sglang = sglang_oracle.call(_a2a_ep_sizes, backends)
-    for backend in backends:
-        resets = sglang[backend] == {"ep_size": 8}
-        assert resets or sglang[backend] == {}, (backend, sglang[backend])
+def test_a2a_backends_that_reset_ep_size_are_refused_unless_ep_is_tp(sglang):
+    for backend, ep_size in sglang["a2a"].items():
+        resets = ep_size == {"ep_size": 8}
+        assert resets or ep_size == {}, (backend, ep_size)
         check_options({"moe_a2a_backend": backend}, tp=8, ep=8)
         if resets:
             with pytest.raises(ValueError, match=f"moe_a2a_backend={backend} .* set engines.ep=8"):
@@ -148,30 +177,32 @@ def _eplb_outcomes(cases: list[dict]) -> list[str]:
     return outcomes
 
 
-def test_eplb_and_dispatch_rules_match_sglang():
-    cases = [  # (engines.sglang, engines.ep)
-        ({"enable_eplb": True}, 1),
-        ({"enable_eplb": True}, 2),
-        ({"enable_eplb": True, "elastic_ep_join_mode": "scale"}, 1),
-        ({"enable_eplb": True, "moe_a2a_backend": "deepep"}, 2),
-        ({"ep_dispatch_algorithm": "static"}, 2),
-        ({"ep_dispatch_algorithm": "lp"}, 2),
-        ({"ep_dispatch_algorithm": "dynamic"}, 2),
-        ({"ep_dispatch_algorithm": "static", "moe_a2a_backend": "deepep"}, 2),
-    ]
-    records = [
-        {
-            "enable_eplb": options.get("enable_eplb", False),
-            "ep_join_mode": options.get("elastic_ep_join_mode"),
-            "ep_dispatch_algorithm": options.get("ep_dispatch_algorithm"),
-            "moe_a2a_backend": options.get("moe_a2a_backend", "none"),
-            "ep_size": ep,
-        }
-        for options, ep in cases
-    ]
-    sglang = sglang_oracle.call(_eplb_outcomes, records)
-    assert sglang == ["AssertionError", "ok", "ok", "ok", "ValueError", "ValueError", "ok", "ok"]
-    for (options, ep), outcome in zip(cases, sglang):
+EPLB_CASES = [  # (engines.sglang, engines.ep)
+    ({"enable_eplb": True}, 1),
+    ({"enable_eplb": True}, 2),
+    ({"enable_eplb": True, "elastic_ep_join_mode": "scale"}, 1),
+    ({"enable_eplb": True, "moe_a2a_backend": "deepep"}, 2),
+    ({"ep_dispatch_algorithm": "static"}, 2),
+    ({"ep_dispatch_algorithm": "lp"}, 2),
+    ({"ep_dispatch_algorithm": "dynamic"}, 2),
+    ({"ep_dispatch_algorithm": "static", "moe_a2a_backend": "deepep"}, 2),
+]
+
+
+def _eplb_record(options: dict, ep: int) -> dict:
+    """The server-args fields `handle_eplb_and_dispatch` reads, as these options and engines.ep set them."""
+    return {
+        "enable_eplb": options.get("enable_eplb", False),
+        "ep_join_mode": options.get("elastic_ep_join_mode"),
+        "ep_dispatch_algorithm": options.get("ep_dispatch_algorithm"),
+        "moe_a2a_backend": options.get("moe_a2a_backend", "none"),
+        "ep_size": ep,
+    }
+
+
+def test_eplb_and_dispatch_rules_match_sglang(sglang):
+    assert sglang["eplb"] == ["AssertionError", "ok", "ok", "ok", "ValueError", "ValueError", "ok", "ok"]
+    for (options, ep), outcome in zip(EPLB_CASES, sglang["eplb"]):
         if outcome == "ok":
             check_options(options, tp=ep, ep=ep)
         else:
@@ -208,11 +239,10 @@ def _kv_element_bytes(dtypes: list[str]) -> dict:
     return out
 
 
-def test_kv_bytes_per_dtype_are_sglangs_element_sizes():
+def test_kv_bytes_per_dtype_are_sglangs_element_sizes(sglang):
     choices = table()["options"]["kv_cache_dtype"]["choices"]
     assert set(KV_CACHE_BYTES) == set(choices) - {"auto"}  # a new choice needs its bytes here
-    sglang = sglang_oracle.call(_kv_element_bytes, sorted(KV_CACHE_BYTES))
-    for dtype, element in sglang.items():
+    for dtype, element in sglang["kv"].items():
         scale = KV_CACHE_BYTES[dtype] - element  # block formats add a one-byte scale per 16 or 32 values
         assert scale in (0, 1 / 16, 1 / 32), (dtype, element, KV_CACHE_BYTES[dtype])
 
@@ -281,10 +311,10 @@ def _nearest_flag(flag: str) -> dict:
     return {"known": flag in known, "nearest": difflib.get_close_matches(flag, known, n=1)}
 
 
-def test_a_mistyped_option_exits_2_naming_the_one_sglang_has():
+def test_a_mistyped_option_exits_2_naming_the_one_sglang_has(sglang):
     done = _plan("engines.sglang.moe_a2a_backnd=deepep")
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.startswith("moe-rl: error: engines.sglang.moe_a2a_backnd: ")
     assert "did you mean moe_a2a_backend?" in done.stderr
-    assert sglang_oracle.call(_nearest_flag, "--moe-a2a-backnd") == {"known": False, "nearest": ["--moe-a2a-backend"]}
+    assert sglang["nearest"] == {"known": False, "nearest": ["--moe-a2a-backend"]}

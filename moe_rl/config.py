@@ -23,6 +23,7 @@ from moe_rl.agents.config import EpisodeConfig
 from moe_rl.algorithms.config import AlgorithmConfig
 from moe_rl.conversion.directory import HF_FILES_DIR, is_converted, read_meta
 from moe_rl.cpu_pools import CpuPoolsConfig
+from moe_rl.engine.sglang_options import check_options
 from moe_rl.rollout.config import RolloutConfig
 from moe_rl.rollout.eval_config import EvalConfig
 from parallel.bridges import Bridge, bridge_for, without_mtp
@@ -317,7 +318,8 @@ class EngineConfig:
     count: int = 1
     """Number of engine servers; generation is spread over them, groups stay on one engine."""
     max_batch: int = 64
-    """Most requests one engine decodes together."""
+    """Most requests one engine decodes together (SGLang `--max-running-requests`, the embedded
+    engine's `--max-batch`)."""
     threads: int = 1
     """CPU threads per embedded engine process."""
     tp: int = 1
@@ -337,6 +339,11 @@ class EngineConfig:
     or "trainer" (its sender exports and sends the version again). None: "peer" for embedded
     engines, "trainer" for SGLang (0.5.23 has no route that sends weights). With `lora:` the
     trainer sends the adapters either way."""
+    sglang: dict[str, Any] = field(default_factory=dict)
+    """Any other SGLang 0.5.23 server option, by its flag's name: {moe_a2a_backend: deepep,
+    kv_cache_dtype: fp8_e4m3, chunked_prefill_size: 8192, enable_eplb: true, ...}. Checked before
+    start against the table of SGLang's options (`moe_rl.engine.sglang_options`); the ones moe-rl
+    sets itself are refused with the field that owns them."""
 
     def __post_init__(self):
         if self.kind not in ENGINE_KINDS:
@@ -370,6 +377,12 @@ class EngineConfig:
                 "engines.join_from=peer: SGLang 0.5.23 engines cannot send their weights to a peer; "
                 "set engines.join_from: trainer (or leave it unset)"
             )
+        if self.sglang and self.kind != "sglang":
+            raise ValueError(
+                f"engines.sglang={self.sglang}: SGLang server options with engines.kind={self.kind!r}; "
+                "set engines.kind: sglang or remove them"
+            )
+        check_options(self.sglang, tp=self.tp, ep=self.ep)
 
     @property
     def gpus_per_engine(self) -> int:

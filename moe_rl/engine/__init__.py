@@ -8,6 +8,7 @@
 - `pool`: `EnginePool`, group-sticky, otherwise least-loaded routing over clients.
 - `process`: start an engine server process, wait for health, stop it (`launch_embedded`).
 - `sglang_launcher`: the `sglang.launch_server` command line RL needs (GPU machines).
+- `sglang_options`: SGLang's server options (`engines.sglang`): the table, its checks, their argv.
 - `embedded`: the CPU engine (`moe-rl serve MODEL_DIR`): transformers MoE, continuous batching.
 
 Logprobs: both engines report, per sampled token, the model's log-softmax at temperature 1 on the

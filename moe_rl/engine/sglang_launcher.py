@@ -5,9 +5,12 @@ Flags (SGLang 0.5.23 server args): `--skip-tokenizer-init` (we send `input_ids`)
 attention), `--mem-fraction-static`, `--weight-version` (the initial version), `--enable-memory-saver`
 (colocated mode: release/resume memory around training), and the LoRA flags (`--enable-lora`,
 `--max-lora-rank`, `--lora-target-modules`, `--max-loaded-loras`, `--max-loras-per-batch`; without
-`--enable-lora` SGLang answers 400 to `/load_lora_adapter`). `--dp-size` is always 1: in 0.5.23 it
-runs data-parallel replicas behind one server, whose weight-update and LoRA routes assert
-`dp_size == 1`; more replicas are more engines.
+`--enable-lora` SGLang answers 400 to `/load_lora_adapter`), `--max-running-requests`
+(`engines.max_batch`), then any other server option (`engines.sglang`, checked against SGLang's
+table by `moe_rl.engine.sglang_options`). `engine_sglang_config` builds an RL engine's
+`SGLangConfig` from the engines section: the launch and `moe-rl plan`'s printed command both come
+from it. `--dp-size` is always 1: in 0.5.23 it runs data-parallel replicas behind one server,
+whose weight-update and LoRA routes assert `dp_size == 1`; more replicas are more engines.
 
 Logprobs: SGLang returns `log_softmax(logits / temperature)` unless `SGLANG_RETURN_ORIGINAL_LOGPROB=1`
 (srt/layers/sampler.py); the trainer's importance ratios assume the temperature-1 logprobs of the
@@ -20,8 +23,13 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from moe_rl.engine.process import EngineProcess, free_port
+from moe_rl.engine.sglang_options import check_options, option_args
+
+if TYPE_CHECKING:
+    from moe_rl.config import EngineConfig, RunConfig
 
 SERVER_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 """Environment of every SGLang server process: logprobs of the model's own distribution (temperature 1)."""
@@ -102,8 +110,11 @@ class SGLangConfig:
     """LoRA serving (`--enable-lora` and its slots); None: no adapters."""
     base_gpu_id: int = 0
     """`--base-gpu-id`: the first GPU the engine uses."""
-    extra_args: list[str] = dataclasses.field(default_factory=list)
-    """Passed through verbatim (e.g. ["--attention-backend", "fa3"])."""
+    max_running_requests: int | None = None
+    """`--max-running-requests`: most requests the engine runs together (None: SGLang sizes it)."""
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Any other server option by its flag's name (e.g. {"attention_backend": "fa3"}), checked by
+    `moe_rl.engine.sglang_options.check_options`."""
 
     def __post_init__(self):
         for name in ("tp_size", "ep_size", "dp_size", "attn_dp_size"):
@@ -122,9 +133,14 @@ class SGLangConfig:
                 )
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static={self.mem_fraction_static} must be in (0, 1)")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests={self.max_running_requests} must be >= 1")
+        check_options(self.options, tp=self.tp_size, ep=self.ep_size, where="options")
 
 
-def sglang_command(config: SGLangConfig, port: int) -> list[str]:
+def sglang_command(config: SGLangConfig, port: int | str) -> list[str]:
+    """`python -m sglang.launch_server ...` of `config` on `port` (`moe-rl plan` prints it with
+    "PORT": a free port is picked at launch)."""
     command = [
         sys.executable,
         "-m",
@@ -168,7 +184,52 @@ def sglang_command(config: SGLangConfig, port: int) -> list[str]:
         ]
         if lora.max_loaded_loras is not None:
             command += ["--max-loaded-loras", str(lora.max_loaded_loras)]
-    return command + list(config.extra_args)
+    if config.max_running_requests is not None:
+        command += ["--max-running-requests", str(config.max_running_requests)]
+    return command + option_args(config.options)
+
+
+def engine_sglang_config(
+    engines: EngineConfig,
+    model_path: str,
+    *,
+    host: str,
+    weight_version: str,
+    colocated: bool = False,
+    lora: SGLangLoRA | None = None,
+) -> SGLangConfig:
+    """One RL engine's SGLang launch from `engines` (the engines section): what `EngineServer`
+    starts, the evaluation job starts, and `moe-rl plan` prints. `colocated`: on the trainer's GPUs
+    (`--enable-memory-saver`); `lora`: the adapter slots (`sglang_lora_slots`)."""
+    return SGLangConfig(
+        model_path=model_path,
+        host=host,
+        tp_size=engines.tp,
+        ep_size=engines.ep,
+        attn_dp_size=engines.attn_dp,
+        mem_fraction_static=engines.mem_fraction_static,
+        max_running_requests=engines.max_batch,
+        weight_version=weight_version,
+        enable_memory_saver=colocated,
+        lora=lora,
+        options=dict(engines.sglang),
+    )
+
+
+def sglang_lora_slots(config: RunConfig) -> SGLangLoRA | None:
+    """SGLang's LoRA serving flags sized from the run config (None without `lora`): every kept
+    version, plus one being loaded, may be resident and mixed in a batch."""
+    if config.lora is None:
+        return None
+    # heavy: transformers (the model's HF config) and the bridges, only for LoRA runs
+    from parallel.bridges import bridge_for
+    from parallel.peft import hf_lora_targets
+
+    slots = config.effective_rollout().max_staleness + 2
+    targets = hf_lora_targets(bridge_for(config.model.load_hf_config()), config.lora.targets)
+    return SGLangLoRA(
+        max_lora_rank=config.lora.rank, target_modules=targets, max_loaded_loras=slots, max_loras_per_batch=slots
+    )
 
 
 def launch_sglang(

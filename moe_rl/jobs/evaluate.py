@@ -94,16 +94,9 @@ def start_engines(config: RunConfig, hf_dir: str, output: Path, step: int) -> li
                     )
                 )
             else:
-                from moe_rl.engine.sglang_launcher import SGLangConfig, launch_sglang
+                from moe_rl.engine.sglang_launcher import engine_sglang_config, launch_sglang
 
-                sglang = SGLangConfig(
-                    model_path=hf_dir,
-                    tp_size=cfg.tp,
-                    ep_size=cfg.ep,
-                    attn_dp_size=cfg.attn_dp,
-                    mem_fraction_static=cfg.mem_fraction_static,
-                    weight_version=str(step),
-                )
+                sglang = engine_sglang_config(cfg, hf_dir, host="127.0.0.1", weight_version=str(step))
                 engines.append(launch_sglang(sglang, log_path=log_path))
     except BaseException:
         for engine in engines:

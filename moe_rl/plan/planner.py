@@ -91,6 +91,7 @@ from moe_rl.plan.delta import (
     source_encode_links,
 )
 from moe_rl.plan.groups import layout_line, parallel_groups, span
+from moe_rl.plan.launch import engine_commands
 from moe_rl.plan.sequences import check_kv_cache, sequence_notes
 from moe_rl.plan.sync_links import Link, StageBytes, SyncLinks, model_sync
 from parallel.model import PRECISIONS
@@ -176,6 +177,7 @@ class Plan:
     sync_anchor: str | None = None  # a published sync time of this model
     engine_rank: tuple[float, float] | None = None  # (own shard bytes, received / own) of one engine rank
     delta: DeltaSync | None = None  # with sync.delta.enabled
+    engine_commands: list[str] = field(default_factory=list)  # `moe_rl.plan.launch.engine_commands`
     notes: list[str] = field(default_factory=list)
 
     def render(self) -> str:
@@ -225,6 +227,9 @@ class Plan:
             lines.append(f"  {name:42s} {nbytes / GB:8.1f} GB {seconds:7.2f} s")
         if self.delta:
             lines += self.delta.render()
+        if self.engine_commands:
+            lines.append("engine launch commands (SGLang 0.5.23; RUN_DIR, NODE<n> and PORT are filled in at start):")
+            lines += [f"  {command}" for command in self.engine_commands]
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
     @property
@@ -278,6 +283,7 @@ def make_plan(config: RunConfig, gpu_metrics: Path = GPU_METRICS, link_gbps: flo
         sync_anchor=None if adapter else sync_anchor(hf, counts),  # anchors are full-weight syncs
     )
     if config.is_rl:
+        plan.engine_commands = engine_commands(config)
         wire = wire_stages(config, hf, counts, dtype_bytes, adapter)
         plan.engine_rank = engine_rank_ratio(config.engines, sum(s.dense for s in wire), sum(s.experts for s in wire))
     if config.is_rl and adapter is None and config.sync.delta.enabled:

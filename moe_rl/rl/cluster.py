@@ -49,7 +49,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from moe_rl.config import RunConfig
 from moe_rl.cpu_pools import pin_process, process_cores
 from moe_rl.engine.client import engine_index, engine_name
-from moe_rl.engine.sglang_launcher import SGLangLoRA
+from moe_rl.engine.sglang_launcher import sglang_lora_slots
 from moe_rl.rl.consistency_probe import ProbeBatch, ProbeRequest
 from moe_rl.rl.fleet import EngineFleet
 from moe_rl.rl.joins import Joins
@@ -60,7 +60,6 @@ from moe_rl.rl.trainer_group import SaveHFRequest, TrainerGroup
 from moe_rl.trace import TRACER
 from moe_rl.trainer.weight_sync import ConnectRequest, SyncRequest
 from parallel.bridges import bridge_for
-from parallel.peft import hf_lora_targets
 from sync.config import AdapterSyncConfig
 from sync.stages import stage_config
 
@@ -403,16 +402,7 @@ class RLCluster:
         )
 
     def _lora_slots(self):
-        """SGLang's LoRA serving flags sized from the config: every kept version, plus one being
-        loaded, may be resident and mixed in a batch."""
-        cfg = self.config
-        if cfg.lora is None:
-            return None
-        slots = cfg.effective_rollout().max_staleness + 2
-        targets = hf_lora_targets(bridge_for(cfg.model.load_hf_config()), cfg.lora.targets)
-        return SGLangLoRA(
-            max_lora_rank=cfg.lora.rank, target_modules=targets, max_loaded_loras=slots, max_loras_per_batch=slots
-        )
+        return sglang_lora_slots(self.config)
 
     def close(self) -> dict | None:
         ledger = None

@@ -31,7 +31,7 @@ from moe_rl.cpu_pools import pin_process
 from moe_rl.engine.client import EngineClient, EngineError, engine_name
 from moe_rl.engine.pool import EnginePool
 from moe_rl.engine.process import EmbeddedConfig, launch_embedded
-from moe_rl.engine.sglang_launcher import SGLangConfig, launch_sglang
+from moe_rl.engine.sglang_launcher import engine_sglang_config, launch_sglang
 from moe_rl.rl.consistency_probe import ProbeBatch, ProbeRequest, probe_ids, score_rows
 from moe_rl.rl.resume import RunCheckpoint
 from moe_rl.rollout import RolloutConfig, RolloutManager
@@ -120,15 +120,12 @@ class EngineServer:
                 log_path=self.log_path,
             )
 
-        config = SGLangConfig(
-            model_path=self.model_dir,
+        config = engine_sglang_config(
+            cfg,
+            self.model_dir,
             host=ray.util.get_node_ip_address(),
-            tp_size=cfg.tp,
-            ep_size=cfg.ep,
-            attn_dp_size=cfg.attn_dp,
-            mem_fraction_static=cfg.mem_fraction_static,
             weight_version=str(self.weight_version),
-            enable_memory_saver=self.gpu_ids is not None,
+            colocated=self.gpu_ids is not None,
             lora=self.lora,
         )
         env = None if self.gpu_ids is None else {"CUDA_VISIBLE_DEVICES": ",".join(self.gpu_ids)}

@@ -36,11 +36,18 @@ CHECKED = (
     "max_loaded_loras",
     "max_loras_per_batch",
     "attention_backend",
+    "max_running_requests",
 )
 
 CONFIGS = {
     "disaggregated": SGLangConfig(
-        model_path="/models/qwen3", tp_size=4, ep_size=4, mem_fraction_static=0.85, weight_version="3", base_gpu_id=4
+        model_path="/models/qwen3",
+        tp_size=4,
+        ep_size=4,
+        mem_fraction_static=0.85,
+        weight_version="3",
+        base_gpu_id=4,
+        max_running_requests=256,
     ),
     "colocated": SGLangConfig(
         model_path="/models/qwen3", tp_size=2, ep_size=2, mem_fraction_static=0.5, enable_memory_saver=True
@@ -52,7 +59,7 @@ CONFIGS = {
         ),
     ),
     "attention_dp": SGLangConfig(
-        model_path="/models/dsv3", tp_size=8, ep_size=8, attn_dp_size=4, extra_args=["--attention-backend", "fa3"]
+        model_path="/models/dsv3", tp_size=8, ep_size=8, attn_dp_size=4, options={"attention_backend": "fa3"}
     ),
 }
 
@@ -95,7 +102,8 @@ def expected(config: SGLangConfig, port: int) -> dict:
         "lora_target_modules": lora and lora.target_modules,
         "max_loaded_loras": lora and lora.max_loaded_loras,
         "max_loras_per_batch": lora.max_loras_per_batch if lora else 8,
-        "attention_backend": "fa3" if config.extra_args else None,
+        "attention_backend": config.options.get("attention_backend"),
+        "max_running_requests": config.max_running_requests,
     }
 
 

@@ -469,3 +469,25 @@ def test_the_plan_reads_the_file_the_gpu_check_writes():
     root = Path(__file__).resolve().parents[2]
     assert GPU_METRICS == root / "benchmarks" / "gpu_metrics.json"
     assert 'MOE_RL_GPU_METRICS="$PWD/benchmarks/gpu_metrics.json"' in (root / "scripts" / "gpu_check.sh").read_text()
+
+
+def test_the_plan_prints_each_engines_launch_and_sizes_the_kv_cache_by_its_dtype():
+    """The printed commands are the launcher's (`engine_sglang_config` + `sglang_command`, checked by
+    SGLang's parser in tests/conformance/test_sglang_options.py); an FP8 KV cache holds twice the
+    sequences of the default bf16 one."""
+    path = "configs/models/qwen3_30b_a3b.yaml"
+    colocated = ["rl.mode=sync", "rl.colocate=true", "engines.count=2", "engines.tp=4", "engines.ep=4"]
+    plan = make_plan(load_config(path, [*colocated, "engines.sglang.chunked_prefill_size=4096"]))
+    assert len(plan.engine_commands) == 2
+    first, second = plan.engine_commands
+    assert first.startswith("engine 0: SGLANG_RETURN_ORIGINAL_LOGPROB=1 CUDA_VISIBLE_DEVICES=0,1,2,3 python -m ")
+    assert second.startswith("engine 1: SGLANG_RETURN_ORIGINAL_LOGPROB=1 CUDA_VISIBLE_DEVICES=4,5,6,7 python -m ")
+    assert "--enable-memory-saver" in first and first.endswith(" --chunked-prefill-size 4096")
+    max_batch = load_config(path).engines.max_batch
+    assert f"--max-running-requests {max_batch} " in first
+
+    def held(overrides):
+        (note,) = [n for n in make_plan(load_config(path, overrides)).notes if "KV cache (attention TP" in n]
+        return float(note.split(" holds ")[1].split(" ")[0])
+
+    assert held(["engines.sglang.kv_cache_dtype=fp8_e4m3"]) == pytest.approx(2 * held([]), rel=1e-3)

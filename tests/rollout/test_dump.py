@@ -43,13 +43,14 @@ def test_version_ranges_keep_environment_runs_and_a_switch_mid_response():
 
 def test_record_of_a_single_turn_sample():
     record = sample_record(
-        sample("g7", 0.5, [3, 3, 4]), decode=decode, advantage=-0.25, trainer_version=5, step=6, index=1
+        sample("g7", 0.5, [3, 3, 4], task="math"), decode=decode, advantage=-0.25, trainer_version=5, step=6, index=1
     )
     assert list(record)[:2] == ["step", "index"]  # the caller's fields first
     assert record == {
         "step": 6,
         "index": 1,
         "group_id": "g7",
+        "task": "math",
         "prompt_text": "t1 t2 t3",
         "response_text": "t10 t11 t12",
         "prompt_ids": [1, 2, 3],
@@ -69,6 +70,7 @@ def test_record_of_a_single_turn_sample():
     assert json.loads(json.dumps(record)) == record
     outside = sample_record(sample("g", 1.0, [0]), decode=decode, advantage=None, trainer_version=None, reward=9)
     assert outside["staleness"] is None and outside["advantage"] is None and outside["reward"] == 9
+    assert outside["task"] is None  # outside a mixture
 
 
 def test_record_of_an_episode_keeps_turns_tool_calls_and_environment_runs():

@@ -224,6 +224,11 @@ class RolloutConfig(TaskConfig):
             return [(entry.field, entry) for entry in self.tasks]
         return [("rollout", self)]
 
+    def mixture_signature(self) -> list[list] | None:
+        """[[name, weight], ...] of `tasks` in order (None: one task): what a run checkpoint records
+        of the mixture, and a resume must match (the prompt draws depend on it)."""
+        return None if self.tasks is None else [[entry.name, float(entry.weight)] for entry in self.tasks]
+
     def make_task(self, tokenizer_dir: str | None = None) -> Task:
         """The run's prompt source: the task (every row a chat when an agent drives the episodes),
         or the mixture of `tasks` (`moe_rl.tasks.mixture`)."""

@@ -402,18 +402,12 @@ class RolloutManager:
             "open": open_groups,
             "next_group": self._next_group,
             "started": sorted(self.started_ids),
-            "mixture": self.task.signature if isinstance(self.task, TaskMixture) else None,
+            "mixture": self.config.mixture_signature(),  # checked on resume (`moe_rl.rl.resume`)
         }
 
     def restore(self, state: dict) -> None:
         """Continue from `snapshot()`'s state; call on the manager's loop before `run()`. Open
         groups go on from their partial samples (outside rounds, like a stale group's replacement)."""
-        mixture = self.task.signature if isinstance(self.task, TaskMixture) else None
-        if state.get("mixture") != mixture:  # the draws replayed below would be another sequence
-            raise ValueError(
-                f"rollout.tasks: the run checkpoint was written with the mixture {state.get('mixture')} ([name, "
-                f"weight] in order), this config has {mixture}; resume with the same tasks and weights"
-            )
         self.buffer.restore(state["buffer"])
         self.started_ids.update(state["started"])
         for _ in range(state["next_group"]):  # the data position (and the draws per task)

@@ -5,7 +5,7 @@ sum of weights (`random.choices`); that entry's task gives its next prompt from 
 `task.prompts(seed)`. The n-th prompt of a mixture is therefore a function of the seed alone: a
 resumed run replays the draws made before its checkpoint (`RolloutManager.restore` skips
 `next_group` prompts) and goes on exactly as an uninterrupted run. The run checkpoint records the
-entries' names and weights (`signature`); a resume with other ones is refused.
+entries' names and weights (`RolloutConfig.mixture_signature`); a resume with other ones is refused.
 
 Contract: every prompt carries its entry's name (`Prompt.task`) and every sample of it
 `sample.metadata["task"]` (None outside a mixture). The rollout decodes and scores a sample with
@@ -41,11 +41,6 @@ class TaskMixture(Task):
             raise ValueError("TaskMixture: give at least one task")
         self.parts = parts
         self.stop_token_ids = sorted({t for part in parts.values() for t in part.task.stop_token_ids})
-
-    @property
-    def signature(self) -> list[list]:
-        """[[name, weight], ...] in draw order: what a run checkpoint records of the mixture."""
-        return [[name, part.weight] for name, part in self.parts.items()]
 
     def prompts(self, seed: int) -> Iterator[Prompt]:
         rng = random.Random(seed)

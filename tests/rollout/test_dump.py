@@ -161,7 +161,7 @@ def run_dir(tmp_path, monkeypatch):
             step,
             [
                 sample_record(
-                    sample(f"g{step}", reward, [step - 1, None, step]),
+                    sample(f"g{step}", reward, [step - 1, None, step], task="copy" if i % 2 else None),
                     decode=lambda ids, r=reward: f"text of reward {r} " + decode(ids),
                     advantage=reward - 0.5,
                     trainer_version=step,
@@ -193,6 +193,7 @@ def test_samples_prints_the_newest_step_with_texts_and_numbers(run_dir, capsys):
     assert "text of reward 0.5 t10 t11 t12" in out and "text of reward 0.5 t1 t2 t3" in out
     assert "reward 0.500" in out and "advantage 0.000" in out and "staleness 1" in out
     assert "v1 x1, env x1, v2 x1" in out and "status truncated" in out and "group g2" in out
+    assert out.count("task copy") == 2  # a mixture's samples name their task
     assert "step 1:" in output_of(capsys, [str(run_dir), "--step", "1"])
 
 

@@ -87,7 +87,7 @@ class MixtureEntry(TaskConfig):
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or "/" in self.name:
             raise ValueError(f"rollout.tasks: name={self.name!r} must be non-empty and without '/' (it names metrics)")
-        if not (isinstance(self.weight, (int, float)) and 0 < self.weight < math.inf):
+        if isinstance(self.weight, bool) or not (isinstance(self.weight, (int, float)) and 0 < self.weight < math.inf):
             raise ValueError(f"{self.field}.weight={self.weight!r}: must be a number > 0")
         if self.task is None:
             raise ValueError(f"{self.field}.task is unset: name the entry's task (e.g. copy_digits, dataset)")
@@ -107,6 +107,8 @@ class MixtureEntry(TaskConfig):
             raise ValueError(message if message.startswith(self.field) else f"{self.field}: {message}") from None
 
     def part(self, tokenizer_dir: str | None = None) -> MixturePart:
+        """The entry as the mixture draws and scores it: weight, task, and its reward (`reward`, else
+        the task's own)."""
         task = self.make_task(tokenizer_dir)
         reward = get_reward(self.reward, f"{self.field}.reward") if self.reward else task.reward
         return MixturePart(weight=float(self.weight), task=task, reward=reward)

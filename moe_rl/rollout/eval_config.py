@@ -14,6 +14,7 @@ from typing import Any
 
 from moe_rl.rollout.config import MixtureEntry, RolloutConfig, TaskConfig
 from moe_rl.tasks import Task, make_task
+from moe_rl.tasks.registry import RENAMED_TASKS
 
 DATASET_KEYS = ("prompt_key", "answer_key", "tools_key", "metadata_keys")
 INHERITED = ("temperature", "top_p", "top_k", "max_new_tokens", "reward", "agent", "apply_chat_template")
@@ -61,6 +62,8 @@ class EvalDatasetConfig:
         where = f"eval.datasets[{self.name!r}]"
         if not self.name or "/" in self.name:
             raise ValueError(f"eval.datasets: name={self.name!r} must be non-empty and without '/' (it names metrics)")
+        if self.task in ("dataset", *RENAMED_TASKS):  # the rollout section's names for a file of rows
+            raise ValueError(f"{where}.task={self.task!r}: an eval dataset's file is its path; set path: FILE instead")
         if (self.path is None) == (self.task is None):
             raise ValueError(f"{where}: set exactly one of path (a dataset file) or task (a registered task)")
         if self.task is not None and self.num_prompts is None:

@@ -43,13 +43,10 @@ from moe_rl.rollout.partial import continuation_request, continue_sample, mask_o
 from moe_rl.rollout.scoring import RewardScorer
 from moe_rl.sample import Sample
 from moe_rl.tasks import Prompt, Task, get_reward
-from moe_rl.tasks.mixture import TaskMixture
+from moe_rl.tasks.mixture import TASK_METRICS, TaskMixture
 from moe_rl.tasks.registry import resolve_agent
 from moe_rl.trace import TRACER
 from sync.lora import adapter_name
-
-TASK_PREFIX = "rollout/task"
-"""Per-task metrics of a mixture: `rollout/task/<name>/...` (`moe_rl.tasks.mixture`)."""
 
 
 class RolloutManager:
@@ -147,7 +144,7 @@ class RolloutManager:
             return RewardScorer(fn, timeout_s=cfg.reward_timeout_s, workers=cfg.reward_workers, prefix=prefix)
 
         if isinstance(task, TaskMixture):
-            return {name: (p.task, scorer(p.reward, f"{TASK_PREFIX}/{name}")) for name, p in task.parts.items()}
+            return {name: (p.task, scorer(p.reward, f"{TASK_METRICS}/{name}")) for name, p in task.parts.items()}
         return {None: (task, scorer(get_reward(cfg.reward) if cfg.reward else task.reward, "rollout"))}
 
     def close(self) -> None:
@@ -433,7 +430,7 @@ class RolloutManager:
 
     def metrics(self) -> dict[str, float]:
         scorers = [scorer for _, scorer in self.scorers.values()]
-        per_task = {f"{TASK_PREFIX}/{name}/prompts_drawn": n for name, n in self.drawn.items() if name is not None}
+        per_task = {f"{TASK_METRICS}/{name}/prompts_drawn": n for name, n in self.drawn.items() if name is not None}
         for scorer in scorers:
             per_task.update(scorer.metrics())
         return {

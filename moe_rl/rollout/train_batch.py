@@ -40,6 +40,7 @@ from moe_rl.algorithms import AlgorithmConfig, sample_advantages
 from moe_rl.rollout import staleness
 from moe_rl.rollout.expert_load import MoELayers, load_metrics
 from moe_rl.sample import Sample
+from moe_rl.tasks.mixture import TASK_METRICS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,7 +106,7 @@ class BatchInfo:
         load = {} if self.expert_counts is None else load_metrics(list(self.moe_layers), self.expert_counts)
         per_task = {}
         for name in sorted({t for t in self.tasks if t is not None}):  # a mixture: each task's samples too
-            per_task.update(self._sample_metrics(f"rollout/task/{name}", [t == name for t in self.tasks]))
+            per_task.update(self._sample_metrics(f"{TASK_METRICS}/{name}", [t == name for t in self.tasks]))
         return {
             **load,
             **self._sample_metrics("rollout", [True] * len(self.rewards)),

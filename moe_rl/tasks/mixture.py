@@ -23,6 +23,9 @@ from typing import Any, Iterator
 from moe_rl.sample import Sample
 from moe_rl.tasks.registry import Prompt, RewardFn, Task
 
+TASK_METRICS = "rollout/task"
+"""Where a mixture's per-task metrics go: `rollout/task/<name>/reward_mean`, ..."""
+
 
 @dataclasses.dataclass(frozen=True)
 class MixturePart:

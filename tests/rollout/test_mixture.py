@@ -58,8 +58,9 @@ def test_each_task_gives_its_own_prompts_in_its_own_order():
 
 
 def test_each_entry_scores_with_its_own_reward():
-    task = mixture().make_task()
-    assert isinstance(task, TaskMixture) and task.signature == [["copy", 3.0], ["rev", 1.0]]
+    config = mixture()
+    task = config.make_task()
+    assert isinstance(task, TaskMixture) and config.mixture_signature() == [["copy", 3.0], ["rev", 1.0]]
     copy, rev = task.parts["copy"], task.parts["rev"]
     assert copy.reward.__self__ is copy.task  # no reward set: the task's own
     assert isinstance(rev.task, ReverseDigits) and isinstance(rev.reward.__self__, CopyDigits)  # reward: copy_digits
@@ -134,3 +135,5 @@ def test_the_old_task_name_jsonl_is_refused_naming_dataset(where):
         load_config(DEMO, overrides)
     with pytest.raises(ValueError, match="is now 'dataset'"):
         make_task("jsonl")
+    with pytest.raises(ValueError, match=r"eval.datasets\['h'\].task='jsonl': an eval dataset's file is its path"):
+        EvalDatasetConfig(name="h", task="jsonl", num_prompts=1)

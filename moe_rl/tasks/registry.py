@@ -4,10 +4,11 @@ A `Task` gives a prompt source (`prompts(seed)` yields `Prompt`s), a `decode` fr
 to text, and a verifiable `reward`. Built-in tasks register with `@register_task("name")`; user
 data (JSONL, Parquet, a saved HF dataset) is the task `"dataset"` (`moe_rl.tasks.dataset`).
 Tasks resolve by name with `task_class`: a registered name, or `"package.module:Class"` (a `Task`
-subclass, imported). Rewards resolve with `get_reward`: a registered reward (`"math"`), a task
-name (that task's own reward), or `"package.module:function"` (imported). Every reward has the
-signature `reward(response: str, answer, sample: Sample) -> float` and runs in a worker thread,
-off the rollout event loop.
+subclass, imported); an old name (`RENAMED_TASKS`) is refused naming the new one. Rewards
+resolve with `get_reward`: a registered reward (`"math"`), a task name (that task's own reward),
+or `"package.module:function"` (imported). Every reward has the signature
+`reward(response: str, answer, sample: Sample) -> float` and runs in a worker thread, off the
+rollout event loop.
 
 User code (`rollout.task`, `rollout.reward`, `rollout.agent`) is imported by `import_object`, in
 every process that uses it: the driver's checks before start, then the rollout actor. A module

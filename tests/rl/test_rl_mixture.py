@@ -77,7 +77,7 @@ def test_a_two_task_mixture_logs_per_task_and_resumes_exactly(tmp_path):
                 assert row[key] == pytest.approx(sum(rewards) / len(rewards), abs=1e-12)
                 assert row[f"rollout/task/{name}/samples"] == len(rewards)
     last = steps[-1]
-    started = last["rollout/groups_started"]  # drawn per task, counted on through the resume
+    started = int(last["rollout/groups_started"])  # drawn per task, counted on through the resume
     drawn = {name: last.get(f"rollout/task/{name}/prompts_drawn", 0) for name in ("copy", "rev")}
     assert drawn == {name: sum(p.task == name for p in draws[:started]) for name in ("copy", "rev")}
     assert last["rollout/task/copy/reward_errors"] == last["rollout/task/rev/reward_errors"] == 0

@@ -181,16 +181,20 @@ class MathGrader:
         _kill(pool)
 
 
+_MAIN_SWAP = threading.Lock()
+
+
 @contextlib.contextmanager
 def _main_hidden():
     """While children start: `__main__` is a bare module, so no child imports the parent's script
     (`multiprocessing.spawn.get_preparation_data` reads `sys.modules["__main__"]` as it starts one)."""
-    main = sys.modules["__main__"]
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        sys.modules["__main__"] = main
+    with _MAIN_SWAP:  # one swap at a time: two graders' overlapping swaps would leave the stand-in
+        main = sys.modules["__main__"]
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        try:
+            yield
+        finally:
+            sys.modules["__main__"] = main
 
 
 def _kill(pool: concurrent.futures.ProcessPoolExecutor) -> None:

@@ -137,3 +137,25 @@ def test_the_old_task_name_jsonl_is_refused_naming_dataset(where):
         make_task("jsonl")
     with pytest.raises(ValueError, match=r"eval.datasets\['h'\].task='jsonl': an eval dataset's file is its path"):
         EvalDatasetConfig(name="h", task="jsonl", num_prompts=1)
+
+
+def test_the_reward_plot_draws_each_task_of_a_mixture():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from moe_rl.report import _reward
+
+    rows = [
+        {"step": s, "rollout/reward_mean": 0.5, "rollout/task/copy/reward_mean": 0.75}
+        | ({"rollout/task/rev/reward_mean": 0.25} if s % 2 else {})
+        for s in range(1, 41)
+    ]
+    fig, ax = plt.subplots()
+    assert _reward(ax, rows)
+    lines = {line.get_label(): line.get_xydata() for line in ax.get_lines()}
+    plt.close(fig)
+    assert list(lines) == ["mean reward", "moving average (2)", "task copy (2)", "task rev (1)"]
+    assert lines["task rev (1)"][:, 0].tolist() == list(range(1, 41, 2))  # its own steps only
+    assert set(lines["task copy (2)"][:, 1]) == {0.75}

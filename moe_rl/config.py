@@ -689,6 +689,15 @@ class RunConfig:
 
 
 # -- loading --------------------------------------------------------------------------------
+MOVED = {
+    "algorithm.mask_stale_tokens": "rollout.mask_stale_tokens (tokens older than their sample's newest version)",
+    "algorithm.drop_zero_variance_groups": "rollout.drop_zero_variance_groups (dropped and refilled at generation)",
+}
+"""Config keys that moved or were renamed -> where their setting lives now (a one-line refusal
+names it; renamed values, such as the task "jsonl", are refused where they are read:
+`moe_rl.tasks.registry.RENAMED_TASKS`)."""
+
+
 def load_config(path: str | Path, overrides: list[str] = (), cls: type = RunConfig):
     """Read YAML, apply `a.b.c=value` overrides (values parsed as YAML), build and validate."""
     path = Path(path)
@@ -735,6 +744,8 @@ def from_dict(cls: type, data: Any, prefix: str = ""):
     unknown = sorted(set(data) - set(fields))
     if unknown:
         name = unknown[0]
+        if prefix + name in MOVED:
+            raise ValueError(f"config field {prefix + name!r} is now {MOVED[prefix + name]}: set that instead")
         close = difflib.get_close_matches(name, fields, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else f"; known: {sorted(fields)}"
         raise ValueError(f"unknown config field {prefix + name!r}{hint}")

@@ -1,8 +1,9 @@
 """PNG plots of a run directory's `metrics.jsonl` (`moe-rl report RUN_DIR`, and the RL job's end).
 
-Writes into `RUN_DIR/plots/`: `reward.png` (mean reward per step and a moving average),
-`staleness.png` (histogram of sample staleness over the run), `routing_agreement.png` (per-layer
-routing agreement between trainer and engine without replay, and the consistency probe's),
+Writes into `RUN_DIR/plots/`: `reward.png` (mean reward per step and a moving average; each task
+of a mixture its own), `staleness.png` (histogram of sample staleness over the run),
+`routing_agreement.png` (per-layer routing agreement between trainer and engine without replay,
+and the consistency probe's),
 `consistency.png` (the probe's logprob gap on the same weights against the off-policy gap, which
 includes the policy's change: docs/algorithm.md), `time.png` (per-step time breakdown: trainer
 wait, old logprobs, train step, drain, weight sync), `utilization.png` (per step, the fraction of
@@ -163,6 +164,11 @@ def _reward(ax, rows) -> bool:
     smooth, window = _moving_average(reward)
     ax.plot(steps, reward, alpha=0.35, label="mean reward")
     ax.plot(steps, smooth, label=f"moving average ({window})")
+    tasks = sorted({m[1] for r in rows for k in r if (m := re.fullmatch(r"rollout/task/([^/]+)/reward_mean", k))})
+    for name in tasks:  # a task mixture's tasks (`rollout.tasks`), each its moving average
+        task_steps, task_reward = _series(rows, f"rollout/task/{name}/reward_mean")
+        task_smooth, task_window = _moving_average(task_reward)
+        ax.plot(task_steps, task_smooth, linestyle="--", label=f"task {name} ({task_window})")
     ax.set(xlabel="step", ylabel="reward", title="Reward")
     ax.legend()
     return True

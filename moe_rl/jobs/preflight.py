@@ -12,13 +12,13 @@ from inside a Ray actor minutes later:
    `trainer.precision: bf16`;
 3. the weight-sync transport has what it needs (`sync.disk_dir` for `disk`), and the engines can
    apply `sync.delta` (the embedded engine; SGLang 0.5.23 cannot);
-4. the task: a user's `package.module:Class` imports and is a `Task` subclass, its options are
-   ones it takes, its dataset's files, keys and rows are valid (`moe_rl.tasks.dataset`), its
-   reward (`rollout.reward`) and agent import and are functions of the right kind, the chat
-   template exists where prompts or agents need it, an agent's task gives chat messages that
-   render within the episode's context, and prompts + `max_new_tokens` (or an episode's
-   context), or a supervised run's `data.seq_length`, fit the model's positions (with YaRN,
-   factor x original_max_position_embeddings);
+4. the task (each task of a mixture, `rollout.tasks`): a user's `package.module:Class` imports
+   and is a `Task` subclass, its options are ones it takes, its dataset's files, keys and rows are
+   valid (`moe_rl.tasks.dataset`), its reward (`rollout.reward`) and agent import and are
+   functions of the right kind, the chat template exists where prompts or agents need it, an
+   agent's task gives chat messages that render within the episode's context, and prompts +
+   `max_new_tokens` (or an episode's context), or a supervised run's `data.seq_length`, fit the
+   model's positions (with YaRN, factor x original_max_position_embeddings);
 5. every eval dataset, the same way;
 6. the engines can run here (`engines.kind: sglang` needs GPUs);
 7. a token budget per micro-batch (`trainer.max_tokens_per_microbatch`) holds the longest
@@ -66,20 +66,22 @@ def check_run(config: RunConfig) -> None:
         return
     check_sync(config)
     rollout = config.rollout
-    check_task_options(rollout.task, rollout.task_options, "rollout")
-    try:
-        task = rollout.make_task(config.model.tokenizer_dir)
-    except ValueError as error:  # a built-in task's own option check names only the option
-        message = str(error)
-        raise ValueError(message if message.startswith(FIELDS) else f"rollout.task_options: {message}") from None
-    except Exception as error:  # a user's task class failed in its constructor
-        raise ValueError(
-            f"rollout.task={rollout.task!r}: building it with rollout.task_options raised "
-            f"{type(error).__name__}: {error}; fix the options or the class"
-        ) from error
-    if rollout.reward:
-        get_reward(rollout.reward)
-    longest = check_prompts(config, task, rollout.agent, rollout.max_new_tokens, "rollout")
+    longest = 0
+    for field, spec in rollout.task_configs():  # the task, or each task of a mixture
+        check_task_options(spec.task, spec.task_options, field)
+        try:
+            task = spec.make_task(config.model.tokenizer_dir)
+        except ValueError as error:  # a built-in task's own option check names only the option
+            message = str(error)
+            raise ValueError(message if message.startswith(FIELDS) else f"{field}.task_options: {message}") from None
+        except Exception as error:  # a user's task class failed in its constructor
+            raise ValueError(
+                f"{field}.task={spec.task!r}: building it with {field}.task_options raised "
+                f"{type(error).__name__}: {error}; fix the options or the class"
+            ) from error
+        if spec.reward:
+            get_reward(spec.reward, f"{field}.reward")
+        longest = max(longest, check_prompts(config, task, rollout.agent, rollout.max_new_tokens, "rollout"))
     check_eval(config)
     check_engines(config)
     if rollout.agent is None:

@@ -98,7 +98,8 @@ def run(config: RunConfig, resume: bool = False, stop: StopSignals | None = None
     start, faults = time.perf_counter(), Faults()
     while True:
         try:
-            attempt = _attempt(config, _rewind(run_dir, resume, faults), stop, faults)
+            restore = _rewind(run_dir, resume, faults, config.rollout.mixture_signature())
+            attempt = _attempt(config, restore, stop, faults)
             break
         except TrainerFault as fault:
             if faults.restarts >= config.rl.max_restarts:
@@ -135,16 +136,17 @@ def run(config: RunConfig, resume: bool = False, stop: StopSignals | None = None
     }
 
 
-def _rewind(run_dir: Path, resume: bool, faults: Faults) -> RunCheckpoint | None:
+def _rewind(run_dir: Path, resume: bool, faults: Faults, mixture: list | None) -> RunCheckpoint | None:
     """Where this start begins: nothing (a fresh run), or the newest run checkpoint with every row
-    and dump of the steps after it dropped (they are redone). After a trainer fault with no
-    checkpoint yet, the run starts over from step 0."""
+    and dump of the steps after it dropped (they are redone); its task mixture must be `mixture`.
+    After a trainer fault with no checkpoint yet, the run starts over from step 0."""
     if not resume:
         return None
     if faults.since is not None and not resume_state.complete_checkpoints(run_dir):
         restore, step = None, 0
     else:
         restore = resume_state.load_run_checkpoint(resume_state.latest_checkpoint(run_dir))
+        resume_state.check_mixture(mixture, restore)
         step = restore.metrics_offset
     if faults.since is not None:
         faults.steps_redone += resume_state.steps_after(run_dir / "metrics.jsonl", step)

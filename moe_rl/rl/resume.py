@@ -4,8 +4,8 @@
         trainer/      Megatron dist checkpoint: model, optimizer, RNG, trainer step
         state.json    step = weight version, metrics offset
         rollout.json  `RolloutManager.snapshot()`: completed groups waiting in the buffer, the
-                      ledger, the data position, and every group still generating with its
-                      partial samples (continued from their tokens on resume)
+                      ledger, the data position, the task mixture, and every group still
+                      generating with its partial samples (continued from their tokens on resume)
 
 Written into `step_N.tmp/` and renamed when complete (a crash leaves no half checkpoint under a
 final name); only the newest `rl.keep_checkpoints` are kept. With `rl.checkpoint_background` the
@@ -112,6 +112,17 @@ def load_run_checkpoint(path: Path) -> RunCheckpoint:
         trainer_dir=str(path / "trainer"),
         rollout=json.loads((path / "rollout.json").read_text()),
     )
+
+
+def check_mixture(signature: list[list] | None, checkpoint: RunCheckpoint) -> None:
+    """The run's task mixture (`RolloutConfig.mixture_signature`) is the checkpoint's: the prompts a
+    resume replays and draws depend on its names and weights (`moe_rl.tasks.mixture`)."""
+    saved = checkpoint.rollout.get("mixture")
+    if saved != signature:
+        raise ValueError(
+            f"rollout.tasks: the run checkpoint was written with the mixture {saved} ([name, weight] in order), "
+            f"the config has {signature}; resume with the same tasks and weights, or start a new run"
+        )
 
 
 def truncate_rows(path: Path, last_step: int) -> None:

@@ -1,6 +1,6 @@
 """The rollout side of the async RL loop (docs/architecture.md section 2: generation, buffer, partial rollouts).
 
-- `config`: `RolloutConfig` (task, reward, sampling, staleness, partial-rollout options).
+- `config`: `RolloutConfig` (task or task mixture, reward, sampling, staleness, partial-rollout options).
 - `manager`: `RolloutManager`, generates scored groups through the `EnginePool` into the buffer,
   continues requests cut by a weight-swap pause.
 - `buffer`: `RolloutBuffer`, staleness-bounded admission and consumption, group ledger, metrics.

@@ -5,7 +5,8 @@
     RUN_DIR/eval/<name>/step_000010.jsonl   evaluation samples, same records
 
 A record (`sample_record`) is one sample: the caller's fields (`step`, `index`, ...), then
-`group_id`, `prompt_text` / `response_text` (decoded), `prompt_ids` / `response_ids`, `answer`,
+`group_id`, `task` (its `rollout.tasks` entry, `moe_rl.tasks.mixture`; None outside a mixture),
+`prompt_text` / `response_text` (decoded), `prompt_ids` / `response_ids`, `answer`,
 `reward`, `advantage` (its group advantage as trained; None outside training), `loss_mask_tokens`
 and `response_tokens`, `versions` = the response's weight versions as ranges
 `[[first_token, last_token_exclusive, version], ...]` (a None run = environment tokens: tool
@@ -57,6 +58,7 @@ def sample_record(
     meta = sample.metadata
     fields = {
         "group_id": sample.group_id,
+        "task": meta.get("task"),
         "prompt_text": decode(sample.prompt_ids),
         "response_text": decode(sample.response_ids),
         "prompt_ids": list(sample.prompt_ids),

@@ -77,6 +77,8 @@ def show_step(
 
 def sample_panel(record: dict[str, Any]) -> Panel:
     title = f"group {record.get('group_id')}  #{record.get('index', '?')}"
+    if record.get("task") is not None:  # a mixture's task (`rollout.tasks`)
+        title += f"  task {record['task']}"
     body = Group(
         Text(_summary(record), style="cyan"),
         Text("prompt: ", style="bold").append(_tail(record.get("prompt_text", ""), PROMPT_CHARS), style="default"),

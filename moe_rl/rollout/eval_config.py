@@ -12,17 +12,22 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from moe_rl.rollout.config import RolloutConfig
+from moe_rl.rollout.config import MixtureEntry, RolloutConfig, TaskConfig
 from moe_rl.tasks import Task, make_task
+from moe_rl.tasks.registry import RENAMED_TASKS
 
 DATASET_KEYS = ("prompt_key", "answer_key", "tools_key", "metadata_keys")
 INHERITED = ("temperature", "top_p", "top_k", "max_new_tokens", "reward", "agent", "apply_chat_template")
+TASK_FIELDS = {f.name for f in dataclasses.fields(TaskConfig)}
+"""Inherited fields that belong to a task: a mixture entry's own where the dataset evaluates one."""
 
 
 @dataclass(kw_only=True)
 class EvalDatasetConfig:
     name: str
-    """Names the metrics (`eval/<name>/pass@4`) and the dump directory (`RUN_DIR/eval/<name>/`)."""
+    """Names the metrics (`eval/<name>/pass@4`) and the dump directory (`RUN_DIR/eval/<name>/`). With a
+    mixture, a dataset named like an entry of `rollout.tasks` evaluates that task: it takes the
+    entry's reward, dataset keys and chat template where unset, and its samples carry the task's name."""
     path: str | None = None
     """A dataset in any format `rollout.dataset` takes (JSONL, Parquet, a saved HF dataset); every
     row is evaluated once (or the first `num_prompts`)."""
@@ -57,6 +62,8 @@ class EvalDatasetConfig:
         where = f"eval.datasets[{self.name!r}]"
         if not self.name or "/" in self.name:
             raise ValueError(f"eval.datasets: name={self.name!r} must be non-empty and without '/' (it names metrics)")
+        if self.task in ("dataset", *RENAMED_TASKS):  # the rollout section's names for a file of rows
+            raise ValueError(f"{where}.task={self.task!r}: an eval dataset's file is its path; set path: FILE instead")
         if (self.path is None) == (self.task is None):
             raise ValueError(f"{where}: set exactly one of path (a dataset file) or task (a registered task)")
         if self.task is not None and self.num_prompts is None:
@@ -69,11 +76,19 @@ class EvalDatasetConfig:
             raise ValueError(f"{where}: task_options go with task, not path; remove them")
 
     def resolved(self, rollout: RolloutConfig) -> "EvalDatasetConfig":
-        """This dataset with every unset field taken from `rollout`."""
+        """This dataset with every unset field taken from `rollout` (a task's fields from the mixture
+        entry of the same name, `mixture_entry`)."""
+        entry = self.mixture_entry(rollout)
         inherited = {name: getattr(rollout, name) for name in (*INHERITED, *DATASET_KEYS) if hasattr(rollout, name)}
+        if entry is not None:
+            inherited.update({name: getattr(entry, name) for name in inherited if name in TASK_FIELDS})
         return dataclasses.replace(
             self, **{name: value for name, value in inherited.items() if getattr(self, name) is None}
         )
+
+    def mixture_entry(self, rollout: RolloutConfig) -> MixtureEntry | None:
+        """The `rollout.tasks` entry this dataset evaluates (named like it), None otherwise."""
+        return next((entry for entry in rollout.tasks or [] if entry.name == self.name), None)
 
     @property
     def field(self) -> str:

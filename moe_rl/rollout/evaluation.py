@@ -20,7 +20,9 @@ the unbiased estimator of Chen et al. (2021) over the n samples of each prompt (
 when its reward >= `pass_threshold`), averaged over prompts; `mean@n` (the mean reward of a
 prompt's n samples, averaged over prompts); `response_length_mean`, `truncation_rate`;
 `seconds` (wall time of the evaluation) and `restarts`; the reward's errors and timeouts; for
-agent datasets `episodes`, `turns_per_episode` and `tool_calls_per_episode`.
+agent datasets `episodes`, `turns_per_episode` and `tool_calls_per_episode`. With a mixture
+(`rollout.tasks`), a dataset named like an entry evaluates that task (`EvalDatasetConfig.name`):
+its metrics are that task's, and its samples and dump records carry the task's name.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class EvalDataset:
     """One resolved eval dataset: its prompts, reward and (for agents) runner."""
 
     def __init__(self, config: EvalDatasetConfig, rollout: RolloutConfig, tokenizer_dir: str | None):
+        self.task_name = config.name if config.mixture_entry(rollout) else None  # `sample.metadata["task"]`
         self.config = config = config.resolved(rollout)
         self.task = config.make_task(tokenizer_dir)
         count = len(self.task) if config.path is not None else config.num_prompts
@@ -170,7 +173,8 @@ class Evaluator:
         return list(samples)
 
     async def _sample(self, dataset: EvalDataset, gid: str, prompt: Prompt) -> Sample:
-        fresh = Sample(prompt_ids=list(prompt.prompt_ids), group_id=gid, metadata={"answer": prompt.answer})
+        meta = {"answer": prompt.answer, "task": dataset.task_name}
+        fresh = Sample(prompt_ids=list(prompt.prompt_ids), group_id=gid, metadata=meta)
         while True:
             try:
                 return await self._turn(dataset, gid, fresh, [], dataset.config.max_new_tokens, {})

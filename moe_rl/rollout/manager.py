@@ -11,7 +11,9 @@ once, up to `max_staleness` ahead of the trainer.
 A group = `n_samples_per_prompt` generations of one prompt through the `EnginePool` (which keeps
 a group on one engine), each with logprobs and routed experts, then the rewards, through a
 `RewardScorer` (`moe_rl.rollout.scoring`: off the loop, time-limited; a reward that raises or
-hangs scores 0, counted). When the orchestrator pauses engines in abort mode for a weight swap,
+hangs scores 0, counted). A mixture's group (`rollout.tasks`) is one task's prompt, and its samples
+are decoded and scored by that entry's task and reward, counted under `rollout/task/<name>/`
+(`moe_rl.tasks.mixture`). When the orchestrator pauses engines in abort mode for a weight swap,
 in-flight requests return with finish reason "abort" and their partial tokens; the manager resubmits each
 as prompt + partial response with the remaining budget (`moe_rl.rollout.partial`). In retract
 and in-place modes the engine keeps the request and its per-token versions show the switch.
@@ -26,6 +28,7 @@ generating when the run stops; see `accounting()`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import math
 import time
@@ -40,6 +43,7 @@ from moe_rl.rollout.partial import continuation_request, continue_sample, mask_o
 from moe_rl.rollout.scoring import RewardScorer
 from moe_rl.sample import Sample
 from moe_rl.tasks import Prompt, Task, get_reward
+from moe_rl.tasks.mixture import TASK_METRICS, TaskMixture
 from moe_rl.tasks.registry import resolve_agent
 from moe_rl.trace import TRACER
 from sync.lora import adapter_name
@@ -59,8 +63,8 @@ class RolloutManager:
         self.config, self.pool = config, pool
         self.adapters = adapters
         self.task = task = task or config.make_task(tokenizer_dir)
-        self.reward_fn = get_reward(config.reward) if config.reward else task.reward
-        self.scorer = RewardScorer(self.reward_fn, timeout_s=config.reward_timeout_s, workers=config.reward_workers)
+        self.scorers = self._scorers(task)
+        self.drawn: collections.Counter[str | None] = collections.Counter()  # prompts drawn per task
         self.stop_token_ids = list(task.stop_token_ids)
         self.agents: AgentRunner | None = None
         if config.agent is not None:
@@ -71,7 +75,7 @@ class RolloutManager:
                 tokenizer_dir,
                 config.episode,
                 max_new_tokens=config.max_new_tokens,
-                score=self.scorer.score_blocking,
+                score=self.scorers[None][1].score_blocking,  # one task (a mixture's are single-turn)
             )
             self.stop_token_ids.append(self.agents.chat.eos_id)
         self._replays: dict[str, list[list[dict]]] = {}  # restored open episodes: their finished turns
@@ -131,8 +135,21 @@ class RolloutManager:
         finally:
             waiting.cancel()
 
+    def _scorers(self, task: Task) -> dict[str | None, tuple[Task, RewardScorer]]:
+        """Who decodes and scores a sample, by its `metadata["task"]`: a mixture's entry (its own
+        task, reward and counts under `rollout/task/<name>/`), else the one task (key None)."""
+        cfg = self.config
+
+        def scorer(fn, prefix: str) -> RewardScorer:
+            return RewardScorer(fn, timeout_s=cfg.reward_timeout_s, workers=cfg.reward_workers, prefix=prefix)
+
+        if isinstance(task, TaskMixture):
+            return {name: (p.task, scorer(p.reward, f"{TASK_METRICS}/{name}")) for name, p in task.parts.items()}
+        return {None: (task, scorer(get_reward(cfg.reward) if cfg.reward else task.reward, "rollout"))}
+
     def close(self) -> None:
-        self.scorer.close()
+        for _, scorer in self.scorers.values():
+            scorer.close()
         if self.agents is not None:
             self.agents.close()
 
@@ -169,6 +186,7 @@ class RolloutManager:
             metadata=meta.get("prompt", {}),
             messages=meta.get("messages"),
             tools=meta.get("tools"),
+            task=meta.get("task"),
         )
         self._start_fill((gid, prompt) if requeue else self._new_group())
 
@@ -196,7 +214,12 @@ class RolloutManager:
     def _new_group(self) -> tuple[str, Prompt]:
         gid = f"g{self.config.seed}-{self._next_group}"
         self._next_group += 1
-        return gid, next(self._prompts)
+        return gid, self._draw()
+
+    def _draw(self) -> Prompt:
+        prompt = next(self._prompts)
+        self.drawn[prompt.task] += 1
+        return prompt
 
     def _launch(self, group: tuple[str, Prompt], round_index: int, samples: list[Sample] | None = None) -> asyncio.Task:
         gid, prompt = group
@@ -208,7 +231,12 @@ class RolloutManager:
                 Sample(
                     prompt_ids=list(prompt.prompt_ids),
                     group_id=gid,
-                    metadata={"answer": prompt.answer, "prompt": prompt.metadata, "round": round_index},
+                    metadata={
+                        "answer": prompt.answer,
+                        "prompt": prompt.metadata,
+                        "round": round_index,
+                        "task": prompt.task,
+                    },
                 )
                 for _ in range(self.config.n_samples_per_prompt)
             ]
@@ -247,8 +275,9 @@ class RolloutManager:
             self.pool.release_group(gid)
         scored = time.time()
         TRACER.add("generate", start, scored, lane="groups", group=gid)
+        task, scorer = self.scorers[samples[0].metadata.get("task")]
         rewards = await asyncio.gather(
-            *[self.scorer.score(self.task.decode(s.response_ids), s.metadata.get("answer"), s) for s in samples]
+            *[scorer.score(task.decode(s.response_ids), s.metadata.get("answer"), s) for s in samples]
         )
         TRACER.add("reward", scored, time.time(), lane="groups", group=gid)
         for sample, reward in zip(samples, rewards):
@@ -283,7 +312,7 @@ class RolloutManager:
         finally:
             self.pool.release_group(gid)
         for sample in samples:
-            sample.metadata.update(messages=prompt.messages, tools=prompt.tools)
+            sample.metadata.update(messages=prompt.messages, tools=prompt.tools, task=prompt.task)
         return self._filtered(gid, samples)
 
     async def _generate_sample(self, gid: str, index: int) -> Sample:
@@ -370,6 +399,7 @@ class RolloutManager:
             "open": open_groups,
             "next_group": self._next_group,
             "started": sorted(self.started_ids),
+            "mixture": self.config.mixture_signature(),  # checked on resume (`moe_rl.rl.resume`)
         }
 
     def restore(self, state: dict) -> None:
@@ -377,8 +407,8 @@ class RolloutManager:
         groups go on from their partial samples (outside rounds, like a stale group's replacement)."""
         self.buffer.restore(state["buffer"])
         self.started_ids.update(state["started"])
-        for _ in range(state["next_group"]):  # the data position
-            next(self._prompts)
+        for _ in range(state["next_group"]):  # the data position (and the draws per task)
+            self._draw()
         self._next_group = state["next_group"]
         for group in state["open"]:
             samples = [Sample.from_dict(s) for s in group["samples"]]
@@ -399,10 +429,16 @@ class RolloutManager:
         }
 
     def metrics(self) -> dict[str, float]:
+        scorers = [scorer for _, scorer in self.scorers.values()]
+        per_task = {f"{TASK_METRICS}/{name}/prompts_drawn": n for name, n in self.drawn.items() if name is not None}
+        for scorer in scorers:
+            per_task.update(scorer.metrics())
         return {
             **(self.agents.metrics() if self.agents is not None else {}),
             **self.buffer.metrics(),
-            **self.scorer.metrics(),
+            **per_task,
+            "rollout/reward_errors": sum(scorer.errors for scorer in scorers),
+            "rollout/reward_timeouts": sum(scorer.timeouts for scorer in scorers),
             "rollout/continued_requests": self.continued_requests,
             "rollout/discarded_tokens": self.discarded_tokens,
             "rollout/groups_started": len(self.started_ids),

@@ -40,6 +40,7 @@ from moe_rl.algorithms import AlgorithmConfig, sample_advantages
 from moe_rl.rollout import staleness
 from moe_rl.rollout.expert_load import MoELayers, load_metrics
 from moe_rl.sample import Sample
+from moe_rl.tasks.mixture import TASK_METRICS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,28 +94,46 @@ class BatchInfo:
     masked_tokens: int = 0
     """Response tokens with loss mask 0 (environment tokens, masked stale tokens)."""
     padding_rows: int = 0
+    tasks: list[str | None] = field(default_factory=list)
+    """Per sample: its mixture task (`metadata["task"]`), None outside a mixture."""
     moe_layers: tuple[int, ...] = ()
     expert_counts: np.ndarray | None = None
     """int64 [MoE layers, experts]: the routed slots each expert got over every token the engines
     routed for these samples (`moe_rl.rollout.expert_load`); None without routing."""
 
     def metrics(self) -> dict[str, float]:
-        n = max(len(self.rewards), 1)
         counts = Counter(self.staleness)
         load = {} if self.expert_counts is None else load_metrics(list(self.moe_layers), self.expert_counts)
+        per_task = {}
+        for name in sorted({t for t in self.tasks if t is not None}):  # a mixture: each task's samples too
+            per_task.update(self._sample_metrics(f"{TASK_METRICS}/{name}", [t == name for t in self.tasks]))
         return {
             **load,
-            "rollout/reward_mean": sum(self.rewards) / n,
-            "rollout/reward_max": max(self.rewards, default=0.0),
-            "rollout/response_length_mean": sum(self.response_lengths) / n,
-            "rollout/response_length_max": max(self.response_lengths, default=0),
-            "rollout/staleness_mean": sum(self.staleness) / n,
-            "rollout/staleness_max": max(self.staleness, default=0),
-            "rollout/partial_samples": sum(s > 1 for s in self.segments),
+            **self._sample_metrics("rollout", [True] * len(self.rewards)),
             "rollout/trained_tokens": self.trained_tokens,
             "rollout/masked_tokens": self.masked_tokens,
             "rollout/padding_rows": self.padding_rows,
             **{f"rollout/staleness_count/{k}": v for k, v in sorted(counts.items())},
+            **per_task,
+        }
+
+    def _sample_metrics(self, prefix: str, chosen: list[bool]) -> dict[str, float]:
+        """Means and maxima over the `chosen` samples, under `prefix`."""
+
+        def pick(values: list) -> list:
+            return [v for v, keep in zip(values, chosen) if keep]
+
+        rewards, lengths, ages = pick(self.rewards), pick(self.response_lengths), pick(self.staleness)
+        n = max(len(rewards), 1)
+        return {
+            f"{prefix}/reward_mean": sum(rewards) / n,
+            f"{prefix}/reward_max": max(rewards, default=0.0),
+            f"{prefix}/response_length_mean": sum(lengths) / n,
+            f"{prefix}/response_length_max": max(lengths, default=0),
+            f"{prefix}/staleness_mean": sum(ages) / n,
+            f"{prefix}/staleness_max": max(ages, default=0),
+            f"{prefix}/partial_samples": sum(s > 1 for s in pick(self.segments)),
+            f"{prefix}/samples": len(rewards),
         }
 
 
@@ -174,6 +193,7 @@ def build_batch(
         trained_tokens=sum(sum(s.loss_mask) for s in samples),
         masked_tokens=sum(len(s.loss_mask) - sum(s.loss_mask) for s in samples),
         padding_rows=rows - len(samples),
+        tasks=[s.metadata.get("task") for s in samples],
     )
     if moe is not None and routed is not None:
         info.moe_layers = moe.layers

@@ -10,6 +10,8 @@
 - `long_tail`: `copy_digits_long_tail`, copy_digits with long-tailed response lengths (`moe-rl
   bench async`).
 - `lookup`: the multi-turn tool task of the agent demo, with its two agents.
+- `mixture`: `TaskMixture`, the prompts of `rollout.tasks` drawn by weight, each sample tagged
+  with its task's name.
 """
 
 from moe_rl.tasks import dataset, digits, long_tail, lookup, math  # noqa: F401  (registers the built-ins)

@@ -94,22 +94,54 @@ def open_dataset(path: str | Path):
             raise ValueError(f"{where}: the directory mixes JSON and Parquet files; keep one format")
         if all(p.stat().st_size == 0 for p in files):
             raise ValueError(f"{where}: no rows (empty file)")  # load_dataset fails with a bare StopIteration
+        builder = builders.pop()
         try:
-            return datasets.load_dataset(builders.pop(), data_files=[str(p) for p in files], split="train")
-        except Exception as error:  # datasets wraps the reader's error (a JSON parse error names its row)
+            return datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train")
+        except Exception as error:  # datasets wraps the reader's error
+            if builder == "json":  # pyarrow names a row within its read block, counted from 0: find the line
+                _check_json_lines(files, where)
             reason = error.__cause__ or error
             raise ValueError(f"{where}: cannot read it ({type(reason).__name__}: {reason})") from error
 
 
+def _check_json_lines(files: list[Path], where: str) -> None:
+    """ValueError naming the line (counted from 1, and the file in a directory) of the first text
+    that is not JSON: a line of a JSON-lines file, or where a one-document .json file stops parsing."""
+    for path in files:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        bad, number = _json_error(text), None
+        if bad is None or not text.strip():
+            continue  # one JSON document (an array of rows), or nothing
+        lines = text.splitlines()
+        if _json_error(next(line for line in lines if line.strip())) is None:  # JSON lines: the first bad one
+            bad, number = next(
+                ((e, n) for n, line in enumerate(lines, 1) if line.strip() and (e := _json_error(line))), (None, None)
+            )
+        if bad is not None:
+            at = "" if len(files) == 1 else f" file {path.name}"
+            raise ValueError(f"{where}{at} line {number or bad.lineno} is not JSON ({bad.msg}): fix or remove it")
+
+
+def _json_error(text: str) -> json.JSONDecodeError | None:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as error:
+        return error
+    return None
+
+
 @contextlib.contextmanager
 def _offline(datasets):
-    """No network, and no progress bars: a refusal before start prints one line, nothing else."""
+    """No network, no progress bars, no log lines: a refusal before start prints one line, nothing else."""
     saved, datasets.config.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE, True
     bars_were_on = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its reader logs a parse error before raising it
     try:
         yield
     finally:
+        datasets.logging.set_verbosity(verbosity)
         datasets.config.HF_HUB_OFFLINE = saved
         if bars_were_on:
             datasets.enable_progress_bars()

@@ -26,17 +26,23 @@ trip to a child included, a grade takes ~1.5 ms for numbers and fractions, ~3-4 
 expressions, ~25-35 ms for sets and intervals (max seen ~130 ms); median ~3 ms over these; a
 grade math-verify has seen before (its parse cache) ~0.6 ms. In-process math-verify alone is
 ~0.3 ms of those cached ones: the process costs ~0.3 ms a call. Each child holds ~135 MB (RSS).
-As for any "spawn" child, the parent's `__main__` must be import-safe (`if __name__ ==
-"__main__":`): the children import it; the `moe-rl` CLI, pytest and Ray workers are.
+The children start without the parent's `__main__`: a "spawn" child imports it (as
+`__mp_main__`), so a plain script that calls the reward without an `if __name__ == "__main__":`
+guard would run again in every child, whose grades would all fail. The children run only this
+module's functions, so the pool starts them while `sys.modules["__main__"]` is a bare stand-in
+(`_main_hidden`; a few milliseconds per start): the reward works from any script.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
+import sys
 import threading
+import types
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable
 
@@ -145,17 +151,21 @@ class MathGrader:
             if self._pool is None:
                 self._pool = self._new_pool()
             try:
-                return self._pool, self._pool.submit(fn, *args)
+                with _main_hidden():  # a submit may start a child
+                    return self._pool, self._pool.submit(fn, *args)
             except BrokenProcessPool:  # a child died since the last call: start fresh ones
                 self._pool = self._new_pool()
-                return self._pool, self._pool.submit(fn, *args)
+                with _main_hidden():
+                    return self._pool, self._pool.submit(fn, *args)
 
     def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
         """Fresh children, up and with math-verify imported before any call's limit starts."""
         context = multiprocessing.get_context("spawn")  # no fork of a process that runs threads
         pool = concurrent.futures.ProcessPoolExecutor(self.processes, mp_context=context, initializer=_start_child)
         try:
-            for started in [pool.submit(os.getpid) for _ in range(self.processes)]:
+            with _main_hidden():  # each submit may start a child
+                starts = [pool.submit(os.getpid) for _ in range(self.processes)]
+            for started in starts:
                 started.result(timeout=STARTUP_TIMEOUT_S)
         except BaseException:
             _kill(pool)
@@ -169,6 +179,22 @@ class MathGrader:
                 return
             self._pool = None
         _kill(pool)
+
+
+_MAIN_SWAP = threading.Lock()
+
+
+@contextlib.contextmanager
+def _main_hidden():
+    """While children start: `__main__` is a bare module, so no child imports the parent's script
+    (`multiprocessing.spawn.get_preparation_data` reads `sys.modules["__main__"]` as it starts one)."""
+    with _MAIN_SWAP:  # one swap at a time: two graders' overlapping swaps would leave the stand-in
+        main = sys.modules["__main__"]
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        try:
+            yield
+        finally:
+            sys.modules["__main__"] = main
 
 
 def _kill(pool: concurrent.futures.ProcessPoolExecutor) -> None:

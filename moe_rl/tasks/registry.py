@@ -4,10 +4,11 @@ A `Task` gives a prompt source (`prompts(seed)` yields `Prompt`s), a `decode` fr
 to text, and a verifiable `reward`. Built-in tasks register with `@register_task("name")`; user
 data (JSONL, Parquet, a saved HF dataset) is the task `"dataset"` (`moe_rl.tasks.dataset`).
 Tasks resolve by name with `task_class`: a registered name, or `"package.module:Class"` (a `Task`
-subclass, imported). Rewards resolve with `get_reward`: a registered reward (`"math"`), a task
-name (that task's own reward), or `"package.module:function"` (imported). Every reward has the
-signature `reward(response: str, answer, sample: Sample) -> float` and runs in a worker thread,
-off the rollout event loop.
+subclass, imported); an old name (`RENAMED_TASKS`) is refused naming the new one. Rewards
+resolve with `get_reward`: a registered reward (`"math"`), a task name (that task's own reward),
+or `"package.module:function"` (imported). Every reward has the signature
+`reward(response: str, answer, sample: Sample) -> float` and runs in a worker thread, off the
+rollout event loop.
 
 User code (`rollout.task`, `rollout.reward`, `rollout.agent`) is imported by `import_object`, in
 every process that uses it: the driver's checks before start, then the rollout actor. A module
@@ -39,6 +40,8 @@ class Prompt:
     """Chat messages an agent episode starts from (rendered with the model's chat template)."""
     tools: list[dict] | None = None
     """OpenAI-style tool definitions given to the chat template."""
+    task: str | None = None
+    """The `rollout.tasks` entry the prompt was drawn for (`moe_rl.tasks.mixture`); None otherwise."""
 
     def __post_init__(self):
         if not self.prompt_ids and not self.messages:
@@ -63,6 +66,9 @@ class Task:
     def reward(self, response: str, answer: Any, sample: Sample) -> float:
         raise NotImplementedError
 
+
+RENAMED_TASKS = {"jsonl": "dataset"}
+"""Old task names -> their new ones (a config naming an old one is refused with the new name)."""
 
 _TASKS: dict[str, Callable[..., Task]] = {}
 _REWARDS: dict[str, RewardFn] = {}
@@ -123,8 +129,17 @@ def import_object(spec: str, field: str, wants: str) -> Any:
     return value
 
 
+def check_renamed(name: str | None, field: str = "rollout.task") -> None:
+    """ValueError when `name` is an old task name (`RENAMED_TASKS`), naming the new one."""
+    if name in RENAMED_TASKS:
+        raise ValueError(
+            f"{field}={name!r}: the task {name!r} is now {RENAMED_TASKS[name]!r}; set {field}: {RENAMED_TASKS[name]}"
+        )
+
+
 def task_class(name: str, field: str = "rollout.task") -> Callable[..., Task]:
     """The registered task class `name`, or the `Task` subclass `package.module:Class`."""
+    check_renamed(name, field)
     if ":" in name:
         cls = import_object(name, field, "a moe_rl.tasks.Task subclass")
         if not (isinstance(cls, type) and issubclass(cls, Task)):

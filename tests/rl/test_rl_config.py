@@ -52,7 +52,8 @@ def test_bad_rl_settings_name_the_field(override, field):
 def test_filtering_options_are_the_rollouts_only(name):
     # one owner each: the rollout (masks at generation / drops and refills at generation)
     assert getattr(load_config(DEMO, [f"rollout.{name}=true"]).rollout, name) is True
-    with pytest.raises(ValueError, match=rf"unknown config field 'algorithm\.{name}'"):
+    # the old place is refused in one line that names the new one
+    with pytest.raises(ValueError, match=rf"^config field 'algorithm\.{name}' is now rollout\.{name} .*: set that"):
         load_config(DEMO, [f"algorithm.{name}=true"])
 
 

@@ -151,7 +151,7 @@ def error_cases(tmp_path: Path) -> list[tuple[Path, dict, str]]:
         (tmp_path / "data.csv", {}, "data.csv': unsupported file type '.csv'"),
         (tmp_path / "nothing", {}, "nothing': no .jsonl, .json or .parquet files"),
         (tmp_path / "empty.jsonl", {}, "empty.jsonl': .*no rows"),
-        (tmp_path / "broken.jsonl", {}, "broken.jsonl': cannot read it .*JSON parse error"),
+        (tmp_path / "broken.jsonl", {}, "broken.jsonl' line 2 is not JSON (Expecting value): fix or remove it"),
         (tmp_path / "x.parquet", dotted, "x.parquet' row 17: no 'reward_model.ground_truth' (rollout.answer_key)"),
         (
             tmp_path / "x.parquet",
@@ -193,6 +193,28 @@ def test_errors_name_the_file_the_row_and_the_key(tmp_path):
         RolloutConfig(task="dataset")
     with pytest.raises(ValueError, match="rollout.task='dataset' needs rollout.dataset"):
         make_task("dataset")
+
+
+def test_a_line_that_is_not_json_is_named_by_its_line_number_in_one_line(tmp_path, capfd):
+    """pyarrow counts rows from 0 within a read block and skips blank lines, and `datasets` logs its
+    own line first: the refusal names the file's line, counted from 1, and nothing else is printed."""
+    good = json.dumps({"prompt": "1+1?", "answer": "2"})
+    lines = tmp_path / "rows.jsonl"
+    lines.write_text(f"{good}\n\nnot json\n{good}\n")
+    with pytest.raises(ValueError, match=r"rows.jsonl' line 3 is not JSON \(Expecting value\): fix or remove it$"):
+        open_dataset(lines)
+    array = tmp_path / "rows.json"
+    array.write_text(f"[\n  {good},\n  {good.replace(', ', ' ')}\n]\n")
+    with pytest.raises(ValueError, match=r"rows.json' line 3 is not JSON \(Expecting ',' delimiter\)"):
+        open_dataset(array)
+    directory = tmp_path / "parts"
+    directory.mkdir()
+    write_jsonl(directory / "a.jsonl", [{"prompt": "1+1?", "answer": "2"}] * 2)  # good JSON lines
+    (directory / "b.jsonl").write_text(f"{good}\n{good}}}\n")
+    with pytest.raises(ValueError, match=r"parts' file b.jsonl line 2 is not JSON \(Extra data\)"):
+        open_dataset(directory)
+    captured = capfd.readouterr()
+    assert captured.out == captured.err == ""
 
 
 def rss_anon_bytes() -> int:

@@ -43,13 +43,14 @@ def test_version_ranges_keep_environment_runs_and_a_switch_mid_response():
 
 def test_record_of_a_single_turn_sample():
     record = sample_record(
-        sample("g7", 0.5, [3, 3, 4]), decode=decode, advantage=-0.25, trainer_version=5, step=6, index=1
+        sample("g7", 0.5, [3, 3, 4], task="math"), decode=decode, advantage=-0.25, trainer_version=5, step=6, index=1
     )
     assert list(record)[:2] == ["step", "index"]  # the caller's fields first
     assert record == {
         "step": 6,
         "index": 1,
         "group_id": "g7",
+        "task": "math",
         "prompt_text": "t1 t2 t3",
         "response_text": "t10 t11 t12",
         "prompt_ids": [1, 2, 3],
@@ -69,6 +70,7 @@ def test_record_of_a_single_turn_sample():
     assert json.loads(json.dumps(record)) == record
     outside = sample_record(sample("g", 1.0, [0]), decode=decode, advantage=None, trainer_version=None, reward=9)
     assert outside["staleness"] is None and outside["advantage"] is None and outside["reward"] == 9
+    assert outside["task"] is None  # outside a mixture
 
 
 def test_record_of_an_episode_keeps_turns_tool_calls_and_environment_runs():
@@ -159,7 +161,7 @@ def run_dir(tmp_path, monkeypatch):
             step,
             [
                 sample_record(
-                    sample(f"g{step}", reward, [step - 1, None, step]),
+                    sample(f"g{step}", reward, [step - 1, None, step], task="copy" if i % 2 else None),
                     decode=lambda ids, r=reward: f"text of reward {r} " + decode(ids),
                     advantage=reward - 0.5,
                     trainer_version=step,
@@ -191,6 +193,7 @@ def test_samples_prints_the_newest_step_with_texts_and_numbers(run_dir, capsys):
     assert "text of reward 0.5 t10 t11 t12" in out and "text of reward 0.5 t1 t2 t3" in out
     assert "reward 0.500" in out and "advantage 0.000" in out and "staleness 1" in out
     assert "v1 x1, env x1, v2 x1" in out and "status truncated" in out and "group g2" in out
+    assert out.count("task copy") == 2  # a mixture's samples name their task
     assert "step 1:" in output_of(capsys, [str(run_dir), "--step", "1"])
 
 

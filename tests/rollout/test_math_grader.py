@@ -15,7 +15,7 @@ from moe_rl.rollout.scoring import RewardScorer
 from moe_rl.sample import Sample
 from moe_rl.tasks import get_reward
 from moe_rl.tasks import math as math_task
-from moe_rl.tasks.math import MathGrader, grade, last_boxed, prediction_text
+from moe_rl.tasks.math import MathGrader, gold_text, grade, last_boxed, prediction_text
 
 pytestmark = pytest.mark.world  # the grader spawns its child processes (tests/conftest.py)
 
@@ -133,6 +133,25 @@ def test_the_reward_scorer_turns_the_grader_timeout_into_zero(monkeypatch):
         grader.close()
     assert hung == 0.0 and waited < 3 and later == [1.0] * 4
     assert scorer.metrics() == {"rollout/reward_errors": 0, "rollout/reward_timeouts": 1}
+
+
+def test_a_plain_script_without_a_main_guard_grades_and_runs_once(tmp_path):
+    """A "spawn" child imports its parent's script: an unguarded one would run again in each child
+    and every grade fail. The children start without it: the script runs once, and its grades
+    equal math-verify's own, run here in the test's main thread."""
+    cases = [(r"so \boxed{\frac{1}{2}}", "0.5"), (r"\boxed{3}", "2"), (r"\boxed{\{3,1,2\}}", r"\{1,2,3\}")]
+    runs = tmp_path / "runs.txt"
+    script = tmp_path / "grade_unguarded.py"
+    script.write_text(
+        "from moe_rl.tasks.math import math_reward\n"
+        f"with open({str(runs)!r}, 'a') as f: f.write('ran\\n')\n"
+        f"print(*[math_reward(response, gold, None) for response, gold in {cases!r}])\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    expected = [float(grade(prediction_text(response), gold_text(gold))) for response, gold in cases]
+    assert [float(x) for x in done.stdout.split()] == expected == [1.0, 0.0, 1.0]
+    assert runs.read_text() == "ran\n"
 
 
 def test_the_children_end_when_their_parent_is_killed():

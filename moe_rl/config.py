@@ -551,7 +551,11 @@ class RunConfig:
 
     def _episode(self, episode: EpisodeConfig) -> EpisodeConfig:
         """`episode` with its "auto" chat formats resolved for the model, when agents run."""
-        agents = [self.rollout.agent] if self.rollout else []
+        agents = (
+            [self.rollout.agent or (self.rollout.environment and self.rollout.environment.episodes)]
+            if self.rollout
+            else []
+        )
         agents += [dataset.agent for dataset in self.eval.datasets] if self.eval else []
         return episode.resolved(self.model.model_type) if any(agents) else episode
 

@@ -66,7 +66,8 @@ def check_run(config: RunConfig) -> None:
         return
     check_sync(config)
     rollout = config.rollout
-    check_task_options(rollout.task, rollout.task_options, "rollout")
+    if rollout.environment is None:
+        check_task_options(rollout.task, rollout.task_options, "rollout")
     try:
         task = rollout.make_task(config.model.tokenizer_dir)
     except ValueError as error:  # a built-in task's own option check names only the option
@@ -82,7 +83,7 @@ def check_run(config: RunConfig) -> None:
     longest = check_prompts(config, task, rollout.agent, rollout.max_new_tokens, "rollout")
     check_eval(config)
     check_engines(config)
-    if rollout.agent is None:
+    if rollout.agent is None and task.agent is None:
         check_token_budget(config, longest, f"the task's prompts + rollout.max_new_tokens={rollout.max_new_tokens}")
     else:
         check_token_budget(config, longest, "rollout.episode.max_context_tokens")
@@ -155,7 +156,7 @@ def check_prompts(config: RunConfig, task: Task, agent: str | None, max_new_toke
     an episode's context fits. Returns the longest sequence a sample can be (tokens)."""
     limit, covered_by = model_positions(config.model.load_hf_config().get_text_config())
     prompts = list(itertools.islice(task.prompts(0), CONTEXT_PROBE_PROMPTS))
-    if agent is None:
+    if agent is None and task.agent is None:
         longest = max((len(p.prompt_ids) for p in prompts), default=0)
         if limit is not None and longest + max_new_tokens > limit:
             raise ValueError(
@@ -164,7 +165,8 @@ def check_prompts(config: RunConfig, task: Task, agent: str | None, max_new_toke
                 f"{limit - longest}{LONGER}"
             )
         return longest + max_new_tokens
-    resolve_agent(agent, f"{field}.agent")
+    if agent is not None:
+        resolve_agent(agent, f"{field}.agent")
     rollout = config.rollout_or_default
     if config.model.tokenizer_dir is None:
         raise ValueError(f"{field}.agent needs a tokenizer with a chat template: set model.tokenizer (or model.path)")

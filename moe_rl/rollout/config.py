@@ -8,14 +8,21 @@ from typing import Any
 
 from moe_rl.agents.config import EpisodeConfig
 from moe_rl.rollout.buffer import STALE_POLICIES
+from moe_rl.signals.environment import EnvironmentConfig, make_environment_task
 from moe_rl.tasks import make_task
+
+DEFAULT_TASK = "copy_digits"
 
 
 @dataclass(kw_only=True)
 class RolloutConfig:
-    task: str = "copy_digits"
+    task: str | None = None
     """A registered task (`moe_rl.tasks.task_names()`), or "package.module:Class" (a `Task` subclass of
-    your own, docs/agents.md); "dataset" reads `rollout.dataset`."""
+    your own, docs/agents.md); "dataset" reads `rollout.dataset`. None: copy_digits, unless
+    `environment` gives the prompts."""
+    environment: EnvironmentConfig | None = None
+    """Prompts and rewards from an environment hub's package: {kind: verifiers | openenv |
+    reasoning_gym, name, options} (docs/signals.md); the run's prompt source, so `task` stays unset."""
     task_options: dict[str, Any] = field(default_factory=dict)
     """Keyword options of the task, e.g. {"length": 3} for the digit tasks."""
     dataset: str | None = None
@@ -109,12 +116,24 @@ class RolloutConfig:
             raise ValueError(f"rollout.oversample_factor={self.oversample_factor}: must be >= 1")
         if self.drop_zero_variance_groups and self.n_samples_per_prompt < 2:
             raise ValueError("rollout.drop_zero_variance_groups needs rollout.n_samples_per_prompt >= 2")
+        if self.environment is not None:
+            given = [f"rollout.{name}" for name in ("task", "task_options", "dataset", "agent") if getattr(self, name)]
+            if given:
+                raise ValueError(
+                    f"{given[0]} with rollout.environment: the environment is the run's prompt source and "
+                    f"drives its own episodes; remove {', '.join(given)} (or rollout.environment)"
+                )
+        elif self.task is None:
+            self.task = DEFAULT_TASK
         if (self.task == "dataset") != (self.dataset is not None):
             raise ValueError("rollout.dataset goes with rollout.task='dataset': set both or neither")
 
     def make_task(self, tokenizer_dir: str | None = None):
         """The configured task (for "dataset": the dataset read and checked, text prompts tokenized
-        with `tokenizer_dir`'s tokenizer, every row a chat when an agent drives the episodes)."""
+        with `tokenizer_dir`'s tokenizer, every row a chat when an agent drives the episodes), or
+        the environment's (`moe_rl.signals`)."""
+        if self.environment is not None:
+            return make_environment_task(self.environment, tokenizer_dir, "rollout.environment")
         options = dict(self.task_options)
         if self.task == "dataset":
             options.update(

@@ -2,9 +2,10 @@
 environment through its client API, its step rewards as the episode's reward.
 
 - The server: `name` is its URL (`http://host:port`, running already), or the module of its
-  FastAPI app (`package.server.app`, the `app` that OpenEnv's `create_app` makes), which the
-  adapter starts with uvicorn on a free local port (`moe_rl.engine.process.EngineProcess`: wait
-  for `/health`, stopped when the process exits) in each process that uses it.
+  FastAPI app (`package.server.app`, the `app` that OpenEnv's `create_app` makes: imported
+  first, so that a failing import is reported as such), which the adapter starts with uvicorn
+  on a free local port (`moe_rl.engine.process.EngineProcess`: wait for `/health`, stopped when
+  the process exits) in each process that uses it.
 - Prompts: for the k-th group (k counts from the seed), the observation of a stateless
   `POST /reset {seed: k, **options.reset}`, its `options.observation_key` field (default
   "prompt") as one user message. The prompt's answer is k.
@@ -33,6 +34,7 @@ from moe_rl.agents import Episode, EpisodeLimit
 from moe_rl.engine.process import EngineProcess, free_port
 from moe_rl.sample import Sample
 from moe_rl.tasks import Prompt, Task
+from moe_rl.tasks.registry import import_object
 
 OPTIONS = {"observation_key": "prompt", "action_key": "message", "reset": {}, "start_timeout_s": 120.0}
 
@@ -50,12 +52,14 @@ class OpenEnvTask(Task):
         if name.startswith(("http://", "https://")):
             self.url = name.rstrip("/")
         else:
+            import_object(f"{name}:app", "name", "the FastAPI app of an OpenEnv server (create_app)")
             port = free_port()
             command = [sys.executable, "-m", "uvicorn", f"{name}:app", "--host", "127.0.0.1", "--port", str(port)]
             try:
                 server = EngineProcess(command, "127.0.0.1", port).wait_healthy(options["start_timeout_s"])
             except RuntimeError as error:
-                raise ValueError(f"name={name!r}: the OpenEnv server did not start ({error})") from None
+                log = " | ".join(line.strip() for line in str(error).splitlines()[-3:] if line.strip())
+                raise ValueError(f"name={name!r}: the OpenEnv server did not start ({log})") from None
             atexit.register(server.stop)
             self.url = server.url
         self.agent = self.play

@@ -24,6 +24,8 @@ environment's tasks, played through moe-rl's OpenAI endpoint and scored by the t
 from __future__ import annotations
 
 import asyncio
+import importlib
+import importlib.util
 import inspect
 import itertools
 import random
@@ -44,6 +46,7 @@ class VerifiersTask(Task):
     name = "verifiers"
 
     def __init__(self, env_id: str, options: dict[str, Any]):
+        _import(env_id)
         self.env = vf.load_environment(vf.resolve_env_config({"taskset": {"id": env_id, **options}}))
         self.taskset = self.env.taskset
         task_type = type(self.taskset).task_type()
@@ -120,6 +123,25 @@ def conversation_trace(task: vf.Task, conversation: list[dict]) -> vf.Trace:
         agent=vf.AgentInfo(config=vf.AgentConfig()),
         nodes=nodes,
     )
+
+
+def _import(env_id: str) -> None:
+    """Import the environment's module as verifiers' loader names it, so that a failing import
+    reports its own error (the loader reports any ModuleNotFoundError as "not found")."""
+    module = env_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
+    if importlib.util.find_spec(f"verifiers.v1.tasksets.{module}") is not None:  # a built-in taskset
+        return
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as error:
+        if error.name != module:
+            raise ValueError(f"name={env_id!r}: importing {module!r} failed ({error})") from None
+        raise ValueError(
+            f"name={env_id!r}: no module {module!r}: install the environment (its package, e.g. from the "
+            "Environments Hub) or put its directory on PYTHONPATH"
+        ) from None
+    except Exception as error:  # the environment's own import failed
+        raise ValueError(f"name={env_id!r}: importing {module!r} failed ({type(error).__name__}: {error})") from None
 
 
 def _needs_runtime(fn) -> bool:

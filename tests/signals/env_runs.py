@@ -16,9 +16,12 @@ STEPS = 2
 CHAT = ChatFormat.load(CHAT_DIR)
 
 
-def run_environment(tmp_path: Path, environment: dict, emits: str, **rollout) -> tuple[list[dict], list[dict]]:
+def run_environment(
+    tmp_path: Path, environment: dict, emits: str, evaluate: dict | None = None, **rollout
+) -> tuple[list[dict], list[dict]]:
     """Train STEPS steps of 2 groups x 2 samples on `environment` with a model that emits the
-    token `emits` at every step; returns (metrics rows, dumped sample records)."""
+    token `emits` at every step, and evaluate the final policy on the eval dataset `evaluate`;
+    returns (metrics rows, dumped sample records)."""
     from moe_rl.config import RunConfig, from_dict
     from moe_rl.jobs import rl
 
@@ -37,6 +40,7 @@ def run_environment(tmp_path: Path, environment: dict, emits: str, **rollout) ->
         },
         "sync": {"pause_mode": "abort", "bucket_bytes": 1 << 20},
         "rl": {"mode": "sync", "report": False, "save_hf": False},
+        "eval": {"datasets": [evaluate]} if evaluate else None,
         "steps": STEPS,
         "output_dir": str(tmp_path / "run"),
     }

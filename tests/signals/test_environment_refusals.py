@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from moe_rl.rollout import RolloutConfig
 from moe_rl.rollout.scoring import RewardScorer
 from moe_rl.sample import Sample
 from tests.test_preflight import CHAT, refusal, write_config
@@ -116,3 +117,20 @@ def test_an_openenv_server_that_fails_is_refused(tmp_path, modules, capsys):
     (modules / "openenv_fails.py").write_text("app = None  # not an ASGI app: uvicorn exits\n")
     err = refusal(capsys, ["train", write_config(tmp_path, modules, env("openenv", "openenv_fails"))])
     assert "rollout.environment" in err and "the OpenEnv server did not start" in err, err
+
+
+def test_an_eval_environment_keeps_its_own_episodes_and_reward():
+    from moe_rl.rollout.eval_config import EvalDatasetConfig
+    from moe_rl.signals.environment import EnvironmentConfig
+
+    environment = EnvironmentConfig(kind="reasoning_gym", name="basic_arithmetic")
+    with pytest.raises(ValueError, match="may be endless: set num_prompts"):
+        EvalDatasetConfig(name="gym", environment=environment)
+    with pytest.raises(ValueError, match="runs its own episodes and reward: remove agent and reward"):
+        EvalDatasetConfig(name="gym", environment=environment, num_prompts=2, reward="math")
+    with pytest.raises(ValueError, match="exactly one of path"):
+        EvalDatasetConfig(name="gym", environment=environment, task="copy_digits", num_prompts=2)
+    rollout = RolloutConfig(reward="math", temperature=0.5)  # a run whose own task is graded by math
+    resolved = EvalDatasetConfig(name="gym", environment=environment, num_prompts=2).resolved(rollout)
+    assert resolved.reward is None and resolved.agent is None and resolved.temperature == 0.5
+    assert RolloutConfig().task == "copy_digits"  # no environment: the default task

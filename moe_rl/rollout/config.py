@@ -117,11 +117,12 @@ class RolloutConfig:
         if self.drop_zero_variance_groups and self.n_samples_per_prompt < 2:
             raise ValueError("rollout.drop_zero_variance_groups needs rollout.n_samples_per_prompt >= 2")
         if self.environment is not None:
-            given = [f"rollout.{name}" for name in ("task", "task_options", "dataset", "agent") if getattr(self, name)]
+            fields = ("task", "task_options", "dataset", "agent", "reward")
+            given = [f"rollout.{name}" for name in fields if getattr(self, name)]
             if given:
                 raise ValueError(
-                    f"{given[0]} with rollout.environment: the environment is the run's prompt source and "
-                    f"drives its own episodes; remove {', '.join(given)} (or rollout.environment)"
+                    f"{given[0]} with rollout.environment: the environment gives the prompts, the reward and its "
+                    f"episodes; remove {', '.join(given)} (or rollout.environment)"
                 )
         elif self.task is None:
             self.task = DEFAULT_TASK

@@ -64,12 +64,13 @@ class VerifiersTask(Task):
     def prompts(self, seed: int) -> Iterator[Prompt]:
         if self.taskset.bounded:
             tasks = list(self.taskset)
+            self.tasks.update((task.data.idx, task) for task in tasks)
             random.Random(seed).shuffle(tasks)
             source = itertools.cycle(tasks)
         else:
             source = iter(self.taskset)
         for task in source:
-            self.tasks[task.data.idx] = task
+            self.tasks.setdefault(task.data.idx, task)  # an endless taskset's, as they are drawn
             yield Prompt(messages=task_messages(task), answer=task.data.idx, metadata={"key": task.key})
 
     def decode(self, ids: list[int]) -> str:

@@ -581,9 +581,9 @@ class RunConfig:
 
     def _episode(self, episode: EpisodeConfig) -> EpisodeConfig:
         """`episode` with its "auto" chat formats resolved for the model, when agents run."""
-        agents = [self.rollout.agent] if self.rollout else []
-        agents += [dataset.agent for dataset in self.eval.datasets] if self.eval else []
-        return episode.resolved(self.model.model_type) if any(agents) else episode
+        sources = ([self.rollout] if self.rollout else []) + (self.eval.datasets if self.eval else [])
+        episodes = any(s.agent or (s.environment is not None and s.environment.episodes) for s in sources)
+        return episode.resolved(self.model.model_type) if episodes else episode
 
     def _check_rl(self) -> None:
         rollout, mode = self.rollout, self.rl.mode

@@ -19,7 +19,7 @@ Owns the episode record (the multi-turn `Sample` contract of `moe_rl.sample`):
   request equals a recorded finished turn returns that turn (tokens, logprobs, versions, routing)
   without the engine. The first request that differs ends the replay; the rest runs live.
 
-Agents use `generate(...)`, `add(...)`, `run_tool(...)`, `reward`, `metrics`, `base_url` (the
+Agents use `generate(...)`, `add(...)`, `run_tool(...)`, `score()`, `reward`, `metrics`, `base_url` (the
 OpenAI endpoint of this episode, `moe_rl.agents.endpoint`) and the prompt's `messages`, `tools`,
 `answer`.
 """
@@ -70,13 +70,14 @@ class Turn:
 
 @dataclasses.dataclass(frozen=True)
 class EpisodeSetting:
-    """What every episode of a runner shares: the chat format, the limits, the default turn budget
-    and the tool worker pool."""
+    """What every episode of a runner shares: the chat format, the limits, the default turn budget,
+    the tool worker pool and the run's reward (a blocking call that never raises)."""
 
     chat: ChatFormat
     config: EpisodeConfig
     max_new_tokens: int
     tool_pool: concurrent.futures.Executor
+    score: Callable[[str, Any, Sample], float]
 
 
 class Episode:
@@ -97,7 +98,7 @@ class Episode:
         self.messages, self.tools = [dict(m) for m in messages], tools
         self.answer, self.metadata = answer, metadata
         self.chat, self.config, self._turn = setting.chat, setting.config, turn
-        self.max_new_tokens, self.tool_pool = setting.max_new_tokens, setting.tool_pool
+        self.max_new_tokens, self.tool_pool, self._score = setting.max_new_tokens, setting.tool_pool, setting.score
         self.base_url = ""  # the endpoint's URL of this episode, set when its runner opens it
         self.reward: float | None = None
         self.metrics: dict[str, float] = {}
@@ -163,6 +164,16 @@ class Episode:
         except Exception:
             self.tool_errors += 1
             raise
+
+    async def score(self) -> float:
+        """The run's reward (`rollout.reward`, or the task's) of the last turn's text, off the loop
+        through the run's `RewardScorer`: an error or a timeout scores 0, counted as every reward
+        call is. The reward's `sample` is the current sequence, its metadata's `conversation` the
+        messages the record holds (message mode)."""
+        if self.current is None:
+            raise ValueError("Episode.score before the first turn: there is nothing to score")
+        sample = dataclasses.replace(self.current, metadata={**self.current.metadata, "conversation": self.history})
+        return await asyncio.to_thread(self._score, self.last_text, self.answer, sample)
 
     # -- turns -----------------------------------------------------------------------------------
 

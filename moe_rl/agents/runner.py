@@ -61,7 +61,7 @@ class AgentRunner:
         self.agent, self.chat, self.config = agent, chat, config
         self.max_new_tokens, self.score, self.endpoint = max_new_tokens, score, endpoint
         self.tool_pool = concurrent.futures.ThreadPoolExecutor(config.tool_workers, thread_name_prefix="tool")
-        self.setting = EpisodeSetting(chat, config, max_new_tokens, self.tool_pool)
+        self.setting = EpisodeSetting(chat, config, max_new_tokens, self.tool_pool, score)
         self.open: dict[str, list[Episode]] = {}  # group id -> its running episodes (run checkpoints)
         self.totals = collections.Counter()
         self._reported = collections.Counter()  # totals at the previous `metrics()`

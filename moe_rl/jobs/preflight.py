@@ -68,7 +68,8 @@ def check_run(config: RunConfig) -> None:
     rollout = config.rollout
     longest = 0
     for field, spec in rollout.task_configs():  # the task, or each task of a mixture
-        check_task_options(spec.task, spec.task_options, field)
+        if rollout.environment is None:
+            check_task_options(spec.task, spec.task_options, field)
         try:
             task = spec.make_task(config.model.tokenizer_dir)
         except ValueError as error:  # a built-in task's own option check names only the option
@@ -84,7 +85,7 @@ def check_run(config: RunConfig) -> None:
         longest = max(longest, check_prompts(config, task, rollout.agent, rollout.max_new_tokens, "rollout"))
     check_eval(config)
     check_engines(config)
-    if rollout.agent is None:
+    if rollout.agent is None and task.agent is None:
         check_token_budget(config, longest, f"the task's prompts + rollout.max_new_tokens={rollout.max_new_tokens}")
     else:
         check_token_budget(config, longest, "rollout.episode.max_context_tokens")
@@ -157,7 +158,7 @@ def check_prompts(config: RunConfig, task: Task, agent: str | None, max_new_toke
     an episode's context fits. Returns the longest sequence a sample can be (tokens)."""
     limit, covered_by = model_positions(config.model.load_hf_config().get_text_config())
     prompts = list(itertools.islice(task.prompts(0), CONTEXT_PROBE_PROMPTS))
-    if agent is None:
+    if agent is None and task.agent is None:
         longest = max((len(p.prompt_ids) for p in prompts), default=0)
         if limit is not None and longest + max_new_tokens > limit:
             raise ValueError(
@@ -166,7 +167,8 @@ def check_prompts(config: RunConfig, task: Task, agent: str | None, max_new_toke
                 f"{limit - longest}{LONGER}"
             )
         return longest + max_new_tokens
-    resolve_agent(agent, f"{field}.agent")
+    if agent is not None:
+        resolve_agent(agent, f"{field}.agent")
     rollout = config.rollout_or_default
     if config.model.tokenizer_dir is None:
         raise ValueError(f"{field}.agent needs a tokenizer with a chat template: set model.tokenizer (or model.path)")

@@ -13,9 +13,12 @@ from typing import Any
 
 from moe_rl.agents.config import EpisodeConfig
 from moe_rl.rollout.buffer import STALE_POLICIES
+from moe_rl.signals.environment import EnvironmentConfig, make_environment_task
 from moe_rl.tasks import Task, get_reward, make_task
 from moe_rl.tasks.mixture import MixturePart, TaskMixture
 from moe_rl.tasks.registry import check_renamed
+
+DEFAULT_TASK = "copy_digits"
 
 
 @dataclass(kw_only=True)
@@ -26,7 +29,7 @@ class TaskConfig:
     task: str | None = None
     """A registered task (`moe_rl.tasks.task_names()`), or "package.module:Class" (a `Task` subclass of
     your own, docs/agents.md); "dataset" reads `dataset`. Unset in the rollout section: copy_digits,
-    unless `rollout.tasks` is set."""
+    unless `rollout.tasks` or `rollout.environment` gives the prompts."""
     task_options: dict[str, Any] = field(default_factory=dict)
     """Keyword options of the task, e.g. {"length": 3} for the digit tasks."""
     dataset: str | None = None
@@ -119,6 +122,9 @@ class RolloutConfig(TaskConfig):
     tasks: list[MixtureEntry] | None = None
     """A mixture: prompts drawn from these tasks by weight, each entry a task's fields with a name and a
     weight (`moe_rl.tasks.mixture`); the task fields of the rollout section itself stay unset."""
+    environment: EnvironmentConfig | None = None
+    """Prompts and rewards from an environment hub's package: {kind: verifiers | openenv |
+    reasoning_gym, name, options} (docs/signals.md); the run's prompt source, so `task` stays unset."""
     agent: str | None = None
     """Multi-turn episodes: "package.module:function", an async function of an
     `moe_rl.agents.Episode` that returns the reward (docs/agents.md). None: single-turn samples."""
@@ -192,13 +198,26 @@ class RolloutConfig(TaskConfig):
             raise ValueError("rollout.drop_zero_variance_groups needs rollout.n_samples_per_prompt >= 2")
         if self.tasks is not None:
             self._check_mixture()
+        elif self.environment is not None:
+            fields = ("task", "task_options", "dataset", "agent", "reward")
+            given = [f"rollout.{name}" for name in fields if getattr(self, name)]
+            if given:
+                raise ValueError(
+                    f"{given[0]} with rollout.environment: the environment gives the prompts, the reward and its "
+                    f"episodes; remove {', '.join(given)} (or rollout.environment)"
+                )
         elif self.task is None:
-            self.task = "copy_digits"
+            self.task = DEFAULT_TASK
         self.check_task("rollout")
 
     def _check_mixture(self) -> None:
         if not self.tasks:
             raise ValueError("rollout.tasks is empty: list {name, weight, task, ...} entries, or remove it")
+        if self.environment is not None:
+            raise ValueError(
+                "rollout.environment with rollout.tasks: both give the run's prompts; keep one (an environment "
+                "is not an entry of a mixture)"
+            )
         if self.task is not None:
             raise ValueError(
                 f"rollout.task={self.task!r} with rollout.tasks: a mixture's entries name their tasks; remove "
@@ -233,7 +252,9 @@ class RolloutConfig(TaskConfig):
 
     def make_task(self, tokenizer_dir: str | None = None) -> Task:
         """The run's prompt source: the task (every row a chat when an agent drives the episodes),
-        or the mixture of `tasks` (`moe_rl.tasks.mixture`)."""
+        the mixture of `tasks` (`moe_rl.tasks.mixture`), or the environment's (`moe_rl.signals`)."""
+        if self.environment is not None:
+            return make_environment_task(self.environment, tokenizer_dir, "rollout.environment")
         if self.tasks is not None:
             return TaskMixture({entry.name: entry.part(tokenizer_dir) for entry in self.tasks})
         return super().make_task(tokenizer_dir, for_agents=self.agent is not None)

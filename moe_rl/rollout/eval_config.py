@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moe_rl.rollout.config import MixtureEntry, RolloutConfig, TaskConfig
+from moe_rl.signals.environment import EnvironmentConfig, make_environment_task
 from moe_rl.tasks import Task, make_task
 from moe_rl.tasks.registry import RENAMED_TASKS
 
@@ -36,6 +37,9 @@ class EvalDatasetConfig:
     "package.module:Class"."""
     task_options: dict[str, Any] = field(default_factory=dict)
     """Options of `task`."""
+    environment: EnvironmentConfig | None = None
+    """Instead of `path` or `task`: an environment, as `rollout.environment` names one (e.g. the
+    same one with its eval split's options); its own reward and episodes."""
     num_prompts: int | None = None
     """Prompts per evaluation: required with `task` (tasks may be endless); with `path`, at most
     this many rows (None: all)."""
@@ -64,10 +68,14 @@ class EvalDatasetConfig:
             raise ValueError(f"eval.datasets: name={self.name!r} must be non-empty and without '/' (it names metrics)")
         if self.task in ("dataset", *RENAMED_TASKS):  # the rollout section's names for a file of rows
             raise ValueError(f"{where}.task={self.task!r}: an eval dataset's file is its path; set path: FILE instead")
-        if (self.path is None) == (self.task is None):
-            raise ValueError(f"{where}: set exactly one of path (a dataset file) or task (a registered task)")
-        if self.task is not None and self.num_prompts is None:
-            raise ValueError(f"{where}: task {self.task!r} may be endless: set num_prompts")
+        if [self.path, self.task, self.environment].count(None) != 2:
+            raise ValueError(
+                f"{where}: set exactly one of path (a dataset file), task (a registered task) or environment"
+            )
+        if self.environment is not None and (self.agent or self.reward):
+            raise ValueError(f"{where}: an environment runs its own episodes and reward: remove agent and reward")
+        if self.path is None and self.num_prompts is None:
+            raise ValueError(f"{where}: task {self.task or self.environment.name!r} may be endless: set num_prompts")
         for name in ("num_prompts", "n_samples_per_prompt", "max_new_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -77,9 +85,14 @@ class EvalDatasetConfig:
 
     def resolved(self, rollout: RolloutConfig) -> "EvalDatasetConfig":
         """This dataset with every unset field taken from `rollout` (a task's fields from the mixture
-        entry of the same name, `mixture_entry`)."""
+        entry of the same name, `mixture_entry`; an environment keeps its own episodes and scorer)."""
         entry = self.mixture_entry(rollout)
-        inherited = {name: getattr(rollout, name) for name in (*INHERITED, *DATASET_KEYS) if hasattr(rollout, name)}
+        own = ("agent", "reward") if self.environment is not None else ()
+        inherited = {
+            name: getattr(rollout, name)
+            for name in (*INHERITED, *DATASET_KEYS)
+            if hasattr(rollout, name) and name not in own
+        }
         if entry is not None:
             inherited.update({name: getattr(entry, name) for name in inherited if name in TASK_FIELDS})
         return dataclasses.replace(
@@ -98,6 +111,8 @@ class EvalDatasetConfig:
     def make_task(self, tokenizer_dir: str | None) -> Task:
         """The eval prompts' task (call on a `resolved` config); errors name this dataset's fields."""
         keys = {name: getattr(self, name) for name in DATASET_KEYS if getattr(self, name) is not None}
+        if self.environment is not None:
+            return make_environment_task(self.environment, tokenizer_dir, f"{self.field}.environment")
         try:
             if self.task is not None:
                 return make_task(self.task, **self.task_options)

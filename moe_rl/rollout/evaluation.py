@@ -91,9 +91,10 @@ class EvalDataset:
         self.stop_token_ids = list(self.task.stop_token_ids)
         self.decode = text_decoder(tokenizer_dir, lambda: self.task.decode)  # the dumps' text
         self.agents: AgentRunner | None = None
-        if config.agent is not None:
+        agent = resolve_agent(config.agent) if config.agent is not None else self.task.agent
+        if agent is not None:
             self.agents = AgentRunner.for_agent(
-                resolve_agent(config.agent),
+                agent,
                 tokenizer_dir,
                 rollout.episode,
                 max_new_tokens=config.max_new_tokens,

@@ -67,11 +67,12 @@ class RolloutManager:
         self.drawn: collections.Counter[str | None] = collections.Counter()  # prompts drawn per task
         self.stop_token_ids = list(task.stop_token_ids)
         self.agents: AgentRunner | None = None
-        if config.agent is not None:
+        agent = resolve_agent(config.agent) if config.agent is not None else task.agent
+        if agent is not None:
             if tokenizer_dir is None:
                 raise ValueError("rollout.agent needs the model's tokenizer: set model.tokenizer (or model.path)")
             self.agents = AgentRunner.for_agent(
-                resolve_agent(config.agent),
+                agent,
                 tokenizer_dir,
                 config.episode,
                 max_new_tokens=config.max_new_tokens,

@@ -54,6 +54,9 @@ class Task:
     name = "task"
     stop_token_ids: list[int] = []
     """Token ids that end a response (besides the model's EOS)."""
+    agent: Callable | None = None
+    """An async function of an `Episode` that drives this task's episodes itself (an environment's
+    adapter, `moe_rl.signals`), used when `rollout.agent` is unset; None: single-turn samples."""
 
     def prompts(self, seed: int) -> Iterator[Prompt]:
         """Prompts in a seeded order; may be endless. The rollout manager draws from it."""

@@ -1,0 +1,60 @@
+"""`rollout.environment: {kind: verifiers}` trains on a verifiers taskset (tests/signals/vf_digit.py,
+loaded by verifiers' own loader): episodes go through the OpenAI endpoint, and every trained
+reward equals the taskset's own scoring (`Task.score`) of the same reply. A taskset whose reward
+raises scores 0, counted `rollout/reward_errors`; one that does not load is refused before start."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from moe_rl.rollout.dump import SampleDump
+from tests.signals.env_runs import CHAT, STEPS, run_environment
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def on_path(monkeypatch):
+    """verifiers imports environments by top-level module name: this directory on the path of the
+    driver and of Ray's workers."""
+    import os
+
+    monkeypatch.syspath_prepend(str(HERE))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
+
+
+@pytest.mark.world
+@pytest.mark.timeout(600)
+def test_verifiers_rewards_are_the_tasksets_own_scores(tmp_path, on_path):
+    import verifiers.v1 as vf
+
+    from moe_rl.signals.verifiers_env import conversation_trace, task_messages
+
+    environment = {"kind": "verifiers", "name": "vf_digit", "options": {"num_tasks": 4}}
+    heldout = {"kind": "verifiers", "name": "vf_digit", "options": {"num_tasks": 2, "first": 1}}  # digits 1, 2
+    evaluate = {"name": "heldout", "environment": heldout, "num_prompts": 2, "n_samples_per_prompt": 2}
+    metrics, records = run_environment(tmp_path, environment, emits="1", evaluate=evaluate, max_new_tokens=1)
+
+    train = [m for m in metrics if "rollout/reward_mean" in m]
+    assert [m["step"] for m in train] == list(range(1, STEPS + 1))
+    assert all(m["rollout/reward_errors"] == 0 and m["agents/episodes"] == 4 for m in train)
+    tasks = {t.data.idx: t for t in vf.load_taskset(vf.resolve_env_config({"taskset": {"id": "vf_digit"}}).taskset)}
+    assert len(records) == STEPS * 4
+    for record in records:
+        task = tasks[record["answer"]]
+        assert record["prompt_ids"] == CHAT.prompt_ids(task_messages(task))
+        reply = CHAT.parse(record["response_ids"]).content
+        assert reply == "1"
+        trace = conversation_trace(task, [*task_messages(task), {"role": "assistant", "content": reply}])
+        asyncio.run(task.score(trace))  # verifiers' own scoring of the same reply
+        assert record["reward"] == trace.reward == (1.5 if task.data.digit == "1" else 0.0)
+    assert {r["reward"] for r in records} == {0.0, 1.5}
+    # the held-out split, evaluated at the end: digit 1 scores 1.5 (pass@1 counts rewards >= 1), digit 2 scores 0
+    final = [m for m in metrics if "eval/heldout/reward_mean" in m]
+    assert len(final) == 1 and final[0]["eval/heldout/reward_mean"] == 0.75 and final[0]["eval/heldout/pass@1"] == 0.5
+    evaluated = SampleDump(tmp_path / "run" / "eval" / "heldout").read(STEPS)
+    asked = sorted((CHAT.tokenizer.decode(r["prompt_ids"]).split("user\n")[1][:7], r["reward"]) for r in evaluated)
+    assert asked == [("digit 1", 1.5)] * 2 + [("digit 2", 0.0)] * 2

@@ -5,7 +5,8 @@ Flags (SGLang 0.5.23 server args): `--skip-tokenizer-init` (we send `input_ids`)
 attention), `--mem-fraction-static`, `--weight-version` (the initial version), `--enable-memory-saver`
 (colocated mode: release/resume memory around training), and the LoRA flags (`--enable-lora`,
 `--max-lora-rank`, `--lora-target-modules`, `--max-loaded-loras`, `--max-loras-per-batch`; without
-`--enable-lora` SGLang answers 400 to `/load_lora_adapter`). `--dp-size` is always 1: in 0.5.23 it
+`--enable-lora` SGLang answers 400 to `/load_lora_adapter`), and speculative decoding with the MTP
+layer (`speculative_args`). `--dp-size` is always 1: in 0.5.23 it
 runs data-parallel replicas behind one server, whose weight-update and LoRA routes assert
 `dp_size == 1`; more replicas are more engines.
 
@@ -100,6 +101,8 @@ class SGLangConfig:
     """Colocated mode: lets the trainer release/resume the engine's GPU memory."""
     lora: SGLangLoRA | None = None
     """LoRA serving (`--enable-lora` and its slots); None: no adapters."""
+    speculative_steps: int = 0
+    """Speculative decoding with the model's MTP layer: draft tokens per verify (`speculative_args`); 0: off."""
     base_gpu_id: int = 0
     """`--base-gpu-id`: the first GPU the engine uses."""
     extra_args: list[str] = dataclasses.field(default_factory=list)
@@ -168,7 +171,28 @@ def sglang_command(config: SGLangConfig, port: int) -> list[str]:
         ]
         if lora.max_loaded_loras is not None:
             command += ["--max-loaded-loras", str(lora.max_loaded_loras)]
-    return command + list(config.extra_args)
+    return command + speculative_args(config.speculative_steps) + list(config.extra_args)
+
+
+def speculative_args(steps: int) -> list[str]:
+    """SGLang 0.5.23's flags for `engines.speculative` (algorithm mtp, k = `steps`): NEXTN (the
+    checkpoint's MTP layer as the EAGLE-style draft, loaded from the model path itself), a chain
+    (`--speculative-eagle-topk 1`) of k steps, k + 1 tokens verified per forward. Weight syncs reach
+    the draft through the same receive (SGLang fans each bucket out to target and draft runners,
+    `SchedulerWeightUpdaterManager.update_weights_from_distributed`), and R3 rows come from the
+    verifying forward (SGLang's capturer keeps routing per KV slot; the draft's capture is off)."""
+    if not steps:
+        return []
+    return [
+        "--speculative-algorithm",
+        "NEXTN",
+        "--speculative-num-steps",
+        str(steps),
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        str(steps + 1),
+    ]
 
 
 def launch_sglang(

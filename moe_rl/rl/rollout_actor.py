@@ -116,6 +116,7 @@ class EngineServer:
                     max_batch=cfg.max_batch,
                     threads=len(self.cpus) if self.cpus else cfg.threads,
                     cpus=self.cpus,
+                    speculative_steps=cfg.speculative.steps if cfg.speculative else 0,
                 ),
                 log_path=self.log_path,
             )
@@ -130,6 +131,7 @@ class EngineServer:
             weight_version=str(self.weight_version),
             enable_memory_saver=self.gpu_ids is not None,
             lora=self.lora,
+            speculative_steps=cfg.speculative.steps if cfg.speculative else 0,
         )
         env = None if self.gpu_ids is None else {"CUDA_VISIBLE_DEVICES": ",".join(self.gpu_ids)}
         return launch_sglang(config, log_path=self.log_path, env=env)
@@ -398,6 +400,7 @@ class RolloutWorker:
         return {
             **self.manager.metrics(),
             "rollout/generated_tokens": self.pool.generated_tokens,
+            **{f"rollout/{name}": count for name, count in self.pool.spec.items()},
             "engines/resubmitted_requests": self.pool.resubmitted,
             "engines/live": sum(self.pool.live),
             "engines/added": self.pool.added,

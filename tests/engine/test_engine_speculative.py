@@ -212,3 +212,57 @@ def test_a_version_serves_its_own_draft(tmp_path):
     assert torch.equal(runner.model.model.layers[0].self_attn.o_proj.weight, update[names[2]])
     again = runner.build_staged({})  # an in-place load into the spare model skips the MTP tensors
     assert torch.equal(again.draft.eh_proj.weight, update[names[0]])
+
+
+# -- SGLang (GPU tier) ----------------------------------------------------------------------------
+
+
+def _gpu_and_sglang() -> bool:
+    import importlib.util
+
+    return torch.cuda.is_available() and importlib.util.find_spec("sglang") is not None
+
+
+@pytest.mark.world
+@pytest.mark.gpu_sglang
+@pytest.mark.skipif(not _gpu_and_sglang(), reason="needs a CUDA GPU and sglang installed")
+def test_sglang_speculates_with_the_mtp_layer_and_syncs_it(tmp_path):
+    """SGLang with `--speculative-algorithm NEXTN` (k = 2) on the tiny DeepSeek-V3 with an MTP layer:
+    greedy outputs and routed experts equal a plain SGLang's, meta info counts the verifies, and a
+    weight sync over NCCL (target and MTP tensors) commits one version that keeps speculating."""
+    from moe_rl.engine.embedded.runner import load_checkpoint_state
+    from moe_rl.engine.sglang_launcher import SGLangConfig, launch_sglang
+    from sync.config import SyncConfig
+    from sync.sender import WeightSender
+
+    model_dir = save_mtp_model(tmp_path / "m")
+    new_state = load_checkpoint_state(save_mtp_model(tmp_path / "new", seed=1))
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+
+    def serve(steps: int):
+        return launch_sglang(SGLangConfig(model_path=str(model_dir), mem_fraction_static=0.3, speculative_steps=steps))
+
+    async def generate(url: str) -> list:
+        client = EngineClient(url, kind="sglang", num_hidden_layers=4, topk=2)
+        try:
+            return await asyncio.gather(*(client.generate(p, greedy, return_routed_experts=True) for p in PROMPTS))
+        finally:
+            await client.close()
+
+    with serve(0) as plain:
+        reference = run(generate(plain.url))
+    with serve(2) as engine:
+        results = run(generate(engine.url))
+        client = EngineClient(engine.url, kind="sglang", num_hidden_layers=4, topk=2)
+        sender = WeightSender([client], SyncConfig(transport="broadcast", backend="nccl", bucket_bytes=1 << 20))
+        try:
+            stats = sender.update(sorted(new_state.items()), 1)
+        finally:
+            sender.close()
+        after = run(generate(engine.url))
+    for result, ref, prompt in zip(results, reference, PROMPTS):
+        assert result.output_ids == ref.output_ids
+        assert np.array_equal(result.routed_experts, ref.routed_experts)
+        assert result.routed_experts.shape[0] == len(prompt) + 16 - 1
+        assert result.meta_info["spec_verify_ct"] >= 1
+    assert stats.version == 1 and all(r.weight_version == 1 and r.meta_info["spec_verify_ct"] >= 1 for r in after)

@@ -266,3 +266,18 @@ def test_sglang_speculates_with_the_mtp_layer_and_syncs_it(tmp_path):
         assert result.routed_experts.shape[0] == len(prompt) + 16 - 1
         assert result.meta_info["spec_verify_ct"] >= 1
     assert stats.version == 1 and all(r.weight_version == 1 and r.meta_info["spec_verify_ct"] >= 1 for r in after)
+
+
+def test_speculative_config_is_checked_before_start():
+    from moe_rl.config import load_config
+
+    bench = "configs/bench/spec_mtp_copy.yaml"
+    config = load_config(bench)
+    assert config.engines.speculative.algorithm == "mtp" and config.engines.speculative.steps == 2
+    for override in ("model.hf_config.num_nextn_predict_layers=0", "model.mtp=drop"):
+        with pytest.raises(ValueError, match="engines.speculative: the model has no MTP layer"):
+            load_config(bench, [override])
+    with pytest.raises(ValueError, match=r"engines.speculative.steps=0: must be an integer in \[1, 8\]"):
+        load_config(bench, ["engines.speculative.steps=0"])
+    with pytest.raises(ValueError, match="engines.speculative.algorithm='eagle3'"):
+        load_config(bench, ["engines.speculative.algorithm=eagle3"])

@@ -91,7 +91,7 @@ def write_report(run_dir: str | Path) -> list[Path]:
 # span name -> colour: generation green, training blue, weight sync red, batch handling purple,
 # waits grey; anything else (logging, evaluations, checkpoints, control calls) tan
 _TIMELINE_COLOURS = {
-    **dict.fromkeys(("decode", "prefill", "requests in flight"), "tab:green"),
+    **dict.fromkeys(("decode", "speculate", "prefill", "requests in flight"), "tab:green"),
     **dict.fromkeys(
         ("train", "train step", "forward-backward", "optimizer", "old logprobs", "ref logprobs", "routing-off forward"),
         "tab:blue",

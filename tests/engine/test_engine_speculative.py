@@ -27,7 +27,7 @@ from moe_rl.engine.process import EmbeddedConfig, launch_embedded
 from moe_rl.engine.sampling import SamplingParams
 from moe_rl.rollout.partial import continuation_request, continue_sample
 from moe_rl.sample import Sample
-from tests.engine.engine_helpers import run, wait_until_decoding
+from tests.engine.engine_helpers import run, wait_until_decoding, with_client
 from tests.tiny_models import DEEPSEEK_V3, hf_config, save_random_model, with_mtp_layer
 
 PROMPTS = [[(7 * i + 3 * j) % 256 for j in range(2 + 3 * i)] for i in range(4)]
@@ -122,6 +122,9 @@ def test_greedy_speculation_equals_plain_greedy(engines):
         return SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
 
     spec, ref = run(_generate(speculating, PROMPTS, greedy)), run(_generate(plain, PROMPTS, greedy))
+    info = run(with_client(speculating, lambda client: client.server_info()))
+    assert (info["speculative_algorithm"], info["speculative_num_steps"]) == ("NEXTN", 2)
+    assert (info["speculative_eagle_topk"], info["speculative_num_draft_tokens"]) == (1, 3)
     for s, r in zip(spec, ref):
         assert s.output_ids == r.output_ids
         assert np.array_equal(s.routed_experts, r.routed_experts)

@@ -22,8 +22,9 @@ empty (`clients[index]` None); the fleet never gives its index to another engine
 
 Counters over every completed request: `generated_tokens`, and `spec` (speculative decoding: the
 sums of SGLang's meta info `spec_verify_ct`, `spec_num_proposed_drafts`, `spec_num_correct_drafts`,
-which the embedded engine reports too), from which the RL loop takes each step's
-`rollout/spec_accept_rate` and `rollout/spec_tokens_per_forward` (`moe_rl.rl.step_clock`).
+which the embedded engine reports too, and `spec_verified_tokens`: the output tokens of requests
+that ran a verify, less the one each request's prefill made), from which the RL loop takes each
+step's `rollout/spec_accept_rate` and `rollout/spec_tokens_per_forward` (`moe_rl.rl.step_clock`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from moe_rl.engine.client import EngineClient, EngineError, GenerateResult, Scor
 from moe_rl.engine.sampling import SamplingParams
 from moe_rl.trace import TRACER
 
-SPEC_COUNTERS = ("spec_verify_ct", "spec_num_proposed_drafts", "spec_num_correct_drafts")
+SPEC_META = ("spec_verify_ct", "spec_num_proposed_drafts", "spec_num_correct_drafts")
+"""SGLang's speculative meta-info counts, summed as they are."""
+SPEC_COUNTERS = (*SPEC_META, "spec_verified_tokens")
 
 Served = TypeVar("Served")
 
@@ -87,8 +90,10 @@ class EnginePool:
             group_id, lambda client: client.generate(input_ids, sampling, **kwargs)
         )
         self.generated_tokens += len(result.output_ids)
-        for name in SPEC_COUNTERS:  # SGLang's speculative meta info (absent without speculation)
-            self.spec[name] += int(result.meta_info.get(name, 0))
+        if result.meta_info.get("spec_verify_ct"):  # SGLang's speculative meta info (none without it)
+            for name in SPEC_META:
+                self.spec[name] += int(result.meta_info[name])
+            self.spec["spec_verified_tokens"] += len(result.output_ids) - 1  # the prefill made the first
         if result.weight_versions:
             low, high = min(result.weight_versions), max(result.weight_versions)
             seen = self.versions[index]

@@ -62,16 +62,16 @@ class StepClock:
     def speculation(self, rollout_metrics: dict[str, float]) -> dict[str, float]:
         """The step's speculative rates over the requests completed since the last step (none
         without speculation, or when no verifying forward completed): drafts accepted / proposed,
-        and tokens per verifying forward, (accepted + verifies) / verifies (the bonus or corrected
-        token of each verify counts; a request's first token, from its prefill, does not)."""
+        and the tokens each verifying forward emitted (a request's first token, from its prefill,
+        is not a verify's; a verify cut by the request's end emits fewer than accepted + 1)."""
         now = {name: rollout_metrics.get(f"rollout/{name}", 0) for name in SPEC_COUNTERS}
-        verify, proposed, correct = (now[name] - self.spec.get(name, 0) for name in SPEC_COUNTERS)
+        verify, proposed, correct, tokens = (now[name] - self.spec.get(name, 0) for name in SPEC_COUNTERS)
         self.spec = now
         if verify <= 0:
             return {}
         return {
             "rollout/spec_accept_rate": correct / proposed if proposed else 0.0,
-            "rollout/spec_tokens_per_forward": (correct + verify) / verify,
+            "rollout/spec_tokens_per_forward": tokens / verify,
         }
 
 

@@ -56,20 +56,21 @@ def test_speculative_rates_are_the_steps_own():
     summed by the engine pool), not from the run so far; no verify in a step: no rates."""
     clock = StepClock(0.0, colocate=False, full_weight_sync=True)
 
-    def counters(verify, proposed, correct):
+    def counters(verify, proposed, correct, tokens):
         return {
             "rollout/spec_verify_ct": verify,
             "rollout/spec_num_proposed_drafts": proposed,
             "rollout/spec_num_correct_drafts": correct,
+            "rollout/spec_verified_tokens": tokens,
         }
 
-    assert clock.speculation(counters(10, 20, 15)) == {
+    assert clock.speculation(counters(10, 20, 15, 25)) == {
         "rollout/spec_accept_rate": 0.75,
         "rollout/spec_tokens_per_forward": 2.5,
     }
-    assert clock.speculation(counters(14, 28, 16)) == {  # this step: 4 verifies, 8 drafts, 1 kept
+    assert clock.speculation(counters(14, 28, 16, 30)) == {  # this step: 4 verifies, 8 drafts, 1 kept
         "rollout/spec_accept_rate": 0.125,
         "rollout/spec_tokens_per_forward": 1.25,
     }
-    assert clock.speculation(counters(14, 28, 16)) == {}
+    assert clock.speculation(counters(14, 28, 16, 30)) == {}
     assert StepClock(0.0, colocate=False, full_weight_sync=True).speculation({}) == {}

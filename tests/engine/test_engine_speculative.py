@@ -27,7 +27,7 @@ from moe_rl.engine.process import EmbeddedConfig, launch_embedded
 from moe_rl.engine.sampling import SamplingParams
 from moe_rl.rollout.partial import continuation_request, continue_sample
 from moe_rl.sample import Sample
-from tests.engine.engine_helpers import run, wait_until_decoding, with_client
+from tests.engine.engine_helpers import engine_load, run, wait_until_decoding, with_client
 from tests.tiny_models import DEEPSEEK_V3, hf_config, save_random_model, with_mtp_layer
 
 PROMPTS = [[(7 * i + 3 * j) % 256 for j in range(2 + 3 * i)] for i in range(4)]
@@ -191,6 +191,34 @@ def test_aborted_turn_resumes_with_a_draft(engines):
         assert sample.response_ids == ref.output_ids
         assert np.array_equal(sample.routed_experts, ref.routed_experts)
         np.testing.assert_allclose(sample.rollout_logprobs, ref.logprobs, atol=1e-5)
+
+
+@pytest.mark.world
+def test_retracted_requests_recompute_their_drafts(engines):
+    """A retract-mode pause drops the batch's KV (target and draft slots); on continue the requests
+    are prefilled again, drafts rebuilt from the prefill: the same greedy tokens and routing."""
+    speculating, plain = engines
+    sampling = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
+
+    async def retract_midway():
+        client = EngineClient(speculating)
+        try:
+            tasks = [asyncio.create_task(client.generate(p, sampling, return_routed_experts=True)) for p in PROMPTS]
+            await wait_until_decoding(speculating, len(PROMPTS))
+            assert not any(t.done() for t in tasks), "a request finished before the pause: raise max_new_tokens"
+            await client.pause_generation("retract")
+            load = await engine_load(speculating)
+            assert (load["num_running_reqs"], load["num_waiting_reqs"]) == (0, len(PROMPTS))  # all retracted
+            await client.continue_generation()
+            return await asyncio.gather(*tasks)
+        finally:
+            await client.close()
+
+    results = run(retract_midway())
+    reference = run(_generate(plain, PROMPTS, lambda i: sampling))
+    for result, ref in zip(results, reference):
+        assert result.output_ids == ref.output_ids and result.finish_reason == "length"
+        assert np.array_equal(result.routed_experts, ref.routed_experts)
 
 
 # -- versions -------------------------------------------------------------------------------------

@@ -5,13 +5,14 @@ serving the same DeepSeek-V3 checkpoint with an MTP layer, one speculating with 
 not: greedy outputs are equal token for token, sampled outputs carry exactly the logprobs and routed
 experts a plain forward over the finished sequence gives (the target's, with rejected drafts rolled
 out of the KV cache), and a partial rollout cut by an abort resumes with a draft to the same tokens
-and routing. In process: a version's draft is built from that version's checkpoint and swapped in
-with its model, never before or after.
+and routing, as does a retracted batch. In process: GLM-4.5's MTP layer drafts too, and a version's
+draft is built from that version's checkpoint and swapped in with its model, never before or after.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 
 import numpy as np
 import pytest
@@ -20,22 +21,24 @@ from safetensors.torch import load_file, save_file
 
 from moe_rl.engine.client import EngineClient
 from moe_rl.engine.embedded.draft import mtp_prefix
+from moe_rl.engine.embedded.request import Request
 from moe_rl.engine.embedded.runner import ModelRunner
 from moe_rl.engine.embedded.sampler import draw
+from moe_rl.engine.embedded.scheduler import Scheduler
 from moe_rl.engine.embedded.speculative import accept
 from moe_rl.engine.process import EmbeddedConfig, launch_embedded
 from moe_rl.engine.sampling import SamplingParams
 from moe_rl.rollout.partial import continuation_request, continue_sample
 from moe_rl.sample import Sample
 from tests.engine.engine_helpers import engine_load, run, wait_until_decoding, with_client
-from tests.tiny_models import DEEPSEEK_V3, hf_config, save_random_model, with_mtp_layer
+from tests.tiny_models import DEEPSEEK_V3, GLM4_MOE, hf_config, save_random_model, with_mtp_layer
 
 PROMPTS = [[(7 * i + 3 * j) % 256 for j in range(2 + 3 * i)] for i in range(4)]
 
 
-def save_mtp_model(path, seed: int = 0):
-    """The tiny DeepSeek-V3 with one MTP layer (HF layer 4), as an export writes it."""
-    config = hf_config(DEEPSEEK_V3, num_nextn_predict_layers=1)
+def save_mtp_model(path, seed: int = 0, family: dict = DEEPSEEK_V3):
+    """The tiny DeepSeek-V3 (or `family`) with one MTP layer (HF layer 4), as an export writes it."""
+    config = hf_config(family, num_nextn_predict_layers=1)
     save_random_model(config, path, seed=seed)
     file = path / "model.safetensors"
     save_file(with_mtp_layer(load_file(file), config.to_dict()), str(file), metadata={"format": "pt"})
@@ -219,6 +222,37 @@ def test_retracted_requests_recompute_their_drafts(engines):
     for result, ref in zip(results, reference):
         assert result.output_ids == ref.output_ids and result.finish_reason == "length"
         assert np.array_equal(result.routed_experts, ref.routed_experts)
+
+
+def test_glm45_drafts_with_its_mtp_layer_too(tmp_path):
+    """GLM-4.5's MTP layer (same layout as DeepSeek-V3's) drafts in process: greedy tokens and
+    routing equal plain decoding's, and verifies ran."""
+    model_dir = save_mtp_model(tmp_path, family=GLM4_MOE)
+
+    def greedy(steps: int) -> list[dict]:
+        scheduler = Scheduler(ModelRunner(model_dir, speculative_steps=steps), "0", 8)
+        futures = [concurrent.futures.Future() for _ in PROMPTS]
+        for i, (prompt, future) in enumerate(zip(PROMPTS, futures)):
+            params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+            scheduler.submit(
+                Request(
+                    rid=str(i),
+                    input_ids=prompt,
+                    params=params,
+                    eos_token_ids=frozenset(),
+                    return_routed_experts=True,
+                    on_done=future.set_result,
+                )
+            )
+        try:
+            return [future.result(timeout=120) for future in futures]
+        finally:
+            scheduler.stop()
+
+    for spec, plain in zip(greedy(2), greedy(0)):
+        assert spec["output_ids"] == plain["output_ids"]
+        assert spec["meta_info"]["routed_experts"] == plain["meta_info"]["routed_experts"]
+        assert spec["meta_info"]["spec_verify_ct"] >= 1
 
 
 # -- versions -------------------------------------------------------------------------------------

@@ -37,9 +37,13 @@ def is_mtp_name(name: str, num_layers: int) -> bool:
     return match is not None and int(match.group(1)) >= num_layers
 
 
-_OWN = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
-_OWN["shared_head.norm.weight"] = "model.norm.weight"
+_OWN = {  # the MTP layer's own modules -> their place in a one-layer model of the checkpoint's class
+    "embed_tokens.weight": "model.embed_tokens.weight",
+    "shared_head.head.weight": "lm_head.weight",
+    "shared_head.norm.weight": "model.norm.weight",
+}
 _PROJECTION = ("enorm.weight", "hnorm.weight", "eh_proj.weight")
+"""The MTP layer's input projection (no counterpart in the decoder: `MtpDraft` holds them itself)."""
 
 
 class MtpDraft(torch.nn.Module):

@@ -306,6 +306,28 @@ class DataConfig:
 
 
 ENGINE_KINDS = ("embedded", "sglang")
+SPECULATIVE_ALGORITHMS = ("mtp",)
+
+
+@dataclass(kw_only=True)
+class SpeculativeConfig:
+    """Speculative rollout with the model's MTP layer (docs/speculative.md): the layer drafts a
+    chain of `steps` tokens, one forward of the policy verifies them, the standard acceptance rule
+    keeps the output distribution the policy's. The draft is synced with the policy (same version)."""
+
+    algorithm: str = "mtp"
+    """"mtp": the first multi-token-prediction layer drafts (SGLang `--speculative-algorithm NEXTN`)."""
+    steps: int = 2
+    """Draft tokens per verifying forward, k (SGLang `--speculative-num-steps` k and
+    `--speculative-num-draft-tokens` k + 1)."""
+
+    def __post_init__(self):
+        if self.algorithm not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"engines.speculative.algorithm={self.algorithm!r}: use one of {SPECULATIVE_ALGORITHMS}")
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or not 1 <= self.steps <= 8:
+            raise ValueError(f"engines.speculative.steps={self.steps!r}: must be an integer in [1, 8]")
+
+
 RL_MODES = ("sync", "one_step_off", "fully_async")
 
 
@@ -344,6 +366,8 @@ class EngineConfig:
     kv_cache_dtype: fp8_e4m3, chunked_prefill_size: 8192, enable_eplb: true, ...}. Checked before
     start against the table of SGLang's options (`moe_rl.engine.sglang_options`); the ones moe-rl
     sets itself are refused with the field that owns them."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative rollout with the model's MTP layer ({algorithm: mtp, steps: k}); None: off."""
 
     def __post_init__(self):
         if self.kind not in ENGINE_KINDS:
@@ -560,6 +584,12 @@ class RunConfig:
             raise ValueError(f"steps={self.steps}: must be >= 1")
 
         bridge = bridge_for(self.model.load_hf_config())
+        if self.engines.speculative is not None and not bridge.mtp_layers:
+            raise ValueError(
+                "engines.speculative: the model has no MTP layer to draft with (num_nextn_predict_layers "
+                "is 0, or model.mtp: drop); use a DeepSeek-V3 / GLM-4.5 model with its MTP layer, or "
+                "remove engines.speculative"
+            )
         self.trainer.check_model(bridge.model_shape())
         self.trainer.moe.check_model(bridge)
         if self.rollout is not None:

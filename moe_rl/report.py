@@ -17,7 +17,10 @@ evaluated), and for runs whose rollouts return routed experts `experts.png` (fro
 `moe_rl.rollout.expert_load`: each MoE layer's load per expert over the run as a layer x expert
 heatmap, and each layer's max violation per step), and for runs with a step timeline (`trace.json`,
 `moe_rl.trace`) `timeline.png` (one lane per process and thread over a few of the traced steps;
-docs/rl.md says how to read it). A plot whose metrics the run did not log is skipped. Returns the paths.
+docs/rl.md says how to read it), and for speculative rollouts (`engines.speculative`)
+`speculation.png` (draft acceptance rate and tokens per verifying forward per step). A plot whose
+metrics the run did not log is skipped. Returns the paths. `write_comparison` draws the speculative
+curves of several runs on one figure (`moe-rl report RUN_DIR OTHER_RUN_DIR...`).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ def write_report(run_dir: str | Path) -> list[Path]:
         ("agent_time", _agent_time),
         ("agent_metrics", _agent_metrics),
         ("eval", _eval),
+        ("speculation", _speculation),
     ):
         fig, ax = plt.subplots(figsize=(7, 4))
         if plot(ax, rows):
@@ -88,7 +92,7 @@ def write_report(run_dir: str | Path) -> list[Path]:
 # span name -> colour: generation green, training blue, weight sync red, batch handling purple,
 # waits grey; anything else (logging, evaluations, checkpoints, control calls) tan
 _TIMELINE_COLOURS = {
-    **dict.fromkeys(("decode", "prefill", "requests in flight"), "tab:green"),
+    **dict.fromkeys(("decode", "speculate", "prefill", "requests in flight"), "tab:green"),
     **dict.fromkeys(
         ("train", "train step", "forward-backward", "optimizer", "old logprobs", "ref logprobs", "routing-off forward"),
         "tab:blue",
@@ -155,6 +159,60 @@ def _moving_average(values: list[float]) -> tuple[list[float], int]:
     """Each value's mean with the ones before it, over a twentieth of the run; and that window."""
     window = max(1, len(values) // 20)
     return [sum(values[max(0, i - window + 1) : i + 1]) / min(i + 1, window) for i in range(len(values))], window
+
+
+SPECULATION = (
+    ("rollout/spec_accept_rate", "draft acceptance rate"),
+    ("rollout/spec_tokens_per_forward", "tokens per verify"),
+)
+
+
+def _speculation(ax, rows) -> bool:
+    steps, accept = _series(rows, SPECULATION[0][0])
+    if not steps:
+        return False
+    tokens_steps, tokens = _series(rows, SPECULATION[1][0])
+    ax.plot(steps, accept, alpha=0.35, color="tab:blue")
+    ax.plot(steps, _moving_average(accept)[0], color="tab:blue", label=SPECULATION[0][1])
+    ax.set(xlabel="step", ylabel=SPECULATION[0][1], ylim=(0, 1.02), title="Speculative rollout")
+    right = ax.twinx()
+    right.plot(tokens_steps, _moving_average(tokens)[0], color="tab:orange", label=SPECULATION[1][1])
+    right.set(ylabel=f"{SPECULATION[1][1]} (moving average)")
+    ax.legend(loc="lower left")
+    right.legend(loc="lower right")
+    return True
+
+
+def write_comparison(run_dirs: list[str | Path]) -> Path | None:
+    """The speculative metrics of several runs side by side (one line per run, moving averages),
+    into the first run's `plots/speculation_runs.png`; None when no run logged them."""
+    # heavy: matplotlib, only when plots are written
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    drawn = False
+    for run_dir in map(Path, run_dirs):
+        rows = read_metrics(run_dir)
+        for ax, (key, label) in zip(axes, SPECULATION):
+            steps, values = _series(rows, key)
+            if steps:
+                ax.plot(steps, _moving_average(values)[0], label=run_dir.name)
+                ax.set(xlabel="step", ylabel=label, title=f"{label} (moving average)")
+                drawn = True
+    if not drawn:
+        plt.close(fig)
+        return None
+    for ax in axes:
+        ax.legend()
+    out = Path(run_dirs[0]) / "plots" / "speculation_runs.png"
+    out.parent.mkdir(exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
 
 
 def _reward(ax, rows) -> bool:

@@ -22,6 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default=EmbeddedConfig.device, help="where the model runs: cpu, or cuda / cuda:N")
     parser.add_argument(
+        "--speculative-steps",
+        type=int,
+        default=EmbeddedConfig.speculative_steps,
+        help="speculative decoding: MTP draft tokens per verifying forward (0: none)",
+    )
+    parser.add_argument(
         "--cpus",
         type=_core_list,
         default=None,

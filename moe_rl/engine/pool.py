@@ -19,6 +19,12 @@ work, its groups move, and every request it still runs is aborted until none is 
 back with finish reason "abort" and its tokens so far, so the caller continues it elsewhere, as
 after an abort-mode weight swap). Indices are names (`engine_name`): a removed engine's slot stays
 empty (`clients[index]` None); the fleet never gives its index to another engine.
+
+Counters over every completed request: `generated_tokens`, and `spec` (speculative decoding: the
+sums of SGLang's meta info `spec_verify_ct`, `spec_num_proposed_drafts`, `spec_num_correct_drafts`,
+which the embedded engine reports too, and `spec_verified_tokens`: the output tokens of requests
+that ran a verify, less the one each request's prefill made), from which the RL loop takes each
+step's `rollout/spec_accept_rate` and `rollout/spec_tokens_per_forward` (`moe_rl.rl.step_clock`).
 """
 
 from __future__ import annotations
@@ -30,6 +36,10 @@ from typing import Awaitable, Callable, TypeVar
 from moe_rl.engine.client import EngineClient, EngineError, GenerateResult, ScoreResult
 from moe_rl.engine.sampling import SamplingParams
 from moe_rl.trace import TRACER
+
+SPEC_META = ("spec_verify_ct", "spec_num_proposed_drafts", "spec_num_correct_drafts")
+"""SGLang's speculative meta-info counts, summed as they are."""
+SPEC_COUNTERS = (*SPEC_META, "spec_verified_tokens")
 
 Served = TypeVar("Served")
 
@@ -48,6 +58,7 @@ class EnginePool:
         self.added = self.removed = 0  # engines that joined / left the pool (`add`, `remove`)
         self.cut = 0  # requests aborted on an engine being removed (continued elsewhere by the caller)
         self.generated_tokens = 0  # output tokens of every completed request (continued segments included)
+        self.spec = dict.fromkeys(SPEC_COUNTERS, 0)  # the same requests' speculative counters, summed
         self._active_s = [0.0] * len(clients)  # wall seconds with >= 1 request in flight, per engine
         self._active_since: list[float | None] = [None] * len(clients)
         self._groups: dict[str, int] = {}
@@ -79,6 +90,10 @@ class EnginePool:
             group_id, lambda client: client.generate(input_ids, sampling, **kwargs)
         )
         self.generated_tokens += len(result.output_ids)
+        if result.meta_info.get("spec_verify_ct"):  # SGLang's speculative meta info (none without it)
+            for name in SPEC_META:
+                self.spec[name] += int(result.meta_info[name])
+            self.spec["spec_verified_tokens"] += len(result.output_ids) - 1  # the prefill made the first
         if result.weight_versions:
             low, high = min(result.weight_versions), max(result.weight_versions)
             seen = self.versions[index]

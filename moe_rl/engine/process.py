@@ -110,12 +110,17 @@ class EmbeddedConfig:
     torch's default."""
     cpus: list[int] | None = None
     """Pin the engine's process to these cores (`cpu_pools.engines[i]`); None: no pinning."""
+    speculative_steps: int = 0
+    """Speculative decoding with the checkpoint's MTP layer: draft tokens per verifying forward
+    (`engines.speculative.steps`); 0: none."""
 
     def __post_init__(self):
         if not (Path(self.model_path) / "config.json").is_file():
             raise ValueError(f"model_path: {self.model_path} has no config.json; pass an HF model directory")
         if self.max_batch < 1:
             raise ValueError(f"max_batch={self.max_batch}: must be >= 1")
+        if self.speculative_steps < 0:
+            raise ValueError(f"speculative_steps={self.speculative_steps}: must be >= 0 (0: no speculation)")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads={self.threads}: must be >= 1, or None")
 
@@ -126,6 +131,8 @@ def embedded_command(config: EmbeddedConfig, port: int) -> list[str]:
     command += ["--max-batch", str(config.max_batch), "--device", config.device]
     if config.cpus:
         command += ["--cpus", ",".join(map(str, config.cpus))]
+    if config.speculative_steps:
+        command += ["--speculative-steps", str(config.speculative_steps)]
     return command
 
 

@@ -6,7 +6,8 @@ attention), `--mem-fraction-static`, `--weight-version` (the initial version), `
 (colocated mode: release/resume memory around training), and the LoRA flags (`--enable-lora`,
 `--max-lora-rank`, `--lora-target-modules`, `--max-loaded-loras`, `--max-loras-per-batch`; without
 `--enable-lora` SGLang answers 400 to `/load_lora_adapter`), `--max-running-requests`
-(`engines.max_batch`), then any other server option (`engines.sglang`, checked against SGLang's
+(`engines.max_batch`), speculative decoding with the MTP layer (`speculative_args`,
+`engines.speculative`), then any other server option (`engines.sglang`, checked against SGLang's
 table by `moe_rl.engine.sglang_options`). `engine_sglang_config` builds an RL engine's
 `SGLangConfig` from the engines section: the launch and `moe-rl plan`'s printed command both come
 from it. `--dp-size` is always 1: in 0.5.23 it runs data-parallel replicas behind one server,
@@ -108,6 +109,8 @@ class SGLangConfig:
     """Colocated mode: lets the trainer release/resume the engine's GPU memory."""
     lora: SGLangLoRA | None = None
     """LoRA serving (`--enable-lora` and its slots); None: no adapters."""
+    speculative_steps: int = 0
+    """Speculative decoding with the model's MTP layer: draft tokens per verify (`speculative_args`); 0: off."""
     base_gpu_id: int = 0
     """`--base-gpu-id`: the first GPU the engine uses."""
     max_running_requests: int | None = None
@@ -186,7 +189,7 @@ def sglang_command(config: SGLangConfig, port: int | str) -> list[str]:
             command += ["--max-loaded-loras", str(lora.max_loaded_loras)]
     if config.max_running_requests is not None:
         command += ["--max-running-requests", str(config.max_running_requests)]
-    return command + option_args(config.options)
+    return command + speculative_args(config.speculative_steps) + option_args(config.options)
 
 
 def engine_sglang_config(
@@ -212,6 +215,7 @@ def engine_sglang_config(
         weight_version=weight_version,
         enable_memory_saver=colocated,
         lora=lora,
+        speculative_steps=engines.speculative.steps if engines.speculative is not None else 0,
         options=dict(engines.sglang),
     )
 
@@ -230,6 +234,27 @@ def sglang_lora_slots(config: RunConfig) -> SGLangLoRA | None:
     return SGLangLoRA(
         max_lora_rank=config.lora.rank, target_modules=targets, max_loaded_loras=slots, max_loras_per_batch=slots
     )
+
+
+def speculative_args(steps: int) -> list[str]:
+    """SGLang 0.5.23's flags for `engines.speculative` (algorithm mtp, k = `steps`): NEXTN (the
+    checkpoint's MTP layer as the EAGLE-style draft, loaded from the model path itself), a chain
+    (`--speculative-eagle-topk 1`) of k steps, k + 1 tokens verified per forward. Weight syncs reach
+    the draft through the same receive (SGLang fans each bucket out to target and draft runners,
+    `SchedulerWeightUpdaterManager.update_weights_from_distributed`), and R3 rows come from the
+    verifying forward (SGLang's capturer keeps routing per KV slot; the draft's capture is off)."""
+    if not steps:
+        return []
+    return [
+        "--speculative-algorithm",
+        "NEXTN",
+        "--speculative-num-steps",
+        str(steps),
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        str(steps + 1),
+    ]
 
 
 def launch_sglang(

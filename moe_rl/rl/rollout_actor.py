@@ -116,6 +116,7 @@ class EngineServer:
                     max_batch=cfg.max_batch,
                     threads=len(self.cpus) if self.cpus else cfg.threads,
                     cpus=self.cpus,
+                    speculative_steps=cfg.speculative.steps if cfg.speculative else 0,
                 ),
                 log_path=self.log_path,
             )
@@ -395,6 +396,7 @@ class RolloutWorker:
         return {
             **self.manager.metrics(),
             "rollout/generated_tokens": self.pool.generated_tokens,
+            **{f"rollout/{name}": count for name, count in self.pool.spec.items()},
             "engines/resubmitted_requests": self.pool.resubmitted,
             "engines/live": sum(self.pool.live),
             "engines/added": self.pool.added,

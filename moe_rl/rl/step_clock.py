@@ -3,7 +3,8 @@
 One step of `moe_rl.jobs.rl`: `start()`, wait for the batch (`waited()` -> `time/trainer_wait_s`),
 train inside `training()` (timed: colocated engines are released for it), update the weights, read
 the rollout worker's counters, then `finish(metrics, rollout_metrics)` -> `time/step_s`, the
-utilization of both pools (`utilization`, `perf/*`) and `rollout/step_generated_tokens_per_s`.
+utilization of both pools (`utilization`, `perf/*`), `rollout/step_generated_tokens_per_s`, and with
+speculative rollout (`speculation`) `rollout/spec_accept_rate` and `rollout/spec_tokens_per_forward`.
 The engines' counters are cumulative; the clock keeps their previous values to take differences.
 `TraceWindow`: which steps the timeline (`moe_rl.trace`) records.
 """
@@ -15,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from moe_rl.engine.pool import SPEC_COUNTERS
 from moe_rl.trace import write_trace
 
 
@@ -27,6 +29,7 @@ class StepClock:
         self.colocate, self.full_weight_sync = colocate, full_weight_sync
         self.active_s = engine_active_s
         self.generated_tokens = 0.0
+        self.spec: dict[str, float] = {}
         self._start = self._released_s = 0.0
 
     def start(self) -> None:
@@ -54,7 +57,22 @@ class StepClock:
         new_tokens = rollout_metrics["rollout/generated_tokens"] - self.generated_tokens
         self.generated_tokens = rollout_metrics["rollout/generated_tokens"]
         out["rollout/step_generated_tokens_per_s"] = new_tokens / step_s
-        return out
+        return {**out, **self.speculation(rollout_metrics)}
+
+    def speculation(self, rollout_metrics: dict[str, float]) -> dict[str, float]:
+        """The step's speculative rates over the requests completed since the last step (none
+        without speculation, or when no verifying forward completed): drafts accepted / proposed,
+        and the tokens each verifying forward emitted (a request's first token, from its prefill,
+        is not a verify's; a verify cut by the request's end emits fewer than accepted + 1)."""
+        now = {name: rollout_metrics.get(f"rollout/{name}", 0) for name in SPEC_COUNTERS}
+        verify, proposed, correct, tokens = (now[name] - self.spec.get(name, 0) for name in SPEC_COUNTERS)
+        self.spec = now
+        if verify <= 0:
+            return {}
+        return {
+            "rollout/spec_accept_rate": correct / proposed if proposed else 0.0,
+            "rollout/spec_tokens_per_forward": tokens / verify,
+        }
 
 
 def utilization(metrics: dict[str, float], engine_active_s: float, engine_paused_s: float) -> dict[str, float]:

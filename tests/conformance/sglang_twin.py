@@ -21,6 +21,10 @@ a dict of CPU tensors with a `load_weights` that copies in place (each rank hold
 `TpModelWorker`'s three weight methods and `Scheduler.record_weight_version_change` are restated
 from SGLang's source (a few lines each); the scheduler has no requests except `running_requests`
 (a knob: requests an in_place pause leaves in the running batch, which make SGLang refuse a flush).
+With `draft=True` each rank also has a speculative draft runner (`--speculative-algorithm NEXTN`):
+its own SGLang `WeightUpdater` over a stand-in draft model holding the checkpoint's MTP layer
+(HF layer `num_hidden_layers`, what SGLang's NEXTN model loads), given to SGLang's manager as the
+`draft_worker`, so SGLang's own fan-out decides what reaches it; `/twin/state` adds its digests.
 
 LoRA routes (`/load_lora_adapter`, `/load_lora_adapter_from_tensors`, `/unload_lora_adapter`): the
 tokenizer side is `TokenizerControlMixin`'s own load/unload methods over SGLang's `LoRARegistry`, each
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import multiprocessing as mp
 import os
 import socket
@@ -216,7 +221,7 @@ def _lora_front(fan_out):
 
 
 def _rank_main(
-    tp_rank: int, tp_size: int, tp_port: int, model_dir: str, version: str, running_requests: int, conn
+    tp_rank: int, tp_size: int, tp_port: int, model_dir: str, version: str, running_requests: int, draft: bool, conn
 ) -> None:
     from tests.conformance import sglang_oracle
 
@@ -246,24 +251,41 @@ def _rank_main(
             for name, tensor in named_tensors:
                 self.tensors[name].copy_(tensor)  # in place, as SGLang's weight loaders do
 
-    model = Model(load_file(os.path.join(model_dir, "model.safetensors")))
-    updater = WeightUpdater(
-        tp_rank=tp_rank,
-        device="cpu",
-        gpu_id=0,
-        model_config=None,
-        custom_weight_loaders={},
-        get_model=lambda: model,
-        update_model_fields=lambda *a, **k: None,
-        recapture_cuda_graph=lambda: None,
-        get_model_runner=lambda: runner,
-    )
+    class DraftModel(Model):  # stand-in for SGLang's NEXTN model: only the MTP layer's tensors
+        def load_weights(self, named_tensors):
+            super().load_weights((name, t) for name, t in named_tensors if name in self.tensors)
+
+    def updater_of(model, get_runner) -> WeightUpdater:
+        return WeightUpdater(
+            tp_rank=tp_rank,
+            device="cpu",
+            gpu_id=0,
+            model_config=None,
+            custom_weight_loaders={},
+            get_model=lambda: model,
+            update_model_fields=lambda *a, **k: None,
+            recapture_cuda_graph=lambda: None,
+            get_model_runner=get_runner,
+        )
 
     @dataclass
     class Runner:  # stand-in for ModelRunner: what the weight managers reach through it
         weight_updater: WeightUpdater
 
+    tensors = load_file(os.path.join(model_dir, "model.safetensors"))
+    model = Model(tensors)
+    updater = updater_of(model, lambda: runner)
     runner = Runner(updater)
+    draft_model = draft_runner = None
+    if draft:
+        with open(os.path.join(model_dir, "config.json")) as file:
+            mtp = f"model.layers.{json.load(file)['num_hidden_layers']}."
+        draft_model = DraftModel({n: t for n, t in tensors.items() if n.startswith(mtp)})
+        draft_runner = Runner(updater_of(draft_model, lambda: draft_runner))
+
+    class DraftWorker:  # stand-in for the EAGLE/NEXTN draft worker: its weight-update runner
+        def weight_update_runners(self):
+            return [("draft", draft_runner)]
 
     class Worker:  # stand-in for TpModelWorker (managers/tp_worker.py, whose module needs GPU kernels)
         model_runner = runner
@@ -299,7 +321,7 @@ def _rank_main(
 
     manager = Manager(
         tp_worker=Worker(),
-        draft_worker=None,
+        draft_worker=DraftWorker() if draft else None,
         memory_saver_adapter=None,
         flush_cache=flush_cache,
         is_fully_idle=lambda **k: True,
@@ -335,6 +357,7 @@ def _rank_main(
                 "paused": state["paused"],
                 "session": manager._session is not None,
                 "weights": {n: _digest(t) for n, t in model.tensors.items()},
+                "draft_weights": {n: _digest(t) for n, t in draft_model.tensors.items()} if draft else None,
             }
         method = {
             "/init_weights_update_group": manager.init_weights_update_group,
@@ -363,7 +386,7 @@ def _rank_main(
 # -- the HTTP front end (SGLang's http_server + tokenizer manager) ----------------------------------
 
 
-def _server_main(port: int, tp_size: int, model_dir: str, version: str, running_requests: int) -> None:
+def _server_main(port: int, tp_size: int, model_dir: str, version: str, running_requests: int, draft: bool) -> None:
     from tests.conformance import sglang_oracle
 
     sglang_oracle.install()
@@ -383,7 +406,7 @@ def _server_main(port: int, tp_size: int, model_dir: str, version: str, running_
         rank = ctx.Process(
             target=_rank_main,
             daemon=True,
-            args=(tp_rank, tp_size, tp_port, model_dir, version, running_requests, child),
+            args=(tp_rank, tp_size, tp_port, model_dir, version, running_requests, draft, child),
         )
         rank.start()
         child.close()  # so a rank's death is an EOF here
@@ -530,11 +553,13 @@ class SGLangTwin:
     """Starts a twin (`tp_size` rank processes + the HTTP process) serving `model_dir` (an HF
     directory with one `model.safetensors`: the initial weights, as `version`). A context manager."""
 
-    def __init__(self, model_dir: str, tp_size: int = 2, version: str = "0", running_requests: int = 0):
+    def __init__(
+        self, model_dir: str, tp_size: int = 2, version: str = "0", running_requests: int = 0, draft: bool = False
+    ):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = mp.get_context("spawn").Process(
-            target=_server_main, args=(self.port, tp_size, model_dir, version, running_requests)
+            target=_server_main, args=(self.port, tp_size, model_dir, version, running_requests, draft)
         )
 
     def start(self) -> "SGLangTwin":

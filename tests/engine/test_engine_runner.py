@@ -24,9 +24,10 @@ def test_updates_load_into_the_spare_model_exactly_as_a_fresh_build(qwen3_dir, t
     for update in range(3):
         names = sorted(runner.checkpoint)[update::2]  # a different half of the tensors each time
         tensors = {n: torch.randn(runner.checkpoint[n].shape, generator=generator) for n in names}
-        staged, merged = runner.build_staged(tensors)
-        assert staged is not runner.model  # staged beside the live model, which keeps serving
-        runner.swap(staged, merged)
+        staged = runner.build_staged(tensors)
+        merged = staged.checkpoint
+        assert staged.model is not runner.model  # staged beside the live model, which keeps serving
+        runner.swap(staged)
         # update 0 builds a model; later ones load into the model the previous swap replaced
         assert (runner.model is first) == (update % 2 == 1)
         if tied:  # the checkpoint has no lm_head: the head stays the embedding itself

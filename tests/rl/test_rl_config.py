@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from moe_rl.config import load_config
-from moe_rl.report import write_report
+from moe_rl.report import write_comparison, write_report
 from moe_rl.rollout.expert_load import write_expert_load
 from moe_rl.trace import write_trace
 
@@ -84,6 +84,17 @@ def test_report_writes_every_plot(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     names = {p.name for p in write_report(tmp_path)}
     assert names == {"reward.png", "staleness.png", "routing_agreement.png", "time.png", "utilization.png"}
+    # speculative rollout: its curves per run, and two runs side by side
+    other = tmp_path / "frozen"
+    other.mkdir()
+    for run_dir, accept in ((tmp_path, 0.8), (other, 0.4)):
+        spec = [
+            {**r, "rollout/spec_accept_rate": accept, "rollout/spec_tokens_per_forward": 1 + 2 * accept} for r in rows
+        ]
+        (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in spec))
+    assert "speculation.png" in {p.name for p in write_report(tmp_path)}
+    assert write_comparison([tmp_path, other]) == tmp_path / "plots" / "speculation_runs.png"
+    assert (tmp_path / "plots" / "speculation_runs.png").stat().st_size > 0
     for step in range(1, 6):  # the routing's layer x expert load (layer 0 dense)
         write_expert_load(tmp_path, step, [1, 2], np.array([[step, 4, 4, 4], [8, 0, 2, 2]]))
     assert "experts.png" in {p.name for p in write_report(tmp_path)}

@@ -49,3 +49,28 @@ def test_a_step_adds_up(monkeypatch, colocate, full_weight_sync):
     metrics = {**clock.waited(), "time/sync_s": 0.0}
     out = clock.finish(metrics, {"engines/active_s": 9.0, "rollout/generated_tokens": 50.0})
     assert out["rollout/step_generated_tokens_per_s"] == 5.0 and out["perf/engine_busy_frac"] == 0.5
+
+
+def test_speculative_rates_are_the_steps_own():
+    """Each step's rates come from the counters' growth over the step (SGLang's meta info fields,
+    summed by the engine pool), not from the run so far; no verify in a step: no rates."""
+    clock = StepClock(0.0, colocate=False, full_weight_sync=True)
+
+    def counters(verify, proposed, correct, tokens):
+        return {
+            "rollout/spec_verify_ct": verify,
+            "rollout/spec_num_proposed_drafts": proposed,
+            "rollout/spec_num_correct_drafts": correct,
+            "rollout/spec_verified_tokens": tokens,
+        }
+
+    assert clock.speculation(counters(10, 20, 15, 25)) == {
+        "rollout/spec_accept_rate": 0.75,
+        "rollout/spec_tokens_per_forward": 2.5,
+    }
+    assert clock.speculation(counters(14, 28, 16, 30)) == {  # this step: 4 verifies, 8 drafts, 1 kept
+        "rollout/spec_accept_rate": 0.125,
+        "rollout/spec_tokens_per_forward": 1.25,
+    }
+    assert clock.speculation(counters(14, 28, 16, 30)) == {}
+    assert StepClock(0.0, colocate=False, full_weight_sync=True).speculation({}) == {}

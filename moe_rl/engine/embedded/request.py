@@ -6,6 +6,10 @@ The response has SGLang's shape: `output_ids` and `meta_info` with `id`, `finish
 `output_token_logprobs` ([logprob, token_id, None] per output token), `input_token_logprobs` ([logprob,
 token_id, None] per prompt token from `logprob_start_len`, the first one's logprob None; empty by
 default) and `routed_experts` (base64 int32 [prompt + output - 1 - routed_experts_start_len, layers, topk]).
+A speculating engine adds SGLang's speculative fields once a verifying forward has run for the
+request (`spec_verify_ct` > 0, as SGLang's `tokenizer_manager`): `spec_verify_ct` (verifying forwards
+with drafts), `spec_num_proposed_drafts`, `spec_num_correct_drafts` (drafts emitted),
+`spec_accept_rate` (correct / proposed) and `spec_accept_length` (completion_tokens / spec_verify_ct).
 
 A request with `max_new_tokens=0` is prefill-only (SGLang's scoring route, what a served teacher
 answers): it finishes at its prefill with finish reason {"type": "length", "length": 0}, no output.
@@ -41,6 +45,12 @@ class Request:
     version_spans: list[dict] = dataclasses.field(default_factory=list)
     routed: list[np.ndarray] = dataclasses.field(default_factory=list)
     num_routed_rows: int = 0
+    draft_state: tuple | None = None
+    """Speculation: (the draft's log-softmax of the first draft [V], its hidden state [H]) after the
+    row's last position; None when no valid draft exists (`speculative.Speculation`)."""
+    spec_verify_ct: int = 0
+    spec_num_proposed_drafts: int = 0
+    spec_num_correct_drafts: int = 0
     input_logprobs: list[float | None] | None = None
     """log p(input_ids[t] | input_ids[:t]) for t from logprob_start_len (None at that first one, as
     SGLang); set by the first prefill (a retracted request keeps them)."""
@@ -108,6 +118,14 @@ class Request:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(self.logprobs, self.output_ids)]
             scored = zip(self.input_logprobs or [], self.input_ids[max(self.logprob_start_len, 0) :])
             meta["input_token_logprobs"] = [[lp, tok, None] for lp, tok in scored]
+        if self.spec_verify_ct:
+            meta.update(
+                spec_verify_ct=self.spec_verify_ct,
+                spec_num_proposed_drafts=self.spec_num_proposed_drafts,
+                spec_num_correct_drafts=self.spec_num_correct_drafts,
+                spec_accept_rate=self.spec_num_correct_drafts / max(self.spec_num_proposed_drafts, 1),
+                spec_accept_length=len(self.output_ids) / self.spec_verify_ct,
+            )
         if self.return_routed_experts and self.routed:
             rows = np.concatenate(self.routed)[: len(self.input_ids) + len(self.output_ids) - 1]
             meta["routed_experts"] = encode_routed_experts(rows[self.routed_experts_start_len :])

@@ -23,10 +23,17 @@ Memory occupation (SGLang's `/release_memory_occupation` tag "weights", for colo
 only names, shapes and dtypes; `reallocate_weights` re-allocates the checkpoint (zeros: like SGLang's
 re-mapped memory, it holds no valid weights) and the next weight update must then carry every
 tensor, after which the model is built again. Until then there is no model to run.
+
+Speculative decoding (`speculative_steps` > 0): the checkpoint's MTP layer (HF layers from
+`num_hidden_layers`, which the main model does not load) is the draft (`draft.MtpDraft`). A staged
+version is the pair (model, draft) built from the same merged checkpoint, swapped in together: a
+version never serves a draft from another version. The forward then also returns the main model's
+final hidden states (the draft's input), captured at its final norm.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import re
 from pathlib import Path
@@ -40,6 +47,7 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import convert_and_load_state_dict_in_model
 from transformers.modeling_utils import LoadStateDictConfig
 
+from moe_rl.engine.embedded.draft import MtpDraft, is_mtp_name
 from moe_rl.engine.embedded.lora import LoraAdapter
 from moe_rl.engine.embedded.lora_hooks import LoraSet
 from parallel.fp8 import BlockFP8
@@ -67,14 +75,25 @@ def load_checkpoint_state(model_dir: str | Path, fp8: BlockFP8 | None = None) ->
     return state
 
 
+@dataclasses.dataclass(frozen=True)
+class Staged:
+    """A version ready to serve: its model, its draft (None without speculation), its checkpoint."""
+
+    model: torch.nn.Module
+    draft: MtpDraft | None
+    checkpoint: dict[str, torch.Tensor]
+
+
 class ModelRunner:
     """Owns the live model, its routing hooks and the forward used by the scheduler.
 
     Not thread-safe: only the scheduler thread calls `forward` and `swap`.
     """
 
-    def __init__(self, model_dir: str | Path, device: str = "cpu"):
+    def __init__(self, model_dir: str | Path, device: str = "cpu", speculative_steps: int = 0):
         self.model_dir = str(model_dir)
+        self.speculative_steps = speculative_steps
+        """Draft tokens per verifying forward (0: no speculation, no draft)."""
         self.device = torch.device(device)  # the live model's; the checkpoint tensors stay in host memory
         if self.device.type == "cuda":  # an NCCL weight-update group uses the current device
             if self.device.index is None:  # plain "cuda": set_device needs an index
@@ -103,9 +122,11 @@ class ModelRunner:
         self.topk = text_config.num_experts_per_tok
         self.vocab_size = text_config.vocab_size
         self._captured: dict[int, torch.Tensor] = {}
+        self._hidden: torch.Tensor | None = None  # the final norm's output of the last forward (speculation)
         self._hooks: list = []
         self.lora = LoraSet()
         self.model = self._install(self._build(self.checkpoint))
+        self.draft = self._draft(self.checkpoint)
         self._spare: torch.nn.Module | None = None  # the model the last swap replaced: the next staged one
         # The model's objects live as long as the engine: a full pass of the cyclic garbage collector
         # over them stalled a forward or a commit by ~0.2 s every ~20 steps; frozen, it skips them.
@@ -116,8 +137,8 @@ class ModelRunner:
 
     # -- model lifecycle -------------------------------------------------------------------------
 
-    def build_staged(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.nn.Module, dict]:
-        """A new model from the current checkpoint with `tensors` (checkpoint names) replaced.
+    def build_staged(self, tensors: dict[str, torch.Tensor]) -> Staged:
+        """A new model (and draft) from the current checkpoint with `tensors` (checkpoint names) replaced.
 
         Raises ValueError for names or shapes the checkpoint does not have. Does not touch the live
         model: the caller swaps it in between forwards.
@@ -143,20 +164,30 @@ class ModelRunner:
                 )
         # copy: the receiver reuses its storage two versions later, the checkpoint must not alias it
         merged = {**self.checkpoint, **{k: v.to(self.checkpoint[k].dtype, copy=True) for k, v in tensors.items()}}
-        if self._spare is None:
-            return self._build(merged), merged
-        return self._load(self._spare, merged), merged
+        model = self._build(merged) if self._spare is None else self._load(self._spare, merged)
+        return Staged(model, self._draft(merged), merged)
+
+    def _main(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`state` without the MTP layers (the draft's; the main model has no such parameters)."""
+        return {name: tensor for name, tensor in state.items() if not is_mtp_name(name, self.num_layers)}
 
     def _build(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-        model = self.model_class.from_pretrained(None, config=self.config, state_dict=state, dtype=torch.float32)
+        model = self.model_class.from_pretrained(
+            None, config=self.config, state_dict=self._main(state), dtype=torch.float32
+        )
         return model.to(self.device)
+
+    def _draft(self, state: dict[str, torch.Tensor]) -> MtpDraft | None:
+        if not self.speculative_steps:
+            return None
+        return MtpDraft(self.model_class, self.config, state, self.device)
 
     def _load(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
         """`model` (not the live one) holding every tensor of `state` (a full checkpoint), converted
         as `from_pretrained` converts them."""
         config = LoadStateDictConfig(dtype=torch.float32, weight_mapping=get_model_conversion_mapping(model))
         with torch.no_grad():
-            info, _ = convert_and_load_state_dict_in_model(model, dict(state), config)
+            info, _ = convert_and_load_state_dict_in_model(model, self._main(state), config)
             model.tie_weights()  # the loader replaces parameters: tie them again, as from_pretrained does
         params = dict(model.named_parameters(remove_duplicate=False))
         loaded = [p for name, p in params.items() if name not in info.missing_keys]
@@ -167,8 +198,9 @@ class ModelRunner:
         )
         return model
 
-    def swap(self, model: torch.nn.Module, checkpoint: dict[str, torch.Tensor]) -> None:
-        """Make a staged model live (scheduler thread, between forwards)."""
+    def swap(self, staged: Staged) -> None:
+        """Make a staged version live, model and draft together (scheduler thread, between forwards)."""
+        model = staged.model
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -177,14 +209,14 @@ class ModelRunner:
             if first:  # both models exist from now on: out of the cyclic collector's full passes
                 gc.freeze()
         self.model = self._install(model)
-        self.checkpoint = checkpoint
+        self.draft, self.checkpoint = staged.draft, staged.checkpoint
         self.weights_state = "loaded"
 
     def release_weights(self) -> None:
         """Free the model and checkpoint tensors (scheduler thread, no request running)."""
         for hook in self._hooks:
             hook.remove()
-        self._hooks, self.model, self._spare, self.checkpoint = [], None, None, None
+        self._hooks, self.model, self._spare, self.checkpoint, self.draft = [], None, None, None, None
         self.weights_state = "released"
         gc.unfreeze()  # the models' objects may be collected again
         gc.collect()
@@ -219,7 +251,7 @@ class ModelRunner:
         """Bind `adapter` to the live model and hook its targets (scheduler thread, between forwards)."""
         self.require_weights()
         self.lora.add(adapter, self.model)
-        self.swap(self.model, self.checkpoint)
+        self.swap(Staged(self.model, self.draft, self.checkpoint))
 
     def remove_lora(self, name: str) -> None:
         """Drop an adapter if loaded (scheduler thread; the server first waits until no request uses it)."""
@@ -227,7 +259,7 @@ class ModelRunner:
             return
         self.lora.remove(name)
         if self.model is not None:
-            self.swap(self.model, self.checkpoint)
+            self.swap(Staged(self.model, self.draft, self.checkpoint))
 
     def _install(self, model: torch.nn.Module) -> torch.nn.Module:
         model.eval()
@@ -243,7 +275,12 @@ class ModelRunner:
                 self._hooks.append(module.register_forward_hook(self._capture_hook(int(match.group(1)))))
         if not self._hooks:
             raise ValueError(f"{type(model).__name__} has no {router_class.__name__} modules")
+        if self.speculative_steps:
+            self._hooks.append(model.model.norm.register_forward_hook(self._hidden_hook))
         return model
+
+    def _hidden_hook(self, module, args, output) -> None:
+        self._hidden = output.detach()
 
     def _capture_hook(self, layer: int):
         def hook(module, args, output):
@@ -270,6 +307,30 @@ class ModelRunner:
         fed tokens' own logprobs [B, S - 1] (column t: log p(input_ids[:, t + 1] | ...), for prompt
         logprobs; every position's logits are then computed), else None. Updates `cache` in place.
         """
+        logprobs, routed = self._run(input_ids, attention_mask, cache, adapters, 0 if score_inputs else 1)
+        inputs = None
+        if score_inputs:
+            inputs = logprobs[:, :-1].gather(-1, input_ids[:, 1:, None].to(logprobs.device)).squeeze(-1).cpu()
+        return logprobs[:, -1].cpu(), routed, inputs
+
+    @torch.no_grad()
+    def verify(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache, adapters: list[str | None]
+    ) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
+        """`forward` that keeps every fed position (speculation's verifying forward): the log-softmax
+        [B, S, V], the routed experts [B, S, num_layers, topk] and the final hidden states [B, S, H]."""
+        logprobs, routed = self._run(input_ids, attention_mask, cache, adapters, 0)
+        return logprobs.cpu(), routed, self.hidden
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        """The main model's final (normed) hidden states [B, S, H] of the last forward (speculation only)."""
+        assert self._hidden is not None, "hidden states are captured with speculative_steps > 0"
+        return self._hidden
+
+    def _run(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache, adapters, keep: int
+    ) -> tuple[torch.Tensor, np.ndarray]:
         self.require_weights()
         batch, seq = input_ids.shape
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
@@ -282,16 +343,12 @@ class ModelRunner:
             position_ids=position_ids,
             cache=cache,
             use_cache=True,
-            logits_to_keep=0 if score_inputs else 1,
+            logits_to_keep=keep,
         )
-        logprobs = torch.log_softmax(out.logits.float(), dim=-1)
-        inputs = None
-        if score_inputs:
-            inputs = logprobs[:, :-1].gather(-1, input_ids[:, 1:, None]).squeeze(-1).cpu()
         routed = np.zeros((batch, seq, self.num_layers, self.topk), dtype=np.int32)
         for layer, indices in self._captured.items():
             routed[:, :, layer, :] = indices.reshape(batch, seq, self.topk).cpu().numpy()
-        return logprobs[:, -1].cpu(), routed, inputs
+        return torch.log_softmax(out.logits.float(), dim=-1), routed
 
     def describe(self) -> dict:
         return {

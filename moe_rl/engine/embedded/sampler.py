@@ -24,6 +24,17 @@ def sample_tokens(
     """The next token of each row of `logprobs` [rows, V] under its row's `params`, drawn with its
     `uniforms` value in (0, 1]; and, per row, whether the draw was valid (False where the row's
     scores hold no finite probability mass, e.g. NaN logits: that request fails, no other)."""
+    probs = probabilities(logprobs, params)
+    total = probs.sum(-1)
+    greedy = torch.tensor([p.temperature < SAMPLING_EPS for p in params])
+    valid = greedy | (torch.isfinite(total) & (total > 0))
+    return draw(probs, torch.tensor(uniforms, dtype=probs.dtype)).tolist(), valid.tolist()
+
+
+def probabilities(logprobs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row of `logprobs` [rows, V] samples from under its row's `params`
+    (temperature, top-k, top-p; unnormalized after top-p); a greedy row is one-hot on its argmax.
+    Speculative decoding applies the acceptance rule to these (`speculative.accept`)."""
     rows, vocab = logprobs.shape
     temperature = torch.tensor([p.temperature for p in params], dtype=logprobs.dtype)
     greedy = temperature < SAMPLING_EPS
@@ -38,11 +49,15 @@ def sample_tokens(
         ordered, order = probs.sort(dim=-1, descending=True)
         outside = ordered.cumsum(-1) - ordered > top_p[:, None]
         probs = torch.zeros_like(probs).scatter(1, order, ordered.masked_fill(outside, 0.0))
+    if bool(greedy.any()):
+        onehot = torch.zeros_like(probs).scatter(1, logprobs.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], onehot, probs)
+    return probs
+
+
+def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw from each row of `probs` [rows, V] (unnormalized) with `uniforms` [rows] in
+    (0, 1]: the first token whose cumulative mass reaches u * total (u > 0: it has mass of its own)."""
     cdf = probs.cumsum(-1)
-    total = cdf[:, -1]
-    # the first token whose cumulative mass reaches u * total: u > 0, so it has mass of its own
-    threshold = torch.tensor(uniforms, dtype=cdf.dtype) * total
-    drawn = (cdf < threshold[:, None]).sum(-1).clamp_max(vocab - 1)
-    tokens = torch.where(greedy, logprobs.argmax(-1), drawn)
-    valid = greedy | (torch.isfinite(total) & (total > 0))
-    return tokens.tolist(), valid.tolist()
+    threshold = uniforms.to(cdf.dtype) * cdf[:, -1]
+    return (cdf < threshold[:, None]).sum(-1).clamp_max(probs.shape[-1] - 1)

@@ -14,6 +14,12 @@ i.e. log pi(token | prefix) of the policy, which is what the trainer recomputes.
 admits a request asking for prompt logprobs (`logprob_start_len` >= 0) computes every position's
 logits; a prefill-only request (`max_new_tokens=0`: a score, e.g. the consistency probe's) leaves
 right after it, holding no KV, so a full batch (`max_batch`) does not hold it back.
+
+Speculative decoding (a runner with `speculative_steps` > 0): each decode iteration is
+`speculative.Speculation.step` (k MTP drafts, one verifying forward, the acceptance rule, roll
+back), emitting 1 to k + 1 tokens per request; the draft's KV is one more slot of the same cache, so
+merging, retracting and removing rows treat target and draft alike. A weight swap invalidates the
+running requests' pending drafts (they came from the previous version's draft).
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ import torch
 from transformers import DynamicCache
 
 from moe_rl.engine.embedded.request import Request
-from moe_rl.engine.embedded.runner import ModelRunner
+from moe_rl.engine.embedded.runner import ModelRunner, Staged
 from moe_rl.engine.embedded.sampler import sample_tokens
+from moe_rl.engine.embedded.speculative import Speculation, compact
 from moe_rl.trace import TRACER
 
 
@@ -46,6 +53,7 @@ class Scheduler:
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None  # [B, T] 1 = real token, left padded
         self._stopping = False
+        self.speculation = Speculation(runner) if runner.speculative_steps else None
         self._thread = threading.Thread(target=self._loop, name="embedded-scheduler", daemon=True)
         self._thread.start()
 
@@ -119,10 +127,12 @@ class Scheduler:
         assert self.idle, "release only when idle"
         self._drop_batch()
 
-    def set_weights(self, model: torch.nn.Module, checkpoint: dict, version: str) -> None:
-        """Swap in a staged model: the next forward uses it, tokens after it carry `version`."""
-        self.runner.swap(model, checkpoint)
+    def set_weights(self, staged: Staged, version: str) -> None:
+        """Swap in a staged version: the next forward uses it, tokens after it carry `version`."""
+        self.runner.swap(staged)
         self.weight_version = version
+        for request in self._running:  # drafted by the previous version's draft: none is used
+            request.draft_state = None
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -181,11 +191,18 @@ class Scheduler:
             request.add_routing(fed[request.num_routed_rows :])
             if request.wants_input_logprobs:  # the prompt's tokens sit from column width - len(seq)
                 request.set_input_logprobs(inputs[row, width - len(seq) :].tolist())
+        done = self._sample(new, logprobs)
+        if self.speculation is not None:
+            self.speculation.prefill(new, ids, mask, cache)
+        first = len(self._running)
         self._merge(new, cache, mask)
         self._admitting = []
-        self._sample_and_finish(len(self._running) - len(new), logprobs)
+        self._remove_rows([first + i for i in done])
 
     def _decode(self) -> None:
+        if self.speculation is not None:
+            self._speculate()
+            return
         ids = torch.tensor([[r.output_ids[-1]] for r in self._running], dtype=torch.long)
         self._mask = torch.cat([self._mask, torch.ones(len(self._running), 1, dtype=torch.long)], dim=1)
         adapters = [r.lora_name for r in self._running]
@@ -193,15 +210,42 @@ class Scheduler:
             logprobs, routed, _ = self.runner.forward(ids, self._mask, self._cache, adapters)
         for row, request in enumerate(self._running):
             request.add_routing(routed[row])
-        self._sample_and_finish(0, logprobs)
+        self._remove_rows(self._sample(self._running, logprobs))
 
-    def _sample_and_finish(self, first: int, logprobs: torch.Tensor) -> None:
-        """Sample the next token of running rows first.. from `logprobs` [rows, V] (one batched
-        draw, `sampler.sample_tokens`); retire finished rows."""
-        rows = self._running[first : first + len(logprobs)]
-        done = [first + i for i, request in enumerate(rows) if request.prefill_only]
+    def _speculate(self) -> None:
+        with TRACER.span("speculate", rows=len(self._running)):
+            emitted, self._mask = self.speculation.step(self._running, self._mask, self._cache)
+        done = []
+        for row, (request, out) in enumerate(zip(self._running, emitted)):
+            if not out.valid:
+                request.fail(ValueError(f"request {request.rid}: no finite probability to sample from"))
+                done.append(row)
+                continue
+            request.spec_verify_ct += out.proposed > 0
+            request.spec_num_proposed_drafts += out.proposed
+            for j, (token, logprob) in enumerate(zip(out.tokens, out.logprobs)):
+                request.add_routing(out.routing[j : j + 1])  # the row of the token fed before it
+                request.spec_num_correct_drafts += j < out.accepted
+                if self._emit(request, token, logprob):
+                    done.append(row)
+                    break
+        self._mask = compact(self._cache, self._mask)
+        self._remove_rows(done)
+
+    def _emit(self, request: Request, token: int, logprob: float) -> bool:
+        """Append a sampled token; finish the request if it is done (returns whether it is)."""
+        request.append_token(token, logprob, self.weight_version)
+        reason = request.finish_reason_now()
+        if reason is not None:
+            request.finish(reason, self.weight_version)
+        return reason is not None
+
+    def _sample(self, rows: list[Request], logprobs: torch.Tensor) -> list[int]:
+        """Sample the next token of `rows` from `logprobs` [rows, V] (one batched draw,
+        `sampler.sample_tokens`); finish the requests that are done; returns their indices."""
+        done = [i for i, request in enumerate(rows) if request.prefill_only]
         for row in done:  # max_new_tokens=0: scored, nothing to sample (SGLang's finish)
-            self._running[row].finish({"type": "length", "length": 0}, self.weight_version)
+            rows[row].finish({"type": "length", "length": 0}, self.weight_version)
         sampling = [i for i, request in enumerate(rows) if not request.prefill_only]
         if sampling:
             picked = logprobs[sampling] if len(sampling) < len(rows) else logprobs
@@ -213,14 +257,10 @@ class Scheduler:
                 request = rows[i]
                 if not ok:  # this row's scores had no probability mass: it fails, no other request
                     request.fail(ValueError(f"request {request.rid}: no finite probability to sample from"))
-                    done.append(first + i)
-                    continue
-                request.append_token(token, logprob, self.weight_version)
-                reason = request.finish_reason_now()
-                if reason is not None:
-                    request.finish(reason, self.weight_version)
-                    done.append(first + i)
-        self._remove_rows(sorted(done))
+                    done.append(i)
+                elif self._emit(request, token, logprob):
+                    done.append(i)
+        return sorted(done)
 
     # -- KV cache bookkeeping ----------------------------------------------------------------------
 

@@ -102,8 +102,15 @@ def _int(value: object, name: str, low: int | None = None) -> int:
 
 
 class EmbeddedServer:
-    def __init__(self, model_dir: str, weight_version: str = "0", max_batch: int = 64, device: str = "cpu"):
-        self.runner = ModelRunner(model_dir, device)
+    def __init__(
+        self,
+        model_dir: str,
+        weight_version: str = "0",
+        max_batch: int = 64,
+        device: str = "cpu",
+        speculative_steps: int = 0,
+    ):
+        self.runner = ModelRunner(model_dir, device, speculative_steps)
         self.scheduler = Scheduler(self.runner, weight_version, max_batch)
         self.receiver = WeightReceiver(version=int(weight_version) if weight_version.isdigit() else 0)
         eos = getattr(self.runner.config.get_text_config(), "eos_token_id", None)
@@ -353,6 +360,7 @@ class EmbeddedServer:
     async def server_info(self, http: web.Request) -> web.Response:
         # SGLang's /server_info is its resolved server args plus live state: the ones that describe
         # this engine, under SGLang's names (what clients read: tp/dp/pp sizes, model, version).
+        steps = self.runner.speculative_steps
         return web.json_response(
             {
                 "model_path": self.runner.model_dir,
@@ -370,6 +378,11 @@ class EmbeddedServer:
                 "enable_lora": True,
                 "enable_memory_saver": True,
                 "enable_return_routed_experts": True,
+                # SGLang's speculative args: the MTP layer drafts a chain (`draft.MtpDraft`)
+                "speculative_algorithm": "NEXTN" if steps else None,
+                "speculative_num_steps": steps or None,
+                "speculative_eagle_topk": 1 if steps else None,
+                "speculative_num_draft_tokens": steps + 1 if steps else None,
                 "version": "embedded",
             }
         )
@@ -447,12 +460,12 @@ class EmbeddedServer:
     # -- weights -----------------------------------------------------------------------------------
 
     async def _swap(self, tensors: dict, version: str, abort_all: bool) -> None:
-        model, checkpoint = await asyncio.to_thread(self.runner.build_staged, tensors)
+        staged = await asyncio.to_thread(self.runner.build_staged, tensors)
 
         def swap() -> None:
             if abort_all:
                 self.scheduler.abort(None)
-            self.scheduler.set_weights(model, checkpoint, version)
+            self.scheduler.set_weights(staged, version)
 
         await self._on_scheduler(swap)
 
@@ -633,7 +646,9 @@ def serve(config: EmbeddedConfig) -> None:
     """Blocking: load the model and serve until SIGINT/SIGTERM (on `config.port`, which must be set)."""
     if _has_fd(sys.stderr):  # `moe-rl stacks`: every thread's stack to the log (not in-process under pytest)
         faulthandler.register(signal.SIGUSR2, all_threads=True)
-    server = EmbeddedServer(str(config.model_path), config.weight_version, config.max_batch, config.device)
+    server = EmbeddedServer(
+        str(config.model_path), config.weight_version, config.max_batch, config.device, config.speculative_steps
+    )
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request
     web.run_app(
         server.app(), host=config.host, port=config.port, print=None, handle_signals=True, handler_cancellation=True

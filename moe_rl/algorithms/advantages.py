@@ -9,7 +9,14 @@ exactly 0 and it carries no learning signal: in the batch it only adds tokens to
 Such groups are flagged (`zero_variance`); leaving them out is the rollout's job
 (`rollout.drop_zero_variance_groups` drops them at generation and starts a fresh prompt, so the
 batch keeps its size). The per-token `advantages` tensor the loss reads is A_i broadcast
-over sample i's response tokens; building it is the batch builder's job.
+over sample i's response tokens; building it is the batch builder's job, from `token_advantages`.
+
+On-policy distillation (`algorithm.distill`, docs/signals.md): with the teacher's logprob T_t and
+the engine's (the student's) logprob S_t of each sampled response token t, the per-token reverse KL
+estimate is k_t = S_t - T_t (KL(student || teacher) at the sampled token), and
+- mode "pure": A_t = -coef * k_t: the task reward is not trained on (a group of equal rewards
+  still teaches: nothing is dropped for zero variance);
+- mode "add":  A_t = A_i - coef * k_t.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_rl.algorithms.config import AlgorithmConfig
+from moe_rl.algorithms.config import AlgorithmConfig, DistillConfig
 from moe_rl.sample import Sample
 
 
@@ -76,3 +83,25 @@ def _groups(group_ids: Sequence[Hashable]) -> dict[Hashable, list[int]]:
     for i, group_id in enumerate(group_ids):
         groups.setdefault(group_id, []).append(i)
     return groups
+
+
+def token_advantages(sample: Sample, advantage: float, distill: DistillConfig | None) -> torch.Tensor:
+    """float32 [response_len]: the advantage of each of `sample`'s response tokens, from its group
+    advantage and, with distillation, the teacher's logprobs (module docstring)."""
+    group = torch.full((len(sample.response_ids),), float(advantage))
+    if distill is None:
+        return group
+    if sample.teacher_logprobs is None:
+        raise ValueError(
+            f"sample of group {sample.group_id!r} has no teacher_logprobs but algorithm.distill is set: "
+            "the rollout scores every group with the teacher (moe_rl.signals.teacher)"
+        )
+    taught = -distill.coef * reverse_kl(sample)
+    return taught if distill.mode == "pure" else group + taught
+
+
+def reverse_kl(sample: Sample) -> torch.Tensor:
+    """float32 [response_len]: k_t = student logprob - teacher logprob of each sampled token."""
+    return torch.tensor(sample.rollout_logprobs, dtype=torch.float32) - torch.tensor(
+        sample.teacher_logprobs, dtype=torch.float32
+    )

@@ -39,6 +39,7 @@ from moe_rl.rollout.config import RolloutConfig
 from moe_rl.rollout.partial import continuation_request, continue_sample, mask_older_tokens
 from moe_rl.rollout.scoring import RewardScorer
 from moe_rl.sample import Sample
+from moe_rl.signals.teacher import Teacher
 from moe_rl.tasks import Prompt, Task, get_reward
 from moe_rl.tasks.registry import resolve_agent
 from moe_rl.trace import TRACER
@@ -55,8 +56,11 @@ class RolloutManager:
         tokenizer_dir: str | Path | None = None,
         version: int = 0,
         adapters: bool = False,
+        teacher: Teacher | None = None,
     ):
+        """`teacher`: on-policy distillation, scores every finished group's tokens (`moe_rl.signals.teacher`)."""
         self.config, self.pool = config, pool
+        self.teacher = teacher
         self.adapters = adapters
         self.task = task = task or config.make_task(tokenizer_dir)
         self.reward_fn = get_reward(config.reward) if config.reward else task.reward
@@ -247,9 +251,10 @@ class RolloutManager:
             self.pool.release_group(gid)
         scored = time.time()
         TRACER.add("generate", start, scored, lane="groups", group=gid)
-        rewards = await asyncio.gather(
+        rewards = asyncio.gather(
             *[self.scorer.score(self.task.decode(s.response_ids), s.metadata.get("answer"), s) for s in samples]
         )
+        rewards, _ = await asyncio.gather(rewards, self._teach(samples))  # the rewards and the teacher at once
         TRACER.add("reward", scored, time.time(), lane="groups", group=gid)
         for sample, reward in zip(samples, rewards):
             sample.reward = reward
@@ -284,7 +289,12 @@ class RolloutManager:
             self.pool.release_group(gid)
         for sample in samples:
             sample.metadata.update(messages=prompt.messages, tools=prompt.tools)
+        await self._teach(samples)
         return self._filtered(gid, samples)
+
+    async def _teach(self, samples: list[Sample]) -> None:
+        if self.teacher is not None:
+            await self.teacher.score_group(samples)
 
     async def _generate_sample(self, gid: str, index: int) -> Sample:
         """Sample `index` of group `gid`, continued from its state in `_inflight` (which every

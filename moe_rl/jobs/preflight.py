@@ -79,7 +79,7 @@ def check_run(config: RunConfig) -> None:
             f"rollout.task={rollout.task!r}: building it with rollout.task_options raised "
             f"{type(error).__name__}: {error}; fix the options or the class"
         ) from error
-    if rollout.reward:
+    if rollout.reward and rollout.reward != "judge":  # a judge's config is checked where it is built
         get_reward(rollout.reward)
     longest = check_prompts(config, task, rollout.agent, rollout.max_new_tokens, "rollout")
     check_eval(config)
@@ -104,6 +104,11 @@ def check_eval(config: RunConfig) -> None:
         if resolved.task is not None:
             check_task_options(resolved.task, resolved.task_options, dataset.field)
         task = resolved.make_task(config.model.tokenizer_dir)
+        if resolved.reward == "judge":
+            raise ValueError(
+                f"{dataset.field}.reward='judge': the served judge scores training rollouts only; "
+                "give the eval dataset a rule reward (e.g. math)"
+            )
         if resolved.reward:
             get_reward(resolved.reward, f"{dataset.field}.reward")
         check_prompts(config, task, resolved.agent, resolved.max_new_tokens, dataset.field)

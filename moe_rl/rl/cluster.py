@@ -14,9 +14,10 @@ Start-up, in order:
      (`moe_rl.cpu_pools`; the driver, pinned first, and the Ray it starts share the trainer's) and
      `cpu_pools.json` records the cores each reports;
   5. the trainer's sync source joins the engines' weight-update group (`WeightSender`);
-  6. with `algorithm.distill`, each teacher given by `path` starts as a `ServedModel` actor on the
-     engines' kind (placed like one more engine, not pinned; `url` teachers are only checked);
-  7. the `RolloutWorker` actor starts generating (and scoring with the teachers).
+  6. the served models (`algorithm.distill`'s teachers, `rollout.judge`) given by `path` start as
+     `ServedModel` actors on the engines' kind (placed like one more engine each, not pinned;
+     those given by `url` are only checked);
+  7. the `RolloutWorker` actor starts generating (and scoring with the teachers and the judge).
 `close()` undoes them in reverse and returns the rollout ledger.
 
 Engine faults (the driver's side; the trainer is never stopped): an engine found dead, by the
@@ -56,7 +57,7 @@ from moe_rl.rl.ray_init import init_ray
 from moe_rl.rl.resume import RunCheckpoint
 from moe_rl.rl.rollout_actor import BatchRequest, EngineServer, RolloutWorker, TrainBatch, engine_placement
 from moe_rl.rl.trainer_group import SaveHFRequest, TrainerGroup
-from moe_rl.signals.served import ServedModel
+from moe_rl.signals.served import ServedConfig, ServedModel
 from moe_rl.trace import TRACER
 from moe_rl.trainer.weight_sync import ConnectRequest, SyncRequest
 from parallel.bridges import bridge_for
@@ -76,16 +77,15 @@ class RayDemand:
 
 def ray_demand(config: RunConfig, use_gpus: bool) -> RayDemand:
     """What `RLCluster` will place: one bundle per trainer rank (a GPU each on GPUs), each engine
-    server (`engine_placement`; colocated ones hold nothing), each started teacher (as an engine
-    of its own) and the rollout worker (1 CPU)."""
+    server (`engine_placement`; colocated ones hold nothing), each served model it starts (a
+    teacher, a judge: an engine of its own) and the rollout worker (1 CPU)."""
     world = config.trainer.world_size
     engines = [
         options for options, _ in engine_placement(config.engines, config.rl.colocate, [("node", ["0"])] * world)
     ]
     trainer_gpus = world if use_gpus else 0
-    distill = config.algorithm.distill
-    teachers = [served for served in distill.served().values() if served.path] if distill else []
-    engines += [engine_placement(config.engines, colocate=False)[0][0]] * len(teachers)
+    started = [served for served in served_models(config).values() if served.path]
+    engines += [engine_placement(config.engines, colocate=False)[0][0]] * len(started)
     engine_gpus = [options["num_gpus"] if use_gpus else 0 for options in engines]
     return RayDemand(
         cpus=world + sum(options["num_cpus"] for options in engines) + 1,
@@ -110,6 +110,18 @@ def require_resources(demand: RayDemand) -> None:
         )
 
 
+JUDGE = "judge"
+"""`served_models`' key of the judge (teachers are keyed by task name, None for the default)."""
+
+
+def served_models(config: RunConfig) -> dict[str | None, ServedConfig]:
+    """The models a run serves beside the policy: distillation teachers by task name, the judge."""
+    served = dict(config.algorithm.distill.served()) if config.algorithm.distill else {}
+    if config.rollout is not None and config.rollout.judge is not None:
+        served[JUDGE] = config.rollout.judge.served
+    return served
+
+
 class RLCluster:
     def __init__(
         self,
@@ -122,7 +134,7 @@ class RLCluster:
         (`detach_engines`); the restarted trainer sends them its version instead of new ones starting."""
         self.config, self.run_dir, self.restore, self.kept = config, run_dir, restore, bool(kept)
         self.trainer = self.rollout = self.fleet = None
-        self.teachers: list[ray.actor.ActorHandle] = []  # `ServedModel` actors this run started
+        self.served: list[ray.actor.ActorHandle] = []  # `ServedModel` actors this run started
         self.detached = False  # `detach_engines` took the engines: `close` leaves them and Ray
         # engine index -> its EngineServer (removed: gone); kept ones numbered 0..n-1 again (the new
         # rollout worker and sender name engines by position)
@@ -172,7 +184,7 @@ class RLCluster:
             self._adopt_engines()
         else:
             self._start_engines()
-        teacher_urls = self._start_teachers()
+        served = self._start_served()
         urls = ray.get([engine.url.remote() for engine in self.engines])
         connect = ConnectRequest(tuple(urls), cfg.sync, cfg.engines.kind, version, self._adapter_sync(), kept=self.kept)
         self.trainer.connect(connect)
@@ -191,29 +203,29 @@ class RLCluster:
             cfg.eval,
             num_experts=bridge.num_experts,
             moe_layers=tuple(bridge.moe_layers),
-            teacher_urls=teacher_urls,
+            teacher_urls={task: url for task, url in served.items() if task != JUDGE} or None,
+            judge_url=served.get(JUDGE),
         )
         ray.get(self.rollout.start.remote(self.restore))
         if cfg.cpu_pools is not None:
             self._record_cores()
         self.fleet = EngineFleet(self)  # from here `moe-rl engines` gets answers
 
-    def _start_teachers(self) -> dict[str | None, str] | None:
-        """`algorithm.distill`'s teachers by task name -> URL: those given by `path` started as
+    def _start_served(self) -> dict[str | None, str]:
+        """The run's served models (`served_models`) -> URL: those given by `path` started as
         `ServedModel` actors (at once, beside the engines' start-up), `url` ones checked for /health."""
         cfg = self.config
-        if cfg.algorithm.distill is None:
-            return None
         options, _ = engine_placement(cfg.engines, colocate=False)[0]
         urls: dict[str | None, str | ray.ObjectRef] = {}
-        for task, served in cfg.algorithm.distill.served().items():
+        for key, served in served_models(cfg).items():
             if served.url is not None:
-                urls[task] = ServedModel(served, cfg.engines).url()
+                urls[key] = ServedModel(served, cfg.engines).url()
                 continue
-            log = str(self.run_dir / (f"teacher-{task}.log" if task else "teacher.log"))
-            self.teachers.append(ray.remote(ServedModel).options(**options).remote(served, cfg.engines, log))
-            urls[task] = self.teachers[-1].url.remote()
-        return {task: url if isinstance(url, str) else ray.get(url) for task, url in urls.items()}
+            name = JUDGE if key == JUDGE else "teacher" if key is None else f"teacher-{key}"
+            log = str(self.run_dir / f"{name}.log")
+            self.served.append(ray.remote(ServedModel).options(**options).remote(served, cfg.engines, log))
+            urls[key] = self.served[-1].url.remote()
+        return {key: url if isinstance(url, str) else ray.get(url) for key, url in urls.items()}
 
     @property
     def engines(self) -> list[ray.actor.ActorHandle]:
@@ -433,7 +445,7 @@ class RLCluster:
         finally:
             if self.trainer is not None:
                 self.trainer.close()
-            for server in self.engines + self.teachers:
+            for server in self.engines + self.served:
                 ray.get(server.stop.remote())
             if not self.detached:  # kept engines live in this Ray
                 ray.shutdown()

@@ -8,6 +8,7 @@ from typing import Any
 
 from moe_rl.agents.config import EpisodeConfig
 from moe_rl.rollout.buffer import STALE_POLICIES
+from moe_rl.signals.judge import JudgeConfig
 from moe_rl.tasks import make_task
 
 
@@ -34,7 +35,10 @@ class RolloutConfig:
     others under their names). None: `metadata` if present, plus verl's `data_source`, `ability`,
     `extra_info` where present."""
     reward: str | None = None
-    """None: the task's own reward; else "math", a task name, or "package.module:function"."""
+    """None: the task's own reward; else "math", a task name, "package.module:function", or "judge"
+    (the served model `rollout.judge` scores, `moe_rl.signals.judge`)."""
+    judge: JudgeConfig | None = None
+    """With `reward: judge`: the judge, `{kind, path | url, template, parse, ...}` (docs/signals.md)."""
     agent: str | None = None
     """Multi-turn episodes: "package.module:function", an async function of an
     `moe_rl.agents.Episode` that returns the reward (docs/agents.md). None: single-turn samples."""
@@ -109,6 +113,10 @@ class RolloutConfig:
             raise ValueError(f"rollout.oversample_factor={self.oversample_factor}: must be >= 1")
         if self.drop_zero_variance_groups and self.n_samples_per_prompt < 2:
             raise ValueError("rollout.drop_zero_variance_groups needs rollout.n_samples_per_prompt >= 2")
+        if (self.reward == "judge") != (self.judge is not None):
+            raise ValueError("rollout.judge goes with rollout.reward='judge': set both or neither")
+        if self.judge is not None and self.agent is not None:
+            raise ValueError("rollout.judge with rollout.agent: an agent returns its episode's reward; drop one")
         if (self.task == "dataset") != (self.dataset is not None):
             raise ValueError("rollout.dataset goes with rollout.task='dataset': set both or neither")
 
@@ -120,7 +128,7 @@ class RolloutConfig:
             options.update(
                 path=self.dataset,
                 tokenizer_dir=tokenizer_dir,
-                reward=self.reward or "math",
+                reward="math" if self.reward in (None, "judge") else self.reward,  # a judge scores instead
                 apply_chat_template=self.apply_chat_template,
                 prompt_key=self.prompt_key,
                 answer_key=self.answer_key,

@@ -11,7 +11,9 @@ once, up to `max_staleness` ahead of the trainer.
 A group = `n_samples_per_prompt` generations of one prompt through the `EnginePool` (which keeps
 a group on one engine), each with logprobs and routed experts, then the rewards, through a
 `RewardScorer` (`moe_rl.rollout.scoring`: off the loop, time-limited; a reward that raises or
-hangs scores 0, counted). When the orchestrator pauses engines in abort mode for a weight swap,
+hangs scores 0, counted), or a served `Judge` (`rollout.reward: judge`, `moe_rl.signals.judge`);
+with a distillation `Teacher` the group's tokens are scored beside its rewards
+(`moe_rl.signals.teacher`). When the orchestrator pauses engines in abort mode for a weight swap,
 in-flight requests return with finish reason "abort" and their partial tokens; the manager resubmits each
 as prompt + partial response with the remaining budget (`moe_rl.rollout.partial`). In retract
 and in-place modes the engine keeps the request and its per-token versions show the switch.
@@ -39,6 +41,7 @@ from moe_rl.rollout.config import RolloutConfig
 from moe_rl.rollout.partial import continuation_request, continue_sample, mask_older_tokens
 from moe_rl.rollout.scoring import RewardScorer
 from moe_rl.sample import Sample
+from moe_rl.signals.judge import Judge
 from moe_rl.signals.teacher import Teacher
 from moe_rl.tasks import Prompt, Task, get_reward
 from moe_rl.tasks.registry import resolve_agent
@@ -57,13 +60,17 @@ class RolloutManager:
         version: int = 0,
         adapters: bool = False,
         teacher: Teacher | None = None,
+        judge: Judge | None = None,
     ):
-        """`teacher`: on-policy distillation, scores every finished group's tokens (`moe_rl.signals.teacher`)."""
+        """`teacher`: on-policy distillation, scores every finished group's tokens (`moe_rl.signals.teacher`);
+        `judge`: with `rollout.reward: judge`, gives the rewards (`moe_rl.signals.judge`)."""
         self.config, self.pool = config, pool
-        self.teacher = teacher
+        self.teacher, self.judge = teacher, judge
+        if (config.reward == "judge") != (judge is not None):
+            raise ValueError("RolloutManager: rollout.reward='judge' needs a Judge (and a Judge that reward)")
         self.adapters = adapters
         self.task = task = task or config.make_task(tokenizer_dir)
-        self.reward_fn = get_reward(config.reward) if config.reward else task.reward
+        self.reward_fn = task.reward if config.reward in (None, "judge") else get_reward(config.reward)
         self.scorer = RewardScorer(self.reward_fn, timeout_s=config.reward_timeout_s, workers=config.reward_workers)
         self.stop_token_ids = list(task.stop_token_ids)
         self.agents: AgentRunner | None = None
@@ -251,9 +258,15 @@ class RolloutManager:
             self.pool.release_group(gid)
         scored = time.time()
         TRACER.add("generate", start, scored, lane="groups", group=gid)
-        rewards = asyncio.gather(
-            *[self.scorer.score(self.task.decode(s.response_ids), s.metadata.get("answer"), s) for s in samples]
-        )
+        if self.judge is not None:
+            decode = self.task.decode
+            rewards = self.judge.score_group(
+                [(decode(s.prompt_ids), decode(s.response_ids), s.metadata.get("answer")) for s in samples]
+            )
+        else:
+            rewards = asyncio.gather(
+                *[self.scorer.score(self.task.decode(s.response_ids), s.metadata.get("answer"), s) for s in samples]
+            )
         rewards, _ = await asyncio.gather(rewards, self._teach(samples))  # the rewards and the teacher at once
         TRACER.add("reward", scored, time.time(), lane="groups", group=gid)
         for sample, reward in zip(samples, rewards):
@@ -413,6 +426,7 @@ class RolloutManager:
             **(self.agents.metrics() if self.agents is not None else {}),
             **self.buffer.metrics(),
             **self.scorer.metrics(),
+            **(self.judge.metrics() if self.judge is not None else {}),
             "rollout/continued_requests": self.continued_requests,
             "rollout/discarded_tokens": self.discarded_tokens,
             "rollout/groups_started": len(self.started_ids),

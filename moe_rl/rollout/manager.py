@@ -67,7 +67,7 @@ class RolloutManager:
         self.config, self.pool = config, pool
         self.teacher, self.judge = teacher, judge
         if (config.reward == "judge") != (judge is not None):
-            raise ValueError("RolloutManager: rollout.reward='judge' needs a Judge (and a Judge that reward)")
+            raise ValueError("RolloutManager: pass judge=Judge(...) exactly when rollout.reward is 'judge'")
         self.adapters = adapters
         self.task = task = task or config.make_task(tokenizer_dir)
         self.reward_fn = task.reward if config.reward in (None, "judge") else get_reward(config.reward)

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from moe_rl.algorithms import AlgorithmConfig, sample_advantages
-from moe_rl.algorithms.advantages import reverse_kl, token_advantages
+from moe_rl.algorithms.advantages import kl_baseline, reverse_kl, token_advantages
 from moe_rl.rollout import staleness
 from moe_rl.rollout.expert_load import MoELayers, load_metrics
 from moe_rl.sample import Sample
@@ -163,6 +163,7 @@ def build_batch(
     rollout_lp = torch.zeros(rows, seq)
     routed = _routing_tensor(samples, rows, seq)
     trained_advantages, kl_sum = [], 0.0
+    baselines = {g[0].group_id: kl_baseline(g) for g in groups} if algorithm.distill is not None else {}
     for i, sample in enumerate(samples):
         p, r = len(sample.prompt_ids), len(sample.response_ids)
         tokens[i, : p + r] = torch.tensor(sample.prompt_ids + sample.response_ids)
@@ -173,7 +174,7 @@ def build_batch(
         response = slice(p, p + r)
         mask = torch.tensor(sample.loss_mask)
         loss_mask[i, response] = mask
-        adv[i, response] = token_advantages(sample, advantage, algorithm.distill)
+        adv[i, response] = token_advantages(sample, advantage, algorithm.distill, baselines.get(sample.group_id, 0.0))
         if algorithm.distill is not None:  # the value on its trained tokens, for the log and dumps
             trained = mask.bool()
             advantage = float(adv[i, response][trained].mean()) if trained.any() else 0.0

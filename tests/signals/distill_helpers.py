@@ -1,10 +1,10 @@
 """A teacher that solves `copy_digits` (length 1, `max_new_tokens: 1`), made in seconds: a tiny
 Qwen3-MoE fitted with plain transformers on the task's ten prompts. Every response token `t` reads
-as the digit `t % 10`; after prompt digit `d` the teacher is fitted to the distribution that puts RIGHT_MASS evenly on the 26 tokens that
-read as `d` and the rest evenly on the others. So it scores about RIGHT_MASS, a random student
-already puts a tenth of its mass on right tokens (as GRPO's start has), and the teacher's opinion
-of wrong tokens is flat (no noise for the student to chase). It is a real HF checkpoint the
-embedded engine serves."""
+as the digit `t % 10`; after prompt digit `d` the teacher is fitted to the distribution that puts
+RIGHT_MASS evenly on the 26 tokens that read as `d` and the rest evenly on the others. So it scores
+about RIGHT_MASS, a random student already puts a tenth of its mass on right tokens (as GRPO's
+start has), and the teacher's opinion of wrong tokens is flat (no noise for the student to chase).
+It is a real HF checkpoint the embedded engine serves."""
 
 from __future__ import annotations
 

@@ -114,20 +114,24 @@ def taught(reward: float, rollout: list[float], teacher: list[float], mask: list
 
 @pytest.mark.parametrize("mode", ["pure", "add"])
 def test_token_advantages_are_the_reverse_kl(tmp_path, mode):
-    """A_t = -coef (S_t - T_t) (pure), plus the group advantage (add); reverse KL over trained tokens."""
+    """A_t = -coef (k_t - b_g) with k_t = S_t - T_t (pure), plus the group advantage (add)."""
     teacher = ServedConfig(path=str(model_dir(tmp_path / "t")))
     algorithm = AlgorithmConfig(advantage_estimator="dr_grpo", dr_grpo_norm_len=2)
     algorithm.distill = DistillConfig(teacher=teacher, coef=0.5, mode=mode)
     group = [taught(1.0, [-1.0, -2.0], [-0.5, -4.0]), taught(0.0, [-3.0, -1.0], [-1.0, -1.0], mask=[1, 0])]
     batch, info = build_batch([group], algorithm, version=0)
     reward_advantage = [0.5, -0.5] if mode == "add" else [0.0, 0.0]  # dr_grpo: r - mean
-    # k_t = S_t - T_t: row 0 (-0.5, 2.0), row 1 (-2.0, 0.0; its second token is masked)
-    expected = [[0.25, -1.0], [1.0, 0.0]]
+    # k_t = S_t - T_t: row 0 (-0.5, 2.0), row 1 (-2.0, 0.0; its second token is masked); the group's
+    # baseline b is their mean over the 3 trained tokens; A_t = -coef (k_t - b) (+ the reward's)
+    b = (-0.5 + 2.0 - 2.0) / 3
+    expected = [[-0.5 * (-0.5 - b), -0.5 * (2.0 - b)], [-0.5 * (-2.0 - b), -0.5 * (0.0 - b)]]
     for row, (tokens, base) in enumerate(zip(expected, reward_advantage)):
-        assert batch.advantages[row, 3:5].tolist() == [t + base for t in tokens]
-    assert info.reverse_kl == pytest.approx((-0.5 + 2.0 - 2.0) / 3)  # over the 3 trained tokens
+        assert batch.advantages[row, 3:5].tolist() == pytest.approx([t + base for t in tokens], abs=1e-6)
+    assert info.reverse_kl == pytest.approx(b)  # the raw mean k over the batch's trained tokens
     assert info.metrics()["distill/reverse_kl"] == info.reverse_kl and info.metrics()["time/teacher_s"] == 0.25
-    assert info.advantages == [pytest.approx(-0.375 + reward_advantage[0]), 1.0 + reward_advantage[1]]
+    assert info.advantages == pytest.approx(
+        [sum(expected[0]) / 2 + reward_advantage[0], expected[1][0] + reward_advantage[1]]
+    )
     plain = dataclasses.replace(algorithm, distill=None)
     batch, info = build_batch([group], plain, version=0)
     assert (

@@ -20,7 +20,7 @@ from tests.signals.distill_helpers import TEACHER_MODEL, copy_teacher
 pytestmark = pytest.mark.world  # Ray, a trainer rank and two engines (tests/conftest.py)
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-STEPS = 640
+STEPS = 480
 LAST = 40
 """Steps whose rewards are averaged at the end (64 samples each)."""
 

@@ -85,9 +85,9 @@ def test_scores_timeouts_and_unparsable_answers_are_counted(judge_dir):
     assert never_scores == [FAILED] * len(items) and never.metrics()["rollout/judge_unparsable"] == len(items)
 
 
-def test_a_run_logs_the_judges_parsed_scores_as_rewards(tmp_path, judge_dir):
-    steps = 2
-    run_config = from_dict(
+def judged_run(tmp_path, judge: dict, steps: int) -> RunConfig:
+    """A short sync run of copy_digits rewarded by `judge`, its samples dumped."""
+    return from_dict(
         RunConfig,
         {
             "model": {"hf_config": TEACHER_MODEL},
@@ -100,7 +100,7 @@ def test_a_run_logs_the_judges_parsed_scores_as_rewards(tmp_path, judge_dir):
                 "max_new_tokens": 2,
                 "max_staleness": 0,
                 "reward": "judge",
-                "judge": {"path": str(judge_dir), "template": TEMPLATE, "parse": PARSE, "failed_score": FAILED},
+                "judge": {"template": TEMPLATE, "parse": PARSE, "failed_score": FAILED, **judge},
                 "dump": True,
             },
             "rl": {"mode": "sync", "report": False, "save_hf": False},
@@ -108,6 +108,11 @@ def test_a_run_logs_the_judges_parsed_scores_as_rewards(tmp_path, judge_dir):
             "output_dir": str(tmp_path / "run"),
         },
     )
+
+
+def test_a_run_logs_the_judges_parsed_scores_as_rewards(tmp_path, judge_dir):
+    steps = 2
+    run_config = judged_run(tmp_path, {"path": str(judge_dir)}, steps)
     preflight.check_run(run_config)
     from moe_rl.jobs import rl
 
@@ -140,3 +145,14 @@ def test_a_run_logs_the_judges_parsed_scores_as_rewards(tmp_path, judge_dir):
         served.stop()
     assert [r["reward"] for r in records] == predicted
     assert len(records) == steps * 8 and any(reward != FAILED for reward in predicted), predicted
+
+
+def test_a_judge_that_times_out_is_counted_and_the_run_goes_on(tmp_path, judge_dir):
+    run_config = judged_run(tmp_path, {"path": str(judge_dir), "timeout_s": 1e-4}, steps=1)
+    from moe_rl.jobs import rl
+
+    rl.run(run_config)
+    (row,) = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    records = [json.loads(line) for line in open(tmp_path / "run" / "rollouts" / "step_000001.jsonl")]
+    assert [r["reward"] for r in records] == [FAILED] * 8
+    assert row["rollout/judge_timeouts"] >= 8 and row["rollout/judge_unparsable"] == row["rollout/judge_errors"] == 0

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch first, from the CPU wheel (never let a dependency pull a multi-GB CUDA build)
 TORCH ?= torch==2.13.0
 
-.PHONY: setup test test-fast lint demo demo-lora demo-agent test-mcore-latest clean
+.PHONY: setup test test-fast lint demo demo-lora demo-agent demo-distill test-mcore-latest clean
 
 setup: $(VENV)/.installed
 
@@ -34,6 +34,10 @@ demo-lora: setup
 
 demo-agent: setup
 	$(BIN)/moe-rl train configs/demo_agent_cpu.yaml --overwrite  # multi-turn tool episodes, runs/demo_agent
+
+demo-distill: setup  # on-policy distillation from `make demo`'s policy into a fresh student, runs/demo_distill
+	test -f runs/demo/final_hf/config.json || $(MAKE) demo
+	$(BIN)/moe-rl train configs/demo_distill_cpu.yaml --overwrite
 
 # Python 3.12 with megatron-core 0.19.x (what clusters run): the tiers whose code meets
 # megatron-core or a compiled package directly (bridges, checkpoints, trainer, LoRA, algorithms on

@@ -665,6 +665,13 @@ class RunConfig:
                 "LoRA run is the frozen base, the policy with its adapters off (no second model); remove "
                 "ref_model_path"
             )
+        distill = self.algorithm.distill
+        if distill is not None and distill.mode == "pure" and rollout.drop_zero_variance_groups:
+            raise ValueError(
+                "algorithm.distill.mode='pure' with rollout.drop_zero_variance_groups: the teacher's "
+                "per-token signal is the advantage, so an all-equal-reward group still teaches; set "
+                "drop_zero_variance_groups: false (or distill.mode: add)"
+            )
         if self.sync.pause_mode == "in_place" and self.sync.transport == "disk":
             # SGLang flushes the cache after a disk load and refuses while paused requests run
             raise ValueError(
@@ -808,7 +815,8 @@ def _convert(hint: Any, value: Any, name: str):
     if origin is dict or hint is dict:
         if not isinstance(value, dict):
             raise ValueError(f"{name}={value!r}: expected a mapping")
-        return value
+        item = (typing.get_args(hint) or (Any, Any))[1]
+        return {key: _convert(item, v, f"{name}.{key}") for key, v in value.items()}
     if origin is list:
         if not isinstance(value, list):
             raise ValueError(f"{name}={value!r}: expected a list")

@@ -92,6 +92,9 @@ class Sample:
     routed_experts: np.ndarray | None = None
     """[prompt_len + response_len - 1, num_hidden_layers, topk], uint8 / int16 (`routing_dtype`) or int32."""
     reward: float | None = None
+    teacher_logprobs: list[float] | None = None
+    """On-policy distillation: the teacher's logprob of each response token (`moe_rl.signals.teacher`);
+    None without a teacher."""
     status: Status = "completed"
     group_id: str = ""
     segments: int = 0
@@ -118,6 +121,11 @@ class Sample:
                     f"Sample.{name} has {len(getattr(self, name))} entries but response_ids has {n}: "
                     "give one entry per response token"
                 )
+        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
+            raise ValueError(
+                f"Sample.teacher_logprobs has {len(self.teacher_logprobs)} entries but response_ids has {n}: "
+                "give one entry per response token, or None"
+            )
         bad = [v for v in self.weight_versions if v is not None and (type(v) is not int or v < 0)]
         if bad:
             raise ValueError(

@@ -7,12 +7,47 @@ option selects are written out in `advantages.py` and `policy_loss.py`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from moe_rl.signals.config import ServedConfig
 
 ESTIMATORS = ("grpo", "dr_grpo", "gspo")
 KL_ESTIMATORS = ("k1", "k2", "mse", "k3", "low_var_kl")
 OFF_POLICY = ("tis", "icepop", "mis", "none")
+DISTILL_MODES = ("pure", "add")
+
+
+@dataclass(kw_only=True)
+class DistillConfig:
+    """On-policy distillation: a served teacher scores the student's sampled tokens and the
+    per-token reverse KL enters the advantage (`moe_rl.signals.teacher`, `advantages.py`)."""
+
+    teacher: ServedConfig | None = None
+    """The teacher, `{path: HF dir}` (started on the run's engine kind) or `{url: ...}`; it must
+    share the student's vocabulary (checked before start)."""
+    teachers: dict[str, ServedConfig] = field(default_factory=dict)
+    """Teachers by task name (a sample's `metadata["task"]`, set by task mixtures); a sample whose
+    task is not listed goes to `teacher`."""
+    coef: float = 1.0
+    """Weight of the reverse-KL term: A_t += coef * (teacher_logprob_t - rollout_logprob_t)."""
+    mode: str = "pure"
+    """"pure": the reverse-KL term is the whole advantage (the task reward is still computed and
+    logged, not trained on); "add": it is added to the task reward's group advantage."""
+
+    def __post_init__(self):
+        if self.mode not in DISTILL_MODES:
+            raise ValueError(f"algorithm.distill.mode={self.mode!r}: use one of {DISTILL_MODES}")
+        if self.teacher is None and not self.teachers:
+            raise ValueError("algorithm.distill: set teacher: {path: ...} or {url: ...} (or teachers by task name)")
+        if not self.coef > 0:
+            raise ValueError(f"algorithm.distill.coef={self.coef}: must be > 0 (e.g. 1.0)")
+        for task, served in self.served().items():
+            served.check("algorithm.distill.teacher" if task is None else f"algorithm.distill.teachers.{task}")
+
+    def served(self) -> dict[str | None, ServedConfig]:
+        """Every teacher by its task name; None keys the default `teacher`."""
+        return {**({None: self.teacher} if self.teacher is not None else {}), **self.teachers}
 
 
 @dataclass(kw_only=True)
@@ -78,6 +113,8 @@ class AlgorithmConfig:
     """MIS: sequences whose geometric-mean ratio is below this are masked out."""
     mis_high: float = 2.0
     """MIS: sequences whose geometric-mean ratio is above this are masked out."""
+    distill: DistillConfig | None = None
+    """On-policy distillation from a served teacher (docs/signals.md); None: off."""
 
     def __post_init__(self):
         _choice("advantage_estimator", self.advantage_estimator, ESTIMATORS)

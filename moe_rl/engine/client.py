@@ -251,6 +251,15 @@ class EngineClient:
             weight_version=result.weight_version,
         )
 
+    async def classify(self, input_ids: list[int]) -> float:
+        """SGLang's /classify (a reward model's sequence-classification head, served with
+        `--is-embedding`): its first output for `input_ids`, the score. The embedded engine serves
+        causal LMs only and answers 404."""
+        data = await self._request(
+            "POST", "/classify", {"input_ids": list(input_ids)}, timeout_s=self.generate_timeout_s
+        )
+        return float(data["embedding"][0])
+
     async def _result(self, rid: str, data: dict) -> GenerateResult:
         meta = data["meta_info"]
         output_ids = list(data["output_ids"])

@@ -21,6 +21,7 @@ from inside a Ray actor minutes later:
    model's positions (with YaRN, factor x original_max_position_embeddings);
 5. every eval dataset, the same way;
 6. the engines can run here (`engines.kind: sglang` needs GPUs);
+6b. `algorithm.distill`'s teachers share the student's vocabulary (`moe_rl.signals.teacher.check_vocabulary`);
 7. a token budget per micro-batch (`trainer.max_tokens_per_microbatch`) holds the longest
    sequence a step can carry (the probed prompts + `max_new_tokens`, an episode's context, or
    `data.seq_length` for a supervised run).
@@ -38,6 +39,7 @@ from pathlib import Path
 from moe_rl.agents import ChatFormat
 from moe_rl.config import ModelConfig, RunConfig
 from moe_rl.conversion.directory import is_converted
+from moe_rl.signals.teacher import check_vocabulary
 from moe_rl.tasks import Task, get_reward
 from moe_rl.tasks.registry import resolve_agent, task_class
 from parallel.bridges.rope import max_positions, yarn
@@ -80,11 +82,15 @@ def check_run(config: RunConfig) -> None:
                 f"{field}.task={spec.task!r}: building it with {field}.task_options raised "
                 f"{type(error).__name__}: {error}; fix the options or the class"
             ) from error
-        if spec.reward:
+        if spec.reward and spec.reward != "judge":  # a judge's config is checked where it is built
             get_reward(spec.reward, f"{field}.reward")
         longest = max(longest, check_prompts(config, task, rollout.agent, rollout.max_new_tokens, "rollout"))
     check_eval(config)
     check_engines(config)
+    if config.algorithm.distill is not None:
+        for key, served in config.algorithm.distill.served().items():
+            field = "algorithm.distill.teacher" if key is None else f"algorithm.distill.teachers.{key}"
+            check_vocabulary(config.model, served, field)
     if rollout.agent is None and task.agent is None:
         check_token_budget(config, longest, f"the task's prompts + rollout.max_new_tokens={rollout.max_new_tokens}")
     else:
@@ -101,6 +107,11 @@ def check_eval(config: RunConfig) -> None:
         if resolved.task is not None:
             check_task_options(resolved.task, resolved.task_options, dataset.field)
         task = resolved.make_task(config.model.tokenizer_dir)
+        if resolved.reward == "judge":
+            raise ValueError(
+                f"{dataset.field}.reward='judge': the served judge scores training rollouts only; "
+                "give the eval dataset a rule reward (e.g. math)"
+            )
         if resolved.reward:
             get_reward(resolved.reward, f"{dataset.field}.reward")
         check_prompts(config, task, resolved.agent, resolved.max_new_tokens, dataset.field)

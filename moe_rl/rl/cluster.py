@@ -14,7 +14,10 @@ Start-up, in order:
      (`moe_rl.cpu_pools`; the driver, pinned first, and the Ray it starts share the trainer's) and
      `cpu_pools.json` records the cores each reports;
   5. the trainer's sync source joins the engines' weight-update group (`WeightSender`);
-  6. the `RolloutWorker` actor starts generating.
+  6. the served models (`algorithm.distill`'s teachers, `rollout.judge`) given by `path` start as
+     `ServedModel` actors on the engines' kind (placed like one more engine each, not pinned;
+     those given by `url` are only checked);
+  7. the `RolloutWorker` actor starts generating (and scoring with the teachers and the judge).
 `close()` undoes them in reverse and returns the rollout ledger.
 
 Engine faults (the driver's side; the trainer is never stopped): an engine found dead, by the
@@ -57,6 +60,8 @@ from moe_rl.rl.ray_init import init_ray
 from moe_rl.rl.resume import RunCheckpoint
 from moe_rl.rl.rollout_actor import BatchRequest, EngineServer, RolloutWorker, TrainBatch, engine_placement
 from moe_rl.rl.trainer_group import SaveHFRequest, TrainerGroup
+from moe_rl.signals.config import ServedConfig
+from moe_rl.signals.served import ServedModel
 from moe_rl.trace import TRACER
 from moe_rl.trainer.weight_sync import ConnectRequest, SyncRequest
 from parallel.bridges import bridge_for
@@ -75,12 +80,15 @@ class RayDemand:
 
 def ray_demand(config: RunConfig, use_gpus: bool) -> RayDemand:
     """What `RLCluster` will place: one bundle per trainer rank (a GPU each on GPUs), each engine
-    server (`engine_placement`; colocated ones hold nothing) and the rollout worker (1 CPU)."""
+    server (`engine_placement`; colocated ones hold nothing), each served model it starts (a
+    teacher, a judge: an engine of its own) and the rollout worker (1 CPU)."""
     world = config.trainer.world_size
     engines = [
         options for options, _ in engine_placement(config.engines, config.rl.colocate, [("node", ["0"])] * world)
     ]
     trainer_gpus = world if use_gpus else 0
+    started = [served for served in served_models(config).values() if served.path]
+    engines += [engine_placement(config.engines, colocate=False)[0][0]] * len(started)
     engine_gpus = [options["num_gpus"] if use_gpus else 0 for options in engines]
     return RayDemand(
         cpus=world + sum(options["num_cpus"] for options in engines) + 1,
@@ -105,6 +113,18 @@ def require_resources(demand: RayDemand) -> None:
         )
 
 
+JUDGE = "judge"
+"""`served_models`' key of the judge (teachers are keyed by task name, None for the default)."""
+
+
+def served_models(config: RunConfig) -> dict[str | None, ServedConfig]:
+    """The models a run serves beside the policy: distillation teachers by task name, the judge."""
+    served = dict(config.algorithm.distill.served()) if config.algorithm.distill else {}
+    if config.rollout is not None and config.rollout.judge is not None:
+        served[JUDGE] = config.rollout.judge.served
+    return served
+
+
 class RLCluster:
     def __init__(
         self,
@@ -117,6 +137,7 @@ class RLCluster:
         (`detach_engines`); the restarted trainer sends them its version instead of new ones starting."""
         self.config, self.run_dir, self.restore, self.kept = config, run_dir, restore, bool(kept)
         self.trainer = self.rollout = self.fleet = self.joins = None
+        self.served: list[ray.actor.ActorHandle] = []  # `ServedModel` actors this run started
         self.detached = False  # `detach_engines` took the engines: `close` leaves them and Ray
         # engine index -> its EngineServer (removed: gone); kept ones numbered 0..n-1 again (the new
         # rollout worker and sender name engines by position)
@@ -166,6 +187,7 @@ class RLCluster:
             self._adopt_engines()
         else:
             self._start_engines()
+        served = self._start_served()
         urls = ray.get([engine.url.remote() for engine in self.engines])
         connect = ConnectRequest(tuple(urls), cfg.sync, cfg.engines.kind, version, self._adapter_sync(), kept=self.kept)
         self.trainer.connect(connect)
@@ -184,12 +206,30 @@ class RLCluster:
             cfg.eval,
             num_experts=bridge.num_experts,
             moe_layers=tuple(bridge.moe_layers),
+            teacher_urls={task: url for task, url in served.items() if task != JUDGE} or None,
+            judge_url=served.get(JUDGE),
         )
         ray.get(self.rollout.start.remote(self.restore))
         if cfg.cpu_pools is not None:
             self._record_cores()
         self.joins = Joins(self, from_peer=cfg.engines.joins_from_peer and cfg.lora is None)
         self.fleet = EngineFleet(self)  # from here `moe-rl engines` gets answers
+
+    def _start_served(self) -> dict[str | None, str]:
+        """The run's served models (`served_models`) -> URL: those given by `path` started as
+        `ServedModel` actors (at once, beside the engines' start-up), `url` ones checked for /health."""
+        cfg = self.config
+        options, _ = engine_placement(cfg.engines, colocate=False)[0]
+        urls: dict[str | None, str | ray.ObjectRef] = {}
+        for key, served in served_models(cfg).items():
+            if served.url is not None:
+                urls[key] = ServedModel(served, cfg.engines).url()
+                continue
+            name = JUDGE if key == JUDGE else "teacher" if key is None else f"teacher-{key}"
+            log = str(self.run_dir / f"{name}.log")
+            self.served.append(ray.remote(ServedModel).options(**options).remote(served, cfg.engines, log))
+            urls[key] = self.served[-1].url.remote()
+        return {key: url if isinstance(url, str) else ray.get(url) for key, url in urls.items()}
 
     @property
     def engines(self) -> list[ray.actor.ActorHandle]:
@@ -416,8 +456,8 @@ class RLCluster:
         finally:
             if self.trainer is not None:
                 self.trainer.close()
-            for engine in self.engines:
-                ray.get(engine.stop.remote())
+            for server in self.engines + self.served:
+                ray.get(server.stop.remote())
             if not self.detached:  # kept engines live in this Ray
                 ray.shutdown()
             if self.config.cpu_pools is not None:

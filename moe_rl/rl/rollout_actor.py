@@ -40,6 +40,8 @@ from moe_rl.rollout.eval_config import EvalConfig
 from moe_rl.rollout.evaluation import EvalResult, Evaluator
 from moe_rl.rollout.expert_load import MoELayers
 from moe_rl.rollout.train_batch import BatchInfo, build_batch
+from moe_rl.signals.judge import Judge
+from moe_rl.signals.teacher import Teacher
 from moe_rl.trace import TRACER
 
 
@@ -215,7 +217,11 @@ class RolloutWorker:
         evaluation: EvalConfig | None = None,
         num_experts: int | None = None,
         moe_layers: tuple[int, ...] = (),
+        teacher_urls: dict[str | None, str] | None = None,
+        judge_url: str | None = None,
     ):
+        """`teacher_urls`: on-policy distillation's teachers by task name (None: the default one);
+        `judge_url`: the served judge of `rollout.reward: judge`."""
         TRACER.process = "rollout worker"
         if cpus:  # `cpu_pools`: the engines' cores (building requests and scoring is generation's work)
             pin_process(cpus)
@@ -232,6 +238,8 @@ class RolloutWorker:
         self.decode: Decode | None = None  # `rollout.dump` records, built on first use
         self.traced: list[EngineClient] = []  # engines recording spans (`start_trace`)
         self.active_total_s = self.active_mean_s = 0.0  # `_mean_active_s`
+        self.teacher = Teacher(teacher_urls, kind) if teacher_urls else None
+        self.judge = Judge(config.judge, judge_url, kind) if judge_url else None
 
     async def start(self, restore: RunCheckpoint | None = None) -> None:
         """Start generating; `restore`: the run checkpoint to continue from."""
@@ -244,6 +252,8 @@ class RolloutWorker:
             tokenizer_dir=self.tokenizer_dir,
             version=restore.step if restore else 0,
             adapters=self.adapters,
+            teacher=self.teacher,
+            judge=self.judge,
         )
         if restore is not None:
             self.manager.restore(restore.rollout)
@@ -437,6 +447,9 @@ class RolloutWorker:
         clients = [client for client in self.pool.clients if client is not None]
         await asyncio.gather(*(client.abort_request() for client in clients), return_exceptions=True)
         await self.pool.close()
+        for signal in (self.teacher, self.judge):
+            if signal is not None:
+                await signal.close()
         return {
             "accounting": self.manager.accounting(),
             "delivered": dict(buffer.delivered),

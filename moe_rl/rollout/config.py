@@ -13,6 +13,7 @@ from typing import Any
 
 from moe_rl.agents.config import EpisodeConfig
 from moe_rl.rollout.buffer import STALE_POLICIES
+from moe_rl.signals.config import JudgeConfig
 from moe_rl.signals.environment import EnvironmentConfig, make_environment_task
 from moe_rl.tasks import Task, get_reward, make_task
 from moe_rl.tasks.mixture import MixturePart, TaskMixture
@@ -48,7 +49,8 @@ class TaskConfig:
     others under their names). None: `metadata` if present, plus verl's `data_source`, `ability`,
     `extra_info` where present."""
     reward: str | None = None
-    """None: the task's own reward; else "math", a task name, or "package.module:function"."""
+    """None: the task's own reward; else "math", a task name, "package.module:function", or "judge"
+    (the served model `rollout.judge` scores, `moe_rl.signals.judge`; not in a mixture's entries)."""
     apply_chat_template: bool = False
     """task "dataset": render text prompts as one user message with the model's chat template and the
     generation prompt (rows whose prompt is a list of chat messages always are)."""
@@ -67,7 +69,7 @@ class TaskConfig:
             options.update(
                 path=self.dataset,
                 tokenizer_dir=tokenizer_dir,
-                reward=self.reward or "math",
+                reward="math" if self.reward in (None, "judge") else self.reward,  # a judge scores instead
                 apply_chat_template=self.apply_chat_template,
                 prompt_key=self.prompt_key,
                 answer_key=self.answer_key,
@@ -94,6 +96,10 @@ class MixtureEntry(TaskConfig):
             raise ValueError(f"{self.field}.weight={self.weight!r}: must be a number > 0")
         if self.task is None:
             raise ValueError(f"{self.field}.task is unset: name the entry's task (e.g. copy_digits, dataset)")
+        if self.reward == "judge":
+            raise ValueError(
+                f"{self.field}.reward='judge': a judge scores a single task's run; give the entry a reward"
+            )
         self.check_task(self.field)
 
     @property
@@ -125,6 +131,8 @@ class RolloutConfig(TaskConfig):
     environment: EnvironmentConfig | None = None
     """Prompts and rewards from an environment hub's package: {kind: verifiers | openenv |
     reasoning_gym, name, options} (docs/signals.md); the run's prompt source, so `task` stays unset."""
+    judge: JudgeConfig | None = None
+    """With `reward: judge`: the judge, `{kind, path | url, template, parse, ...}` (docs/signals.md)."""
     agent: str | None = None
     """Multi-turn episodes: "package.module:function", an async function of an
     `moe_rl.agents.Episode` that returns the reward (docs/agents.md). None: single-turn samples."""
@@ -196,6 +204,10 @@ class RolloutConfig(TaskConfig):
             raise ValueError(f"rollout.oversample_factor={self.oversample_factor}: must be >= 1")
         if self.drop_zero_variance_groups and self.n_samples_per_prompt < 2:
             raise ValueError("rollout.drop_zero_variance_groups needs rollout.n_samples_per_prompt >= 2")
+        if (self.reward == "judge") != (self.judge is not None):
+            raise ValueError("rollout.judge goes with rollout.reward='judge': set both or neither")
+        if self.judge is not None and self.agent is not None:
+            raise ValueError("rollout.judge with rollout.agent: an agent returns its episode's reward; drop one")
         if self.tasks is not None:
             self._check_mixture()
         elif self.environment is not None:

@@ -11,9 +11,11 @@ once, up to `max_staleness` ahead of the trainer.
 A group = `n_samples_per_prompt` generations of one prompt through the `EnginePool` (which keeps
 a group on one engine), each with logprobs and routed experts, then the rewards, through a
 `RewardScorer` (`moe_rl.rollout.scoring`: off the loop, time-limited; a reward that raises or
-hangs scores 0, counted). A mixture's group (`rollout.tasks`) is one task's prompt, and its samples
-are decoded and scored by that entry's task and reward, counted under `rollout/task/<name>/`
-(`moe_rl.tasks.mixture`). When the orchestrator pauses engines in abort mode for a weight swap,
+hangs scores 0, counted), or a served `Judge` (`rollout.reward: judge`, `moe_rl.signals.judge`);
+with a distillation `Teacher` the group's tokens are scored beside its rewards
+(`moe_rl.signals.teacher`). A mixture's group (`rollout.tasks`) is one task's prompt, and its
+samples are decoded and scored by that entry's task and reward, counted under
+`rollout/task/<name>/` (`moe_rl.tasks.mixture`). When the orchestrator pauses engines in abort mode for a weight swap,
 in-flight requests return with finish reason "abort" and their partial tokens; the manager resubmits each
 as prompt + partial response with the remaining budget (`moe_rl.rollout.partial`). In retract
 and in-place modes the engine keeps the request and its per-token versions show the switch.
@@ -42,6 +44,8 @@ from moe_rl.rollout.config import RolloutConfig
 from moe_rl.rollout.partial import continuation_request, continue_sample, mask_older_tokens
 from moe_rl.rollout.scoring import RewardScorer
 from moe_rl.sample import Sample
+from moe_rl.signals.judge import Judge
+from moe_rl.signals.teacher import Teacher
 from moe_rl.tasks import Prompt, Task, get_reward
 from moe_rl.tasks.mixture import TASK_METRICS, TaskMixture
 from moe_rl.tasks.registry import resolve_agent
@@ -59,8 +63,15 @@ class RolloutManager:
         tokenizer_dir: str | Path | None = None,
         version: int = 0,
         adapters: bool = False,
+        teacher: Teacher | None = None,
+        judge: Judge | None = None,
     ):
+        """`teacher`: on-policy distillation, scores every finished group's tokens (`moe_rl.signals.teacher`);
+        `judge`: with `rollout.reward: judge`, gives the rewards (`moe_rl.signals.judge`)."""
         self.config, self.pool = config, pool
+        self.teacher, self.judge = teacher, judge
+        if (config.reward == "judge") != (judge is not None):
+            raise ValueError("RolloutManager: pass judge=Judge(...) exactly when rollout.reward is 'judge'")
         self.adapters = adapters
         self.task = task = task or config.make_task(tokenizer_dir)
         self.scorers = self._scorers(task)
@@ -146,7 +157,8 @@ class RolloutManager:
 
         if isinstance(task, TaskMixture):
             return {name: (p.task, scorer(p.reward, f"{TASK_METRICS}/{name}")) for name, p in task.parts.items()}
-        return {None: (task, scorer(get_reward(cfg.reward) if cfg.reward else task.reward, "rollout"))}
+        reward = task.reward if cfg.reward in (None, "judge") else get_reward(cfg.reward)  # a judge scores apart
+        return {None: (task, scorer(reward, "rollout"))}
 
     def close(self) -> None:
         for _, scorer in self.scorers.values():
@@ -277,9 +289,15 @@ class RolloutManager:
         scored = time.time()
         TRACER.add("generate", start, scored, lane="groups", group=gid)
         task, scorer = self.scorers[samples[0].metadata.get("task")]
-        rewards = await asyncio.gather(
-            *[scorer.score(task.decode(s.response_ids), s.metadata.get("answer"), s) for s in samples]
-        )
+        if self.judge is not None:
+            rewards = self.judge.score_group(
+                [(task.decode(s.prompt_ids), task.decode(s.response_ids), s.metadata.get("answer")) for s in samples]
+            )
+        else:
+            rewards = asyncio.gather(
+                *[scorer.score(task.decode(s.response_ids), s.metadata.get("answer"), s) for s in samples]
+            )
+        rewards, _ = await asyncio.gather(rewards, self._teach(samples))  # the rewards and the teacher at once
         TRACER.add("reward", scored, time.time(), lane="groups", group=gid)
         for sample, reward in zip(samples, rewards):
             sample.reward = reward
@@ -314,7 +332,12 @@ class RolloutManager:
             self.pool.release_group(gid)
         for sample in samples:
             sample.metadata.update(messages=prompt.messages, tools=prompt.tools, task=prompt.task)
+        await self._teach(samples)
         return self._filtered(gid, samples)
+
+    async def _teach(self, samples: list[Sample]) -> None:
+        if self.teacher is not None:
+            await self.teacher.score_group(samples)
 
     async def _generate_sample(self, gid: str, index: int) -> Sample:
         """Sample `index` of group `gid`, continued from its state in `_inflight` (which every
@@ -440,6 +463,7 @@ class RolloutManager:
             **per_task,
             "rollout/reward_errors": sum(scorer.errors for scorer in scorers),
             "rollout/reward_timeouts": sum(scorer.timeouts for scorer in scorers),
+            **(self.judge.metrics() if self.judge is not None else {}),
             "rollout/continued_requests": self.continued_requests,
             "rollout/discarded_tokens": self.discarded_tokens,
             "rollout/groups_started": len(self.started_ids),

@@ -5,7 +5,8 @@ per-token tensor sits at the token's own position t (the trainer aligns column t
 the prediction of token t + 1):
 - `loss_mask`: the sample's loss mask on its response positions, 0 elsewhere (the rollout has
   already zeroed tokens older than their sample's newest version when `rollout.mask_stale_tokens`);
-- `advantages`: the sample's group advantage on its response positions;
+- `advantages`: the sample's group advantage on its response positions (with `algorithm.distill`,
+  per token: `moe_rl.algorithms.advantages.token_advantages`);
 - `rollout_logprobs`: the engine's logprob of each response token;
 - `routed_experts` (when the samples carry routing): [B, S, layers, topk] in the samples' dtype
   (uint8 / int16 by `moe_rl.sample.routing_dtype`; the widest when samples differ), row t = the
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 
 from moe_rl.algorithms import AlgorithmConfig, sample_advantages
+from moe_rl.algorithms.advantages import kl_baseline, reverse_kl, token_advantages
 from moe_rl.rollout import staleness
 from moe_rl.rollout.expert_load import MoELayers, load_metrics
 from moe_rl.sample import Sample
@@ -88,7 +90,12 @@ class BatchInfo:
     segments: list[int]
     """Per sample: engine requests behind it (> 1 = continued across a weight swap)."""
     advantages: list[float] = field(default_factory=list)
-    """Per sample: its group advantage as trained (the value on its response tokens)."""
+    """Per sample: its advantage as trained (the value on its response tokens; with distillation,
+    their mean over its trained tokens)."""
+    reverse_kl: float | None = None
+    """Distillation: the mean per-token reverse KL to the teacher over the trained tokens; else None."""
+    teacher_s: float = 0.0
+    """Distillation: seconds the batch's groups waited for their teacher calls, summed over groups."""
     trained_tokens: int = 0
     """Response tokens with loss mask 1."""
     masked_tokens: int = 0
@@ -115,6 +122,11 @@ class BatchInfo:
             "rollout/padding_rows": self.padding_rows,
             **{f"rollout/staleness_count/{k}": v for k, v in sorted(counts.items())},
             **per_task,
+            **(
+                {}
+                if self.reverse_kl is None
+                else {"distill/reverse_kl": self.reverse_kl, "time/teacher_s": self.teacher_s}
+            ),
         }
 
     def _sample_metrics(self, prefix: str, chosen: list[bool]) -> dict[str, float]:
@@ -169,14 +181,24 @@ def build_batch(
     adv = torch.zeros(rows, seq)
     rollout_lp = torch.zeros(rows, seq)
     routed = _routing_tensor(samples, rows, seq)
+    trained_advantages, kl_sum = [], 0.0
+    baselines = {g[0].group_id: kl_baseline(g) for g in groups} if algorithm.distill is not None else {}
     for i, sample in enumerate(samples):
         p, r = len(sample.prompt_ids), len(sample.response_ids)
         tokens[i, : p + r] = torch.tensor(sample.prompt_ids + sample.response_ids)
+        advantage = float(advantages.advantages[i])
         if r == 0:
+            trained_advantages.append(advantage)
             continue
         response = slice(p, p + r)
-        loss_mask[i, response] = torch.tensor(sample.loss_mask)
-        adv[i, response] = advantages.advantages[i]
+        mask = torch.tensor(sample.loss_mask)
+        loss_mask[i, response] = mask
+        adv[i, response] = token_advantages(sample, advantage, algorithm.distill, baselines.get(sample.group_id, 0.0))
+        if algorithm.distill is not None:  # the value on its trained tokens, for the log and dumps
+            trained = mask.bool()
+            advantage = float(adv[i, response][trained].mean()) if trained.any() else 0.0
+            kl_sum += float(reverse_kl(sample)[trained].sum())
+        trained_advantages.append(advantage)
         rollout_lp[i, response] = torch.tensor(sample.rollout_logprobs)
         if routed is not None:
             routed[i, : p + r - 1] = torch.from_numpy(sample.routed_experts.astype(routed.numpy().dtype))
@@ -189,12 +211,15 @@ def build_batch(
         response_lengths=[len(s.response_ids) for s in samples],
         staleness=ages,
         segments=[s.segments for s in samples],
-        advantages=advantages.advantages.tolist(),
+        advantages=trained_advantages,
         trained_tokens=sum(sum(s.loss_mask) for s in samples),
         masked_tokens=sum(len(s.loss_mask) - sum(s.loss_mask) for s in samples),
         padding_rows=rows - len(samples),
         tasks=[s.metadata.get("task") for s in samples],
     )
+    if algorithm.distill is not None:
+        info.reverse_kl = kl_sum / max(info.trained_tokens, 1)
+        info.teacher_s = sum(group[0].metadata.get("teacher_s", 0.0) for group in groups)
     if moe is not None and routed is not None:
         info.moe_layers = moe.layers
         info.expert_counts = sum(moe.counts(s.routed_experts) for s in samples)

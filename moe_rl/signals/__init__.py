@@ -1,7 +1,10 @@
-"""Learning signals from outside moe-rl's own tasks: environment hubs (verifiers, OpenEnv,
-reasoning-gym), a served teacher for on-policy distillation, and served judges.
+"""Learning signals from outside moe-rl's own tasks (docs/signals.md is the user's page).
 
-Each adapter is one module here and stays thin: it turns the outside package's prompts into
-`moe_rl.tasks.Prompt`s and its scorer into a reward, or scores the student's tokens with a model
-reached through the same `EngineClient` the rollout engines use. docs/signals.md is the user's page.
+- environment hubs, each a thin adapter that turns the package's prompts into
+  `moe_rl.tasks.Prompt`s and its scorer into the reward: `environment` (the `rollout.environment`
+  section and the dispatch by kind), `verifiers_env`, `openenv_env`, `reasoning_gym_task`;
+- served models reached through the same `EngineClient` the rollout engines use: `served` (a model
+  started from `path` or reached at `url`), `teacher` (on-policy distillation: the teacher's
+  logprobs of the student's tokens), `judge` (`rollout.reward: judge`);
+- `config`: the teacher's and judge's config sections, apart from the code that runs them.
 """

@@ -253,8 +253,8 @@ class EngineClient:
 
     async def classify(self, input_ids: list[int]) -> float:
         """SGLang's /classify (a reward model's sequence-classification head, served with
-        `--is-embedding`): its first output for `input_ids`, the score. The embedded engine serves
-        causal LMs only and answers 404."""
+        `--is-embedding`; the embedded engine on a `*ForSequenceClassification` directory): its first
+        output for `input_ids`, the score."""
         data = await self._request(
             "POST", "/classify", {"input_ids": list(input_ids)}, timeout_s=self.generate_timeout_s
         )

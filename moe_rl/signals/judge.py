@@ -5,8 +5,9 @@
   (temperature 0, at most `max_new_tokens`) through `/generate`; the first match of the `parse`
   regular expression in the decoded answer (its first group when it has one) is the score;
 - discriminative (a reward model with a sequence-classification head): the filled template's ids
-  go to SGLang's `/classify` route and its first output is the score. The embedded engine serves
-  causal LMs only: a discriminative judge needs SGLang (a `url`, or `path` with engines.kind sglang).
+  go to SGLang's `/classify` route and its first output is the score (SGLang `--is-embedding`; the
+  embedded engine serves a `*ForSequenceClassification` directory the same way,
+  `moe_rl.engine.embedded.classifier`).
 The judge is a served model (`moe_rl.signals.served`: started from `path`, or reached at `url`).
 A group's calls go out together; at most `concurrency` are in flight over all groups. A call past
 `timeout_s` is counted `rollout/judge_timeouts`, an answer the parser cannot read

@@ -38,6 +38,7 @@ REQUEST_CLASSES = {
     "/update_weight_version": "UpdateWeightVersionReqInput",
     "/load_lora_adapter": "LoadLoRAAdapterReqInput",
     "/load_lora_adapter_from_tensors": "LoadLoRAAdapterFromTensorsReqInput",
+    "/classify": "EmbeddingReqInput",
     "/unload_lora_adapter": "UnloadLoRAAdapterReqInput",
     "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
     "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
@@ -73,6 +74,10 @@ def _sglang_tables() -> dict:
     from sglang.srt.server_args import ServerArgs
 
     def struct(cls) -> dict:
+        if dataclasses.is_dataclass(cls):  # EmbeddingReqInput
+            fields = dataclasses.fields(cls)
+            required = [f.name for f in fields if dataclasses.MISSING is f.default is f.default_factory]
+            return {"fields": [f.name for f in fields], "required": required}
         fields = msgspec.structs.fields(cls)
         return {"fields": [f.name for f in fields], "required": [f.name for f in fields if f.required]}
 

@@ -86,6 +86,39 @@ def test_scores_timeouts_and_unparsable_answers_are_counted(judge_dir):
     assert never_scores == [FAILED] * len(items) and never.metrics()["rollout/judge_unparsable"] == len(items)
 
 
+def test_a_discriminative_judge_scores_with_its_head(tmp_path):
+    """A reward model (a tiny random Qwen3-MoE with a one-output sequence-classification head) on the
+    embedded engine: each score is the head's output at the filled template's last token, as
+    transformers computes it on the same ids."""
+    import torch
+    import transformers
+
+    torch.manual_seed(5)
+    hf = hf_config(TEACHER_MODEL, vocab_size=128, num_labels=1, pad_token_id=0)
+    reward_model = transformers.Qwen3MoeForSequenceClassification(hf).eval()
+    reward_model.save_pretrained(tmp_path / "rm")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY_CHAT / name, tmp_path / "rm" / name)
+    judge_config = config(tmp_path / "rm", kind="discriminative")
+    served = ServedModel(judge_config.served, EngineConfig())
+    items = [(f"1{d}", f"{d}{d}", str(d)) for d in range(4)]
+    try:
+
+        async def run():
+            judge = Judge(judge_config, served.url())
+            try:
+                return await judge.score_group(items), [judge.prompt_ids(*item) for item in items]
+            finally:
+                await judge.close()
+
+        scores, ids = asyncio.run(run())
+    finally:
+        served.stop()
+    with torch.no_grad():
+        expected = [float(reward_model(torch.tensor([row])).logits[0, 0]) for row in ids]
+    assert scores == pytest.approx(expected, rel=1e-5, abs=1e-6) and len(set(scores)) > 1, (scores, expected)
+
+
 def judged_run(tmp_path, judge: dict, steps: int) -> RunConfig:
     """A short sync run of copy_digits rewarded by `judge`, its samples dumped."""
     return from_dict(

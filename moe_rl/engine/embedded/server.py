@@ -47,6 +47,7 @@ from aiohttp import web
 
 from moe_rl.engine import protocol
 from moe_rl.engine.client import EngineClient
+from moe_rl.engine.embedded.classifier import ClassifierServer, is_classifier
 from moe_rl.engine.embedded.lora_routes import LoraRoutes
 from moe_rl.engine.embedded.request import Request
 from moe_rl.engine.embedded.runner import ModelRunner, load_checkpoint_state
@@ -646,9 +647,12 @@ def serve(config: EmbeddedConfig) -> None:
     """Blocking: load the model and serve until SIGINT/SIGTERM (on `config.port`, which must be set)."""
     if _has_fd(sys.stderr):  # `moe-rl stacks`: every thread's stack to the log (not in-process under pytest)
         faulthandler.register(signal.SIGUSR2, all_threads=True)
-    server = EmbeddedServer(
-        str(config.model_path), config.weight_version, config.max_batch, config.device, config.speculative_steps
-    )
+    if is_classifier(config.model_path):  # a reward model: SGLang's /classify only
+        server = ClassifierServer(str(config.model_path), config.weight_version, config.device)
+    else:
+        server = EmbeddedServer(
+            str(config.model_path), config.weight_version, config.max_batch, config.device, config.speculative_steps
+        )
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request
     web.run_app(
         server.app(), host=config.host, port=config.port, print=None, handle_signals=True, handler_cancellation=True

@@ -10,12 +10,31 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moe_rl.signals.config import ServedConfig
-
 ESTIMATORS = ("grpo", "dr_grpo", "gspo")
 KL_ESTIMATORS = ("k1", "k2", "mse", "k3", "low_var_kl")
 OFF_POLICY = ("tis", "icepop", "mis", "none")
 DISTILL_MODES = ("pure", "add")
+
+
+@dataclass(kw_only=True)
+class ServedConfig:
+    """A model served beside the policy (a distillation teacher here; the judge, `rollout.judge`, is
+    one too; `moe_rl.signals.served` starts or reaches it): give exactly one of `path` and `url`."""
+
+    path: str | None = None
+    """HF model directory (config.json + safetensors): the run starts an engine on it."""
+    url: str | None = None
+    """http://host:port of a running engine server (SGLang or `moe-rl serve`); the run only calls it."""
+
+    def check(self, name: str) -> None:
+        """Raise ValueError naming the config field `name` (e.g. "algorithm.distill.teacher") when
+        the two are not given exactly once, or `path` is no HF directory; its section calls this."""
+        if (self.path is None) == (self.url is None):
+            raise ValueError(f"{name}: give exactly one of {name}.path (an HF directory) and {name}.url")
+        if self.path is not None and not (Path(self.path) / "config.json").is_file():
+            raise ValueError(f"{name}.path={self.path!r}: no config.json there; point it at an HF model directory")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"{name}.url={self.url!r}: give http://host:port")
 
 
 @dataclass(kw_only=True)

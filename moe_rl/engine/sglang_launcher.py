@@ -8,9 +8,9 @@ attention), `--mem-fraction-static`, `--weight-version` (the initial version), `
 `--enable-lora` SGLang answers 400 to `/load_lora_adapter`), `--max-running-requests`
 (`engines.max_batch`), speculative decoding with the MTP layer (`speculative_args`,
 `engines.speculative`), then any other server option (`engines.sglang`, checked against SGLang's
-table by `moe_rl.engine.sglang_options`). `engine_sglang_config` builds an RL engine's
-`SGLangConfig` from the engines section: the launch and `moe-rl plan`'s printed command both come
-from it. `--dp-size` is always 1: in 0.5.23 it runs data-parallel replicas behind one server,
+table by `moe_rl.engine.sglang_options`). `moe_rl.plan.launch.engine_sglang_config` builds an RL
+engine's `SGLangConfig` from the engines section: the launch and `moe-rl plan`'s printed command
+both come from it. `--dp-size` is always 1: in 0.5.23 it runs data-parallel replicas behind one server,
 whose weight-update and LoRA routes assert `dp_size == 1`; more replicas are more engines.
 
 Logprobs: SGLang returns `log_softmax(logits / temperature)` unless `SGLANG_RETURN_ORIGINAL_LOGPROB=1`
@@ -24,13 +24,10 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from moe_rl.engine.process import EngineProcess, free_port
 from moe_rl.engine.sglang_options import check_options, option_args
-
-if TYPE_CHECKING:
-    from moe_rl.config import EngineConfig, RunConfig
 
 SERVER_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 """Environment of every SGLang server process: logprobs of the model's own distribution (temperature 1)."""
@@ -190,50 +187,6 @@ def sglang_command(config: SGLangConfig, port: int | str) -> list[str]:
     if config.max_running_requests is not None:
         command += ["--max-running-requests", str(config.max_running_requests)]
     return command + speculative_args(config.speculative_steps) + option_args(config.options)
-
-
-def engine_sglang_config(
-    engines: EngineConfig,
-    model_path: str,
-    *,
-    host: str,
-    weight_version: str,
-    colocated: bool = False,
-    lora: SGLangLoRA | None = None,
-) -> SGLangConfig:
-    """One RL engine's SGLang launch from `engines` (the engines section): what `EngineServer`
-    starts, the evaluation job starts, and `moe-rl plan` prints. `colocated`: on the trainer's GPUs
-    (`--enable-memory-saver`); `lora`: the adapter slots (`sglang_lora_slots`)."""
-    return SGLangConfig(
-        model_path=model_path,
-        host=host,
-        tp_size=engines.tp,
-        ep_size=engines.ep,
-        attn_dp_size=engines.attn_dp,
-        mem_fraction_static=engines.mem_fraction_static,
-        max_running_requests=engines.max_batch,
-        weight_version=weight_version,
-        enable_memory_saver=colocated,
-        lora=lora,
-        speculative_steps=engines.speculative.steps if engines.speculative is not None else 0,
-        options=dict(engines.sglang),
-    )
-
-
-def sglang_lora_slots(config: RunConfig) -> SGLangLoRA | None:
-    """SGLang's LoRA serving flags sized from the run config (None without `lora`): every kept
-    version, plus one being loaded, may be resident and mixed in a batch."""
-    if config.lora is None:
-        return None
-    # heavy: transformers (the model's HF config) and the bridges, only for LoRA runs
-    from parallel.bridges import bridge_for
-    from parallel.peft import hf_lora_targets
-
-    slots = config.effective_rollout().max_staleness + 2
-    targets = hf_lora_targets(bridge_for(config.model.load_hf_config()), config.lora.targets)
-    return SGLangLoRA(
-        max_lora_rank=config.lora.rank, target_modules=targets, max_loaded_loras=slots, max_loras_per_batch=slots
-    )
 
 
 def speculative_args(steps: int) -> list[str]:

@@ -94,7 +94,8 @@ def start_engines(config: RunConfig, hf_dir: str, output: Path, step: int) -> li
                     )
                 )
             else:
-                from moe_rl.engine.sglang_launcher import engine_sglang_config, launch_sglang
+                from moe_rl.engine.sglang_launcher import launch_sglang
+                from moe_rl.plan.launch import engine_sglang_config
 
                 sglang = engine_sglang_config(cfg, hf_dir, host="127.0.0.1", weight_version=str(step))
                 engines.append(launch_sglang(sglang, log_path=log_path))

@@ -1,5 +1,6 @@
-"""Each engine's SGLang launch command, as `moe-rl plan` prints it: built by the launcher code that
-starts the engines (`engine_sglang_config`, `sglang_command`, `SERVER_ENV`), so the two cannot differ.
+"""Each RL engine's SGLang launch: `engine_sglang_config` (from the run's engines section), which
+`EngineServer` and the evaluation job start, and the command `moe-rl plan` prints from it with the
+launcher's own `sglang_command` and `SERVER_ENV`, so the two cannot differ.
 
 What only the start knows is written as a placeholder: RUN_DIR (the run directory, whose
 `initial_hf/` the engines load), NODE<n> (the address of the engine's node) and PORT (a free port).
@@ -11,8 +12,8 @@ from __future__ import annotations
 
 import shlex
 
-from moe_rl.config import RunConfig
-from moe_rl.engine.sglang_launcher import SERVER_ENV, engine_sglang_config, sglang_command, sglang_lora_slots
+from moe_rl.config import EngineConfig, RunConfig
+from moe_rl.engine.sglang_launcher import SERVER_ENV, SGLangConfig, SGLangLoRA, sglang_command
 
 
 def engine_commands(config: RunConfig) -> list[str]:
@@ -32,3 +33,47 @@ def engine_commands(config: RunConfig) -> list[str]:
         command = ["python", *sglang_command(launch, "PORT")[1:]]  # the engine node's interpreter
         lines.append(f"engine {i}: " + " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(command))
     return lines
+
+
+def engine_sglang_config(
+    engines: EngineConfig,
+    model_path: str,
+    *,
+    host: str,
+    weight_version: str,
+    colocated: bool = False,
+    lora: SGLangLoRA | None = None,
+) -> SGLangConfig:
+    """One RL engine's SGLang launch from `engines` (the engines section): what `EngineServer`
+    starts, the evaluation job starts, and `moe-rl plan` prints. `colocated`: on the trainer's GPUs
+    (`--enable-memory-saver`); `lora`: the adapter slots (`sglang_lora_slots`)."""
+    return SGLangConfig(
+        model_path=model_path,
+        host=host,
+        tp_size=engines.tp,
+        ep_size=engines.ep,
+        attn_dp_size=engines.attn_dp,
+        mem_fraction_static=engines.mem_fraction_static,
+        max_running_requests=engines.max_batch,
+        weight_version=weight_version,
+        enable_memory_saver=colocated,
+        lora=lora,
+        speculative_steps=engines.speculative.steps if engines.speculative is not None else 0,
+        options=dict(engines.sglang),
+    )
+
+
+def sglang_lora_slots(config: RunConfig) -> SGLangLoRA | None:
+    """SGLang's LoRA serving flags sized from the run config (None without `lora`): every kept
+    version, plus one being loaded, may be resident and mixed in a batch."""
+    if config.lora is None:
+        return None
+    # heavy: transformers (the model's HF config) and the bridges, only for LoRA runs
+    from parallel.bridges import bridge_for
+    from parallel.peft import hf_lora_targets
+
+    slots = config.effective_rollout().max_staleness + 2
+    targets = hf_lora_targets(bridge_for(config.model.load_hf_config()), config.lora.targets)
+    return SGLangLoRA(
+        max_lora_rank=config.lora.rank, target_modules=targets, max_loaded_loras=slots, max_loras_per_batch=slots
+    )

@@ -49,10 +49,11 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from moe_rl.algorithms.config import ServedConfig
 from moe_rl.config import RunConfig
 from moe_rl.cpu_pools import pin_process, process_cores
 from moe_rl.engine.client import engine_index, engine_name
-from moe_rl.engine.sglang_launcher import sglang_lora_slots
+from moe_rl.plan.launch import sglang_lora_slots
 from moe_rl.rl.consistency_probe import ProbeBatch, ProbeRequest
 from moe_rl.rl.fleet import EngineFleet
 from moe_rl.rl.joins import Joins
@@ -60,7 +61,6 @@ from moe_rl.rl.ray_init import init_ray
 from moe_rl.rl.resume import RunCheckpoint
 from moe_rl.rl.rollout_actor import BatchRequest, EngineServer, RolloutWorker, TrainBatch, engine_placement
 from moe_rl.rl.trainer_group import SaveHFRequest, TrainerGroup
-from moe_rl.signals.config import ServedConfig
 from moe_rl.signals.served import ServedModel
 from moe_rl.trace import TRACER
 from moe_rl.trainer.weight_sync import ConnectRequest, SyncRequest

@@ -31,7 +31,8 @@ from moe_rl.cpu_pools import pin_process
 from moe_rl.engine.client import EngineClient, EngineError, engine_name
 from moe_rl.engine.pool import EnginePool
 from moe_rl.engine.process import EmbeddedConfig, launch_embedded
-from moe_rl.engine.sglang_launcher import engine_sglang_config, launch_sglang
+from moe_rl.engine.sglang_launcher import launch_sglang
+from moe_rl.plan.launch import engine_sglang_config
 from moe_rl.rl.consistency_probe import ProbeBatch, ProbeRequest, probe_ids, score_rows
 from moe_rl.rl.resume import RunCheckpoint
 from moe_rl.rollout import RolloutConfig, RolloutManager

@@ -6,5 +6,5 @@
 - served models reached through the same `EngineClient` the rollout engines use: `served` (a model
   started from `path` or reached at `url`), `teacher` (on-policy distillation: the teacher's
   logprobs of the student's tokens), `judge` (`rollout.reward: judge`);
-- `config`: the teacher's and judge's config sections, apart from the code that runs them.
+- `config`: the judge's config section, apart from the code that runs it.
 """

@@ -1,35 +1,15 @@
-"""The signals' config sections, apart from the code that serves and calls them (so the run
-config imports no engine code): `ServedConfig`, a model served beside the policy ({path | url}: a
-teacher, a judge), and `JudgeConfig` (`rollout.judge`). `moe_rl.signals.served` and
-`moe_rl.signals.judge` own what they do."""
+"""`JudgeConfig` (`rollout.judge`), apart from the code that serves and calls the judge
+(`moe_rl.signals.judge`), so the run config imports no engine code. The judge is a served model
+as a distillation teacher is (`moe_rl.algorithms.config.ServedConfig`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from pathlib import Path
+
+from moe_rl.algorithms.config import ServedConfig
 
 JUDGE_KINDS = ("generative", "discriminative")
-
-
-@dataclasses.dataclass(kw_only=True)
-class ServedConfig:
-    """A model served for the run: give exactly one of `path` and `url`."""
-
-    path: str | None = None
-    """HF model directory (config.json + safetensors): the run starts an engine on it."""
-    url: str | None = None
-    """http://host:port of a running engine server (SGLang or `moe-rl serve`); the run only calls it."""
-
-    def check(self, name: str) -> None:
-        """Raise ValueError naming the config field `name` (e.g. "algorithm.distill.teacher") when
-        the two are not given exactly once, or `path` is no HF directory; its section calls this."""
-        if (self.path is None) == (self.url is None):
-            raise ValueError(f"{name}: give exactly one of {name}.path (an HF directory) and {name}.url")
-        if self.path is not None and not (Path(self.path) / "config.json").is_file():
-            raise ValueError(f"{name}.path={self.path!r}: no config.json there; point it at an HF model directory")
-        if self.url is not None and not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"{name}.url={self.url!r}: give http://host:port")
 
 
 @dataclasses.dataclass(kw_only=True)

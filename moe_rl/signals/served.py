@@ -1,7 +1,7 @@
 """A served model other than the policy (a distillation teacher, a judge): started from `path` or
 reached at `url`.
 
-`ServedConfig` (`moe_rl.signals.config`) is the `{path | url}` a config names. `ServedModel` makes it answer:
+`ServedConfig` (`moe_rl.algorithms.config`) is the `{path | url}` a config names. `ServedModel` makes it answer:
 - `path`: an engine server on that HF directory, of the run's `engines.kind` (the embedded engine
   on CPU, SGLang with `engines.tp` GPUs), started here and stopped by `stop()`. In an RL run it is a
   Ray actor (`moe_rl.rl.cluster` places it beside the rollout engines: a CPU, or `engines.tp` GPUs);
@@ -19,8 +19,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from moe_rl.algorithms.config import ServedConfig
 from moe_rl.engine.process import EmbeddedConfig, EngineProcess, launch_embedded
-from moe_rl.signals.config import ServedConfig
 
 
 def healthy(url: str, timeout_s: float = 5.0) -> bool:

@@ -21,9 +21,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from moe_rl.algorithms.config import ServedConfig
 from moe_rl.engine.client import EngineClient
 from moe_rl.sample import Sample
-from moe_rl.signals.config import ServedConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 

@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from moe_rl.algorithms import AlgorithmConfig
-from moe_rl.algorithms.config import DistillConfig
+from moe_rl.algorithms.config import DistillConfig, ServedConfig
 from moe_rl.config import RunConfig, from_dict
 from moe_rl.jobs import preflight
 from moe_rl.rollout.train_batch import build_batch
 from moe_rl.sample import Sample
-from moe_rl.signals.config import ServedConfig
 from moe_rl.signals.teacher import check_vocabulary
 from tests.signals.distill_helpers import TEACHER_MODEL
 

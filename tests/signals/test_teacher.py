@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
+from moe_rl.algorithms.config import ServedConfig
 from moe_rl.config import EngineConfig
 from moe_rl.engine.client import EngineClient
 from moe_rl.sample import Sample
-from moe_rl.signals.config import ServedConfig
 from moe_rl.signals.served import ServedModel
 from moe_rl.signals.teacher import Teacher
 from tests.signals.distill_helpers import TEACHER_MODEL

@@ -264,7 +264,7 @@ def make_plan(config: RunConfig, gpu_metrics: Path = GPU_METRICS, link_gbps: flo
     dtype_bytes = PRECISIONS[config.trainer.precision].itemsize  # what the trainer holds and exports
     adapter = None if config.lora is None else lora_parameters(hf, counts, config.lora.rank, config.lora.targets)
     stage, trainer = trainer_memory(config, hf, counts, dtype_bytes, adapter)
-    engine = engine_memory(config, counts, PARAM_DTYPES[config.cluster.param_dtype]) if config.is_rl else {}
+    engine = engine_memory(config, hf, counts, PARAM_DTYPES[config.cluster.param_dtype]) if config.is_rl else {}
     kv_note = check_kv_cache(config, hf, engine["kv_cache"]) if config.is_rl else None
     sync_bytes = (sum(adapter) if adapter else counts.total) * dtype_bytes
     if adapter is None and config.sync.fp8_blocks:
@@ -649,21 +649,36 @@ def _activation_bytes(hf, s: int, b: int, *, moe: bool) -> float:
     return attention + mlp
 
 
-def engine_memory(config: RunConfig, counts: ParamCounts, dtype_bytes: int) -> dict[str, float]:
+def engine_memory(config: RunConfig, hf, counts: ParamCounts, dtype_bytes: int) -> dict[str, float]:
     e, gpu, fp8 = config.engines, config.cluster.gpu_memory_gb, config.sync.fp8_blocks
     layer_bytes = 1 + 4 / fp8**2 if fp8 and config.lora is None else dtype_bytes  # FP8 engines: the sync's format
+
+    def per_gpu(dense: float, experts: int) -> float:  # dense split over attention TP, experts over the engine
+        return (dense / (e.tp // e.attn_dp) + experts * layer_bytes / e.tp) / GB
+
     ends = counts.embedding + counts.head
-    dense = (counts.total - counts.experts - ends) * layer_bytes + ends * dtype_bytes
-    weights = (dense / (e.tp // e.attn_dp) + counts.experts * layer_bytes / e.tp) / GB
-    buffer = config.sync.bucket_bytes / GB if config.lora is None else 0.0  # each TP rank receives every bucket
-    kv_cache = e.mem_fraction_static * gpu - weights - buffer
+    weights = per_gpu((counts.total - counts.experts - ends) * layer_bytes + ends * dtype_bytes, counts.experts)
+    memory = {"weights": weights}
+    if e.speculative is not None:  # SGLang NEXTN: the MTP layer is a draft model of its own
+        draft_dense, draft_experts = draft_parameters(hf, counts)
+        memory["draft (MTP)"] = per_gpu(draft_dense * layer_bytes, draft_experts)
+    memory["sync buffer"] = config.sync.bucket_bytes / GB if config.lora is None else 0.0  # every TP rank: every bucket
+    kv_cache = e.mem_fraction_static * gpu - sum(memory.values())
     if kv_cache <= 0:
         raise ValueError(
             f"engines: ~{weights:.0f} GB of weights per GPU exceed engines.mem_fraction_static x "
             f"cluster.gpu_memory_gb = {e.mem_fraction_static * gpu:.0f} GB: raise engines.tp (GPUs per engine) "
             f"or lower engines.attn_dp"
         )
-    return {"weights": weights, "sync buffer": buffer, "kv_cache": kv_cache}
+    return {**memory, "kv_cache": kv_cache}
+
+
+def draft_parameters(hf, counts: ParamCounts) -> tuple[int, int]:
+    """(dense, expert) parameters of a NEXTN draft, DeepSeek-V3's MTP module as SGLang loads it: one
+    decoder layer like the last, its `eh_proj` [hidden, 2 hidden] and two norms; the embedding and
+    the head are the target's. Transformers' models hold no MTP layer, so the counts have none."""
+    hidden = hf.get_text_config().hidden_size
+    return counts.dense_per_layer[-1] + 2 * hidden * hidden + 2 * hidden, counts.expert_per_layer[-1]
 
 
 def _check_engine_model(config: RunConfig, hf) -> None:

@@ -46,6 +46,8 @@ def check_kv_cache(config: RunConfig, hf, kv_cache_gb: float) -> str:
     e, tokens = config.engines, longest_sequence(config)
     value_bytes = kv_cache_bytes(e.sglang, KV_BYTES)
     per_sequence = kv_bytes_per_token(hf, e.tp, e.attn_dp, value_bytes) * tokens / GB
+    if e.speculative is not None:  # the NEXTN draft keeps one more layer's KV for every token
+        per_sequence *= 1 + 1 / hf.get_text_config().num_hidden_layers
     held = kv_cache_gb / per_sequence
     if held < 1:
         raise ValueError(

@@ -10,7 +10,7 @@ import yaml
 
 from moe_rl import cli
 from moe_rl.config import load_config
-from moe_rl.plan.planner import HEADROOM_GB, make_plan, parallel_groups
+from moe_rl.plan.planner import HEADROOM_GB, PARAM_DTYPES, make_plan, parallel_groups
 from tests.tiny_models import QWEN3_MOE, hf_fields
 
 MODELS = sorted(Path("configs/models").glob("*.yaml"))
@@ -491,3 +491,30 @@ def test_the_plan_prints_each_engines_launch_and_sizes_the_kv_cache_by_its_dtype
         return float(note.split(" holds ")[1].split(" ")[0])
 
     assert held(["engines.sglang.kv_cache_dtype=fp8_e4m3"]) == pytest.approx(2 * held([]), rel=1e-3)
+
+
+def test_speculative_engines_hold_the_mtp_draft_and_its_kv():
+    """`engines.speculative` on DeepSeek-V3: the NEXTN draft's weights (one MoE layer like the last,
+    plus eh_proj and two norms) come out of the KV cache, whose every token keeps one more layer;
+    the launch carries SGLang's NEXTN flags."""
+    path, speculative = "configs/models/deepseek_v3.yaml", ["engines.speculative.algorithm=mtp"]
+    plain, drafting = (make_plan(load_config(path, extra)) for extra in ([], speculative))
+    config = load_config(path)
+    hf, counts, e = config.model.load_hf_config(), plain.params, config.engines
+    hidden, layer_bytes = hf.hidden_size, PARAM_DTYPES[config.cluster.param_dtype]  # no sync.fp8_blocks here
+    draft_dense = counts.dense_per_layer[-1] + 2 * hidden * hidden + 2 * hidden
+    draft = (draft_dense * layer_bytes / (e.tp // e.attn_dp) + counts.expert_per_layer[-1] * layer_bytes / e.tp) / 1e9
+    assert drafting.engine_memory["draft (MTP)"] == pytest.approx(draft)
+    assert drafting.engine_memory["kv_cache"] == pytest.approx(plain.engine_memory["kv_cache"] - draft)
+
+    def held(plan):
+        (note,) = [n for n in plan.notes if "KV cache (attention TP" in n]
+        return float(note.split(" holds ")[1].split(" ")[0])
+
+    layers = hf.num_hidden_layers
+    expected = (
+        held(plain) * drafting.engine_memory["kv_cache"] / plain.engine_memory["kv_cache"] * layers / (layers + 1)
+    )
+    assert held(drafting) == pytest.approx(expected, rel=1e-3)
+    nextn = "--speculative-algorithm NEXTN --speculative-num-steps 2 --speculative-eagle-topk 1"
+    assert drafting.engine_commands[0].endswith(nextn + " --speculative-num-draft-tokens 3")

@@ -25,6 +25,7 @@ from tests.tiny_models import QWEN3_MOE_SMALL, hf_fields
 pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
 STEPS, GROUPS = 8, 4
+HOLD = 6  # the first run cannot get past this step (its dump blocks): killed after checkpoint 3, 4 or 5
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
 CHAT_DIR = Path(__file__).resolve().parents[2] / "configs" / "tokenizers" / "tiny_chat"
 SINGLE_TURN = {
@@ -72,6 +73,9 @@ def write_config(path: Path, run_dir: Path, kind: dict) -> None:
                     "report": False,
                     "save_hf": False,
                     "checkpoint_every": 1,
+                    # each step's checkpoint in place before the next step: the first run holds at
+                    # step HOLD, where a background write would never be put into place
+                    "checkpoint_background": False,
                     "keep_checkpoints": 2,
                 },
                 "steps": STEPS,
@@ -98,6 +102,15 @@ def test_sigkill_then_resume_loses_nothing_and_trains_nothing_twice(tmp_path, ki
     )
     try:
         deadline = time.monotonic() + 240
+        # the kill must land mid-run however fast this machine is: the driver writes step HOLD's
+        # rollout dump through a temp file named by its pid; made a FIFO once the run directory is
+        # the driver's (before Ray and the cluster start), its open() blocks until the kill
+        while not (run_dir / "config.json").is_file():
+            assert driver.poll() is None, (tmp_path / "first.err").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the first run did not start"
+            time.sleep(0.02)
+        (run_dir / "rollouts").mkdir(exist_ok=True)
+        os.mkfifo(run_dir / "rollouts" / f".step_{HOLD:06d}.jsonl.{driver.pid}.tmp")
         while not list((run_dir / "checkpoints").glob("step_00000[3-9]")):  # past max_staleness
             assert driver.poll() is None, (tmp_path / "first.err").read_text()[-3000:]
             assert time.monotonic() < deadline, "the first run made no progress"

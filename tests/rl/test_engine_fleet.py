@@ -11,7 +11,9 @@ dropped once with a reason.
 
 The driver parks (its `recover` polling goes on) only where the run would otherwise race past the
 scenario: until the add answered, until the checks after it are done, and at the next steps' batch
-(while their round generates) until engine-1 held requests and was removed.
+(while their round generates) until engine-1 held requests and was removed. From the checks on,
+engine-1 is paused in place at every admit, before the admitted round starts, so the requests it
+is sent stay there however fast the machine generates.
 """
 
 from __future__ import annotations
@@ -69,6 +71,13 @@ class FleetCluster(RLCluster):
         self.steps += 1
         return super().get_batch(asked)
 
+    def admit(self, version: int) -> dict[str, float]:
+        if self.checked.is_set() and not self.removed.is_set():
+            # the sync just resumed every engine; engine-1 holds what the admitted round sends it
+            # (in place: queued, not stepped) until it is removed, while the driver parks
+            asyncio.run(on_engine(self.url_of(REMOVED), lambda client: client.pause_generation("in_place")))
+        return super().admit(version)
+
     def park_until(self, done) -> None:
         """The driver waits for a command while serving the control channel (`recover`)."""
         while not done():
@@ -113,20 +122,16 @@ class FleetCluster(RLCluster):
         self.removed.set()
 
     def hold_requests(self) -> None:
-        """While the driver is parked, pause engine-1 in place once it has requests (no sync can
-        resume it then); when the parked step's groups end with none on it, let the driver go on."""
+        """Once the driver parked for the removal, wait for engine-1 (paused at the admit) to hold a
+        request; when the parked step's groups all ended elsewhere, let the driver go on."""
         deadline = time.perf_counter() + LIMIT_S
         while True:
             while self.parks == self.released:
                 _before(deadline, "the driver did not park for the removal")
                 time.sleep(0.005)
             if self.engine_states()[REMOVED]["in_flight"] >= 1:
-                url = ray.get(self.servers[REMOVED].url.remote())
-                asyncio.run(on_engine(url, lambda client: client.pause_generation("in_place")))
-                if self.engine_states()[REMOVED]["in_flight"] >= 1:
-                    return
-                asyncio.run(on_engine(url, lambda client: client.continue_generation()))
-            elif not ray.get(self.rollout.__ray_call__.remote(open_groups)):
+                return
+            if not ray.get(self.rollout.__ray_call__.remote(open_groups)):
                 self.seen["retries"] += 1  # nothing generating until the next admit
                 self.released = self.parks
             time.sleep(0.002)

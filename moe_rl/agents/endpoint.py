@@ -10,10 +10,14 @@ episode; unknown or finished episodes get 404. Loopback by default
 are left in the content, as SGLang leaves them; a template cannot force a call: "required" and
 named functions are refused), `temperature`,
 `top_p`, `max_tokens` / `max_completion_tokens`, `stop` (strings that are single tokens of the
-tokenizer), `n` = 1, no streaming. Each call is one `Episode.generate` (token-in-token-out), and
+tokenizer), `n` = 1, `stream`. Each call is one `Episode.generate` (token-in-token-out), and
 the answer is OpenAI's schema: `choices[0].message` with `content` and `tool_calls`,
-`finish_reason` ("tool_calls", "stop", "length"), `usage`. A limit reached answers 400 with
-code `episode_limit` (the episode ends truncated). Errors use OpenAI's `{"error": {...}}` body.
+`finish_reason` ("tool_calls", "stop", "length"), `usage`. With `stream: true` (harness programs
+such as verifiers' chat loop stream) the same answer comes as server-sent events once the turn is
+generated: one `chat.completion.chunk` whose delta holds the whole message (tool calls with their
+`index`), one with the finish reason, the usage chunk when `stream_options.include_usage`, then
+`[DONE]`. A limit reached answers 400 with code `episode_limit` (the episode ends truncated).
+Errors use OpenAI's `{"error": {...}}` body, before any event.
 
 `usage` agrees with the episode record: `prompt_tokens` is the number of ids the turn's engine
 request held (the sequence before the turn plus the environment ids this call adds; a call that
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import secrets
 import socket
 import time
@@ -88,7 +93,7 @@ class ChatEndpoint:
         """The episode finished: its URL answers 404 from now on."""
         self.episodes.pop(self._tokens.pop(id(episode), ""), None)
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         episode = self.episodes.get(request.match_info["token"])
         if episode is None:
             return _error(404, "no such episode (unknown, or finished)", "episode_not_found")
@@ -105,20 +110,21 @@ class ChatEndpoint:
         self.calls += 1
         message = completion_message(turn, episode.chat, body.get("tool_choice"))
         finish = "tool_calls" if message.get("tool_calls") else turn.finish_reason
-        return web.json_response(
-            {
-                "id": f"chatcmpl-{uuid.uuid4().hex}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": body.get("model") or "moe-rl-policy",
-                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
-                "usage": {
-                    "prompt_tokens": turn.prompt_tokens,
-                    "completion_tokens": len(turn.token_ids),
-                    "total_tokens": turn.prompt_tokens + len(turn.token_ids),
-                },
-            }
-        )
+        head = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "created": int(time.time()),
+            "model": body.get("model") or "moe-rl-policy",
+        }
+        usage = {
+            "prompt_tokens": turn.prompt_tokens,
+            "completion_tokens": len(turn.token_ids),
+            "total_tokens": turn.prompt_tokens + len(turn.token_ids),
+        }
+        if not body.get("stream"):
+            choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+            return web.json_response({**head, "object": "chat.completion", "choices": [choice], "usage": usage})
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return await _stream(request, head, message, finish, usage if include_usage else None)
 
     def _arguments(self, body, episode: Episode) -> dict:
         """Episode.generate's keyword arguments from a request body (RequestError on bad input)."""
@@ -129,8 +135,9 @@ class ChatEndpoint:
                 raise RequestError(400, f"messages[{i}] must be an object with a 'role'")
         if body.get("n", 1) != 1:
             raise RequestError(400, "n must be 1: each call is one turn of the episode")
-        if body.get("stream"):
-            raise RequestError(400, "stream=true is not supported: ask for the whole completion")
+        options = body.get("stream_options")
+        if options is not None and not (body.get("stream") and isinstance(options, dict)):
+            raise RequestError(400, "stream_options needs stream=true and must be an object")
         choice = body.get("tool_choice")
         if choice not in (None, "auto", "none"):
             raise RequestError(400, f"tool_choice={choice!r}: supported are 'auto' and 'none'")
@@ -171,6 +178,29 @@ def completion_message(turn: Turn, chat: ChatFormat, tool_choice: str | None) ->
         return turn.message()
     reasoning, content = chat.split_reasoning(turn.text)
     return dataclasses.replace(turn, content=content, tool_calls=[], reasoning=reasoning).message()
+
+
+async def _stream(
+    request: web.Request, head: dict, message: dict, finish: str, usage: dict | None
+) -> web.StreamResponse:
+    """The whole answer as OpenAI's chat-completion chunks (server-sent events)."""
+    delta = dict(message)
+    if "tool_calls" in delta:
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta["tool_calls"])]
+    chunks = [
+        {"choices": [{"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": finish, "logprobs": None}]},
+    ]
+    if usage is not None:
+        chunks.append({"choices": [], "usage": usage})
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    for chunk in chunks:
+        event = {**head, "object": "chat.completion.chunk", **chunk}
+        await response.write(f"data: {json.dumps(event)}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
 
 
 def _error(status: int, message: str, code: str = "invalid_request_error") -> web.Response:

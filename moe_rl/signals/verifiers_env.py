@@ -1,24 +1,33 @@
 """`rollout.environment: {kind: verifiers, name: <environment id>, options}`: a verifiers (0.4)
-environment's tasks, played through moe-rl's OpenAI endpoint and scored by the tasks' own rewards.
+environment's tasks, played by verifiers itself through moe-rl's OpenAI endpoint and scored by the
+tasks' own rewards.
 
-- Loading: `vf.load_environment(vf.resolve_env_config({"taskset": {"id": name, **options}}))`,
-  as verifiers' own `eval` and `serve` load it. `name` is the installed environment's module or
-  hub id (`owner/name` imports `name`); `options` are its taskset config's fields (its split,
-  its size), so an eval split is the same name with other options.
+- Loading: `vf.load_environment(vf.resolve_env_config({"taskset": {"id": name, **options},
+  "agent": ...}))`, as verifiers' own `eval` and `serve` load it. `name` is the installed
+  environment's module or hub id (`owner/name` imports `name`); `options` are its taskset config's
+  fields (its split, its size), so an eval split is the same name with other options.
 - Prompts: the taskset's tasks (a finite taskset shuffled by the seed, then cycled; an endless
   one in its order), each as chat messages: the task's `system_prompt`, then its `prompt` (text:
   one user message). The prompt's answer is the task's `idx`.
-- Episodes: verifiers runs a task through a harness program that calls the model over HTTP;
-  here the adapter's agent (`Task.agent`) is that program, in process: it sends the task's
-  messages to the episode's `/v1/chat/completions` with the OpenAI SDK (`moe_rl.agents.endpoint`,
-  token-in-token-out: tokens, versions and routing stay exact), one turn, as verifiers' chat
-  harness does for a task without tools.
+- Episodes: the adapter's agent (`Task.agent`) runs `Env.run_episode` with the model at the
+  episode's `/v1/chat/completions` (`moe_rl.agents.endpoint`: token-in-token-out, so tokens,
+  versions and routing stay exact). verifiers then does what its `eval` does: its interception
+  server between the harness program and the model, the taskset's MCP tool servers (taskset-scoped
+  ones started once per process, task-scoped ones per episode, each fed its task and state by the
+  interception), and its chat harness, the `null` harness's program: turns with the tools until a
+  reply without tool calls (`moe_rl.signals.verifiers_harness` runs that program with this
+  interpreter instead of a `uv` environment). Programs and servers run in verifiers' local
+  subprocess runtime. `rollout.episode`'s limits cut the episode as any agent's.
 - Reward: the task's own scoring, `Task.score(trace)` (its `@vf.reward` functions, plugged
   rewards and judges, weighted, summed as `trace.reward`), on a `vf.Trace` of the episode's
-  conversation, through the run's `RewardScorer` (`Episode.score`): a reward that raises or
-  hangs scores 0, counted `rollout/reward_errors` / `reward_timeouts`.
-- Refused before start: tasksets with tool servers (`toolsets`: MCP servers, which the harness
-  serves) and rewards that need a runtime (a sandbox); a taskset that fails to import or load.
+  conversation as the record holds it (read by verifiers' chat dialect), through the run's
+  `RewardScorer` (`Episode.score`): a reward that raises or hangs scores 0, counted
+  `rollout/reward_errors` / `reward_timeouts`. verifiers' own scoring inside the episode is
+  deferred (`Task.defer_scoring`), so a judge is called once.
+- Refused before start: environments with several agents (an `Env` of their own, such as
+  user-sim), tasksets that bring their own harness program or tool servers in a remote runtime
+  (they need containers), rewards that need a runtime (a sandbox); a taskset that fails to import
+  or load.
 """
 
 from __future__ import annotations
@@ -32,14 +41,16 @@ import random
 from typing import Any, Iterator
 
 import verifiers.v1 as vf
-from pydantic import TypeAdapter
+from verifiers.v1.clients import ModelContext
+from verifiers.v1.configs.client import EvalClientConfig
+from verifiers.v1.dialects.chat import parse_message
 from verifiers.v1.graph import MessageNode
+from verifiers.v1.utils.loaders import default_harness_id, environment_class
 
 from moe_rl.agents import Episode
 from moe_rl.sample import Sample
+from moe_rl.signals.verifiers_harness import HARNESS_ID
 from moe_rl.tasks import Prompt, Task
-
-MESSAGE = TypeAdapter(vf.Message)
 
 
 class VerifiersTask(Task):
@@ -47,11 +58,31 @@ class VerifiersTask(Task):
 
     def __init__(self, env_id: str, options: dict[str, Any]):
         _import(env_id)
-        self.env = vf.load_environment(vf.resolve_env_config({"taskset": {"id": env_id, **options}}))
+        env_class = environment_class(env_id)
+        if env_class is not vf.SingleAgentEnv:
+            raise ValueError(
+                f"name={env_id!r} is an environment of several agents ({env_class.__name__}); moe-rl trains "
+                "single-agent verifiers environments (one policy seat)"
+            )
+        if default_harness_id(env_id) != "bash":
+            raise ValueError(
+                f"name={env_id!r} brings its own harness program, which needs a container runtime; moe-rl "
+                "plays verifiers tasks with verifiers' chat harness (the `null` harness's program)"
+            )
+        config = {
+            "taskset": {"id": env_id, **options},
+            "agent": {"harness": {"id": HARNESS_ID}, "runtime": {"type": "subprocess"}},
+        }
+        self.env = vf.load_environment(vf.resolve_env_config(config))
         self.taskset = self.env.taskset
         task_type = type(self.taskset).task_type()
-        if type(self.taskset).toolsets(self.taskset.config) or task_type.toolsets(self.taskset.config.task):
-            raise ValueError(f"name={env_id!r} serves tools (MCP toolsets), which moe-rl does not serve yet")
+        servers = type(self.taskset).toolsets(self.taskset.config) + task_type.toolsets(self.taskset.config.task)
+        remote = [s.server_name for s in servers if s.config.url is None and s.config.runtime.type != "subprocess"]
+        if remote:
+            raise ValueError(
+                f"name={env_id!r}: the tool servers {remote} run in a container runtime; moe-rl starts tool "
+                "servers as local processes (their config's runtime: {type: subprocess}, or a url)"
+            )
         self.tasks: dict[int, vf.Task] = {}  # idx -> task, as prompts draw them (the reward looks them up)
         first = next(iter(self.taskset), None)
         if first is None:
@@ -59,6 +90,8 @@ class VerifiersTask(Task):
         needs = [fn.__name__ for fn in first.hooks("reward") if _needs_runtime(fn)]
         if needs:
             raise ValueError(f"name={env_id!r}: the rewards {needs} need a runtime (a sandbox), which moe-rl lacks")
+        self._serving: asyncio.Task | None = None  # holds `Env.serving()` open on the rollout loop
+        self._served: asyncio.Event | None = None
         self.agent = self.play
 
     def prompts(self, seed: int) -> Iterator[Prompt]:
@@ -77,12 +110,29 @@ class VerifiersTask(Task):
         raise NotImplementedError("verifiers environments run episodes; their text is the endpoint's")
 
     async def play(self, episode: Episode) -> float:
-        """One episode: the task's messages, one model turn through the episode's OpenAI endpoint."""
-        from openai import AsyncOpenAI  # a dependency of verifiers
-
-        async with AsyncOpenAI(base_url=episode.base_url, api_key="-", max_retries=0) as client:
-            await client.chat.completions.create(model="policy", messages=episode.messages)
+        """One episode: verifiers runs the task (harness program, tool servers) against the
+        episode's endpoint; the conversation the record holds is then scored."""
+        await self._serve()
+        model = ModelContext(model="policy", client=EvalClientConfig(base_url=episode.base_url, api_key_var=_NO_KEY))
+        await self.env.run_episode(self.tasks[episode.answer].defer_scoring(), model)
         return await episode.score()
+
+    async def _serve(self) -> None:
+        """`Env.serving()` (the interception server, taskset-scoped tool servers), entered once in
+        a task of its own on this loop and held until the loop ends."""
+        if self._serving is None:
+            self._served = asyncio.Event()
+            self._serving = asyncio.create_task(self._hold_serving(self._served))
+        served = asyncio.create_task(self._served.wait())
+        await asyncio.wait({served, self._serving}, return_when=asyncio.FIRST_COMPLETED)
+        served.cancel()
+        if self._serving.done():
+            raise RuntimeError(f"verifiers could not serve the environment: {self._serving.exception()!r}")
+
+    async def _hold_serving(self, served: asyncio.Event) -> None:
+        async with self.env.serving():
+            served.set()
+            await asyncio.Event().wait()
 
     def reward(self, response: str, answer: int, sample: Sample) -> float:
         """`Task.score` of the conversation (the episode's, or the prompt and `response` when a
@@ -108,12 +158,13 @@ def task_messages(task: vf.Task) -> list[dict]:
 
 
 def conversation_trace(task: vf.Task, conversation: list[dict]) -> vf.Trace:
-    """The trace verifiers' scoring reads: one branch of the conversation's messages, the
-    assistant turns after the prompt marked sampled (`trace.last_reply` reads them)."""
+    """The trace verifiers' scoring reads: one branch of the conversation's messages (OpenAI's
+    form, read by verifiers' chat dialect), the assistant turns after the prompt marked sampled
+    (`trace.last_reply` reads them)."""
     prompt = len(task_messages(task))
     nodes = [
         MessageNode(
-            message=MESSAGE.validate_python(message),
+            message=parse_message(message),
             parent=i - 1 if i else None,
             sampled=i >= prompt and message["role"] == "assistant",
         )
@@ -124,6 +175,11 @@ def conversation_trace(task: vf.Task, conversation: list[dict]) -> vf.Trace:
         agent=vf.AgentInfo(config=vf.AgentConfig()),
         nodes=nodes,
     )
+
+
+_NO_KEY = "MOE_RL_EPISODE_API_KEY"
+"""The environment variable verifiers reads the endpoint's key from: unset, so it sends "EMPTY"
+(the episode's URL is its credential)."""
 
 
 def _import(env_id: str) -> None:

@@ -199,6 +199,58 @@ async def openai_usage(episode: Episode) -> float:
     return float(episode.index)
 
 
+STREAMED: dict[tuple[str, int], list[tuple]] = {}
+"""(group id, episode index) -> each call's (stream?, content, tool calls, finish reason, usage)."""
+
+
+async def openai_streams(episode: Episode) -> float:
+    """An OpenAI-SDK agent whose first call streams (usage included) and whose second does not,
+    after the first call's tool results; keeps what each answer said."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=episode.base_url, api_key="-", max_retries=0)
+    messages, seen = list(episode.messages), STREAMED.setdefault((episode.group_id, episode.index), [])
+    try:
+        chunks = await client.chat.completions.create(
+            model="p",
+            messages=messages,
+            tools=[TOOL],
+            max_tokens=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        content, calls, finish, usage = "", {}, None, None
+        async for chunk in chunks:
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                for call in choice.delta.tool_calls or []:
+                    calls[call.index] = (call.id, call.function.name, call.function.arguments)
+                finish = choice.finish_reason or finish
+            usage = chunk.usage or usage
+        tool_calls = [calls[i] for i in sorted(calls)]
+        seen.append(
+            (True, content, [c[1:] for c in tool_calls], finish, (usage.prompt_tokens, usage.completion_tokens))
+        )
+        messages.append(
+            {
+                "role": "assistant",
+                "content": content,
+                "tool_calls": [
+                    {"id": i, "type": "function", "function": {"name": n, "arguments": a}} for i, n, a in tool_calls
+                ],
+            }
+        )
+        messages += [{"role": "tool", "tool_call_id": i, "content": "7"} for i, _, _ in tool_calls]
+        reply = await client.chat.completions.create(model="p", messages=messages, tools=[TOOL], max_tokens=2)
+        message = reply.choices[0].message
+        calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+        usage = (reply.usage.prompt_tokens, reply.usage.completion_tokens)
+        seen.append((False, message.content, calls, reply.choices[0].finish_reason, usage))
+    finally:
+        await client.close()
+    return 1.0
+
+
 async def openai_lookup_from_metadata(episode: Episode) -> float:
     """A dataset-driven OpenAI-SDK agent: a call with the row's tools, answered by a tool result from
     the row's `metadata.table` (the model's call when it made one, else the table's first entry),

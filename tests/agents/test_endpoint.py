@@ -47,6 +47,19 @@ def test_openai_sdk_agent_with_tool_calls(emitting_engines):
     assert manager.agents.endpoint.calls == 6
 
 
+def test_a_streamed_answer_is_the_whole_answer(emitting_engines):
+    """`stream: true` gives the SDK the same turn as a plain call: the whole message (both tool
+    calls), the finish reason and the usage, in chunks."""
+    (batch,), _, pool = asyncio.run(rounds(agent_config("openai_streams"), emitting_engines["call"]))
+    call_c = ("lookup", '{"key": "C"}')
+    for sample in batch[0]:
+        check_record(sample, pool.calls)
+        streamed, plain = agents_for_tests.STREAMED[(sample.group_id, sample.metadata["episode"])]
+        segments = model_segments(sample)
+        assert streamed == (True, "", [call_c, call_c], "tool_calls", segments[0])
+        assert plain == (False, "", [call_c, call_c], "tool_calls", segments[1])
+
+
 @pytest.mark.parametrize("agent", ["lookup_agent", "lookup_openai_agent"])
 def test_lookup_scores_an_episode_that_calls_again_without_the_call_credit(emitting_engines, agent):
     """The model calls `lookup` in its answering turn too: both lookup agents keep only the key
@@ -116,7 +129,7 @@ def test_unknown_finished_and_bad_requests(chat_engine):
         "finished": 404,
         "unknown": 404,
         "n2": 400,
-        "stream": 400,
+        "stream": 200,
         "required": 400,
         "stop": 400,
         "good": 200,

@@ -41,6 +41,66 @@ class S(vf.Taskset[T, vf.TasksetConfig]):
 __all__ = ["S"]
 """,
     "vf_import_fails": "import verifiers.v1 as vf\nimport no_such_dependency\n",
+    "vf_two_agents": """
+import verifiers.v1 as vf
+
+class T(vf.Task):
+    pass
+
+class S(vf.Taskset[T, vf.TasksetConfig]):
+    def load(self):
+        return [T(vf.TaskData(prompt="hi"), self.config.task)]
+
+class C(vf.EnvConfig):
+    solver: vf.AgentConfig = vf.AgentConfig()
+    critic: vf.AgentConfig = vf.AgentConfig()
+
+class E(vf.Env[C]):
+    async def run(self, task, agents):
+        await agents.solver.run(task)
+
+__all__ = ["S", "E"]
+""",
+    "vf_own_harness": """
+import verifiers.v1 as vf
+
+class T(vf.Task):
+    pass
+
+class S(vf.Taskset[T, vf.TasksetConfig]):
+    def load(self):
+        return [T(vf.TaskData(prompt="hi"), self.config.task)]
+
+class H(vf.Harness[vf.HarnessConfig]):
+    async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data):
+        raise NotImplementedError
+
+__all__ = ["S", "H"]
+""",
+    "vf_docker_tools": """
+import verifiers.v1 as vf
+
+class Tools(vf.Toolset[vf.SharedToolsetConfig]):
+    @vf.tool
+    def echo(self, text: str) -> str:
+        return text
+
+class T(vf.Task):
+    pass
+
+class C(vf.TasksetConfig):
+    tools: vf.SharedToolsetConfig = vf.SharedToolsetConfig(runtime={"type": "docker"})
+
+class S(vf.Taskset[T, C]):
+    def load(self):
+        return [T(vf.TaskData(prompt="hi"), self.config.task)]
+
+    @classmethod
+    def toolsets(cls, config):
+        return [Tools(config.tools)]
+
+__all__ = ["S"]
+""",
 }
 
 
@@ -85,6 +145,12 @@ BAD = [
         ["rollout.environment", "importing 'vf_import_fails' failed", "no_such_dependency"],
     ),
     (env("verifiers", "vf_sandboxed"), ["rollout.environment", "['passed'] need a runtime"]),
+    (env("verifiers", "vf_two_agents"), ["rollout.environment", "several agents (E)", "single-agent"]),
+    (env("verifiers", "vf_own_harness"), ["rollout.environment", "its own harness program", "chat harness"]),
+    (
+        env("verifiers", "vf_docker_tools"),
+        ["rollout.environment", "tool servers ['tools'] run in a container", "{type: subprocess}"],
+    ),
     (env("openenv", "http://127.0.0.1:1", bogus=1), ["rollout.environment", "options has 'bogus'"]),
     (env("openenv", "no_such_app_module"), ["rollout.environment", "cannot import 'no_such_app_module'"]),
 ]

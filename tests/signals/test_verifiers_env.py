@@ -1,7 +1,9 @@
-"""`rollout.environment: {kind: verifiers}` trains on a verifiers taskset (tests/signals/vf_digit.py,
-loaded by verifiers' own loader): episodes go through the OpenAI endpoint, and every trained
-reward equals the taskset's own scoring (`Task.score`) of the same reply. A taskset whose reward
-raises scores 0, counted `rollout/reward_errors`; one that does not load is refused before start."""
+"""`rollout.environment: {kind: verifiers}` trains on verifiers tasksets (tests/signals/vf_digit.py;
+vf_lookup.py, whose `lookup` tool is an MCP server), loaded by verifiers' own loader and played
+by verifiers' chat harness through the OpenAI endpoint: every trained reward equals the taskset's
+own scoring (`Task.score`) of the same conversation, and a tool's answers reach the record from
+its server. A taskset whose reward raises scores 0, counted `rollout/reward_errors`; one that does
+not load is refused before start."""
 
 from __future__ import annotations
 
@@ -58,3 +60,46 @@ def test_verifiers_rewards_are_the_tasksets_own_scores(tmp_path, on_path):
     evaluated = SampleDump(tmp_path / "run" / "eval" / "heldout").read(STEPS)
     asked = sorted((CHAT.tokenizer.decode(r["prompt_ids"]).split("user\n")[1][:7], r["reward"]) for r in evaluated)
     assert asked == [("digit 1", 1.5)] * 2 + [("digit 2", 0.0)] * 2
+
+
+@pytest.mark.world
+@pytest.mark.timeout(600)
+def test_verifiers_tool_server_turns_are_episodes(tmp_path, on_path):
+    """The model calls `lookup` (key B) every turn: verifiers' chat harness sends each call to the
+    taskset's MCP server and the answer back, until `rollout.episode.max_turns` ends the episode.
+    The record holds that conversation token for token, and its reward is verifiers' scoring of it."""
+    import verifiers.v1 as vf
+    from vf_lookup_tools import TABLE
+
+    from moe_rl.agents.tiny_tokenizer import lookup_call
+    from moe_rl.signals.verifiers_env import conversation_trace, task_messages
+
+    turns = 3
+    environment = {"kind": "verifiers", "name": "vf_lookup", "options": {"num_tasks": 3}}
+    metrics, records = run_environment(
+        tmp_path, environment, emits=lookup_call("B"), max_new_tokens=1, episode={"max_turns": turns}
+    )
+    train = [m for m in metrics if "rollout/reward_mean" in m]
+    assert all(m["rollout/reward_errors"] == 0 and m["agents/episodes"] == 4 for m in train)
+    tasks = {t.data.idx: t for t in vf.load_taskset(vf.resolve_env_config({"taskset": {"id": "vf_lookup"}}).taskset)}
+    assert len(records) == STEPS * 4
+    call = {"id": "-", "type": "function", "function": {"name": "lookup", "arguments": '{"key": "B"}'}}
+    for record in records:
+        task = tasks[record["answer"]]
+        assert record["episode"]["turns"] == turns and record["episode"]["tool_calls"] == turns
+        # the record: the task's messages, then `turns` calls of lookup(B), each but the last answered
+        # by the server's TABLE["B"] (the last answer went into the request the limit refused)
+        conversation = task_messages(task)
+        for turn in range(turns):
+            conversation.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            if turn < turns - 1:
+                conversation.append({"role": "tool", "tool_call_id": "-", "content": TABLE["B"]})
+        tools = [{"type": "function", "function": {"name": "lookup"}}]  # the tiny template shows tool names
+        (call_b,) = CHAT.encode(lookup_call("B"))
+        assert record["prompt_ids"] + record["response_ids"] == CHAT.prompt_ids(conversation[:-1], tools) + [call_b]
+        answered = f"<|im_start|>tool\n{TABLE['B']}<|im_end|>"
+        assert CHAT.tokenizer.decode(record["response_ids"]).count(answered) == turns - 1
+        trace = conversation_trace(task, conversation)
+        asyncio.run(task.score(trace))  # verifiers' own scoring of the same conversation
+        assert trace.rewards["looked_up"].score == 1.0 and trace.rewards["value"].score == 0.0
+        assert record["reward"] == trace.reward == 0.5

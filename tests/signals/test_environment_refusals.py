@@ -145,7 +145,7 @@ BAD = [
         ["rollout.environment", "importing 'vf_import_fails' failed", "no_such_dependency"],
     ),
     (env("verifiers", "vf_sandboxed"), ["rollout.environment", "['passed'] need a runtime"]),
-    (env("verifiers", "vf_two_agents"), ["rollout.environment", "several agents (E)", "single-agent"]),
+    (env("verifiers", "vf_two_agents"), ["rollout.environment", "of 2 agents (solver, critic)", "one agent seat"]),
     (env("verifiers", "vf_own_harness"), ["rollout.environment", "its own harness program", "chat harness"]),
     (
         env("verifiers", "vf_docker_tools"),

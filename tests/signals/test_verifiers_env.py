@@ -103,3 +103,32 @@ def test_verifiers_tool_server_turns_are_episodes(tmp_path, on_path):
         asyncio.run(task.score(trace))  # verifiers' own scoring of the same conversation
         assert trace.rewards["looked_up"].score == 1.0 and trace.rewards["value"].score == 0.0
         assert record["reward"] == trace.reward == 0.5
+
+
+@pytest.mark.world
+@pytest.mark.timeout(600)
+def test_a_verifiers_game_answers_each_move(tmp_path, on_path):
+    """vf_guess's own `Env` answers each wrong guess with "no" (up to three); the model guesses 7
+    every turn. The record holds the game's conversation token for token, and the reward is what
+    the env recorded: 1 for the secret 7 (one turn), 0 for 8 and 9 (three turns)."""
+    from vf_guess import GUESSES
+
+    environment = {"kind": "verifiers", "name": "vf_guess", "options": {}}
+    metrics, records = run_environment(tmp_path, environment, emits="7", max_new_tokens=1)
+    train = [m for m in metrics if "rollout/reward_mean" in m]
+    assert all(m["rollout/reward_errors"] == 0 and m["agents/episodes"] == 4 for m in train)
+    import verifiers.v1 as vf
+
+    tasks = {t.data.idx: t for t in vf.load_taskset(vf.resolve_env_config({"taskset": {"id": "vf_guess"}}).taskset)}
+    (seven,) = CHAT.encode("7")
+    for record in records:
+        found = tasks[record["answer"]].data.secret == "7"
+        turns = 1 if found else GUESSES
+        assert record["reward"] == float(found) and record["episode"]["turns"] == turns
+        conversation = [{"role": "user", "content": "guess a digit"}]
+        for turn in range(turns):
+            conversation.append({"role": "assistant", "content": "7"})
+            if turn < turns - 1:
+                conversation.append({"role": "user", "content": "no"})
+        assert record["prompt_ids"] + record["response_ids"] == CHAT.prompt_ids(conversation[:-1]) + [seven]
+    assert {r["reward"] for r in records} == {0.0, 1.0}  # 4 groups drawn from the 3 tasks' cycle

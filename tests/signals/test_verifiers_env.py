@@ -84,6 +84,9 @@ def test_verifiers_tool_server_turns_are_episodes(tmp_path, on_path):
     tasks = {t.data.idx: t for t in vf.load_taskset(vf.resolve_env_config({"taskset": {"id": "vf_lookup"}}).taskset)}
     assert len(records) == STEPS * 4
     call = {"id": "-", "type": "function", "function": {"name": "lookup", "arguments": '{"key": "B"}'}}
+    tools = [{"type": "function", "function": {"name": "lookup"}}]  # the tiny template shows tool names
+    (call_b,) = CHAT.encode(lookup_call("B"))
+    answered = f"<|im_start|>tool\n{TABLE['B']}<|im_end|>"
     for record in records:
         task = tasks[record["answer"]]
         assert record["episode"]["turns"] == turns and record["episode"]["tool_calls"] == turns
@@ -94,10 +97,7 @@ def test_verifiers_tool_server_turns_are_episodes(tmp_path, on_path):
             conversation.append({"role": "assistant", "content": "", "tool_calls": [call]})
             if turn < turns - 1:
                 conversation.append({"role": "tool", "tool_call_id": "-", "content": TABLE["B"]})
-        tools = [{"type": "function", "function": {"name": "lookup"}}]  # the tiny template shows tool names
-        (call_b,) = CHAT.encode(lookup_call("B"))
         assert record["prompt_ids"] + record["response_ids"] == CHAT.prompt_ids(conversation[:-1], tools) + [call_b]
-        answered = f"<|im_start|>tool\n{TABLE['B']}<|im_end|>"
         assert CHAT.tokenizer.decode(record["response_ids"]).count(answered) == turns - 1
         trace = conversation_trace(task, conversation)
         asyncio.run(task.score(trace))  # verifiers' own scoring of the same conversation
@@ -111,14 +111,13 @@ def test_a_verifiers_game_answers_each_move(tmp_path, on_path):
     """vf_guess's own `Env` answers each wrong guess with "no" (up to three); the model guesses 7
     every turn. The record holds the game's conversation token for token, and the reward is what
     the env recorded: 1 for the secret 7 (one turn), 0 for 8 and 9 (three turns)."""
+    import verifiers.v1 as vf
     from vf_guess import GUESSES
 
     environment = {"kind": "verifiers", "name": "vf_guess", "options": {}}
     metrics, records = run_environment(tmp_path, environment, emits="7", max_new_tokens=1)
     train = [m for m in metrics if "rollout/reward_mean" in m]
     assert all(m["rollout/reward_errors"] == 0 and m["agents/episodes"] == 4 for m in train)
-    import verifiers.v1 as vf
-
     tasks = {t.data.idx: t for t in vf.load_taskset(vf.resolve_env_config({"taskset": {"id": "vf_guess"}}).taskset)}
     (seven,) = CHAT.encode("7")
     for record in records:

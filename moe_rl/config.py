@@ -479,7 +479,9 @@ class RLConfig:
     """"sync": generate, train, sync (staleness 0, the baseline); "one_step_off": staleness 1,
     in-flight generation drains before each weight sync (no sample mixes versions);
     "fully_async": staleness `rollout.max_staleness` >= 1, generation only stops for the weight
-    swap, requests cut by it resume as partial rollouts (pause_mode abort) or continue in place."""
+    swap, requests cut by it resume as partial rollouts (pause_mode abort) or continue in place
+    (in_place); with pause_mode none (embedded engines) it never stops: the swap falls between two
+    forwards."""
     save_hf: bool = True
     """Write the final policy as an HF checkpoint (`final_hf/`) that the engines can serve."""
     report: bool = True
@@ -671,6 +673,17 @@ class RunConfig:
                 "algorithm.distill.mode='pure' with rollout.drop_zero_variance_groups: the teacher's "
                 "per-token signal is the advantage, so an all-equal-reward group still teaches; set "
                 "drop_zero_variance_groups: false (or distill.mode: add)"
+            )
+        if self.sync.pause_mode == "none" and self.engines.kind != "embedded":
+            raise ValueError(
+                f"sync.pause_mode='none' with engines.kind={self.engines.kind!r}: only embedded engines keep "
+                "generating through a weight update (they stage the version beside the served one; SGLang loads "
+                "buckets into the live model); use pause_mode abort, retract or in_place"
+            )
+        if self.sync.pause_mode == "none" and self.rl.colocate:
+            raise ValueError(
+                "sync.pause_mode='none' with rl.colocate: colocated engines stop to give the trainer their "
+                "memory, so nothing generates through the update; use pause_mode abort"
             )
         if self.sync.pause_mode == "in_place" and self.sync.transport == "disk":
             # SGLang flushes the cache after a disk load and refuses while paused requests run

@@ -11,7 +11,9 @@ from sync.transports.base import TransportConfig
 
 ADAPTER_ROUTES = ("disk", "tensors")
 
-PAUSE_MODES = ("abort", "retract", "in_place")
+PAUSE_MODES = ("abort", "retract", "in_place", "none")
+"""`sync.pause_mode`: SGLang's three `/pause_generation` modes, or "none": no pause at all, for
+engines that stage a version beside the served one and swap at the commit (`stages_versions`)."""
 
 
 @dataclass(kw_only=True)
@@ -46,7 +48,9 @@ class SyncConfig(TransportConfig):
     """How bytes move: "broadcast" (process group), "disk" (safetensors on shared storage),
     "cuda_ipc" (colocated engines: CUDA-IPC handles via /update_weights_from_tensor)."""
     pause_mode: str = "retract"
-    """`/pause_generation` mode: abort | retract | in_place (SGLang's)."""
+    """`/pause_generation` mode: abort | retract | in_place (SGLang's), or none: the engines keep
+    generating while the buckets arrive and swap the version in between two forwards at the commit
+    (engines that `stages_versions`: the embedded engine; SGLang loads buckets into the live model)."""
     fp8_blocks: int | None = None
     """Send decoder linear weights as FP8 e4m3 in N x N blocks with their `weight_scale_inv`
     (DeepSeek-V3's format, N=128: half the bytes of bf16), for engines that serve FP8; the engines

@@ -35,9 +35,11 @@ computed only when an engine `verifies_checksums`, and the client sends it to em
 only, which verify it and use k to run the collectives in bucket order (the sender keeps two
 buckets in flight, whose HTTP calls may arrive in either order). The embedded engine also
 stages buckets and swaps them in at the commit (another extension); the sender's correctness
-never relies on either. Deltas (`sync.delta`) are a third extension: an engine that
-`applies_deltas` takes buckets of payloads announced with load_format
-`sync.delta.DELTA_LOAD_FORMAT`; the sender sends full versions to any other.
+never relies on either, except under `pause_mode: none`, which only an engine that
+`stages_versions` takes: it keeps generating on the served version while the buckets arrive.
+Deltas (`sync.delta`) are a third extension: an engine that `applies_deltas` takes buckets of
+payloads announced with load_format `sync.delta.DELTA_LOAD_FORMAT`; the sender sends full
+versions to any other.
 
 Group membership follows SGLang's `/init_weights_update_group` (master_address, master_port,
 rank_offset, world_size, group_name, backend): the trainer source is rank 0 and each engine
@@ -57,6 +59,7 @@ class EngineEndpoint(Protocol):
     name: str  # names the engine in errors, e.g. "engine-1 (http://127.0.0.1:30001)"
     verifies_checksums: bool  # checks update_weights_from_distributed's `checksum` (the embedded engine)
     applies_deltas: bool  # takes buckets of `sync.delta` payloads (load_format DELTA_LOAD_FORMAT; embedded engine)
+    stages_versions: bool  # serves the committed version while the next one arrives (pause_mode none; embedded)
 
     async def num_group_ranks(self) -> int:
         """GET /server_info: the ranks this engine puts into the weight-update group (tp_size)."""

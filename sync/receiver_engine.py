@@ -184,6 +184,7 @@ class ReceiverEngineClient:
         self.timeout_s = timeout_s
         self.verifies_checksums = True  # its WeightReceiver checks every bucket's CRC-32
         self.applies_deltas = True  # and applies delta buckets (`sync.delta`)
+        self.stages_versions = True  # the receiver stages a version beside the served one
 
     async def _call(self, route: str, timeout_s: float | None = None, **body) -> dict:
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)

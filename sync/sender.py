@@ -23,6 +23,8 @@ source instead (`sync.pipeline.stage_stream`), which broadcasts them all over on
      engines that are behind, see below);
   2. (re)open the transport if needed (forms the weight-update group with the target engines);
   3. pause generation (`mode`) on every target; flush the KV cache unless the mode is in_place;
+     with `pause_mode: none` neither: every target `stages_versions` and generates on (steps 3
+     and 8 are skipped; a target that got part of a version still serves the committed one);
   4. open the weight-update session where the transport loads in place (SGLang's rule);
   5. transport.send: stream buckets; every target acknowledges every bucket (with `sync.delta`:
      the stream as payloads against the kept copy, or a full anchor, see below);
@@ -131,8 +133,15 @@ class WeightSender(Syncer):
             self.version = version
             return SyncStats(version, 0, 0.0)
         start, committed, touched, session = time.perf_counter(), False, False, False
+        pausing = self.config.pause_mode != "none"
         marks: list[tuple[str, float]] = []  # each phase and when it began, for SyncStats.phases
         try:
+            if not pausing and not all(engine.stages_versions for engine in targets.engines):
+                raise ValueError(
+                    "pause_mode 'none' needs engines that serve the committed version while the next "
+                    f"one arrives; {[e.name for e in targets.engines if not e.stages_versions]} load "
+                    "buckets into the live model (SGLang): use pause_mode abort, retract or in_place"
+                )
             # 2. (re)form the group with the targets
             if self.transport.broken or self._group is None or self._group.names != targets.names:
                 self.transport.close(self._group or targets)
@@ -140,9 +149,10 @@ class WeightSender(Syncer):
                 self.transport.open(self._group)
             # 3. pause (+ flush: SGLang refuses it while in_place keeps requests in the batch)
             marks.append(("pause", time.time()))
-            self._on_all(targets, "pause_generation", lambda e: e.pause_generation(self.config.pause_mode))
-            if self.config.pause_mode != "in_place":
-                self._on_all(targets, "flush_cache", lambda e: e.flush_cache())
+            if pausing:
+                self._on_all(targets, "pause_generation", lambda e: e.pause_generation(self.config.pause_mode))
+                if self.config.pause_mode != "in_place":
+                    self._on_all(targets, "flush_cache", lambda e: e.flush_cache())
             # 4. the session SGLang requires around in-place loads
             if self.transport.session:
                 session = True
@@ -177,6 +187,8 @@ class WeightSender(Syncer):
             marks.append(("resume", time.time()))
             if touched and not committed:
                 self.partial |= set(targets.names) & set(self.engines.names)
+            elif not pausing:  # nothing was paused: a dead engine shows at the next update
+                dead = []
             else:  # (a commit cleared `partial` of the targets; earlier partial ones stay paused)
                 dead = targets.subset(set(targets.names) - self.partial).call(lambda e: e.continue_generation())
                 if committed:

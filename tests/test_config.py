@@ -10,6 +10,7 @@ from tests.tiny_models import DEEPSEEK_V3, QWEN3_MOE, hf_fields
 pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
 
 TINY_MODEL = {"hf_config": hf_fields(QWEN3_MOE, norm_topk_prob=False)}
+RL = ("rollout.task=copy_digits", "trainer.global_batch_size=16")  # an RL run's sections (4 groups x 4)
 
 
 @pytest.fixture
@@ -84,6 +85,16 @@ def test_context_parallel_divides_data_parallel_and_pads_sequences(config_file):
             ["engines.kind=sglang", "engines.join_from=peer"],
             r"join_from=peer: SGLang 0.5.23 engines cannot send their weights.*set engines.join_from: trainer",
         ),
+        (
+            [*RL, "engines.kind=sglang", "sync.pause_mode=none"],
+            r"pause_mode='none' with engines.kind='sglang'.*SGLang loads buckets into the live model.*"
+            r"use pause_mode abort, retract or in_place",
+        ),
+        (
+            [*RL, "rl.mode=sync", "rl.colocate=true", "trainer.world_size=1", "trainer.ep=1", "sync.pause_mode=none"],
+            r"pause_mode='none' with rl.colocate: colocated engines stop.*use pause_mode abort",
+        ),
+        (["sync.pause_mode=never"], r"pause_mode: 'never' is not one of \('abort', 'retract', 'in_place', 'none'\)"),
         (
             ["trainer.moe.freeze_router=true", "trainer.moe.router_bias_update_rate=0.001"],
             r"freeze_router=true with trainer.moe.router_bias_update_rate=0.001.*set router_bias_update_rate: 0",

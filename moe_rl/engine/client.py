@@ -106,6 +106,7 @@ class EngineClient:
         self.url, self.kind = url.rstrip("/"), kind
         self.verifies_checksums = kind == "embedded"  # SGLang has no bucket checksum field
         self.applies_deltas = kind == "embedded"  # SGLang 0.5.23's distributed route has no custom loader
+        self.stages_versions = kind == "embedded"  # SGLang loads each bucket into the live model
         self.name = name or f"{kind} engine ({self.url})"
         self._group_ranks: int | None = None
         self.timeout_s, self.generate_timeout_s = timeout_s, generate_timeout_s

@@ -79,13 +79,26 @@ def test_update_from_disk(engine, qwen3_dir, new_dir, tmp_path):
     assert matches(new_dir, after) and not matches(qwen3_dir, after)
 
 
-def test_update_from_distributed_with_weight_sender(engine, qwen3_dir, new_dir):
+def _decoding_meanwhile(url: str, items: list, decoded: list[dict]):
+    """`items`, but after the first few tensors (buckets already on the wire) the stream waits until
+    the engine decoded 3 more tokens of its running request: only an engine that keeps generating
+    through the transfer lets the update go on."""
+    for i, item in enumerate(items):
+        if i == 8:
+            decoded.append(run(wait_until_decoding(url, 1, steps=3)))
+        yield item
+
+
+@pytest.mark.parametrize("pause_mode", ["in_place", "none"])
+def test_update_from_distributed_with_weight_sender(engine, qwen3_dir, new_dir, pause_mode):
     """Buckets of 8 KiB: many buckets, each announced, broadcast, verified and staged; the version
-    is committed only at the end; requests in flight across the update keep going (in_place)."""
+    is committed only at the end; requests in flight across the update keep going (in_place: paused
+    in the batch; none: generating on version 0 while the buckets arrive, then on 1)."""
     client = EngineClient(engine.url)
     sender = WeightSender(
-        [client], SyncConfig(transport="broadcast", bucket_bytes=8 << 10, pause_mode="in_place", timeout_s=60)
+        [client], SyncConfig(transport="broadcast", bucket_bytes=8 << 10, pause_mode=pause_mode, timeout_s=60)
     )
+    decoded: list[dict] = []
     try:
 
         async def in_flight():
@@ -96,8 +109,10 @@ def test_update_from_distributed_with_weight_sender(engine, qwen3_dir, new_dir):
         async def go():
             task = asyncio.create_task(in_flight())
             await wait_until_decoding(engine.url, 1)  # under way with version 0 when the update starts
-            state = load_checkpoint_state(new_dir)
-            stats = await asyncio.to_thread(sender.update, sorted(state.items()), 1)
+            stream = sorted(load_checkpoint_state(new_dir).items())
+            if pause_mode == "none":
+                stream = _decoding_meanwhile(engine.url, stream, decoded)
+            stats = await asyncio.to_thread(sender.update, stream, 1)
             return stats, await task, await generate(client)
 
         stats, crossing, after = run(go())
@@ -107,6 +122,7 @@ def test_update_from_distributed_with_weight_sender(engine, qwen3_dir, new_dir):
         assert crossing.finish_reason == "length" and len(crossing.output_ids) == 300
         assert crossing.weight_versions[0] == 0 and crossing.weight_versions[-1] == 1
         assert all(r.weight_version == 1 for r in after) and matches(new_dir, after)
+        assert len(decoded) == (pause_mode == "none")  # the stream went on once the engine decoded
     finally:
         sender.close()
         run(client.close())

@@ -33,6 +33,7 @@ def owner_sync(hf_dir: str, ports: list[int], out_dir: str, layout: ParallelLayo
     owner-side diffs (what it yielded, its EP gather bytes, the coordinator's delta stats)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
+    from safetensors.torch import save_file
 
     from parallel.export import export_hf_weights
     from parallel.fp8 import BlockFP8
@@ -51,7 +52,7 @@ def owner_sync(hf_dir: str, ports: list[int], out_dir: str, layout: ParallelLayo
         with torch.no_grad():
             for param in model.parameters():
                 moved = torch.rand(param.shape) < 0.05
-                param.add_(torch.where(moved, 0.05 * torch.randn(param.shape), 0.0).to(param.dtype))
+                param.add_(torch.where(moved, 0.002 * torch.randn(param.shape), 0.0).to(param.dtype))
         before = GATHER_BYTES["received"]
         reference = {name: t.clone() for name, t in export_hf_weights(model, bridge, 16384, fp8=fp8)}
         dense_gather = GATHER_BYTES["received"] - before
@@ -69,12 +70,13 @@ def owner_sync(hf_dir: str, ports: list[int], out_dir: str, layout: ParallelLayo
         if stats is not None:
             for i, client in enumerate(clients):
                 client.dump_weights(f"{out_dir}/engine{i}-v{version}.safetensors")
+        files = {"reference": reference, "yielded": yielded}  # safetensors: FP8 does not pickle back
+        for what, tensors in files.items():
+            save_file(tensors, f"{out_dir}/{what}-r{rank}-v{version}.safetensors")
         versions.append(
             {
-                "reference": reference,
                 "dense_gather": dense_gather,
                 "gather": GATHER_BYTES["received"] - before,
-                "yielded": yielded,
                 "stats": None if stats is None else stats.delta,
             }
         )
@@ -118,6 +120,10 @@ def test_expert_owners_send_payloads_over_the_ep_gather(engines, tmp_path, layou
     ranks = spawn(owner_sync, layout.world_size, str(tmp_path / "hf"), ports, str(tmp_path), layout, fp8_blocks)
     sources = [r for r in ranks if r["source"]]
     (coordinator,) = [r for r in ranks if r["coordinator"]]
+    for r in sources:
+        for v, step in enumerate(r["versions"], start=1):
+            for what in ("reference", "yielded"):
+                step[what] = load_file(tmp_path / f"{what}-r{r['rank']}-v{v}.safetensors")
     for v, anchor in enumerate(ANCHORS):
         version = v + 1
         want = {name: t for r in sources for name, t in r["versions"][v]["reference"].items()}
@@ -139,8 +145,9 @@ def test_expert_owners_send_payloads_over_the_ep_gather(engines, tmp_path, layou
             assert all((h.base_version, h.version) == (version - 1, version) for h in heads.values())
             others = [n for n in experts if int(EXPERT.search(n)[1]) >= r["local_experts"]]
             crossed = sum(experts[n].numel() for n in others)  # the other owners' payloads
-            bound = 1.05 if version == INVALIDATED else 0.5  # the invalidated owner: dense + headers
-            assert crossed <= step["gather"] < bound * step["dense_gather"], (version, crossed, step)
+            # the invalidated owner's: dense + per tensor a header, its length and alignment (< 128 B)
+            bound = step["dense_gather"] + 128 * len(others) if version == INVALIDATED else step["dense_gather"] / 2
+            assert crossed <= step["gather"] < bound, (version, crossed, step)
             dense = {n for n, h in heads.items() if h.encoding == "dense"}
             # an owner with no kept version sends dense payloads; the others diff
             assert dense == (set(others) if version == INVALIDATED else set()), sorted(dense)[:3]

@@ -15,6 +15,8 @@ replicas skip it. The source is the first member of each of its groups.
 
 FP8 rollout weights (`fp8`): quantized where each weight lives, before any gather crosses a link
 (`mappings.Mapping.export`); nothing after the export (funnel, buckets, broadcast) quantizes.
+Delta sync (`owner`, `mappings.OwnerDiffs`): each expert owner may turn its experts (after the
+HF conversion and FP8) into payloads before the EP gather, which then carries those.
 
 Lockstep: the collectives of a task run inside TP, ETP and EP groups, whose members all sit in
 the same pipeline stage and hold the same list of local parameters (same chunks and layers,

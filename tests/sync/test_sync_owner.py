@@ -1,4 +1,4 @@
-"""Owner-side diffs of experts (`sync.owner`): EP2 (and PP2 x EP2) gloo worlds of the tiny Qwen3-MoE
+"""Owner-side diffs of experts (`sync.owner`): EP2, PP2 x EP2 and TP2 x EP2 gloo worlds of the tiny Qwen3-MoE
 send a chain of versions with `sync.delta` into receiver-only engines, each expert owner encoding
 its own experts before the EP gather. After every version each engine serves exactly what a
 plain (dense) export of the same weights yields; on a delta the EP gather carries payloads (a
@@ -97,6 +97,10 @@ def owner_sync(hf_dir: str, ports: list[int], out_dir: str, layout: ParallelLayo
     }
 
 
+def reference_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
@@ -107,8 +111,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
         (ParallelLayout(world_size=2, ep=2), None),
         (ParallelLayout(world_size=2, ep=2), 16),
         (ParallelLayout(world_size=4, pp=2, ep=2), None),
+        (ParallelLayout(world_size=4, tp=2, ep=2, sequence_parallel=True), None),
     ],
-    ids=["ep2-bf16", "ep2-fp8", "pp2-ep2-bf16"],
+    ids=["ep2-bf16", "ep2-fp8", "pp2-ep2-bf16", "tp2-ep2-bf16"],
 )
 def test_expert_owners_send_payloads_over_the_ep_gather(engines, tmp_path, layout, fp8_blocks):
     from transformers import Qwen3MoeForCausalLM
@@ -145,9 +150,14 @@ def test_expert_owners_send_payloads_over_the_ep_gather(engines, tmp_path, layou
             assert all((h.base_version, h.version) == (version - 1, version) for h in heads.values())
             others = [n for n in experts if int(EXPERT.search(n)[1]) >= r["local_experts"]]
             crossed = sum(experts[n].numel() for n in others)  # the other owners' payloads
+            # the EP gather of a full sync: the other owners' dense experts (16-byte aligned); the
+            # TP/ETP gathers (dense either way) carry the rest of `dense_gather`
+            ep_dense = sum(-(-reference_bytes(step["reference"][n]) // 16) * 16 for n in others)
+            ep_moved = step["gather"] - (step["dense_gather"] - ep_dense)
+            assert layout.tp > 1 or ep_dense == step["dense_gather"]
             # the invalidated owner's: dense + per tensor a header, its length and alignment (< 128 B)
-            bound = step["dense_gather"] + 128 * len(others) if version == INVALIDATED else step["dense_gather"] / 2
-            assert crossed <= step["gather"] < bound, (version, crossed, step)
+            bound = ep_dense + 128 * len(others) if version == INVALIDATED else ep_dense / 2
+            assert crossed <= ep_moved < bound, (version, crossed, ep_moved, ep_dense)
             dense = {n for n, h in heads.items() if h.encoding == "dense"}
             # an owner with no kept version sends dense payloads; the others diff
             assert dense == (set(others) if version == INVALIDATED else set()), sorted(dense)[:3]
@@ -163,6 +173,8 @@ def test_expert_owners_send_payloads_over_the_ep_gather(engines, tmp_path, layou
             assert stats.wire_bytes < 0.5 * stats.dense_bytes or version == INVALIDATED
     for r in sources:  # the source keeps no expert; every owner keeps exactly its own
         assert r["source_kept"] and not any(EXPERT.search(n) for n in r["source_kept"])
-    for r in ranks:
+    owners = [r for r in ranks if r["owner_kept"]]  # the ETP-rank-0 member of each EP rank
+    assert sorted(r["ep_rank"] for r in owners) == sorted(list(range(layout.ep)) * layout.pp)
+    for r in owners:
         local = {int(EXPERT.search(n)[1]) // r["local_experts"] for n in r["owner_kept"]}
         assert local == {r["ep_rank"]}, (r["rank"], sorted(local))

@@ -69,7 +69,7 @@ def test_anchors_are_amortised_and_full_every_one_is_an_anchor():
 
 
 def test_owner_side_owners_encode_their_shards_and_keep_them_in_host_memory():
-    """Owner-side (not built), Qwen3-30B-A3B (TP1, EP8): the root diffs the dense weights and its 1/8
+    """Owner-side (dense shards not built), Qwen3-30B-A3B (TP1, EP8): the root diffs the dense weights and its 1/8
     of the experts over PCIe; the kept copies add up to one full sync, all on node 0 (the EP group's
     node)."""
     p = plan("qwen3_30b_a3b", *DELTA)

@@ -139,8 +139,11 @@ class WeightSender(Syncer):
             if targets.engines and self.kept is not None:
                 delta = self._delta_due(version, targets)
                 decision = Decision(version, delta, self.version, self.config.delta.encoding)
-        finally:  # every rank waits for it before its export reaches an expert gather (`sync.owner`)
-            self._announce(decision)
+        except BaseException:  # the other ranks still get a decision (none) and run their exports out
+            self._announce(None)
+            exhaust(named_tensors)
+            raise
+        self._announce(decision)  # every rank waits for it before its export reaches an expert gather
         if not targets.engines:  # every engine died: the restarted ones catch up to this version
             exhaust(named_tensors)
             self.version = version

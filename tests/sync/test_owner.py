@@ -67,9 +67,10 @@ def test_an_owner_diffs_on_its_kept_version_and_goes_dense_otherwise():
 
 
 def test_the_sender_announces_none_when_it_fails_before_deciding():
+    """The other ranks then export dense; the sender runs its own export out beside them."""
     sender = WeightSender([ReceiverEngineClient(1, name="engine-0")], SyncConfig(delta=DeltaConfig(enabled=True)))
-    announced = []
+    announced, export = [], iter([(NAME, _version(1))])
     sender.owners = announced.append
     with pytest.raises(ValueError, match="stale or repeated"):
-        sender.update(iter(()), 0)  # the committed version again, with no engine behind
-    assert announced == [None]
+        sender.update(export, 0)  # the committed version again, with no engine behind
+    assert announced == [None] and next(export, None) is None

@@ -15,6 +15,8 @@ replicas skip it. The source is the first member of each of its groups.
 
 FP8 rollout weights (`fp8`): quantized where each weight lives, before any gather crosses a link
 (`mappings.Mapping.export`); nothing after the export (funnel, buckets, broadcast) quantizes.
+Delta sync (`owner`, `mappings.OwnerDiffs`): each expert owner may turn its experts (after the
+HF conversion and FP8) into payloads before the EP gather, which then carries those.
 
 Lockstep: the collectives of a task run inside TP, ETP and EP groups, whose members all sit in
 the same pipeline stage and hold the same list of local parameters (same chunks and layers,
@@ -40,7 +42,7 @@ from parallel.context import parallel_context, uses_transformer_engine
 from parallel.fp8 import BlockFP8
 from parallel.hf_checkpoint import finalize_hf_checkpoint, write_shards
 from parallel.lora import adapter_parameters, adapters
-from parallel.mappings import Mapping, ParallelContext, resolve
+from parallel.mappings import Mapping, OwnerDiffs, ParallelContext, resolve
 from parallel.staging import fresh_staging, staging_dir
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
@@ -130,6 +132,7 @@ def export_hf_weights(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     merge_adapters: bool = True,
     fp8: BlockFP8 | None = None,
+    owner: OwnerDiffs | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, tensor)` for this stage's parameters on the source rank. `model` is
     a GPTModel or the list of virtual-pipeline chunks (each numbers its layers globally, so
@@ -140,15 +143,17 @@ def export_hf_weights(
     engines without LoRA serve the policy; `merge_adapters=False` exports the frozen base.
     `fp8`: decoder linear weights as FP8 blocks + `*_scale_inv`, quantized on the owner's device
     (the bytes of `fp8.quantize_stream` over the full-precision export).
+    `owner`: owner-side diffs of experts (`parallel.mappings.OwnerDiffs`, with `sync.delta`): when
+    it encodes, experts are yielded as payloads their owners made before the EP gather.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes}: must be positive")
     for chunk in model_chunks(model):
-        yield from _export_chunk(chunk, bridge, bucket_bytes, merge_adapters, fp8)
+        yield from _export_chunk(chunk, bridge, bucket_bytes, merge_adapters, fp8, owner)
 
 
 def _export_chunk(
-    model, bridge: Bridge, bucket_bytes: int, merge_adapters: bool, fp8: BlockFP8 | None
+    model, bridge: Bridge, bucket_bytes: int, merge_adapters: bool, fp8: BlockFP8 | None, owner: OwnerDiffs | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     ctx = parallel_context(model, bridge)
     params = model_tensors(model)
@@ -161,7 +166,7 @@ def _export_chunk(
                     local = params[task.name]
                     if task.name in lora:  # this rank's shard of base + scale * B A, summed in fp32
                         local = (local.float() + lora[task.name].delta().float()).to(local.dtype)
-                    gathered.extend(task.mapping.export(local, ctx, task.indices, fp8))
+                    gathered.extend(task.mapping.export(local, ctx, task.indices, fp8, owner))
             gathered.reverse()
             while gathered:  # empty except on the source (the first member of all its groups)
                 yield gathered.pop()

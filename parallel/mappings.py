@@ -76,6 +76,24 @@ class ShardReader(Protocol):
         """The HF tensor `name`, or its rows/columns [start, stop) along `dim`."""
 
 
+class OwnerDiffs(Protocol):
+    """Owner-side diffs of experts (`sync.owner.ExpertOwner` implements it): what an expert owner
+    does with its HF tensors (FP8 quantized, scales included) before the EP gather."""
+
+    @property
+    def encodes(self) -> bool:
+        """This update's experts travel as payloads (the same on every member of an EP group)."""
+
+    def encode(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The flat uint8 host payload that stands for `tensor` (kept for the next update)."""
+
+    def keep(self, name: str, tensor: torch.Tensor) -> None:
+        """`tensor` goes as it is (an anchor): keep it."""
+
+    def received(self, names: list[str]) -> None:
+        """On the gathering rank: the names the EP gather delivered (their owners encoded them)."""
+
+
 # TP/ETP gathers go point-to-point to the group's first member, not all-gathers: only the
 # export's source needs the full tensor, and gloo's collectives copy through a flat buffer of
 # their own (2x the tensor at the peak). EP gathers (many members, many tensors per parameter)
@@ -143,6 +161,47 @@ def gather_members(
             ]
         )
     return members
+
+
+def gather_payloads(
+    payloads: list[torch.Tensor], axis: Axis, rails: Rails | None = None, device: torch.device | None = None
+) -> list[list[torch.Tensor]] | None:
+    """`gather_members` for flat uint8 payloads whose sizes differ between members (owner-side
+    diffs, `OwnerDiffs`): each member packs a table of its payloads' lengths (int64) and the
+    payloads into one flat buffer; the members agree on the largest buffer (one all-reduce of one
+    int64 over `axis.group`), pad theirs to it and gather as `gather_members` does (so a member
+    sends, and the root receives per member, the largest member's bytes: the padding is measured
+    in `GATHER_BYTES`). Member 0 gets [its own payloads, member 1's, ...] (views into each
+    member's buffer), the others None. `device`: where the buffer lives (the gather's backend)."""
+    if axis.size == 1:
+        return [list(payloads)]
+    table = _aligned(8 * len(payloads))
+    offsets, total = [], table
+    for payload in payloads:
+        offsets.append(total)
+        total += _aligned(payload.numel())
+    size = torch.tensor([total], dtype=torch.int64, device=device)
+    dist.all_reduce(size, op=dist.ReduceOp.MAX, group=axis.group)
+    flat = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+    lengths = torch.tensor([payload.numel() for payload in payloads], dtype=torch.int64)
+    flat[: 8 * len(payloads)].copy_(lengths.view(torch.uint8))
+    for payload, offset in zip(payloads, offsets):
+        flat[offset : offset + payload.numel()].copy_(payload)
+    buffers = _gather_flat(flat, axis) if rails is None else _gather_by_rails(flat, axis.size, rails)
+    if buffers is None:
+        return None
+    members = [list(payloads)]
+    for buffer in buffers[1:]:
+        at, got = table, []
+        for length in buffer[: 8 * len(payloads)].cpu().view(torch.int64).tolist():
+            got.append(buffer[at : at + length])
+            at += _aligned(length)
+        members.append(got)
+    return members
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 def _gather_flat(flat: torch.Tensor, axis: Axis) -> list[torch.Tensor] | None:
@@ -274,7 +333,12 @@ class Mapping:
     """Runs of rows per TP shard (GatedColumn: [gate_r; up_r])."""
 
     def export(
-        self, local: torch.Tensor, ctx: ParallelContext, indices: tuple[int, ...], fp8: BlockFP8 | None = None
+        self,
+        local: torch.Tensor,
+        ctx: ParallelContext,
+        indices: tuple[int, ...],
+        fp8: BlockFP8 | None = None,
+        owner: OwnerDiffs | None = None,
     ) -> list[tuple[str, torch.Tensor]]:
         """All ranks of the param's TP/ETP group call it in lockstep, then (experts) the ETP
         rank-0 members of the EP group; the first member of each gets every HF tensor of the
@@ -284,7 +348,10 @@ class Mapping:
         quantized where the weight lives, before any link: each TP shard on its own device when
         the shard is whole blocks (`shard_block_dim`), else right after the TP gather, on the
         gathering rank; the EP gather and everything after it carry FP8 bytes. The bytes equal
-        `fp8.quantize_stream` of the full-precision export."""
+        `fp8.quantize_stream` of the full-precision export.
+
+        `owner` (experts only): each owner's tensors go through it just before the EP gather; when
+        it `encodes`, the gather carries its payloads (`gather_payloads`) and so do the results."""
         axis = self.axis(ctx)
         names = self.hf_names(ctx, indices)
         targets = fp8 is not None and all(fp8.quantizes(name, local.ndim) for name in names)
@@ -303,13 +370,22 @@ class Mapping:
                 pieces += zip([i, i], ["", SCALE_SUFFIX], fp8.quantize(tensor)) if targets else [(i, "", tensor)]
         if not self.expert:
             return [(names[i] + suffix, tensor) for i, suffix, tensor in pieces]
-        members = gather_members([tensor for _, _, tensor in pieces], ctx.ep, ctx.ep_rails)
+        own = [(names[i] + suffix, tensor) for i, suffix, tensor in pieces]
+        if owner is not None and owner.encodes:
+            payloads = [owner.encode(name, tensor) for name, tensor in own]
+            members = gather_payloads(payloads, ctx.ep, ctx.ep_rails, device=local.device)
+        else:
+            for name, tensor in own if owner is not None else ():
+                owner.keep(name, tensor)
+            members = gather_members([tensor for _, tensor in own], ctx.ep, ctx.ep_rails)
         if members is None:
             return []
         out: list[tuple[str, torch.Tensor]] = []
         for ep_rank, tensors in enumerate(members):
             names = self.hf_names(ctx, indices, ep_rank)
             out.extend((names[i] + suffix, tensor) for (i, suffix, _), tensor in zip(pieces, tensors))
+        if owner is not None:
+            owner.received([name for name, _ in out])
         return out
 
     def _whole_blocks(self, local: torch.Tensor, axis: Axis, fp8: BlockFP8) -> bool:

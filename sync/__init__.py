@@ -17,6 +17,8 @@ left with a partly loaded version (SGLang loads in place) stays paused until a f
 - `sync.pipeline`: `stage_stream` and `Funnel`, every pipeline stage's export funnelled to the
   sender's rank over one group (`stage_groups: false`; with one stage, the plain sender).
 - `sync.traffic`: bytes moved per link, counted where each transfer starts.
+- `sync.delta`: delta sync's codec and kept copies; `sync.owner`: expert owners diffing their own
+  experts before the EP gather, and the per-update decision every trainer rank takes.
 - `sync.flattened_payload`: SGLang's flattened-bucket payload written and read without SGLang
   (CUDA-IPC handles for `cuda_ipc`, by-value tensors for LoRA adapters).
 - `sync.transports`: how bytes move (broadcast, disk, cuda_ipc), chosen by name, imported lazily.

@@ -50,7 +50,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Container, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -79,6 +79,8 @@ DTYPES = (
 )
 """The header's dtype ids, in order."""
 ESCAPE = 0xFFFF
+MAX_NDIM = 8
+"""The most dims a payload's header names here (a header's length is HEADER_NBYTES + 8 x ndim)."""
 _FIXED = struct.Struct("<4sBBBBBB6xQQQqqQ")
 HEADER_NBYTES = _FIXED.size
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -292,12 +294,21 @@ class KeptCopy:
         self.version = None
 
     def encode_stream(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, full: bool, encoding: str = "auto"
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        full: bool,
+        encoding: str = "auto",
+        owned: Container[str] = (),
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) unchanged for a full anchor (`full`), else (name, payload) against the kept
         bytes at `self.version` (a tensor never sent, or of another shape or dtype, goes dense). The
         kept copy follows as the stream goes and holds `version` once the stream is exhausted; an
-        anchor forgets the names it did not carry. RuntimeError for a delta with no version kept."""
+        anchor forgets the names it did not carry. RuntimeError for a delta with no version kept.
+
+        `owned`: names their owners encoded and keep (`sync.owner`: experts diffed before the EP
+        gather): they pass unchanged (a delta's are payloads already), counted in the stats (a
+        payload by its header), never kept here."""
         if not full and self.version is None:
             raise RuntimeError("delta without a kept version: send a full anchor first (full=True)")
         if encoding not in DELTA_ENCODINGS:
@@ -307,25 +318,54 @@ class KeptCopy:
         seen = set()
         for name, tensor in named_tensors:
             start = time.perf_counter()
-            kept = self.tensors.get(name)
-            if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype:
-                kept = self.tensors[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._pin)
-                base_bits = None
+            if name in owned:
+                out, numel, size, changed = tensor, tensor.numel(), tensor.element_size(), tensor.numel()
+                if not full:  # the header alone (a device payload: only its first bytes cross)
+                    head = header(tensor[: HEADER_NBYTES + 8 * MAX_NDIM].cpu())
+                    numel, size, changed = head.numel, head.element_size, head.count
             else:
-                base_bits = kept
-            host = tensor.detach().cpu()  # the shard crosses to the host once: compare and keep from there
-            out = tensor if full else encode(host, base_bits, base, version, encoding)
-            stats.changed += tensor.numel() if full else header(out).count
-            kept.copy_(host)
-            seen.add(name)
-            stats.elements += tensor.numel()
-            stats.dense_bytes += tensor.numel() * tensor.element_size()
+                kept, held = self._slot(name, tensor)
+                host = tensor.detach().cpu()  # the shard crosses to the host once: compare and keep from there
+                out = tensor if full else encode(host, kept if held else None, base, version, encoding)
+                kept.copy_(host)
+                numel, size = tensor.numel(), tensor.element_size()
+                changed = numel if full else header(out).count
+                seen.add(name)
+            stats.elements += numel
+            stats.changed += changed
+            stats.dense_bytes += numel * size
             stats.wire_bytes += out.numel() * out.element_size()
             stats.encode_s += time.perf_counter() - start
             yield name, out
         if full:
             self.tensors = {name: t for name, t in self.tensors.items() if name in seen}
         self.version = version
+
+    def encode_one(
+        self, name: str, tensor: torch.Tensor, base: int, version: int, diff: bool, encoding: str = "auto"
+    ) -> torch.Tensor:
+        """One tensor's payload from `base` to `version`: against the kept bytes of `name` when `diff`
+        and they are of its shape and dtype, else dense (still naming `base`); the kept bytes become
+        `tensor`'s. The caller names the kept version once the whole version went (`sync.owner`)."""
+        kept, held = self._slot(name, tensor)
+        host = tensor.detach().cpu()
+        out = encode(host, kept if held and diff else None, base, version, encoding)
+        kept.copy_(host)
+        return out
+
+    def keep(self, name: str, tensor: torch.Tensor) -> None:
+        """Keep `tensor` as `name`'s bytes, as sent in full (an anchor)."""
+        kept, _ = self._slot(name, tensor)
+        kept.copy_(tensor.detach().cpu())
+
+    def _slot(self, name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The host storage that keeps `name` and whether it holds earlier bytes of `tensor`'s shape
+        and dtype (else it is fresh)."""
+        kept = self.tensors.get(name)
+        if kept is not None and kept.shape == tensor.shape and kept.dtype == tensor.dtype:
+            return kept, True
+        self.tensors[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._pin)
+        return self.tensors[name], False
 
 
 class AppliedCopy:

@@ -35,6 +35,7 @@ from sync import traffic
 from sync.bucket import dtype_from_name, dtype_name
 from sync.config import SyncConfig, SyncStats
 from sync.engine_api import EngineEndpoint
+from sync.owner import Decision, ExpertOwner, announce
 from sync.sender import WeightSender
 from sync.syncer import Export, ViaCoordinator
 from sync.transports.base import exhaust
@@ -69,15 +70,27 @@ class Funnel(ViaCoordinator):
 
     def __init__(self, engines: list[EngineEndpoint], config: SyncConfig, stage_sources: dict[int, int], version: int):
         self.stage_sources = stage_sources
+        # owner-side diffs of experts (`sync.owner`) with one stage only: funnelled tensors would
+        # reach the sender without their owners' marks, so with PP > 1 they go dense to the source
+        self.owner = ExpertOwner() if config.delta.enabled and len(stage_sources) == 1 else None
         if dist.get_rank() == sync_source(stage_sources):
             self.sender = WeightSender(engines, config, version)
+            if self.owner is not None:
+                self.sender.owners, self.sender.owned = self._begin, self.owner.arrived
 
     def update(self, export: Export, version: int) -> SyncStats | None:
+        if self.owner is not None:
+            export = self.owner.follow(export)
         stream = stage_stream(export, self.stage_sources)
         if self.sender is None:
+            self._begin(None)  # the coordinator's decision arrives here
             exhaust(stream)  # this rank's sends, or its share of the export's collectives
             return None
         return self.sender.update(stream, version)
+
+    def _begin(self, decision: Decision | None) -> None:
+        if self.owner is not None:
+            self.owner.begin(announce(decision, sync_source(self.stage_sources)))
 
 
 def sync_source(stage_sources: dict[int, int]) -> int:

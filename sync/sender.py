@@ -50,6 +50,9 @@ full anchor goes instead at the first update, every `delta.full_every` versions,
 update (the kept copy no longer says what the engines hold), to engines behind or holding part
 of a version, when the transport or an engine cannot take deltas, and for a catch-up resend.
 Engines refusing a delta fail the update like any engine error: they stay paused until the anchor.
+The decision is made at step 1, before anything is sent, and handed to `owners` (set by the shape:
+`sync.owner` announces it to every trainer rank, whose expert owners encode their experts before
+the EP gather; those names, `owned`, pass through the kept copy unchanged).
 
 Engines that come back (an orchestrator restarted one): `add(engine, served_version)` makes it a
 member again; if it serves an older version than the committed one (or, `served_version=None`,
@@ -66,7 +69,7 @@ of the fleet is `remove`d like a dead one, and the next update re-forms the grou
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from typing import Callable, Container, Iterable
 
 import torch
 
@@ -74,6 +77,7 @@ from sync.config import SyncConfig, SyncStats
 from sync.delta import KeptCopy
 from sync.engine_api import EngineEndpoint
 from sync.engine_set import EngineSet, SyncError, describe, require_health
+from sync.owner import Decision
 from sync.syncer import Syncer
 from sync.transports import make_transport
 from sync.transports.base import Transport, exhaust
@@ -97,6 +101,10 @@ class WeightSender(Syncer):
         self._group: EngineSet | None = None  # the members the transport's group was formed with
         self.kept = KeptCopy() if config.delta.enabled else None  # what the engines hold, for deltas
         self.anchored: int | None = None  # the version of the last full anchor
+        # owner-side diffs (`sync.owner`), set by the shape: announces each update's decision to
+        # every trainer rank, and the names the expert owners encoded (passed on, not kept here)
+        self.owners: Callable[[Decision | None], None] | None = None
+        self.owned: Container[str] = ()
 
     def add(self, engine: EngineEndpoint, served_version: int | None) -> None:
         """A (re)started or new engine serving `served_version` joins, replacing a member of its name.
@@ -124,10 +132,20 @@ class WeightSender(Syncer):
     def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
         """Source rank only. Returns what was sent; raises SyncError (no engine serves a mix)."""
         # 1. versions only increase; the committed one again only for engines behind
-        if not self.pending(version):
-            raise ValueError(f"version: {version} is stale or repeated (last committed {self.version})")
-        names = self.behind | self.partial if version == self.version else set(self.engines.names)
-        targets = self.engines.subset(names)
+        decision = None
+        try:
+            if not self.pending(version):
+                raise ValueError(f"version: {version} is stale or repeated (last committed {self.version})")
+            names = self.behind | self.partial if version == self.version else set(self.engines.names)
+            targets = self.engines.subset(names)
+            if targets.engines and self.kept is not None:
+                delta = self._delta_due(version, targets)
+                decision = Decision(version, delta, self.version, self.config.delta.encoding)
+        except BaseException:  # the other ranks still get a decision (none) and run their exports out
+            self._announce(None)
+            exhaust(named_tensors)
+            raise
+        self._announce(decision)  # every rank waits for it before its export reaches an expert gather
         if not targets.engines:  # every engine died: the restarted ones catch up to this version
             exhaust(named_tensors)
             self.version = version
@@ -160,7 +178,7 @@ class WeightSender(Syncer):
             # 5. send every bucket, acknowledged by every target (a delta, or the full version)
             touched = True
             marks.append(("buckets", time.time()))
-            stream = self._encoded(named_tensors, version, targets)
+            stream = self._encoded(named_tensors, version, decision is not None and decision.delta)
             nbytes = self.transport.send(stream, version, targets)
             # 6. close the session
             session = False
@@ -204,12 +222,9 @@ class WeightSender(Syncer):
             self.kept.stats if self.kept is not None else None,
         )
 
-    def _encoded(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, targets: EngineSet):
-        """The stream as `targets` get it: with `sync.delta`, payloads against the kept copy when a
-        delta is due (see the module docstring), else the full version (the kept copy follows it)."""
-        self.transport.delta = False
-        if self.kept is None:
-            return named_tensors
+    def _delta_due(self, version: int, targets: EngineSet) -> bool:
+        """Whether `version` goes to `targets` as a delta (see the module docstring); else it is an
+        anchor. Decided before anything is sent and announced to the expert owners (`sync.owner`)."""
         delta = (
             self.kept.version == self.version  # the kept copy is what every engine committed last
             and version > self.version  # a new version (a catch-up resend goes in full)
@@ -221,8 +236,24 @@ class WeightSender(Syncer):
         )
         if not delta:
             self.anchored = version
+        return delta
+
+    def _announce(self, decision: Decision | None) -> None:
+        """This update's decision to every trainer rank's expert owner (`owners`; once per update,
+        None when it failed before deciding)."""
+        if self.owners is not None:
+            self.owners(decision)
+
+    def _encoded(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, delta: bool):
+        """The stream as the targets get it: with `sync.delta`, payloads against the kept copy when a
+        delta is due, else the full version (the kept copy follows it); the experts that their
+        owners encoded (`owned`) pass as they come."""
         self.transport.delta = delta
-        return self.kept.encode_stream(named_tensors, version, full=not delta, encoding=self.config.delta.encoding)
+        if self.kept is None:
+            return named_tensors
+        return self.kept.encode_stream(
+            named_tensors, version, full=not delta, encoding=self.config.delta.encoding, owned=self.owned
+        )
 
     def _drop_dead(self, targets: EngineSet) -> list[str]:
         """After a failure: drop the targets that no longer answer /health; returns their names."""

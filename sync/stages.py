@@ -21,7 +21,9 @@ stages' sources as turns:
   close  every stage's group, stage by stage.
 With `sync.delta` each stage source keeps its own stage's last sent bytes (`KeptCopy`: per shard,
 never the whole model on one rank) and sends a delta or a full version as the coordinator's
-sender decides (the same for every stage).
+sender decides (the same for every stage); the experts are diffed by their owners before the EP
+gather (`sync.owner`: every rank takes the decision from one broadcast at the start of each update,
+before its export runs, so an export given `StagedSync.owner` carries expert payloads).
 
 A stage that fails reports the engine and bucket back; the coordinator raises `SyncError` as for
 one group (the later stages only run their exports), and the sender drops dead engines and
@@ -39,7 +41,7 @@ buckets (`bucket_bytes`) plus the largest tensor, as for one group; nothing is r
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from typing import Container, Iterable
 
 import torch
 import torch.distributed as dist
@@ -48,6 +50,7 @@ from sync.config import SyncConfig, SyncStats
 from sync.delta import KeptCopy
 from sync.engine_api import EngineEndpoint
 from sync.engine_set import EngineSet, SyncError
+from sync.owner import Decision, ExpertOwner, announce
 from sync.relay import Relay, RelayLink
 from sync.sender import WeightSender
 from sync.syncer import ViaCoordinator
@@ -134,6 +137,7 @@ class StageSource:
         self._group: EngineSet | None = None
         self.kept = KeptCopy() if config.delta.enabled else None  # this stage's last sent bytes
         self.encoding = config.delta.encoding
+        self.owned: Container[str] = ()  # experts their owners encoded (`sync.owner`): passed on
 
     def serve(self, named_tensors: Stream) -> None:
         """One update: answer the coordinator until it says "end"; the export runs out either way."""
@@ -177,7 +181,7 @@ class StageSource:
         if delta and self.kept.version is None:
             exhaust(stream)
             raise SyncError(f"{self.transport.config.group_name}: no kept version to send a delta on; send an anchor")
-        return self.kept.encode_stream(stream, version, full=not delta, encoding=self.encoding)
+        return self.kept.encode_stream(stream, version, full=not delta, encoding=self.encoding, owned=self.owned)
 
     def add(self, engine: EngineEndpoint) -> None:
         self.engines.add(engine)
@@ -226,29 +230,41 @@ class StagedSync(ViaCoordinator):
                 links[stage_sources[stage]] = RelayLink(control, behind)
                 if rank in behind:
                     self.relay = Relay(control, stage_sources[stage])
+        self.owner = ExpertOwner() if config.delta.enabled else None  # every rank: its own experts
         if rank == self.coordinator:
             peers = {s: stage_sources[s] for s in stages[1:]}
             transport = StageGroupsTransport(config, peers)
             transport.relays = links.get(rank)
             self.sender = WeightSender(engines, config, version, transport=transport)
+            self.sender.owners, self.sender.owned = self._begin, self.owner.arrived if self.owner else ()
         elif rank in stage_sources.values():
             stage = next(s for s, r in stage_sources.items() if r == rank)
             self.source = StageSource(engines, config, stage, len(stages), self.coordinator)
             self.source.transport.relays = links.get(rank)
+            self.source.owned = self.owner.arrived if self.owner else ()
 
     def update(self, named_tensors: Stream, version: int) -> SyncStats | None:
-        """All trainer ranks: the coordinator returns the sender's stats (or raises its SyncError)."""
+        """All trainer ranks: the coordinator returns the sender's stats (or raises its SyncError).
+        With `sync.delta` every rank first takes the coordinator's decision (`sync.owner`)."""
+        if self.owner is not None:
+            named_tensors = self.owner.follow(named_tensors)
         if self.sender is not None:
             self.sender.transport.begin()
             try:
                 return self.sender.update(named_tensors, version)
             finally:
                 self.sender.transport.release()
+        self._begin(None)  # the coordinator's decision arrives here
         if self.source is not None:
             self.source.serve(named_tensors)
         else:
             exhaust(named_tensors)
         return None
+
+    def _begin(self, decision: Decision | None) -> None:
+        """The coordinator's `decision` (its argument elsewhere is ignored) to this rank's owner."""
+        if self.owner is not None:
+            self.owner.begin(announce(decision, self.coordinator))
 
     def add(self, engine: EngineEndpoint, served_version: int | None) -> None:
         """A restarted engine joins (call on every rank; see `WeightSender.add`)."""

@@ -13,24 +13,25 @@ modelled dense. A full anchor goes every `sync.delta.full_every` versions, so a 
 average ((F - 1) x a delta + a full sync) / F.
 
 Who encodes: two designs, both modelled.
-  as built   (`sync/sender.py` `WeightSender._encoded`, `sync/stages.py` `StageSource._encoded`,
-             `sync/delta.py` `KeptCopy`): each stage source (the rank that broadcasts its stage over
-             its own weight-update group; with the funnel, the first stage's source for every stage)
-             keeps the HF tensors it last sent for its whole stage in host memory and diffs the
-             stream after the export's gathers. The gathers (TP, ETP, EP; FP8 quantized at the
-             owners as in a full sync) and the funnel carry dense bytes, the full sync's gather
-             links unchanged; the source copies its whole stage device -> host over its PCIe
-             (SOURCE_PCIE_PASSES times) and compares and hashes (CRC-32) it on the host; only the
-             broadcast (root node's NICs, relays, engine nodes' NICs) carries encoded bytes. Kept:
-             one stage's bytes on its source's node, whose host memory moves it HOST_PASSES times.
-  owner-side (not built; the issue's design): every owner diffs its own shard, in the engine's
+  as built   (`sync/owner.py`, `sync/sender.py`, `sync/stages.py`, `sync/delta.py` `KeptCopy`):
+             every expert owner (the ETP-rank-0 member of each EP rank, after its node-local ETP
+             gather) keeps its own experts' last sent bytes in host memory and diffs them before
+             the EP gather, which then carries encoded bytes; each stage source (the rank that
+             broadcasts its stage over its own weight-update group) keeps and diffs the stage's
+             other tensors after the TP gather, which carries dense bytes. A sending rank (stage
+             source: its non-expert bytes and its own experts; other owners: their experts) copies
+             what it diffs device -> host over its PCIe (SOURCE_PCIE_PASSES times), its node's host
+             memory moves it HOST_PASSES times; the broadcast carries encoded bytes. With the funnel
+             (`sync.stage_groups: false`, PP > 1) the first stage's source diffs every stage after
+             dense gathers (owners are not used there).
+  owner-side (not built for dense shards): every owner diffs its own shard, in the engine's
              format, against the copy of it it last sent, kept in pinned host memory: the stage
              source's TP group its dense shard (embedding and head included, vocab-parallel), each
              EP member its experts (after its node-local ETP gather); gathers and broadcast then
              carry encoded bytes. An owner's shard crosses PCIe once per sync (the kept copy up to
              the GPU for the compare, or the shard down to the host; the changed elements written
              back are few), and the kept copies of a node's owners are read through its host memory
-             once.
+             once. The experts' part of it is what is built; the TP owners' part is not.
 Either encode lasts the longer of its PCIe and host-memory links, pipelined with the wire bucket
 by bucket like the FP8 quantization (links of the turn, `moe_rl.plan.sync_links`). PCIe is the
 bound only for a compare that keeps up with it (on the GPU, or threaded on the host): `sync.delta`
@@ -62,11 +63,11 @@ HOST_MEMORY_GB_PER_S = 400.0
 """Modelled: a node's host memory read bandwidth (two sockets of 8-channel DDR5-4800, 614 GB/s
 peak; ~2/3 of it for streaming reads). Not measured here."""
 SOURCE_PCIE_PASSES = 1
-"""As built, a stage source's PCIe carries its stage once device -> host: `KeptCopy.encode_stream`
-takes each tensor to the host, compares it there and keeps those host bits."""
+"""As built, a sending rank's PCIe carries what it diffs once device -> host: `KeptCopy` takes each
+tensor to the host, compares it there and keeps those host bits."""
 HOST_PASSES = SOURCE_PCIE_PASSES + 2
-"""As built, the source node's host memory moves its stage three times: the copy in from the
-device (SOURCE_PCIE_PASSES), then the compare reading the new bytes and the kept copy."""
+"""As built, a node's host memory moves what its sending ranks diff three times: the copy in from
+the device (SOURCE_PCIE_PASSES), then the compare reading the new bytes and the kept copy."""
 
 
 def encoded_fraction(element_bytes: int, density: float, encoding: str = "auto") -> float:
@@ -81,10 +82,19 @@ def encoded_fraction(element_bytes: int, density: float, encoding: str = "auto")
 
 @dataclass(frozen=True)
 class Owners:
-    """Owner-side (not built): a stage's sending ranks, {global trainer rank: bytes of its shard in
-    the engine's format}."""
+    """A stage's ranks that diff, {global trainer rank: bytes they diff, in the engine's format}:
+    owner-side (`of_stage`) or as built (`as_built`)."""
 
     shards: dict[int, float]
+
+    @classmethod
+    def as_built(cls, stage: int, dense: float, experts: float, trainer) -> Owners:
+        """As built: the stage source diffs the stage's `dense` (non-expert) bytes after the TP
+        gather, every EP member (`expert_tp` apart, the source first) its experts before the EP gather."""
+        root = stage * (trainer.world_size // trainer.pp)
+        shards = {root + j * trainer.expert_tp: experts / trainer.ep for j in range(trainer.ep)}
+        shards[root] = shards.get(root, 0.0) + dense
+        return cls(shards)
 
     @classmethod
     def of_stage(cls, stage: int, dense: float, experts: float, trainer) -> Owners:
@@ -118,23 +128,27 @@ class Owners:
         ]
 
 
-def source_encode_links(nbytes: float, measured_gb_per_s: float | None = None) -> list[Link]:
-    """As built: a stage source encoding `nbytes` of its stage (gathered, in the engine's format):
-    its PCIe (SOURCE_PCIE_PASSES), its node's host memory (HOST_PASSES) and, where the GPU check
-    measured one, the host compare's rate."""
+def built_encode_links(owners: Owners, gpus_per_node: int, measured_gb_per_s: float | None = None) -> list[Link]:
+    """As built: the busiest sending rank's PCIe (SOURCE_PCIE_PASSES), the busiest node's host
+    memory (HOST_PASSES) and, where the GPU check measured one, the host compare's rate."""
+    busiest = max(owners.shards.values())
     links = [
-        Link("delta encode, PCIe of the stage source", SOURCE_PCIE_PASSES * nbytes, PCIE_GB_PER_S),
-        Link("delta encode, host memory of source node", HOST_PASSES * nbytes, HOST_MEMORY_GB_PER_S),
+        Link("delta encode, PCIe of the busiest sending rank", SOURCE_PCIE_PASSES * busiest, PCIE_GB_PER_S),
+        Link(
+            "delta encode, host memory of busiest node",
+            HOST_PASSES * max(owners.per_node(gpus_per_node).values()),
+            HOST_MEMORY_GB_PER_S,
+        ),
     ]
     if measured_gb_per_s:
-        links.append(Link("delta encode, host compare (measured)", nbytes, measured_gb_per_s))
+        links.append(Link("delta encode, host compare (measured)", busiest, measured_gb_per_s))
     return links
 
 
 @dataclass
 class DeltaSync:
     """One delta and a step's average, beside the full sync (`moe-rl plan`'s `sync delta:` line), for
-    one design of who encodes (module docstring): "as built", or "owner-side" (not built)."""
+    one design of who encodes (module docstring): "as built", or "owner-side" (dense shards not built)."""
 
     design: str
     density: float
@@ -168,8 +182,9 @@ class DeltaSync:
         each = f", summed over {turns} stage turns" if turns > 1 else ""
         if self.design == "as built":
             who = (
-                f"each stage source copies its gathered stage device -> host ({SOURCE_PCIE_PASSES}x) and "
-                f"compares it on the host against its kept copy; slowest encode link {nbytes / GB:.1f} GB{each}"
+                f"each stage source copies its non-expert tensors (after the TP gather) and each expert "
+                f"owner its own experts (before the EP gather) device -> host ({SOURCE_PCIE_PASSES}x) and "
+                f"compares them on the host against its kept copy; slowest encode link {nbytes / GB:.1f} GB{each}"
             )
         else:
             who = f"the busiest sending rank diffs {nbytes / GB:.1f} GB of its shard against its host copy{each}"
@@ -183,9 +198,9 @@ class DeltaSync:
         if self.owner_side:
             o = self.owner_side
             lines.append(
-                f"  owner-side diffs (not built): ~{o.per_step:.2f} s a step (~{o.seconds:.2f} s a delta, bottleneck "
-                f"{o.links.bottleneck.name}): every owner diffs its own shard before the gathers, which then "
-                f"carry encoded bytes"
+                f"  owner-side diffs (built for experts, not for dense shards): ~{o.per_step:.2f} s a step "
+                f"(~{o.seconds:.2f} s a delta, bottleneck {o.links.bottleneck.name}): every owner, the TP group's "
+                f"too, diffs its own shard before the gathers, which then all carry encoded bytes"
             )
         return (
             lines

@@ -65,8 +65,9 @@ them, takes link efficiencies from them, and models the FP8 quantization of `syn
 the measured rate on the owners' GPUs.
 
 Delta sync (`sync.delta.enabled`): the same links with each stage's deltas at `sync.delta.density`
-on the broadcast, as built (the stage sources diff after the gathers, which stay dense) and
-owner-side (not built: every owner diffs its shard before the gathers); the encode as links of its
+on the broadcast, as built (expert owners diff before the EP gather; the stage sources the other
+tensors after the TP gather, which stays dense) and owner-side (every owner, the TP group's dense
+shards too, before the gathers: built for experts only); the encode as links of its
 turn, anchors amortised, and the kept copies as host memory per node (`moe_rl.plan.delta`, which
 also gives the bytes an engine rank receives against its own shard). `make_plan(..., link_gbps=G)`
 (`moe-rl plan --link-gbps G`) adds a cross-datacentre link of G Gb/s that every byte crosses once.
@@ -85,10 +86,10 @@ from moe_rl.plan.delta import (
     PCIE_GB_PER_S,
     DeltaSync,
     Owners,
+    built_encode_links,
     encoded_fraction,
     engine_rank_ratio,
     node_ranges,
-    source_encode_links,
 )
 from moe_rl.plan.groups import layout_line, parallel_groups, span
 from moe_rl.plan.launch import engine_commands
@@ -380,9 +381,10 @@ def delta_model(
 ) -> DeltaSync:
     """`sync.delta` at `sync.delta.density` (`moe_rl.plan.delta`): each stage's bytes as deltas
     (decoder linears as FP8 with `sync.fp8_blocks`, their scales dense; headers per tensor), the
-    encode as links of its turn, the kept copies per node; as built (the stage sources diff after
-    the gathers; an anchor is the full sync with the kept copies following over PCIe), with the
-    owner-side design (not built; its anchor the full sync) beside it."""
+    encode as links of its turn, the kept copies per node; as built (expert owners diff before the
+    EP gather, the stage sources the rest after the TP gather; an anchor is the full sync with the
+    kept copies following over PCIe), with the owner-side design (every owner, dense shards too:
+    not built for those; its anchor the full sync) beside it."""
     t, d, fp8 = config.trainer, config.sync.delta, config.sync.fp8_blocks
     wide = encoded_fraction(dtype_bytes, d.density, d.encoding)  # elements in the trainer's precision
     if fp8:
@@ -404,27 +406,34 @@ def delta_model(
             owner_kept[node] = owner_kept.get(node, 0.0) + nbytes
     quantize = _quantize(config, parts, dtype_bytes, measured, fp8)
     wire = sum(s.total for s in stages)
-    # as built: each stage source encodes its gathered stage (the funnel's root every stage's)
+    # as built: each stage source diffs its non-expert tensors after the TP gather, every expert
+    # owner its experts before the EP gather (`sync.owner`); the funnel's root diffs every stage
+    # after dense gathers
     dense = wire_stages(config, hf, counts, dtype_bytes, None)
     compare = measured_rate["value"] if measured_rate else None
     if config.sync.stage_groups or t.pp == 1:
-        sources = [(p * (t.world_size // t.pp), s.total) for p, s in enumerate(dense)]
+        built = [Owners.as_built(p, full.dense, full.experts, t) for p, full in enumerate(dense)]
+        gathered = [StageBytes(full.dense, wire.experts) for full, wire in zip(dense, stages)]
     else:
-        sources = [(0, sum(s.total for s in dense))]
+        built, gathered = [Owners({0: sum(s.total for s in dense)})], dense
     kept: dict[int, float] = {}
-    for rank, nbytes in sources:
-        kept[rank // per_node] = kept.get(rank // per_node, 0.0) + nbytes
+    for owners in built:
+        for node, nbytes in owners.per_node(per_node).items():
+            kept[node] = kept.get(node, 0.0) + nbytes
     as_built = _links(
         config,
         stages,
         measured,
         quantize,
-        encode=[source_encode_links(nbytes, compare) for _, nbytes in sources],
-        gathered=dense,
+        encode=[built_encode_links(owners, per_node, compare) for owners in built],
+        gathered=gathered,
         link_gbps=link_gbps,
     )
-    # as built, an anchor is the full sync with each source's kept copy following over its PCIe
-    follow = [[Link("kept copy update, PCIe of the stage source", nbytes, PCIE_GB_PER_S)] for _, nbytes in sources]
+    # as built, an anchor is the full sync with each sending rank's kept copy following over its PCIe
+    follow = [
+        [Link("kept copy update, PCIe of the busiest sending rank", max(o.shards.values()), PCIE_GB_PER_S)]
+        for o in built
+    ]
     anchor = _links(config, dense, measured, quantize, encode=follow, link_gbps=link_gbps)
     owner_side = _links(config, stages, measured, quantize, encode=owner_encode, link_gbps=link_gbps)
     designs = {"as built": (as_built, anchor, kept), "owner-side": (owner_side, full, owner_kept)}

@@ -22,10 +22,12 @@ Bytes of a NIC link are per NIC (the link's bytes / its NICs).
   funnel NIC         funnel only: the other stages' bytes into the first stage's source
   FP8 quantization   on the owners' GPUs (each EP member its experts), at the rate the GPU check
                      measured (`benchmarks/gpu_metrics.json`), where it did
-  delta encode       with `sync.delta` (`moe_rl.plan.delta`), as built: the stage source's PCIe and
-                     its node's host memory, the gathers and the funnel carrying dense bytes (`gathered`);
-                     owner-side (not built): the busiest owner's PCIe and node's host memory, with the
-                     funnel the slowest stage's (stages encode at once)
+  delta encode       with `sync.delta` (`moe_rl.plan.delta`), as built: the busiest sending rank's
+                     PCIe (stage source: non-expert tensors + its experts; other owners: their
+                     experts) and node's host memory, the TP gather dense, the EP gather encoded
+                     (`gathered`; with the funnel every gather and the funnel dense); owner-side
+                     (dense shards not built): the busiest owner's PCIe and node's host memory, with
+                     the funnel the slowest stage's (stages encode at once)
   cross-datacentre   with `moe-rl plan --link-gbps G`: trainer and engines in two datacentres joined
                      by one link of G Gb/s, which every byte of the turn crosses once (each NCCL ring
                      crosses it once, the rings share it), at the NIC efficiency
@@ -127,7 +129,7 @@ def model_sync(
     owner quantizes (None: no FP8, or no measured rate), at `quantize_gb_per_s` (the GPU check's);
     `encode`: per stage, the delta encode's links (None: a full sync; one list with the funnel for
     an encode at the root); `gathered`: per stage, the bytes the gathers and the funnel carry (None:
-    `stages`; an as-built delta diffs after them, so they carry the full sync's); `link_gbps`: a
+    `stages`; an as-built delta: the dense part the full sync's, the experts encoded); `link_gbps`: a
     cross-datacentre link between the trainer and the engines (None: one datacentre)."""
     measured = measured or {}
     gathered = gathered or stages

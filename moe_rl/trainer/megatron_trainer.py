@@ -52,6 +52,7 @@ from parallel.context import uses_transformer_engine
 from parallel.export import export_hf_weights, save_hf_checkpoint
 from parallel.fp8 import BlockFP8
 from parallel.lora import LoRAConfig, adapters_disabled, add_lora
+from parallel.mappings import OwnerDiffs
 from parallel.model import (
     build_gpt_model,
     forward,
@@ -277,11 +278,11 @@ class MegatronTrainer:
         load_model_weights(self.gpt_model, self.bridge, hf_dir)
         self.optimizer.reload_model_params()  # bf16: the fp32 main params were copied at build
 
-    def export_hf_weights(self, bucket_bytes: int, fp8: BlockFP8 | None = None):
+    def export_hf_weights(self, bucket_bytes: int, fp8: BlockFP8 | None = None, owner: OwnerDiffs | None = None):
         """`(hf_name, tensor)` stream of the current weights on each stage's source rank, FP8 blocks
-        quantized where each weight lives (`fp8`). Collective: every rank iterates it to the end
-        (see parallel.export)."""
-        return export_hf_weights(self.gpt_model, self.bridge, bucket_bytes=bucket_bytes, fp8=fp8)
+        quantized where each weight lives (`fp8`), experts diffed by their owners (`owner`, with
+        `sync.delta`). Collective: every rank iterates it to the end (see parallel.export)."""
+        return export_hf_weights(self.gpt_model, self.bridge, bucket_bytes=bucket_bytes, fp8=fp8, owner=owner)
 
     def export_adapter(self) -> tuple[dict, dict[str, torch.Tensor]] | None:
         """(PEFT adapter_config, {PEFT name: tensor}) of the adapters on global rank 0, None on the

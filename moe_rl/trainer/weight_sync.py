@@ -174,7 +174,7 @@ class WeightSync:
         if self.trainer.lora is not None:
             collected = self.trainer.export_adapter()
             return collected[1].items() if collected is not None else ()
-        return self.trainer.export_hf_weights(bucket_bytes, fp8=self.fp8)
+        return self.trainer.export_hf_weights(bucket_bytes, fp8=self.fp8, owner=self.syncer.owner)
 
     def _client(self, name: str, url: str) -> EngineClient:
         # one retry: a dead engine is found (and dropped) in ~0.25 s instead of ~1.75 s

@@ -1,6 +1,7 @@
 """`moe-rl plan` with `sync.delta`: wire bytes from the codec's arithmetic, anchors amortised; as
-built (stage sources diff after dense gathers) and owner-side (not built): the encode and kept
-copies of each; bytes per engine rank, a cross-datacentre link, the 1T config."""
+built (expert owners diff before the EP gather, stage sources the rest after the dense TP gather)
+and owner-side (the TP owners too: not built for them): the encode and kept copies of each; bytes
+per engine rank, a cross-datacentre link, the 1T config."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from moe_rl.plan.sync_links import NIC_EFFICIENCY
 
 ABSENT = Path("absent.json")  # no GPU measurements: modelled efficiencies only
 DELTA = ("sync.delta.enabled=true",)
+BUSIEST = "delta encode, PCIe of the busiest sending rank"
 
 
 @cache
@@ -52,12 +54,13 @@ def test_delta_wire_bytes_equal_the_formula_fp8():
 
 
 def test_anchors_are_amortised_and_full_every_one_is_an_anchor():
-    """Owner-side, an anchor is the full sync; as built, the full sync with each stage source's kept
-    copy following over its PCIe (one pass of its stage)."""
+    """Owner-side, an anchor is the full sync; as built, the full sync with each sending rank's kept
+    copy following over its PCIe (one pass of what it diffs)."""
     p = plan("deepseek_v3", *DELTA, "sync.fp8_blocks=128")
     built, owner = p.delta, p.delta.owner_side
     assert owner.full_seconds == p.sync_seconds
-    assert built.full_seconds == pytest.approx(max(p.sync_seconds, p.sync_bytes / (PCIE_GB_PER_S * 1e9)))
+    busiest = built.links.per_link()[BUSIEST][0] / SOURCE_PCIE_PASSES  # one stage: one turn
+    assert built.full_seconds == pytest.approx(max(p.sync_seconds, busiest / (PCIE_GB_PER_S * 1e9)))
     for d in (built, owner):
         assert d.per_step == pytest.approx((49 * d.seconds + d.full_seconds) / 50)
     every = plan("deepseek_v3", *DELTA, "sync.fp8_blocks=128", "sync.delta.full_every=1").delta
@@ -66,7 +69,7 @@ def test_anchors_are_amortised_and_full_every_one_is_an_anchor():
 
 
 def test_owner_side_owners_encode_their_shards_and_keep_them_in_host_memory():
-    """Owner-side (not built), Qwen3-30B-A3B (TP1, EP8): the root diffs the dense weights and its 1/8
+    """Owner-side (dense shards not built), Qwen3-30B-A3B (TP1, EP8): the root diffs the dense weights and its 1/8
     of the experts over PCIe; the kept copies add up to one full sync, all on node 0 (the EP group's
     node)."""
     p = plan("qwen3_30b_a3b", *DELTA)
@@ -93,42 +96,46 @@ def _turn_bytes(links, prefix: str) -> list[dict[str, float]]:
         ("qwen3_235b_a22b", ("sync.stage_groups=false",)),  # the funnel: every stage through stage 0
     ],
 )
-def test_as_built_gathers_are_dense_and_the_broadcast_is_encoded(stem, overrides):
-    """As built, the stage source diffs after the export's gathers: the gathers (and the funnel)
-    carry exactly the full sync's bytes, turn by turn, and only the broadcast carries the deltas."""
+def test_as_built_the_ep_gather_is_encoded_and_the_broadcast_too(stem, overrides):
+    """As built, expert owners diff before the EP gather and the stage source the rest after the TP
+    gather: the gathers carry fewer bytes than the full sync's (the experts encoded) but no fewer
+    than owner-side (the dense shards dense), the broadcast carries the deltas; the funnel diffs at
+    its root, so its gathers and funnel carry exactly the full sync's bytes."""
     p = plan(stem, *DELTA, *overrides)
     built, full = p.delta.links, p.sync_links
-    assert _turn_bytes(built, "gather") == _turn_bytes(full, "gather")
-    assert _turn_bytes(built, "funnel") == _turn_bytes(full, "funnel")
+    owner = p.delta.owner_side.links
+    if "sync.stage_groups=false" in overrides:
+        assert _turn_bytes(built, "gather") == _turn_bytes(full, "gather")
+        assert _turn_bytes(built, "funnel") == _turn_bytes(full, "funnel")
+    else:
+        into_root = "gather, NVLink into the root"
+        for b, f, o in zip(*(_turn_bytes(links, "gather") for links in (built, full, owner))):
+            assert o[into_root] <= b[into_root] < f[into_root], (o, b, f)
+            assert all(o[name] <= b[name] <= f[name] for name in b)
     broadcast = built.per_link()
     assert broadcast["broadcast, each NIC of the root's node"][0] * built.nics == pytest.approx(p.delta.bytes)
     if built.nics > 1:
         assert broadcast["broadcast, NVLink root to relays"][0] == pytest.approx(p.delta.bytes)
-    # owner-side, the gathers carry encoded bytes: far fewer
-    owner = p.delta.owner_side.links.per_link()
-    assert owner["gather, NVLink into the root"][0] < 0.05 * broadcast["gather, NVLink into the root"][0]
 
 
-def test_as_built_each_stage_source_encodes_its_whole_stage():
-    """Qwen3-235B-A22B (PP2 on 8 nodes of 8, stage sources ranks 0 and 32): each source's PCIe carries
-    its stage SOURCE_PCIE_PASSES times, its node's host memory HOST_PASSES times; the kept copies are
-    each stage's bytes on its source's node (nodes 0 and 4), one full sync together. The funnel's
-    root encodes and keeps everything."""
-    p = plan("qwen3_235b_a22b", *DELTA)
-    stages = [sum(t.values()) / SOURCE_PCIE_PASSES for t in _turn_bytes(p.delta.links, "delta encode, PCIe")]
-    assert len(stages) == 2 and sum(stages) == pytest.approx(p.sync_bytes)
-    assert p.delta.kept == pytest.approx({0: stages[0], 4: stages[1]})
-    host = p.delta.links.per_link()["delta encode, host memory of source node"][0]
-    assert host == pytest.approx(HOST_PASSES * p.sync_bytes)
-    nbytes, seconds = p.delta.encode()
-    assert nbytes == pytest.approx(SOURCE_PCIE_PASSES * p.sync_bytes)
+def test_as_built_each_sending_rank_encodes_and_keeps_what_it_diffs():
+    """Qwen3-30B-A3B (TP1, EP8, one node): the source diffs the non-expert weights and its 1/8 of the
+    experts over its PCIe, each other owner its own experts; the kept copies add up to one full sync,
+    on node 0, whose host memory moves them HOST_PASSES times. Qwen3-235B-A22B (PP2): the kept copies
+    are one full sync over both stages' nodes. The funnel's root encodes and keeps everything."""
+    p = plan("qwen3_30b_a3b", *DELTA)
+    c = p.params
+    nbytes, seconds = p.delta.links.per_link()[BUSIEST]
+    assert nbytes == pytest.approx(SOURCE_PCIE_PASSES * 2 * (c.total - c.experts + c.experts / 8))
     assert seconds == pytest.approx(nbytes / (PCIE_GB_PER_S * 1e9))
-    # one turn: it lasts its slowest link, the encode (the gathers are a full sync's, < 2 s)
-    q = plan("qwen3_30b_a3b", *DELTA)
-    assert q.delta.seconds == pytest.approx(SOURCE_PCIE_PASSES * q.sync_bytes / (PCIE_GB_PER_S * 1e9))
+    assert p.delta.kept == pytest.approx({0: p.sync_bytes})
+    host = p.delta.links.per_link()["delta encode, host memory of busiest node"][0]
+    assert host == pytest.approx(HOST_PASSES * p.sync_bytes)
+    q = plan("qwen3_235b_a22b", *DELTA)
+    assert sum(q.delta.kept.values()) == pytest.approx(q.sync_bytes) and len(q.delta.kept) > 2
     funnel = plan("qwen3_235b_a22b", *DELTA, "sync.stage_groups=false")
     assert funnel.delta.kept == pytest.approx({0: funnel.sync_bytes})
-    assert funnel.delta.encode()[0] == pytest.approx(SOURCE_PCIE_PASSES * funnel.sync_bytes)
+    assert funnel.delta.links.per_link()[BUSIEST][0] == pytest.approx(SOURCE_PCIE_PASSES * funnel.sync_bytes)
 
 
 def test_an_engine_rank_receives_tp_times_its_shard():
@@ -147,27 +154,29 @@ def test_shipped_1t_and_355b_configs_plan(capsys):
         assert cli.main(["plan", f"configs/models/{stem}.yaml", *DELTA]) == 0
     out = capsys.readouterr().out
     assert "sync delta (as built; sync.delta, at density 0.01" in out and "host memory per node (GB, pinned" in out
-    assert "owner-side diffs (not built): ~" in out
+    assert "owner-side diffs (built for experts, not for dense shards): ~" in out
     assert "Perplexity Kimi-K2 1.3 s" in out and "slime GLM-4.5-355B 48 s" in out
     assert plan("kimi_k2").params.total == pytest.approx(1.026e12, rel=0.01)
     assert plan("glm45").params.total == pytest.approx(352.8e9, rel=0.01)
 
 
-DELTA_TARGETS = {  # issue 44: seconds a step at 1%, anchors amortised (modelled)
-    ("deepseek_v3", "sync.fp8_blocks=128"): 0.5,
-    ("qwen3_235b_a22b", "sync.fp8_blocks=128"): 0.5,
-    ("kimi_k2", "sync.fp8_blocks=128"): 1.3,
+DELTA_TARGETS = {  # issue 44: seconds a step at 1%, anchors amortised (modelled); met as built?
+    ("deepseek_v3", "sync.fp8_blocks=128"): (0.5, False),
+    ("qwen3_235b_a22b", "sync.fp8_blocks=128"): (0.5, False),
+    ("kimi_k2", "sync.fp8_blocks=128"): (1.3, True),
 }
 
 
 @pytest.mark.parametrize("stem, fp8", sorted(DELTA_TARGETS))
-def test_owner_side_meets_the_delta_targets_and_as_built_does_not(stem, fp8):
-    """Owner-side diffs (not built) meet issue 44's targets; as built, one rank per stage copies its
-    whole stage to the host, slower than a full sync."""
+def test_owner_side_meets_the_delta_targets_and_as_built_is_bound_by_host_memory(stem, fp8):
+    """Owner-side diffs of every shard meet issue 44's targets. As built (experts diffed by their
+    owners) Kimi-K2 meets its target too; DeepSeek-V3 and Qwen3-235B-A22B miss, bound by the stage
+    source node's host memory (the host compare of its dense tensors and the node's experts)."""
     p = plan(stem, *DELTA, fp8)
-    assert p.delta.owner_side.per_step <= DELTA_TARGETS[stem, fp8], p.render()
-    assert p.delta.per_step > p.sync_seconds > DELTA_TARGETS[stem, fp8]
-    assert p.delta.links.bottleneck.name == "delta encode, PCIe of the stage source"
+    target, met = DELTA_TARGETS[stem, fp8]
+    assert p.delta.owner_side.per_step <= target, p.render()
+    assert (p.delta.per_step <= target) == met, p.render()
+    assert p.delta.links.bottleneck.name == "delta encode, host memory of busiest node"
 
 
 def test_qwen3_235b_in_bf16_owner_side_is_bound_by_the_encode():
@@ -191,8 +200,8 @@ def test_a_cross_datacentre_link_carries_every_byte_once(capsys):
 
 def test_a_measured_encode_rate_replaces_pcie(tmp_path):
     """`sync.delta` compares on the host today: where the GPU check measured its rate per rank, the
-    owner-side encode runs at it (never faster than PCIe), and the as-built source's host compare
-    takes its stage at it."""
+    owner-side encode runs at it (never faster than PCIe), and the as-built busiest sending rank's
+    host compare takes what it diffs at it."""
     import json
 
     metrics = tmp_path / "gpu_metrics.json"
@@ -203,6 +212,7 @@ def test_a_measured_encode_rate_replaces_pcie(tmp_path):
     nbytes, seconds = p.delta.owner_side.encode()
     assert seconds == pytest.approx(nbytes / 2e9)
     compare = p.delta.links.per_link()["delta encode, host compare (measured)"]
-    assert compare == pytest.approx((p.sync_bytes, p.sync_bytes / 2e9))
+    busiest = p.delta.links.per_link()[BUSIEST][0] / SOURCE_PCIE_PASSES
+    assert compare == pytest.approx((busiest, busiest / 2e9))
     assert p.delta.encode() == compare  # slower than two PCIe passes at 50 GB/s
     assert "host compare measured on NVIDIA H200, 2026-12-06" in p.render()

@@ -48,7 +48,7 @@ demo-distill: setup  # on-policy distillation from `make demo`'s policy into a f
 MCORE_PYTHON ?= 3.12.1
 MCORE_TESTS ?= tests/parallel tests/trainer tests/algorithms/test_policy_loss_megatron.py \
 	tests/sync/test_shapes.py tests/sync/test_sync_export.py tests/sync/test_sync_pipeline.py \
-	tests/sync/test_sync_stages.py tests/sync/test_bench_sync.py \
+	tests/sync/test_sync_stages.py tests/sync/test_sync_owner.py tests/sync/test_bench_sync.py \
 	tests/conformance/test_sglang_stages.py tests/conformance/test_sglang_lora.py tests/test_config.py
 MCORE_VENV := .venv-mcore
 

@@ -41,15 +41,14 @@ demo-distill: setup  # on-policy distillation from `make demo`'s policy into a f
 
 # Python 3.12 with megatron-core 0.19.x (what clusters run): the test files whose processes build
 # or read a Megatron model (bridges, checkpoints, trainer, LoRA, the loss on Megatron, the export
-# into sync, the stage groups into SGLang's code, the payload from a process megatron-core patched).
-# The sync, engine and algorithm tests that never import megatron-core ran in `make test` already.
+# into sync). The sync, conformance, engine and algorithm tests that never import megatron-core (or,
+# as the LoRA payload test, stand in for its patch themselves) ran in `make test` already.
 # torch comes from the registry as a CUDA build (~3 GB) and runs on CPU. CI runs it after
 # `make test`; MCORE_TESTS=tests runs everything.
 MCORE_PYTHON ?= 3.12.1
 MCORE_TESTS ?= tests/parallel tests/trainer tests/algorithms/test_policy_loss_megatron.py \
 	tests/sync/test_shapes.py tests/sync/test_sync_export.py tests/sync/test_sync_pipeline.py \
-	tests/sync/test_sync_stages.py tests/sync/test_sync_owner.py tests/sync/test_bench_sync.py \
-	tests/conformance/test_sglang_stages.py tests/conformance/test_sglang_lora.py tests/test_config.py
+	tests/sync/test_sync_stages.py tests/sync/test_sync_owner.py tests/sync/test_bench_sync.py tests/test_config.py
 MCORE_VENV := .venv-mcore
 
 $(MCORE_VENV)/.installed: pyproject.toml

@@ -324,10 +324,11 @@ class KeptCopy:
                     head = header(tensor[: HEADER_NBYTES + 8 * MAX_NDIM].cpu())
                     numel, size, changed = head.numel, head.element_size, head.count
             else:
-                kept, held = self._slot(name, tensor)
-                host = tensor.detach().cpu()  # the shard crosses to the host once: compare and keep from there
-                out = tensor if full else encode(host, kept if held else None, base, version, encoding)
-                kept.copy_(host)
+                if full:
+                    self.keep(name, tensor)
+                    out = tensor
+                else:
+                    out = self.encode_one(name, tensor, base, version, diff=True, encoding=encoding)
                 numel, size = tensor.numel(), tensor.element_size()
                 changed = numel if full else header(out).count
                 seen.add(name)
@@ -348,7 +349,7 @@ class KeptCopy:
         and they are of its shape and dtype, else dense (still naming `base`); the kept bytes become
         `tensor`'s. The caller names the kept version once the whole version went (`sync.owner`)."""
         kept, held = self._slot(name, tensor)
-        host = tensor.detach().cpu()
+        host = tensor.detach().cpu()  # the tensor crosses to the host once: compare and keep from there
         out = encode(host, kept if held and diff else None, base, version, encoding)
         kept.copy_(host)
         return out

@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 
+import aiohttp
 import pytest
 import ray
 
@@ -39,6 +40,7 @@ class FaultyCluster(RLCluster):
         self.final: dict = {}
         super().__init__(*args, **kwargs)
         self.stopped = threading.Event()
+        self.quiet = threading.Lock()  # held by a sync, so none aborts the requests the watcher holds
         self.watcher = threading.Thread(target=self.watch, daemon=True)
         self.watcher.start()
 
@@ -49,7 +51,8 @@ class FaultyCluster(RLCluster):
     def sync(self, version: int) -> dict[str, float]:
         if version == SYNC_KILL_AT:
             self.kill(1, "killed_in_sync")
-        metrics = super().sync(version)
+        with self.quiet:
+            metrics = super().sync(version)
         if version == SYNC_KILL_AT:  # the live engine committed in that same sync
             self.events.append(("engine-0 serves", asyncio.run(_served_version(self.url(0)))))
         return metrics
@@ -66,13 +69,16 @@ class FaultyCluster(RLCluster):
         while not self.stopped.is_set():
             if ("revived", 1) in [e[:2] for e in self.events]:
                 if ray.get(self.rollout.engine_states.remote())[0]["in_flight"] >= 1:
-                    # hold them there (an in-place pause keeps requests in the engine), so they are
-                    # still in flight when the process dies, not finished in between
-                    asyncio.run(on_engine(self.url(0), lambda client: client.pause_generation("in_place")))
-                    if ray.get(self.rollout.engine_states.remote())[0]["in_flight"] >= 1:
-                        self.kill(0, "killed_in_rollout")
-                        return
-                    asyncio.run(on_engine(self.url(0), lambda client: client.continue_generation()))
+                    with self.quiet:  # no sync aborts them between the pause and the kill
+                        # hold them there (an in-place pause keeps requests in the engine), so they
+                        # are still in flight when the process dies, not finished in between; the
+                        # engine's own count, as the pool's may include an answer on its way back
+                        url = self.url(0)
+                        asyncio.run(on_engine(url, lambda client: client.pause_generation("in_place")))
+                        if asyncio.run(_held_requests(url)) >= 1:
+                            self.kill(0, "killed_in_rollout")
+                            return
+                        asyncio.run(on_engine(url, lambda client: client.continue_generation()))
             time.sleep(0.002)
 
     def recover(self) -> None:
@@ -101,6 +107,13 @@ class FaultyCluster(RLCluster):
             "versions": [asyncio.run(_served_version(self.url(i))) for i in range(len(self.engines))],
         }
         return super().close()
+
+
+async def _held_requests(url: str) -> int:
+    """The requests the engine at `url` holds, running or waiting (its SGLang `/get_load`)."""
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/get_load") as response:
+        (load,) = await response.json()
+    return load["num_running_reqs"] + load["num_waiting_reqs"]
 
 
 async def _served_version(url: str) -> str:

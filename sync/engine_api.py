@@ -34,7 +34,9 @@ the bucket's index k in the version) is an embedded-engine extension, not an SGL
 computed only when an engine `verifies_checksums`, and the client sends it to embedded engines
 only, which verify it and use k to run the collectives in bucket order (the sender keeps two
 buckets in flight, whose HTTP calls may arrive in either order). The embedded engine also
-stages buckets and swaps them in at the commit (another extension); the sender's correctness
+stages buckets and swaps them in at the commit (another extension; it answers the commit before
+the swap, and starts no request and answers no other control call but pause, continue and abort
+until the swap is done); the sender's correctness
 never relies on either, except under `pause_mode: none`, which only an engine that
 `stages_versions` takes: it keeps generating on the served version while the buckets arrive.
 Deltas (`sync.delta`) are a third extension: an engine that `applies_deltas` takes buckets of

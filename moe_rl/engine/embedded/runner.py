@@ -138,11 +138,17 @@ class ModelRunner:
     # -- model lifecycle -------------------------------------------------------------------------
 
     def build_staged(self, tensors: dict[str, torch.Tensor]) -> Staged:
-        """A new model (and draft) from the current checkpoint with `tensors` (checkpoint names) replaced.
+        """A new model (and draft) from the current checkpoint with `tensors` (checkpoint names,
+        `checked`) replaced. Does not touch the live model: the caller swaps it in between forwards."""
+        # copy: the receiver reuses its storage two versions later, the checkpoint must not alias it
+        merged = {**self.checkpoint, **{k: v.to(self.checkpoint[k].dtype, copy=True) for k, v in tensors.items()}}
+        model = self._build(merged) if self._spare is None else self._load(self._spare, merged)
+        return Staged(model, self._draft(merged), merged)
 
-        Raises ValueError for names or shapes the checkpoint does not have. Does not touch the live
-        model: the caller swaps it in between forwards.
-        """
+    def checked(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`tensors` as an update of this checkpoint (FP8 ones dequantized), before anything is built:
+        ValueError for names or shapes the checkpoint does not have, RuntimeError while the weights
+        are released."""
         if self.weights_state == "released":
             raise RuntimeError(
                 "weights are released (/release_memory_occupation): call /resume_memory_occupation before updating them"
@@ -162,10 +168,7 @@ class ModelRunner:
                     f"weight {name!r} has shape {tuple(tensor.shape)}, "
                     f"checkpoint has {tuple(self.checkpoint[name].shape)}"
                 )
-        # copy: the receiver reuses its storage two versions later, the checkpoint must not alias it
-        merged = {**self.checkpoint, **{k: v.to(self.checkpoint[k].dtype, copy=True) for k, v in tensors.items()}}
-        model = self._build(merged) if self._spare is None else self._load(self._spare, merged)
-        return Staged(model, self._draft(merged), merged)
+        return tensors
 
     def _main(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`state` without the MTP layers (the draft's; the main model has no such parameters)."""

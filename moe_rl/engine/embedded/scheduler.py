@@ -45,6 +45,7 @@ class Scheduler:
         self.weight_version = weight_version
         self.max_batch = max_batch
         self.paused = False
+        self.holding = False  # a committed version is being loaded: no request starts before its swap
         self._cond = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
         self._commands: collections.deque = collections.deque()
@@ -71,6 +72,18 @@ class Scheduler:
             self._commands.append((fn, future))
             self._cond.notify()
         return future
+
+    def hold(self) -> None:
+        """Start no request until the next `set_weights` (or `release`): a commit was answered and
+        its version is being loaded; running requests go on."""
+        with self._cond:
+            self.holding = True
+
+    def release(self) -> None:
+        """Start requests again (the version being loaded failed: the served one stays)."""
+        with self._cond:
+            self.holding = False
+            self._cond.notify()
 
     def stop(self) -> None:
         with self._cond:
@@ -131,6 +144,7 @@ class Scheduler:
         """Swap in a staged version: the next forward uses it, tokens after it carry `version`."""
         self.runner.swap(staged)
         self.weight_version = version
+        self.holding = False
         for request in self._running:  # drafted by the previous version's draft: none is used
             request.draft_state = None
 
@@ -139,7 +153,7 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._stopping or self._commands or (not self.paused and self.num_requests)):
+                while not (self._stopping or self._commands or (not self.paused and self._work)):
                     self._cond.wait()
                 if self._stopping:
                     return
@@ -163,7 +177,14 @@ class Scheduler:
                 self._admitting = []
                 self._drop_batch()
 
+    @property
+    def _work(self) -> bool:
+        """Something to run (when not paused): running requests, or waiting ones not held."""
+        return bool(self._running) or (bool(self._waiting) and not self.holding)
+
     def _admit(self) -> None:
+        if self.holding:
+            return
         with self._cond:
             new, held, room = [], collections.deque(), self.max_batch - len(self._running)
             for request in self._waiting:  # a prefill-only request leaves after its prefill: no decode slot

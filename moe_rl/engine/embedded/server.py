@@ -12,7 +12,17 @@ bucket by CUDA-IPC handles, `sync.flattened_payload`; the model on `--device cud
 `/update_weights_from_disk` loads, swaps and sets the version at once (SGLang's behaviour, no
 session). `/update_weights_from_distributed` stages one bucket; `/update_weight_version` commits
 the staged version (or, with nothing staged, relabels the served weights as SGLang does);
-`/continue_generation` drops an uncommitted staged version. Staging is an embedded-engine
+`/continue_generation` drops an uncommitted staged version.
+
+A commit is answered before its swap: the staged tensors are the engine's from then on (they
+passed their checksums), so the caller (the trainer's sender) does not wait for the spare model's
+load and the forward under way. From the answer on, no request starts under the old version (the
+scheduler holds new ones until the swap) and every control call but pause, continue and abort
+waits for the swap first (so /model_info names the new version, and the next update finds the
+last one in). Requests already running go on under the old version until the swap, their tokens
+tagged with it. A swap that fails then (a bug: the tensors were checked) leaves the old version
+served, /health answering 503 and every waiting control call 500, naming the error: the engine is
+restarted as a dead one is. Staging is an embedded-engine
 extension (SGLang loads each bucket in place): the served weights and their label change
 together, at the commit. Buckets that name a `weight_version` (SGLang labels the engine with it
 at the first bucket) are committed as that version at `/end_weight_update` instead.
@@ -75,6 +85,12 @@ _INLINE_BYTES = 1 << 16
 _UNTRACED = frozenset(
     {"/generate", "/health", "/health_generate", "/get_load", "/v1/loads", "/start_trace", "/stop_trace"}
 )
+# paths that need not wait for an answered commit's swap (the scheduler orders them after it)
+_BESIDE_SWAP = _UNTRACED | {"/pause_generation", "/continue_generation", "/abort_request"}
+
+
+class SwapFailed(Exception):
+    """The swap of an answered commit failed: the engine serves the old version (HTTP 500)."""
 
 
 def _check(body: object, path: str) -> dict:
@@ -119,6 +135,8 @@ class EmbeddedServer:
         self.max_positions = max_positions(self.runner.config.get_text_config()) or 1 << 30  # YaRN's scaled ones too
         self._rids: set[str] = set()
         self._session = False  # a /begin_weight_update ... /end_weight_update session is open
+        self._swapping: asyncio.Future | None = None  # the swap of the last answered commit
+        self.broken: str | None = None  # why that swap failed (the engine must be restarted)
         self.released: set[str] = set()  # memory tags released by /release_memory_occupation
         self.lora = LoraRoutes(self.runner, self._body, self._on_scheduler)
 
@@ -163,6 +181,8 @@ class EmbeddedServer:
     @web.middleware
     async def _errors(self, request: web.Request, handler):
         try:
+            if request.path not in _BESIDE_SWAP:
+                await self._swapped()
             if request.path in _UNTRACED:
                 return await handler(request)
             with TRACER.span(request.path.lstrip("/"), lane="http"):  # the control calls, one at a time
@@ -344,6 +364,8 @@ class EmbeddedServer:
         return web.json_response(TRACER.stop())
 
     async def health(self, http: web.Request) -> web.Response:
+        if self.broken is not None:
+            return web.Response(status=503, text=f"{self.broken}\n")
         return web.Response(status=200)
 
     async def model_info(self, http: web.Request) -> web.Response:
@@ -461,6 +483,8 @@ class EmbeddedServer:
     # -- weights -----------------------------------------------------------------------------------
 
     async def _swap(self, tensors: dict, version: str, abort_all: bool) -> None:
+        """Load `tensors` (`ModelRunner.checked`) into the spare model, then swap it in between two
+        forwards as `version`."""
         staged = await asyncio.to_thread(self.runner.build_staged, tensors)
 
         def swap() -> None:
@@ -502,7 +526,8 @@ class EmbeddedServer:
                 raise BadRequest(f"model_path: {path} publishes version {resolved}, not {version}")
         else:
             tensors = await asyncio.to_thread(load_checkpoint_state, path)
-        await self._swap(tensors, version, bool(body.get("abort_all_requests")))
+        checked = await asyncio.to_thread(self.runner.checked, tensors)
+        await self._swap(checked, version, bool(body.get("abort_all_requests")))
         self.receiver.loaded(tensors, int(version) if version.isdigit() else None)
         return web.json_response({"success": True, "message": f"Loaded {path}", "num_paused_requests": 0})
 
@@ -558,7 +583,7 @@ class EmbeddedServer:
         self._session = False
         labelled = self.receiver.labelled_version
         if labelled is not None and self.receiver.staged:  # buckets named their version (see above)
-            await self._swap(self.receiver.commit(labelled), str(labelled), abort_all=False)
+            await self._swap(self.runner.checked(self.receiver.commit(labelled)), str(labelled), abort_all=False)
         return web.json_response({"success": True, "message": "Success"})
 
     def _require_session(self, route: str) -> None:
@@ -603,11 +628,29 @@ class EmbeddedServer:
         if str(body["new_version"]) == self.scheduler.weight_version:
             return web.json_response({"success": True, "message": f"Already serving {body['new_version']}."})
         version = self._version(body["new_version"], "new_version", same_ok=False)
-        if self.receiver.staged:
-            await self._swap(self.receiver.commit(version), version, abort_all)
-        else:  # nothing staged: SGLang's plain relabel
-            await self._swap({}, version, abort_all)
+        tensors = self.receiver.commit(version) if self.receiver.staged else {}  # else SGLang's plain relabel
+        tensors = self.runner.checked(tensors)  # what cannot load is refused now, not after the answer
+        # answered now, swapped when the spare model is loaded (module docstring)
+        self.scheduler.hold()
+        self._swapping = asyncio.ensure_future(self._swap(tensors, version, abort_all))
+        self._swapping.add_done_callback(self._after_swap)
         return web.json_response({"success": True, "message": f"Serving weight version {version}."})
+
+    def _after_swap(self, swap: asyncio.Future) -> None:
+        if swap.cancelled() or swap.exception() is None:
+            return
+        error = swap.exception()
+        self.broken = f"the committed version failed to load: {type(error).__name__}: {error}"
+        self.scheduler.release()  # held requests run under the old version, tagged with it
+
+    async def _swapped(self) -> None:
+        """Wait for the swap of the last answered commit; SwapFailed if it failed."""
+        if self._swapping is None:
+            return
+        await asyncio.wait([self._swapping])
+        if self._swapping.cancelled() or self._swapping.exception() is not None:
+            self._after_swap(self._swapping)
+            raise SwapFailed(self.broken or "the committed version's load was cancelled")
 
 
 class Handoff:

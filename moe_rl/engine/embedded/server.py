@@ -235,6 +235,8 @@ class EmbeddedServer:
         small = http.content_length is not None and http.content_length <= _INLINE_BYTES
         # per-id checks of a long prompt off the loop
         request = self._parse_generate(body) if small else await asyncio.to_thread(self._parse_generate, body)
+        if self.runner.weights_state != "loaded":  # an answered commit may be loading them (colocated)
+            await self._swapped()
         if self.released or self.runner.weights_state != "loaded":
             raise RuntimeError(
                 f"/generate refused: memory released {sorted(self.released)}, weights "

@@ -77,12 +77,14 @@ class ShardReader(Protocol):
 
 
 class OwnerDiffs(Protocol):
-    """Owner-side diffs of experts (`sync.owner.ExpertOwner` implements it): what an expert owner
-    does with its HF tensors (FP8 quantized, scales included) before the EP gather."""
+    """Owner-side diffs (`sync.owner.DiffOwner` implements it): what an expert owner does with its
+    HF tensors (FP8 quantized, scales included) before the EP gather, and a dense tensor's diff
+    owner (a TP member, `Mapping.export`'s `diff_owner`) before handing it to the TP group's first
+    member."""
 
     @property
     def encodes(self) -> bool:
-        """This update's experts travel as payloads (the same on every member of an EP group)."""
+        """This update's tensors travel as payloads (the same on every trainer rank)."""
 
     def encode(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The flat uint8 host payload that stands for `tensor` (kept for the next update)."""
@@ -91,7 +93,8 @@ class OwnerDiffs(Protocol):
         """`tensor` goes as it is (an anchor): keep it."""
 
     def received(self, names: list[str]) -> None:
-        """On the gathering rank: the names the EP gather delivered (their owners encoded them)."""
+        """On the gathering rank (the stage source): the names its owners encoded or kept, which
+        it passes on unchanged."""
 
 
 # TP/ETP gathers go point-to-point to the group's first member, not all-gathers: only the
@@ -112,21 +115,81 @@ def _wire(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.uint8) if tensor.is_floating_point() and tensor.element_size() == 1 else tensor
 
 
-def gather_to_first(tensor: torch.Tensor, axis: Axis) -> torch.Tensor | None:
-    """Every member of `axis.group` calls it; member 0 gets one (axis.size, *shape) tensor of
-    all members' tensors, received in place; the others get None."""
+def gather_to_first(tensor: torch.Tensor, axis: Axis, dst: int = 0) -> torch.Tensor | None:
+    """Every member of `axis.group` calls it; member `dst` (the first by default) gets one
+    (axis.size, *shape) tensor of all members' tensors, received in place; the others get None."""
     tensor = tensor.contiguous()
     nbytes = tensor.numel() * tensor.element_size()
-    if axis.rank != 0:
-        dist.send(_wire(tensor), group=axis.group, group_dst=0)
+    if axis.rank != dst:
+        dist.send(_wire(tensor), group=axis.group, group_dst=dst)
         GATHER_BYTES["sent"] += nbytes
         return None
     out = tensor.new_empty((axis.size, *tensor.shape))
-    out[0].copy_(tensor)
-    for member in range(1, axis.size):
-        dist.recv(_wire(out[member]), group=axis.group, group_src=member)
+    out[axis.rank].copy_(tensor)
+    for member in range(axis.size):
+        if member != dst:
+            dist.recv(_wire(out[member]), group=axis.group, group_src=member)
     GATHER_BYTES["received"] += nbytes * (axis.size - 1)
     return out
+
+
+_DTYPES = (
+    torch.uint8,
+    torch.int8,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+)
+_MAX_NDIM = 8
+
+
+def hand_to_first(tensors: list[torch.Tensor] | None, axis: Axis, src: int, count: int) -> list[torch.Tensor] | None:
+    """Member `src`'s `count` tensors (any dtypes and shapes: a diff owner's payloads or HF
+    tensors, `Mapping.export`) to member 0 of `axis`, in two point-to-point messages: a table of
+    dtypes, shapes and lengths (int64), then one flat buffer. Called by `src` (`tensors`) and
+    member 0 (None); member 0 gets them back (views into its buffer, on the device of
+    `axis.group`'s backend), `src` None. Memory: one flat buffer of their bytes on each end."""
+    assert axis.rank in (0, src) and src != 0, (axis.rank, src)
+    table = torch.zeros(count, 3 + _MAX_NDIM, dtype=torch.int64)
+    if axis.rank == src:
+        assert len(tensors) == count, (len(tensors), count)
+        device, at = _group_device(axis), 0
+        for row, t in zip(table, tensors):
+            row[:3] = torch.tensor([_DTYPES.index(t.dtype), t.dim(), t.numel() * t.element_size()])
+            row[3 : 3 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        flat = torch.empty(sum(_aligned(int(n)) for n in table[:, 2]), dtype=torch.uint8, device=device)
+        for t in tensors:
+            nbytes = t.numel() * t.element_size()
+            flat[at : at + nbytes].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+            at += _aligned(nbytes)
+        dist.send(table.to(device), group=axis.group, group_dst=0)
+        dist.send(flat, group=axis.group, group_dst=0)
+        GATHER_BYTES["sent"] += flat.numel()
+        return None
+    device = _group_device(axis)
+    wire = table.to(device)
+    dist.recv(wire, group=axis.group, group_src=src)
+    rows = wire.cpu().tolist()
+    flat = torch.empty(sum(_aligned(row[2]) for row in rows), dtype=torch.uint8, device=device)
+    dist.recv(flat, group=axis.group, group_src=src)
+    GATHER_BYTES["received"] += flat.numel()
+    out, at = [], 0
+    for dtype, ndim, nbytes, *shape in rows:
+        out.append(flat[at : at + nbytes].view(_DTYPES[dtype]).view(shape[:ndim]))
+        at += _aligned(nbytes)
+    return out
+
+
+def _group_device(axis: Axis) -> torch.device:
+    """Where `axis.group`'s tensors live: the current GPU for NCCL, else the host."""
+    if dist.get_backend(axis.group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def gather_members(
@@ -248,12 +311,12 @@ def _gather_by_rails(flat: torch.Tensor, size: int, rails: Rails) -> list[torch.
     return buffers
 
 
-def gather_along(tensor: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor | None:
-    """`gather_to_first`, concatenated along `dim` on member 0 (one reordering copy when `dim` >
-    0); a size-1 axis returns `tensor` itself."""
+def gather_along(tensor: torch.Tensor, axis: Axis, dim: int, dst: int = 0) -> torch.Tensor | None:
+    """`gather_to_first`, concatenated along `dim` on member `dst` (one reordering copy when `dim`
+    > 0); a size-1 axis returns `tensor` itself."""
     if axis.size == 1:
         return tensor
-    out = gather_to_first(tensor, axis)
+    out = gather_to_first(tensor, axis, dst)
     if out is None or dim == 0:
         return out if out is None else out.view(-1, *tensor.shape[1:])
     return out.movedim(0, dim).reshape(*tensor.shape[:dim], -1, *tensor.shape[dim + 1 :])
@@ -339,6 +402,7 @@ class Mapping:
         indices: tuple[int, ...],
         fp8: BlockFP8 | None = None,
         owner: OwnerDiffs | None = None,
+        diff_owner: int = 0,
     ) -> list[tuple[str, torch.Tensor]]:
         """All ranks of the param's TP/ETP group call it in lockstep, then (experts) the ETP
         rank-0 members of the EP group; the first member of each gets every HF tensor of the
@@ -350,26 +414,32 @@ class Mapping:
         gathering rank; the EP gather and everything after it carry FP8 bytes. The bytes equal
         `fp8.quantize_stream` of the full-precision export.
 
-        `owner` (experts only): each owner's tensors go through it just before the EP gather; when
-        it `encodes`, the gather carries its payloads (`gather_payloads`) and so do the results."""
+        `owner` (owner-side diffs, `sync.owner`): an expert owner's tensors go through it just
+        before the EP gather; when it `encodes`, the gather carries its payloads
+        (`gather_payloads`) and so do the results. A non-expert param is gathered to its
+        `diff_owner` (a TP member) instead of member 0; that member converts it, passes its HF
+        tensors through its `owner` and hands the payloads (or, not encoding, the tensors) to
+        member 0 (`hand_to_first`), which returns them. Without `owner`, `diff_owner` is ignored."""
         axis = self.axis(ctx)
         names = self.hf_names(ctx, indices)
         targets = fp8 is not None and all(fp8.quantizes(name, local.ndim) for name in names)
+        dst = diff_owner if owner is not None and not self.expert else 0
         pieces: list[tuple[int, str, torch.Tensor]] = []  # (HF name index, suffix, tensor)
         if targets and self._whole_blocks(local, axis, fp8):
-            quantized, scale_inv = (self.gather(t, axis) for t in fp8.quantize(local.detach()))
-            if axis.rank != 0:
-                return []
-            for i, (q, s) in enumerate(zip(self.to_hf(quantized, ctx), self.to_hf(scale_inv, ctx))):
-                pieces += [(i, "", q), (i, SCALE_SUFFIX, s)]
+            quantized, scale_inv = (self.gather(t, axis, dst) for t in fp8.quantize(local.detach()))
+            if axis.rank == dst:
+                for i, (q, s) in enumerate(zip(self.to_hf(quantized, ctx), self.to_hf(scale_inv, ctx))):
+                    pieces += [(i, "", q), (i, SCALE_SUFFIX, s)]
         else:
-            full = self.gather(local.detach(), axis)
-            if axis.rank != 0:
-                return []
-            for i, tensor in enumerate(self.to_hf(full, ctx)):
-                pieces += zip([i, i], ["", SCALE_SUFFIX], fp8.quantize(tensor)) if targets else [(i, "", tensor)]
+            full = self.gather(local.detach(), axis, dst)
+            if axis.rank == dst:
+                for i, tensor in enumerate(self.to_hf(full, ctx)):
+                    pieces += zip([i, i], ["", SCALE_SUFFIX], fp8.quantize(tensor)) if targets else [(i, "", tensor)]
         if not self.expert:
-            return [(names[i] + suffix, tensor) for i, suffix, tensor in pieces]
+            labels = [names[i] + suffix for i in range(len(names)) for suffix in ("", SCALE_SUFFIX)[: 1 + targets]]
+            return self._diffed(labels, [tensor for _, _, tensor in pieces], axis, dst, owner)
+        if axis.rank != 0:
+            return []
         own = [(names[i] + suffix, tensor) for i, suffix, tensor in pieces]
         if owner is not None and owner.encodes:
             payloads = [owner.encode(name, tensor) for name, tensor in own]
@@ -387,6 +457,28 @@ class Mapping:
         if owner is not None:
             owner.received([name for name, _ in out])
         return out
+
+    @staticmethod
+    def _diffed(
+        names: list[str], tensors: list[torch.Tensor], axis: Axis, dst: int, owner: OwnerDiffs | None
+    ) -> list[tuple[str, torch.Tensor]]:
+        """A non-expert param's HF tensors (`tensors`, on member `dst` only) as member 0 returns
+        them: through `dst`'s `owner` (payloads when it encodes, else kept as they go), handed to
+        member 0 when `dst` is another member; [] on the others."""
+        if axis.rank == dst and owner is not None:
+            assert len(tensors) == len(names), (names, len(tensors))
+            if owner.encodes:
+                tensors = [owner.encode(name, tensor) for name, tensor in zip(names, tensors)]
+            else:
+                for name, tensor in zip(names, tensors):
+                    owner.keep(name, tensor)
+        if dst != 0 and axis.rank in (0, dst):
+            tensors = hand_to_first(tensors if axis.rank == dst else None, axis, dst, len(names))
+        if axis.rank != 0:
+            return []
+        if owner is not None:
+            owner.received(names)
+        return list(zip(names, tensors))
 
     def _whole_blocks(self, local: torch.Tensor, axis: Axis, fp8: BlockFP8) -> bool:
         """True when each TP shard quantizes alone into the blocks of the gathered weight."""
@@ -407,8 +499,9 @@ class Mapping:
             )
         return shard
 
-    def gather(self, local: torch.Tensor, axis: Axis) -> torch.Tensor | None:
-        """The full Megatron tensor on `axis` member 0, None on the others (all call it)."""
+    def gather(self, local: torch.Tensor, axis: Axis, dst: int = 0) -> torch.Tensor | None:
+        """The full Megatron tensor on `axis` member `dst`, None on the others (all call it; a
+        replicated tensor is whole everywhere)."""
         raise NotImplementedError
 
     def to_hf(self, full: torch.Tensor, ctx: ParallelContext) -> list[torch.Tensor]:
@@ -421,7 +514,7 @@ class Mapping:
 class Replicated(Mapping):
     """Same tensor on every rank (norms, router)."""
 
-    def gather(self, local, axis):
+    def gather(self, local, axis, dst=0):
         return local
 
     def read_shard(self, reader, names, axis, local_shape):
@@ -434,8 +527,8 @@ class ColumnParallel(Mapping):
     dim = 0
     shard_block_dim = -2
 
-    def gather(self, local, axis):
-        return gather_along(local, axis, self.dim)
+    def gather(self, local, axis, dst=0):
+        return gather_along(local, axis, self.dim, dst)
 
     def read_shard(self, reader, names, axis, local_shape):
         n = reader.shape(names[0])[self.dim] // axis.size
@@ -504,11 +597,11 @@ class GatedColumn(Mapping):
 
     shard_block_dim, halves = -2, 2
 
-    def gather(self, local, axis):
+    def gather(self, local, axis, dst=0):
         if axis.size == 1:
             return local
         # [rank][gate_r; up_r] -> [gate_0 .. gate_n; up_0 .. up_n]
-        halves = gather_along(local.view(2, -1, *local.shape[1:]), axis, dim=1)
+        halves = gather_along(local.view(2, -1, *local.shape[1:]), axis, dim=1, dst=dst)
         return None if halves is None else halves.reshape(-1, *local.shape[1:])
 
     def to_hf(self, full, ctx):
@@ -570,8 +663,8 @@ class RopeRows(ColumnParallel):
         rope = blocks[:, self.block - self.rope :]
         return torch.cat([blocks[:, : self.block - self.rope], rope[:, order]], dim=1).reshape(rows.shape)
 
-    def gather(self, local, axis):
-        return super().gather(local, axis) if self.split else local
+    def gather(self, local, axis, dst=0):
+        return super().gather(local, axis, dst) if self.split else local
 
     def to_hf(self, full, ctx):
         return [full if self.hf_order is None else self._reorder(full, self.hf_order)]

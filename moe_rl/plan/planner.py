@@ -416,9 +416,11 @@ def delta_model(
     if config.sync.stage_groups or t.pp == 1:
         built = [Owners.of_stage(p, full.dense, full.experts, t) for p, full in enumerate(dense)]
         # into the root: the other members' shards of its own 1/tp (dense), their payloads of theirs
+        # (an anchor: their whole tensors, handed over dense)
         gathered = [StageBytes(full.dense / t.tp + wire.dense, wire.experts) for full, wire in zip(dense, stages)]
+        anchored = [StageBytes(full.dense / t.tp + full.dense, full.experts) for full in dense]
     else:
-        built, gathered = [Owners({0: sum(s.total for s in dense)})], dense
+        built, gathered, anchored = [Owners({0: sum(s.total for s in dense)})], dense, dense
     kept: dict[int, float] = {}
     for owners in built:
         for node, nbytes in owners.per_node(per_node).items():
@@ -437,7 +439,7 @@ def delta_model(
         [Link("kept copy update, PCIe of the busiest sending rank", max(o.shards.values()), PCIE_GB_PER_S)]
         for o in built
     ]
-    anchor = _links(config, dense, measured, quantize, encode=follow, link_gbps=link_gbps)
+    anchor = _links(config, dense, measured, quantize, encode=follow, gathered=anchored, link_gbps=link_gbps)
     owner_side = _links(config, stages, measured, quantize, encode=owner_encode, link_gbps=link_gbps)
     designs = {"as built": (as_built, anchor, kept), "owner-side": (owner_side, full, owner_kept)}
     delta, owner = (

@@ -23,11 +23,13 @@ Bytes of a NIC link are per NIC (the link's bytes / its NICs).
   FP8 quantization   on the owners' GPUs (each EP member its experts), at the rate the GPU check
                      measured (`benchmarks/gpu_metrics.json`), where it did
   delta encode       with `sync.delta` (`moe_rl.plan.delta`), as built: the busiest sending rank's
-                     PCIe (stage source: non-expert tensors + its experts; other owners: their
-                     experts) and node's host memory, the TP gather dense, the EP gather encoded
-                     (`gathered`; with the funnel every gather and the funnel dense); owner-side
-                     (dense shards not built): the busiest owner's PCIe and node's host memory, with
-                     the funnel the slowest stage's (stages encode at once)
+                     PCIe (each TP member of the source replica: its 1/tp of the non-expert
+                     tensors; expert owners: their experts) and node's host memory, the TP gather
+                     dense into the diff owners then their payloads into the root, the EP gather
+                     encoded (`gathered`; with the funnel every gather and the funnel dense);
+                     owner-side (TP shards diffed before the TP gather: not built): the busiest
+                     owner's PCIe and node's host memory, with the funnel the slowest stage's
+                     (stages encode at once)
   cross-datacentre   with `moe-rl plan --link-gbps G`: trainer and engines in two datacentres joined
                      by one link of G Gb/s, which every byte of the turn crosses once (each NCCL ring
                      crosses it once, the rings share it), at the NIC efficiency

@@ -97,15 +97,17 @@ class OwnerDiffs(Protocol):
         it passes on unchanged."""
 
 
-# TP/ETP gathers go point-to-point to the group's first member, not all-gathers: only the
-# export's source needs the full tensor, and gloo's collectives copy through a flat buffer of
-# their own (2x the tensor at the peak). EP gathers (many members, many tensors per parameter)
-# are one `gather` collective per parameter instead (`gather_members`).
+# TP/ETP gathers go point-to-point to the group's first member (or a dense tensor's diff owner,
+# with owner-side diffs), not all-gathers: only one member needs the full tensor, and gloo's
+# collectives copy through a flat buffer of their own (2x the tensor at the peak). EP gathers
+# (many members, many tensors per parameter) are one `gather` collective per parameter instead
+# (`gather_members`).
 
 GATHER_BYTES = {"sent": 0, "received": 0, "received_across_nodes": 0}
-"""Bytes this process handed to / got from the export's TP/ETP/EP gathers (both counted where the
-call is made; `moe-rl bench sync` reads them per rank); `received_across_nodes`: the part a rail
-took from other nodes (`Rails`). A rail counts what it forwards as sent again."""
+"""Bytes this process handed to / got from the export's TP/ETP/EP gathers and the diff owners'
+hand-over to the source (`hand_to_first`), both counted where the call is made (`moe-rl bench
+sync` reads them per rank); `received_across_nodes`: the part a rail took from other nodes
+(`Rails`). A rail counts what it forwards as sent again."""
 
 _ALIGN = 16  # byte offset of each tensor in a flat gather buffer: any dtype views it in place
 

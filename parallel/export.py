@@ -9,8 +9,8 @@ and yields them on the *source rank* of each stage: TP rank 0 / DP rank 0 / CP r
 
 Only the source needs the tensors, so only the replica that holds it gathers: a parameter is
 gathered by the TP group of DP rank 0 / CP rank 0 (experts: the ETP and EP groups of expert-DP
-rank 0), into the group's first member (TP/ETP point-to-point, `mappings.gather_to_first`; EP
-one `gather` collective per parameter, `mappings.gather_members`); the other data-parallel
+rank 0), into the group's first member (TP/ETP point-to-point, `gathers.gather_to_first`; EP
+one `gather` collective per parameter, `gathers.gather_members`); the other data-parallel
 replicas skip it. The source is the first member of each of its groups.
 
 FP8 rollout weights (`fp8`): quantized where each weight lives, before any gather crosses a link

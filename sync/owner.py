@@ -8,13 +8,13 @@ host. Instead, with an owner (`parallel.mappings.Mapping.export`'s `owner`):
   replica: the rank that enters the EP gather) keeps the bytes it last sent of its own experts
   (after the HF conversion and FP8 quantization, scales included) and, on a delta update, turns
   each into a `sync.delta` payload before the EP gather, so the gather carries payloads
-  (`parallel.mappings.gather_payloads`);
+  (`parallel.gathers.gather_payloads`);
 - every other tensor (attention, dense MLP, norms, embedding, head): each Megatron parameter has
   a diff owner among the TP members of the source replica (`parallel.export.diff_owners`,
   balanced by bytes). The TP gather, still dense (inside the node), delivers the parameter to
   its diff owner instead of member 0; the diff owner converts it to HF (and FP8) as member 0
   would, keeps its last sent bytes and encodes the payloads, and hands them to member 0 (the
-  stage source) in two messages per parameter (`parallel.mappings.hand_to_first`).
+  stage source) in two messages per parameter (`parallel.gathers.hand_to_first`).
 The stage source passes every owned tensor on unchanged (`KeptCopy.encode_stream(owned=...)`:
 counted from their headers, never kept there); it keeps only what it owns itself, here. On a
 full anchor the tensors travel as they are (the diff owners hand over the dense HF tensors) and

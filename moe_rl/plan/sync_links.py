@@ -12,7 +12,7 @@ turn's source GPU, R = the NICs of the root's node in the group: 1 + `relays`, a
 
   gather NVLink      into the root from its node: TP shards, the EP members on the root's node
                      and the off-node members' bytes they forward as rails
-  gather NICs        from EP members on other nodes, spread over the rails (`parallel.mappings.Rails`:
+  gather NICs        from EP members on other nodes, spread over the rails (`parallel.gathers.Rails`:
                      the EP members on the root's node, each receiving its riders over its NIC)
   broadcast NVLink   with relays: the root feeds the ring through its node-mates
   broadcast NICs     the root's node sends the turn's bytes over R NICs (NCCL rings, one per NIC)
@@ -154,7 +154,7 @@ def model_sync(
         off_dense = nbytes.dense * (tp - 1) / tp - on_node
         share = nbytes.experts / ep  # each EP member's experts (after its node-local ETP gather)
         members = [root + i * etp for i in range(ep)]
-        rails = [m for m in members if m // per_node == node]  # parallel.mappings.Rails
+        rails = [m for m in members if m // per_node == node]  # parallel.gathers.Rails
         off = len(members) - len(rails)
         nic_rails = min(len(rails), cluster.nics_per_node) if off else 1
         riders = -(-off // nic_rails)  # the busiest rail NIC's off-node members

@@ -39,7 +39,7 @@ def owner_sync(hf_dir: str, ports: list[int], out_dir: str, layout: ParallelLayo
 
     from parallel.export import export_hf_weights
     from parallel.fp8 import BlockFP8
-    from parallel.mappings import GATHER_BYTES
+    from parallel.gathers import GATHER_BYTES
     from sync.config import DeltaConfig, SyncConfig
     from sync.shapes import SyncSetup, make_syncer
 

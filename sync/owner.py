@@ -25,7 +25,8 @@ engines get one payload per HF tensor with a hash of the whole tensor (`sync.del
 which a column-split tensor's shards cannot combine, and Megatron's fused shards (QKV, gate/up)
 map onto several HF tensors, reordered by `to_hf`. Whole HF tensors on one owner keep the wire
 format, the hashes and the conversion as they are; the dense gather stays inside the TP group
-(NVLink), while the PCIe copies, host memory and compares are spread over its members.
+(NVLink), while the PCIe copies, kept copies and compares are spread over its members (their
+node's host memory still moves them all: `moe_rl.plan.delta`).
 
 The decision: the coordinator's `WeightSender` decides per update whether it is a delta (and on
 which version) or a full anchor, before any rank's export reaches a gather, and announces it

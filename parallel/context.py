@@ -7,7 +7,7 @@ stage and its first layer, and whether this rank is in the data-parallel replica
 `uses_transformer_engine(model)` says which layer spec built the model (the bridges' tables name
 TE's fused parameters differently). Both are local: no collective, no memory beyond the record.
 `init_ep_rails(nodes)` (collective, from `parallel.model.init_model_parallel`) forms the groups of
-the EP gather's two hops (`parallel.mappings.Rails`) for every EP group that spans nodes.
+the EP gather's two hops (`parallel.gathers.Rails`) for every EP group that spans nodes.
 """
 
 from __future__ import annotations

@@ -9,14 +9,16 @@ and yields them on the *source rank* of each stage: TP rank 0 / DP rank 0 / CP r
 
 Only the source needs the tensors, so only the replica that holds it gathers: a parameter is
 gathered by the TP group of DP rank 0 / CP rank 0 (experts: the ETP and EP groups of expert-DP
-rank 0), into the group's first member (TP/ETP point-to-point, `mappings.gather_to_first`; EP
-one `gather` collective per parameter, `mappings.gather_members`); the other data-parallel
+rank 0), into the group's first member (TP/ETP point-to-point, `gathers.gather_to_first`; EP
+one `gather` collective per parameter, `gathers.gather_members`); the other data-parallel
 replicas skip it. The source is the first member of each of its groups.
 
 FP8 rollout weights (`fp8`): quantized where each weight lives, before any gather crosses a link
 (`mappings.Mapping.export`); nothing after the export (funnel, buckets, broadcast) quantizes.
 Delta sync (`owner`, `mappings.OwnerDiffs`): each expert owner may turn its experts (after the
-HF conversion and FP8) into payloads before the EP gather, which then carries those.
+HF conversion and FP8) into payloads before the EP gather, which then carries those; every other
+parameter is gathered to its diff owner among the TP members (`diff_owners`: balanced by bytes),
+which diffs it and hands the payloads to the source (`mappings.Mapping.export`).
 
 Lockstep: the collectives of a task run inside TP, ETP and EP groups, whose members all sit in
 the same pipeline stage and hold the same list of local parameters (same chunks and layers,
@@ -107,6 +109,20 @@ def plan(model, bridge: Bridge, ctx: ParallelContext | None = None) -> tuple[Exp
     return tuple(tasks)
 
 
+def diff_owners(tasks: tuple[ExportTask, ...], tp_size: int) -> dict[str, int]:
+    """{non-expert task name: the TP member that gathers and diffs it} with owner-side diffs: each
+    task in plan order to the member with the fewest gathered bytes so far (the lowest on a tie),
+    so every member copies to its host and keeps about 1/tp of the stage's dense bytes. The same
+    on every member (a function of the plan). Experts: their owners diff them (`sync.owner`)."""
+    load = [0] * tp_size
+    owners = {}
+    for task in tasks:
+        if not task.mapping.expert:
+            owners[task.name] = member = load.index(min(load))
+            load[member] += task.gathered_bytes
+    return owners
+
+
 def buckets(tasks: tuple[ExportTask, ...], bucket_bytes: int) -> Iterator[list[ExportTask]]:
     """Consecutive tasks whose gathered size fits in `bucket_bytes` (a larger task goes alone)."""
     bucket: list[ExportTask] = []
@@ -143,8 +159,9 @@ def export_hf_weights(
     engines without LoRA serve the policy; `merge_adapters=False` exports the frozen base.
     `fp8`: decoder linear weights as FP8 blocks + `*_scale_inv`, quantized on the owner's device
     (the bytes of `fp8.quantize_stream` over the full-precision export).
-    `owner`: owner-side diffs of experts (`parallel.mappings.OwnerDiffs`, with `sync.delta`): when
-    it encodes, experts are yielded as payloads their owners made before the EP gather.
+    `owner`: owner-side diffs (`parallel.mappings.OwnerDiffs`, with `sync.delta`): when it
+    encodes, every tensor is yielded as the payload its owner made (experts before the EP gather,
+    the others on their TP diff owners, `diff_owners`); the source keeps none of them.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes}: must be positive")
@@ -158,15 +175,17 @@ def _export_chunk(
     ctx = parallel_context(model, bridge)
     params = model_tensors(model)
     lora = adapters(model) if merge_adapters else {}
+    tasks = plan(model, bridge, ctx)
+    owners = diff_owners(tasks, ctx.tp.size) if owner is not None else {}
     with torch.no_grad():
-        for bucket in buckets(plan(model, bridge, ctx), bucket_bytes):
+        for bucket in buckets(tasks, bucket_bytes):
             gathered: list[tuple[str, torch.Tensor]] = []
             for task in bucket:
                 if ctx.in_expert_source_replica if task.mapping.expert else ctx.in_source_replica:
                     local = params[task.name]
                     if task.name in lora:  # this rank's shard of base + scale * B A, summed in fp32
                         local = (local.float() + lora[task.name].delta().float()).to(local.dtype)
-                    gathered.extend(task.mapping.export(local, ctx, task.indices, fp8, owner))
+                    gathered.extend(task.mapping.export(local, ctx, task.indices, fp8, owner, owners.get(task.name, 0)))
             gathered.reverse()
             while gathered:  # empty except on the source (the first member of all its groups)
                 yield gathered.pop()

@@ -10,7 +10,8 @@ parameter class:
 - PP: Megatron numbers layers locally per stage; HF names use `layer_offset + local`.
 - MTP: the multi-token-prediction block's layers (`mtp.layers.{k}`, on the last stage) are HF
   layers `num_hidden_layers + k` (`layer_base`), whatever the stage offset (`Mapping.for_mtp`).
-Patterns use `*` for the layer index, then (expert mappings) the expert index.
+Patterns use `*` for the layer index, then (expert mappings) the expert index. The gathers
+themselves (and the bytes they move): `parallel.gathers`.
 """
 
 from __future__ import annotations
@@ -20,34 +21,12 @@ import re
 import warnings
 from dataclasses import dataclass
 from importlib.metadata import version
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from parallel.fp8 import SCALE_SUFFIX, BlockFP8
-
-
-@dataclass(frozen=True)
-class Axis:
-    """One parallel axis as seen by this rank."""
-
-    group: Any
-    rank: int
-    size: int
-
-
-@dataclass(frozen=True)
-class Rails:
-    """The EP gather in two hops, so that the members on other nodes reach the root's node through
-    several NICs rather than the root's one (`parallel.context.init_ep_rails`). The rails are the
-    EP members on the root's node (the root included); each off-node member sends to one rail over
-    its NIC (member i of the off-node ones to rail i mod R), then every rail forwards what it holds
-    to the root over NVLink."""
-
-    rail: Axis | None  # [this rail, its off-node members] (the rail is rank 0); None: no such group
-    node: Axis | None  # [root, the other rails] (the root is rank 0); None off the root's node
-    holds: tuple[tuple[int, ...], ...]  # per rail (node rank): the EP ranks it forwards, in order
+from parallel.gathers import Axis, Rails, gather_along, gather_members, gather_payloads, hand_to_first
 
 
 @dataclass(frozen=True)
@@ -77,12 +56,14 @@ class ShardReader(Protocol):
 
 
 class OwnerDiffs(Protocol):
-    """Owner-side diffs of experts (`sync.owner.ExpertOwner` implements it): what an expert owner
-    does with its HF tensors (FP8 quantized, scales included) before the EP gather."""
+    """Owner-side diffs (`sync.owner.DiffOwner` implements it): what an expert owner does with its
+    HF tensors (FP8 quantized, scales included) before the EP gather, and a dense tensor's diff
+    owner (a TP member, `Mapping.export`'s `diff_owner`) before handing it to the TP group's first
+    member."""
 
     @property
     def encodes(self) -> bool:
-        """This update's experts travel as payloads (the same on every member of an EP group)."""
+        """This update's tensors travel as payloads (the same on every trainer rank)."""
 
     def encode(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The flat uint8 host payload that stands for `tensor` (kept for the next update)."""
@@ -91,172 +72,8 @@ class OwnerDiffs(Protocol):
         """`tensor` goes as it is (an anchor): keep it."""
 
     def received(self, names: list[str]) -> None:
-        """On the gathering rank: the names the EP gather delivered (their owners encoded them)."""
-
-
-# TP/ETP gathers go point-to-point to the group's first member, not all-gathers: only the
-# export's source needs the full tensor, and gloo's collectives copy through a flat buffer of
-# their own (2x the tensor at the peak). EP gathers (many members, many tensors per parameter)
-# are one `gather` collective per parameter instead (`gather_members`).
-
-GATHER_BYTES = {"sent": 0, "received": 0, "received_across_nodes": 0}
-"""Bytes this process handed to / got from the export's TP/ETP/EP gathers (both counted where the
-call is made; `moe-rl bench sync` reads them per rank); `received_across_nodes`: the part a rail
-took from other nodes (`Rails`). A rail counts what it forwards as sent again."""
-
-_ALIGN = 16  # byte offset of each tensor in a flat gather buffer: any dtype views it in place
-
-
-def _wire(tensor: torch.Tensor) -> torch.Tensor:
-    """What goes over the link: FP8 tensors as their bytes (gloo has no float8 types)."""
-    return tensor.view(torch.uint8) if tensor.is_floating_point() and tensor.element_size() == 1 else tensor
-
-
-def gather_to_first(tensor: torch.Tensor, axis: Axis) -> torch.Tensor | None:
-    """Every member of `axis.group` calls it; member 0 gets one (axis.size, *shape) tensor of
-    all members' tensors, received in place; the others get None."""
-    tensor = tensor.contiguous()
-    nbytes = tensor.numel() * tensor.element_size()
-    if axis.rank != 0:
-        dist.send(_wire(tensor), group=axis.group, group_dst=0)
-        GATHER_BYTES["sent"] += nbytes
-        return None
-    out = tensor.new_empty((axis.size, *tensor.shape))
-    out[0].copy_(tensor)
-    for member in range(1, axis.size):
-        dist.recv(_wire(out[member]), group=axis.group, group_src=member)
-    GATHER_BYTES["received"] += nbytes * (axis.size - 1)
-    return out
-
-
-def gather_members(
-    tensors: list[torch.Tensor], axis: Axis, rails: Rails | None = None
-) -> list[list[torch.Tensor]] | None:
-    """One `gather` collective for all of a parameter's tensors (any dtypes, the same shapes on
-    every member): every member of `axis.group` calls it; member 0 gets [its own tensors (no copy),
-    member 1's, ...], views into one received buffer per member; the others None. With `rails`,
-    in two hops (`Rails`): a gather into each rail, then the rails' buffers to member 0.
-
-    Memory: every member packs its tensors into one flat buffer (1x their bytes); member 0 holds
-    axis.size of them, a rail its members' too, and gloo adds a transient flat copy of the same
-    size (NCCL does not)."""
-    offsets, total = [], 0
-    for tensor in tensors:
-        offsets.append(total)
-        total += -(-(tensor.numel() * tensor.element_size()) // _ALIGN) * _ALIGN
-    flat = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
-    for tensor, offset in zip(tensors, offsets):
-        flat[offset : offset + tensor.numel() * tensor.element_size()].copy_(
-            tensor.detach().contiguous().view(-1).view(torch.uint8)
-        )
-    buffers = _gather_flat(flat, axis) if rails is None else _gather_by_rails(flat, axis.size, rails)
-    if buffers is None:
-        return None
-    members = [list(tensors)]
-    for buffer in buffers[1:]:
-        members.append(
-            [
-                buffer[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                for t, offset in zip(tensors, offsets)
-            ]
-        )
-    return members
-
-
-def gather_payloads(
-    payloads: list[torch.Tensor], axis: Axis, rails: Rails | None = None, device: torch.device | None = None
-) -> list[list[torch.Tensor]] | None:
-    """`gather_members` for flat uint8 payloads whose sizes differ between members (owner-side
-    diffs, `OwnerDiffs`): each member packs a table of its payloads' lengths (int64) and the
-    payloads into one flat buffer; the members agree on the largest buffer (one all-reduce of one
-    int64 over `axis.group`), pad theirs to it and gather as `gather_members` does (so a member
-    sends, and the root receives per member, the largest member's bytes: the padding is measured
-    in `GATHER_BYTES`). Member 0 gets [its own payloads, member 1's, ...] (views into each
-    member's buffer), the others None. `device`: where the buffer lives (the gather's backend)."""
-    if axis.size == 1:
-        return [list(payloads)]
-    table = _aligned(8 * len(payloads))
-    offsets, total = [], table
-    for payload in payloads:
-        offsets.append(total)
-        total += _aligned(payload.numel())
-    size = torch.tensor([total], dtype=torch.int64, device=device)
-    dist.all_reduce(size, op=dist.ReduceOp.MAX, group=axis.group)
-    flat = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
-    lengths = torch.tensor([payload.numel() for payload in payloads], dtype=torch.int64)
-    flat[: 8 * len(payloads)].copy_(lengths.view(torch.uint8))
-    for payload, offset in zip(payloads, offsets):
-        flat[offset : offset + payload.numel()].copy_(payload)
-    buffers = _gather_flat(flat, axis) if rails is None else _gather_by_rails(flat, axis.size, rails)
-    if buffers is None:
-        return None
-    members = [list(payloads)]
-    for buffer in buffers[1:]:
-        at, got = table, []
-        for length in buffer[: 8 * len(payloads)].cpu().view(torch.int64).tolist():
-            got.append(buffer[at : at + length])
-            at += _aligned(length)
-        members.append(got)
-    return members
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
-
-
-def _gather_flat(flat: torch.Tensor, axis: Axis) -> list[torch.Tensor] | None:
-    """Every member's `flat` on member 0 (one collective); None elsewhere."""
-    if axis.rank != 0:
-        dist.gather(flat, None, group=axis.group, group_dst=0)
-        GATHER_BYTES["sent"] += flat.numel()
-        return None
-    buffers = [flat] + [torch.empty_like(flat) for _ in range(1, axis.size)]
-    dist.gather(flat, buffers, group=axis.group, group_dst=0)
-    GATHER_BYTES["received"] += flat.numel() * (axis.size - 1)
-    return buffers
-
-
-def _gather_by_rails(flat: torch.Tensor, size: int, rails: Rails) -> list[torch.Tensor] | None:
-    """`_gather_flat` in two hops: the off-node members into their rails (across nodes), then
-    each rail's buffers to the root (inside its node), received concurrently."""
-    held = [flat]
-    if rails.rail is not None:
-        if rails.rail.rank != 0:
-            dist.gather(flat, None, group=rails.rail.group, group_dst=0)
-            GATHER_BYTES["sent"] += flat.numel()
-            return None
-        held += [torch.empty_like(flat) for _ in range(1, rails.rail.size)]
-        dist.gather(flat, held, group=rails.rail.group, group_dst=0)
-        GATHER_BYTES["received"] += flat.numel() * (rails.rail.size - 1)
-        GATHER_BYTES["received_across_nodes"] += flat.numel() * (rails.rail.size - 1)
-    if rails.node.rank != 0:
-        for work in [dist.isend(buffer, group=rails.node.group, group_dst=0) for buffer in held]:
-            work.wait()
-        GATHER_BYTES["sent"] += flat.numel() * len(held)
-        return None
-    buffers: list[torch.Tensor | None] = [None] * size
-    for ep_rank, buffer in zip(rails.holds[0], held):
-        buffers[ep_rank] = buffer
-    works = []
-    for rail in range(1, rails.node.size):
-        for ep_rank in rails.holds[rail]:
-            buffers[ep_rank] = torch.empty_like(flat)
-            works.append(dist.irecv(buffers[ep_rank], group=rails.node.group, group_src=rail))
-    for work in works:
-        work.wait()
-    GATHER_BYTES["received"] += flat.numel() * len(works)
-    return buffers
-
-
-def gather_along(tensor: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor | None:
-    """`gather_to_first`, concatenated along `dim` on member 0 (one reordering copy when `dim` >
-    0); a size-1 axis returns `tensor` itself."""
-    if axis.size == 1:
-        return tensor
-    out = gather_to_first(tensor, axis)
-    if out is None or dim == 0:
-        return out if out is None else out.view(-1, *tensor.shape[1:])
-    return out.movedim(0, dim).reshape(*tensor.shape[:dim], -1, *tensor.shape[dim + 1 :])
+        """On the gathering rank (the stage source): the names its owners encoded or kept, which
+        it passes on unchanged."""
 
 
 def _pattern(template: str) -> re.Pattern:
@@ -339,6 +156,7 @@ class Mapping:
         indices: tuple[int, ...],
         fp8: BlockFP8 | None = None,
         owner: OwnerDiffs | None = None,
+        diff_owner: int = 0,
     ) -> list[tuple[str, torch.Tensor]]:
         """All ranks of the param's TP/ETP group call it in lockstep, then (experts) the ETP
         rank-0 members of the EP group; the first member of each gets every HF tensor of the
@@ -350,26 +168,32 @@ class Mapping:
         gathering rank; the EP gather and everything after it carry FP8 bytes. The bytes equal
         `fp8.quantize_stream` of the full-precision export.
 
-        `owner` (experts only): each owner's tensors go through it just before the EP gather; when
-        it `encodes`, the gather carries its payloads (`gather_payloads`) and so do the results."""
+        `owner` (owner-side diffs, `sync.owner`): an expert owner's tensors go through it just
+        before the EP gather; when it `encodes`, the gather carries its payloads
+        (`gather_payloads`) and so do the results. A non-expert param is gathered to its
+        `diff_owner` (a TP member) instead of member 0; that member converts it, passes its HF
+        tensors through its `owner` and hands the payloads (or, not encoding, the tensors) to
+        member 0 (`hand_to_first`), which returns them. Without `owner`, `diff_owner` is ignored."""
         axis = self.axis(ctx)
         names = self.hf_names(ctx, indices)
         targets = fp8 is not None and all(fp8.quantizes(name, local.ndim) for name in names)
+        dst = diff_owner if owner is not None and not self.expert else 0
         pieces: list[tuple[int, str, torch.Tensor]] = []  # (HF name index, suffix, tensor)
         if targets and self._whole_blocks(local, axis, fp8):
-            quantized, scale_inv = (self.gather(t, axis) for t in fp8.quantize(local.detach()))
-            if axis.rank != 0:
-                return []
-            for i, (q, s) in enumerate(zip(self.to_hf(quantized, ctx), self.to_hf(scale_inv, ctx))):
-                pieces += [(i, "", q), (i, SCALE_SUFFIX, s)]
+            quantized, scale_inv = (self.gather(t, axis, dst) for t in fp8.quantize(local.detach()))
+            if axis.rank == dst:
+                for i, (q, s) in enumerate(zip(self.to_hf(quantized, ctx), self.to_hf(scale_inv, ctx))):
+                    pieces += [(i, "", q), (i, SCALE_SUFFIX, s)]
         else:
-            full = self.gather(local.detach(), axis)
-            if axis.rank != 0:
-                return []
-            for i, tensor in enumerate(self.to_hf(full, ctx)):
-                pieces += zip([i, i], ["", SCALE_SUFFIX], fp8.quantize(tensor)) if targets else [(i, "", tensor)]
+            full = self.gather(local.detach(), axis, dst)
+            if axis.rank == dst:
+                for i, tensor in enumerate(self.to_hf(full, ctx)):
+                    pieces += zip([i, i], ["", SCALE_SUFFIX], fp8.quantize(tensor)) if targets else [(i, "", tensor)]
         if not self.expert:
-            return [(names[i] + suffix, tensor) for i, suffix, tensor in pieces]
+            labels = [names[i] + suffix for i in range(len(names)) for suffix in ("", SCALE_SUFFIX)[: 1 + targets]]
+            return self._diffed(labels, [tensor for _, _, tensor in pieces], axis, dst, owner)
+        if axis.rank != 0:
+            return []
         own = [(names[i] + suffix, tensor) for i, suffix, tensor in pieces]
         if owner is not None and owner.encodes:
             payloads = [owner.encode(name, tensor) for name, tensor in own]
@@ -387,6 +211,28 @@ class Mapping:
         if owner is not None:
             owner.received([name for name, _ in out])
         return out
+
+    @staticmethod
+    def _diffed(
+        names: list[str], tensors: list[torch.Tensor], axis: Axis, dst: int, owner: OwnerDiffs | None
+    ) -> list[tuple[str, torch.Tensor]]:
+        """A non-expert param's HF tensors (`tensors`, on member `dst` only) as member 0 returns
+        them: through `dst`'s `owner` (payloads when it encodes, else kept as they go), handed to
+        member 0 when `dst` is another member; [] on the others."""
+        if axis.rank == dst and owner is not None:
+            assert len(tensors) == len(names), (names, len(tensors))
+            if owner.encodes:
+                tensors = [owner.encode(name, tensor) for name, tensor in zip(names, tensors)]
+            else:
+                for name, tensor in zip(names, tensors):
+                    owner.keep(name, tensor)
+        if dst != 0 and axis.rank in (0, dst):
+            tensors = hand_to_first(tensors if axis.rank == dst else None, axis, dst, len(names))
+        if axis.rank != 0:
+            return []
+        if owner is not None:
+            owner.received(names)
+        return list(zip(names, tensors))
 
     def _whole_blocks(self, local: torch.Tensor, axis: Axis, fp8: BlockFP8) -> bool:
         """True when each TP shard quantizes alone into the blocks of the gathered weight."""
@@ -407,8 +253,9 @@ class Mapping:
             )
         return shard
 
-    def gather(self, local: torch.Tensor, axis: Axis) -> torch.Tensor | None:
-        """The full Megatron tensor on `axis` member 0, None on the others (all call it)."""
+    def gather(self, local: torch.Tensor, axis: Axis, dst: int = 0) -> torch.Tensor | None:
+        """The full Megatron tensor on `axis` member `dst`, None on the others (all call it; a
+        replicated tensor is whole everywhere)."""
         raise NotImplementedError
 
     def to_hf(self, full: torch.Tensor, ctx: ParallelContext) -> list[torch.Tensor]:
@@ -421,7 +268,7 @@ class Mapping:
 class Replicated(Mapping):
     """Same tensor on every rank (norms, router)."""
 
-    def gather(self, local, axis):
+    def gather(self, local, axis, dst=0):
         return local
 
     def read_shard(self, reader, names, axis, local_shape):
@@ -434,8 +281,8 @@ class ColumnParallel(Mapping):
     dim = 0
     shard_block_dim = -2
 
-    def gather(self, local, axis):
-        return gather_along(local, axis, self.dim)
+    def gather(self, local, axis, dst=0):
+        return gather_along(local, axis, self.dim, dst)
 
     def read_shard(self, reader, names, axis, local_shape):
         n = reader.shape(names[0])[self.dim] // axis.size
@@ -504,11 +351,11 @@ class GatedColumn(Mapping):
 
     shard_block_dim, halves = -2, 2
 
-    def gather(self, local, axis):
+    def gather(self, local, axis, dst=0):
         if axis.size == 1:
             return local
         # [rank][gate_r; up_r] -> [gate_0 .. gate_n; up_0 .. up_n]
-        halves = gather_along(local.view(2, -1, *local.shape[1:]), axis, dim=1)
+        halves = gather_along(local.view(2, -1, *local.shape[1:]), axis, dim=1, dst=dst)
         return None if halves is None else halves.reshape(-1, *local.shape[1:])
 
     def to_hf(self, full, ctx):
@@ -570,8 +417,8 @@ class RopeRows(ColumnParallel):
         rope = blocks[:, self.block - self.rope :]
         return torch.cat([blocks[:, : self.block - self.rope], rope[:, order]], dim=1).reshape(rows.shape)
 
-    def gather(self, local, axis):
-        return super().gather(local, axis) if self.split else local
+    def gather(self, local, axis, dst=0):
+        return super().gather(local, axis, dst) if self.split else local
 
     def to_hf(self, full, ctx):
         return [full if self.hf_order is None else self._reorder(full, self.hf_order)]

@@ -35,7 +35,7 @@ from sync import traffic
 from sync.bucket import dtype_from_name, dtype_name
 from sync.config import SyncConfig, SyncStats
 from sync.engine_api import EngineEndpoint
-from sync.owner import Decision, ExpertOwner, announce
+from sync.owner import Decision, DiffOwner, announce
 from sync.sender import WeightSender
 from sync.syncer import Export, ViaCoordinator
 from sync.transports.base import exhaust
@@ -70,9 +70,9 @@ class Funnel(ViaCoordinator):
 
     def __init__(self, engines: list[EngineEndpoint], config: SyncConfig, stage_sources: dict[int, int], version: int):
         self.stage_sources = stage_sources
-        # owner-side diffs of experts (`sync.owner`) with one stage only: funnelled tensors would
+        # owner-side diffs (`sync.owner`) with one stage only: funnelled tensors would
         # reach the sender without their owners' marks, so with PP > 1 they go dense to the source
-        self.owner = ExpertOwner() if config.delta.enabled and len(stage_sources) == 1 else None
+        self.owner = DiffOwner() if config.delta.enabled and len(stage_sources) == 1 else None
         if dist.get_rank() == sync_source(stage_sources):
             self.sender = WeightSender(engines, config, version)
             if self.owner is not None:

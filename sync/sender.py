@@ -51,8 +51,9 @@ update (the kept copy no longer says what the engines hold), to engines behind o
 of a version, when the transport or an engine cannot take deltas, and for a catch-up resend.
 Engines refusing a delta fail the update like any engine error: they stay paused until the anchor.
 The decision is made at step 1, before anything is sent, and handed to `owners` (set by the shape:
-`sync.owner` announces it to every trainer rank, whose expert owners encode their experts before
-the EP gather; those names, `owned`, pass through the kept copy unchanged).
+`sync.owner` announces it to every trainer rank, whose owners encode their tensors before the
+gathers reach this rank: experts, and dense tensors on their TP diff owners; those names, `owned`,
+pass through the kept copy unchanged and are never kept here).
 
 Engines that come back (an orchestrator restarted one): `add(engine, served_version)` makes it a
 member again; if it serves an older version than the committed one (or, `served_version=None`,
@@ -102,7 +103,7 @@ class WeightSender(Syncer):
         self.kept = KeptCopy() if config.delta.enabled else None  # what the engines hold, for deltas
         self.anchored: int | None = None  # the version of the last full anchor
         # owner-side diffs (`sync.owner`), set by the shape: announces each update's decision to
-        # every trainer rank, and the names the expert owners encoded (passed on, not kept here)
+        # every trainer rank, and the names the owners encoded (passed on, not kept here)
         self.owners: Callable[[Decision | None], None] | None = None
         self.owned: Container[str] = ()
 
@@ -145,7 +146,7 @@ class WeightSender(Syncer):
             self._announce(None)
             exhaust(named_tensors)
             raise
-        self._announce(decision)  # every rank waits for it before its export reaches an expert gather
+        self._announce(decision)  # every rank waits for it before its export reaches a gather
         if not targets.engines:  # every engine died: the restarted ones catch up to this version
             exhaust(named_tensors)
             self.version = version
@@ -224,7 +225,7 @@ class WeightSender(Syncer):
 
     def _delta_due(self, version: int, targets: EngineSet) -> bool:
         """Whether `version` goes to `targets` as a delta (see the module docstring); else it is an
-        anchor. Decided before anything is sent and announced to the expert owners (`sync.owner`)."""
+        anchor. Decided before anything is sent and announced to the owners (`sync.owner`)."""
         delta = (
             self.kept.version == self.version  # the kept copy is what every engine committed last
             and version > self.version  # a new version (a catch-up resend goes in full)
@@ -239,14 +240,14 @@ class WeightSender(Syncer):
         return delta
 
     def _announce(self, decision: Decision | None) -> None:
-        """This update's decision to every trainer rank's expert owner (`owners`; once per update,
+        """This update's decision to every trainer rank's owner (`owners`; once per update,
         None when it failed before deciding)."""
         if self.owners is not None:
             self.owners(decision)
 
     def _encoded(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, delta: bool):
         """The stream as the targets get it: with `sync.delta`, payloads against the kept copy when a
-        delta is due, else the full version (the kept copy follows it); the experts that their
+        delta is due, else the full version (the kept copy follows it); the tensors that their
         owners encoded (`owned`) pass as they come."""
         self.transport.delta = delta
         if self.kept is None:

@@ -21,9 +21,11 @@ stages' sources as turns:
   close  every stage's group, stage by stage.
 With `sync.delta` each stage source keeps its own stage's last sent bytes (`KeptCopy`: per shard,
 never the whole model on one rank) and sends a delta or a full version as the coordinator's
-sender decides (the same for every stage); the experts are diffed by their owners before the EP
-gather (`sync.owner`: every rank takes the decision from one broadcast at the start of each update,
-before its export runs, so an export given `StagedSync.owner` carries expert payloads).
+sender decides (the same for every stage); the tensors are diffed by their owners before the
+gathers reach the source (`sync.owner`: experts before the EP gather, the others on their TP diff
+owners; every rank takes the decision from one broadcast at the start of each update, before its
+export runs, so an export given `StagedSync.owner` carries payloads), and the source keeps only
+what it owns itself.
 
 A stage that fails reports the engine and bucket back; the coordinator raises `SyncError` as for
 one group (the later stages only run their exports), and the sender drops dead engines and
@@ -50,7 +52,7 @@ from sync.config import SyncConfig, SyncStats
 from sync.delta import KeptCopy
 from sync.engine_api import EngineEndpoint
 from sync.engine_set import EngineSet, SyncError
-from sync.owner import Decision, ExpertOwner, announce
+from sync.owner import Decision, DiffOwner, announce
 from sync.relay import Relay, RelayLink
 from sync.sender import WeightSender
 from sync.syncer import ViaCoordinator
@@ -137,7 +139,7 @@ class StageSource:
         self._group: EngineSet | None = None
         self.kept = KeptCopy() if config.delta.enabled else None  # this stage's last sent bytes
         self.encoding = config.delta.encoding
-        self.owned: Container[str] = ()  # experts their owners encoded (`sync.owner`): passed on
+        self.owned: Container[str] = ()  # what the owners encoded (`sync.owner`): passed on
 
     def serve(self, named_tensors: Stream) -> None:
         """One update: answer the coordinator until it says "end"; the export runs out either way."""
@@ -230,7 +232,7 @@ class StagedSync(ViaCoordinator):
                 links[stage_sources[stage]] = RelayLink(control, behind)
                 if rank in behind:
                     self.relay = Relay(control, stage_sources[stage])
-        self.owner = ExpertOwner() if config.delta.enabled else None  # every rank: its own experts
+        self.owner = DiffOwner() if config.delta.enabled else None  # every rank: what it owns
         if rank == self.coordinator:
             peers = {s: stage_sources[s] for s in stages[1:]}
             transport = StageGroupsTransport(config, peers)

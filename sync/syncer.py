@@ -32,7 +32,7 @@ import torch
 
 from sync.config import SyncStats
 from sync.engine_api import EngineEndpoint
-from sync.owner import ExpertOwner
+from sync.owner import DiffOwner
 from sync.transports.base import exhaust
 
 Export = Iterable[tuple[str, torch.Tensor]]
@@ -42,9 +42,10 @@ class Syncer(ABC):
     version: int | None
     """The version every engine committed (the coordinator's; None elsewhere, and before an
     adapter sync's first)."""
-    owner: ExpertOwner | None = None
-    """This rank's owner-side diffs of experts (`sync.owner`, with `sync.delta` on the shapes that
-    take them): pass it to the export (`parallel.export.export_hf_weights(owner=...)`)."""
+    owner: DiffOwner | None = None
+    """This rank's owner-side diffs (`sync.owner`: its experts and TP diff-owned dense tensors,
+    with `sync.delta` on the shapes that take them): pass it to the export
+    (`parallel.export.export_hf_weights(owner=...)`)."""
 
     @abstractmethod
     def pending(self, version: int) -> bool:

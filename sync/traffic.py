@@ -3,7 +3,7 @@
 `SENT[link]` / `RECEIVED[link]`, links: "broadcast" (a weight-update group: its rank 0 sends a
 bucket's bytes once, every other member receives them; `sync.group`) and "funnel" (`sync.pipeline`,
 point to point between trainer ranks). The export's gathers count in
-`parallel.mappings.GATHER_BYTES`. Per process, never reset: read a `snapshot()` before and after.
+`parallel.gathers.GATHER_BYTES`. Per process, never reset: read a `snapshot()` before and after.
 `moe-rl bench sync` reports them per trainer rank and per engine rank, against `moe-rl plan`'s model.
 """
 

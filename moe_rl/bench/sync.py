@@ -28,7 +28,7 @@ no wall time of its own, it overlaps the broadcast), full (the whole sync).
 `cpu_busy` = CPU seconds / (wall seconds x the machine's cores): near 1, the sync is bound by
 the cores, and no overlap of its stages can shorten it.
 
-Bytes per link (measured: `sync.traffic` and `parallel.mappings.GATHER_BYTES`, counted where each
+Bytes per link (measured: `sync.traffic` and `parallel.gathers.GATHER_BYTES`, counted where each
 transfer starts, over the last full sync): per trainer rank sent and received over the export's
 gathers, the funnel and the weight-update groups, per engine rank received; and the largest number
 of bytes any trainer rank sends, the figure `moe-rl plan`'s link model turns into seconds. With
@@ -54,7 +54,7 @@ import torch
 from moe_rl.bench.options import SyncBench
 from parallel.bridges import bridge_for
 from parallel.export import export_hf_weights, export_source_ranks
-from parallel.mappings import GATHER_BYTES
+from parallel.gathers import GATHER_BYTES
 from parallel.model import build_gpt_model, init_model_parallel
 from parallel.world import spawn
 from sync import traffic
@@ -232,7 +232,7 @@ def _clocked(items, clock: list[float]):
 
 def _link_bytes(before: dict, gathered: dict) -> dict[str, dict[str, int]]:
     """{"sent" | "received": {link: bytes}} of this rank since `before` (`sync.traffic`) and
-    `gathered` (`parallel.mappings.GATHER_BYTES`): the weight-update groups, the funnel, the gathers."""
+    `gathered` (`parallel.gathers.GATHER_BYTES`): the weight-update groups, the funnel, the gathers."""
     moved = traffic.since(before)
     for way in ("sent", "received"):
         if n := GATHER_BYTES[way] - gathered[way]:

@@ -12,26 +12,27 @@ an FP8 one 3%. FP8's float32 scales (one per block x block) are few and most cha
 modelled dense. A full anchor goes every `sync.delta.full_every` versions, so a step costs on
 average ((F - 1) x a delta + a full sync) / F.
 
-Who encodes: two designs, both modelled.
-  as built   (`sync/owner.py`, `sync/sender.py`, `sync/stages.py`, `sync/delta.py` `KeptCopy`):
+Who encodes: two designs, both modelled (`Owners.of_stage`: the same owners, 1/tp of the dense
+bytes on each TP member of the stage's source replica, 1/ep of the experts on each EP member).
+  as built   (`sync/owner.py`, `parallel/mappings.py` `Mapping.export`, `sync/delta.py` `KeptCopy`):
              every expert owner (the ETP-rank-0 member of each EP rank, after its node-local ETP
              gather) keeps its own experts' last sent bytes in host memory and diffs them before
-             the EP gather, which then carries encoded bytes; each stage source (the rank that
-             broadcasts its stage over its own weight-update group) keeps and diffs the stage's
-             other tensors after the TP gather, which carries dense bytes. A sending rank (stage
-             source: its non-expert bytes and its own experts; other owners: their experts) copies
-             what it diffs device -> host over its PCIe (SOURCE_PCIE_PASSES times), its node's host
-             memory moves it HOST_PASSES times; the broadcast carries encoded bytes. With the funnel
-             (`sync.stage_groups: false`, PP > 1) the first stage's source diffs every stage after
-             dense gathers (owners are not used there).
-  owner-side (not built for dense shards): every owner diffs its own shard, in the engine's
-             format, against the copy of it it last sent, kept in pinned host memory: the stage
-             source's TP group its dense shard (embedding and head included, vocab-parallel), each
-             EP member its experts (after its node-local ETP gather); gathers and broadcast then
-             carry encoded bytes. An owner's shard crosses PCIe once per sync (the kept copy up to
-             the GPU for the compare, or the shard down to the host; the changed elements written
-             back are few), and the kept copies of a node's owners are read through its host memory
-             once. The experts' part of it is what is built; the TP owners' part is not.
+             the EP gather, which then carries encoded bytes; every other tensor is gathered dense
+             over TP into its diff owner, a TP member (`parallel.export.diff_owners`, balanced by
+             bytes), which keeps and diffs it and hands the payloads to the stage source: into
+             the root, the TP gather carries its own 1/tp dense and the other members' payloads.
+             A sending rank copies what it diffs device -> host over its PCIe
+             (SOURCE_PCIE_PASSES times), its node's host memory moves it HOST_PASSES times; the
+             broadcast carries encoded bytes. With the funnel (`sync.stage_groups: false`, PP > 1)
+             the first stage's source diffs every stage after dense gathers (no owners there).
+  owner-side (not built): every owner diffs its own shard before any gather, in the engine's
+             format, against the copy of it it last sent, kept in pinned host memory; the TP and
+             EP gathers and the broadcast then carry encoded bytes. An owner's shard crosses PCIe
+             once per sync (the kept copy up to the GPU for the compare, or the shard down to the
+             host; the changed elements written back are few), and the kept copies of a node's
+             owners are read through its host memory once (a compare that keeps up with PCIe).
+             The wire format's whole-tensor hash and Megatron's fused shards are why the TP part is
+             not built (`sync/owner.py`).
 Either encode lasts the longer of its PCIe and host-memory links, pipelined with the wire bucket
 by bucket like the FP8 quantization (links of the turn, `moe_rl.plan.sync_links`). PCIe is the
 bound only for a compare that keeps up with it (on the GPU, or threaded on the host): `sync.delta`
@@ -82,19 +83,10 @@ def encoded_fraction(element_bytes: int, density: float, encoding: str = "auto")
 
 @dataclass(frozen=True)
 class Owners:
-    """A stage's ranks that diff, {global trainer rank: bytes they diff, in the engine's format}:
-    owner-side (`of_stage`) or as built (`as_built`)."""
+    """A stage's ranks that diff, {global trainer rank: bytes they diff, in the engine's format}
+    (`of_stage`; the funnel's root alone diffs everything)."""
 
     shards: dict[int, float]
-
-    @classmethod
-    def as_built(cls, stage: int, dense: float, experts: float, trainer) -> Owners:
-        """As built: the stage source diffs the stage's `dense` (non-expert) bytes after the TP
-        gather, every EP member (`expert_tp` apart, the source first) its experts before the EP gather."""
-        root = stage * (trainer.world_size // trainer.pp)
-        shards = {root + j * trainer.expert_tp: experts / trainer.ep for j in range(trainer.ep)}
-        shards[root] = shards.get(root, 0.0) + dense
-        return cls(shards)
 
     @classmethod
     def of_stage(cls, stage: int, dense: float, experts: float, trainer) -> Owners:
@@ -182,9 +174,9 @@ class DeltaSync:
         each = f", summed over {turns} stage turns" if turns > 1 else ""
         if self.design == "as built":
             who = (
-                f"each stage source copies its non-expert tensors (after the TP gather) and each expert "
-                f"owner its own experts (before the EP gather) device -> host ({SOURCE_PCIE_PASSES}x) and "
-                f"compares them on the host against its kept copy; slowest encode link {nbytes / GB:.1f} GB{each}"
+                f"each TP member copies its share of the non-expert tensors (after the TP gather into it) and "
+                f"each expert owner its own experts (before the EP gather) device -> host ({SOURCE_PCIE_PASSES}x) "
+                f"and compares them on the host against its kept copy; slowest encode link {nbytes / GB:.1f} GB{each}"
             )
         else:
             who = f"the busiest sending rank diffs {nbytes / GB:.1f} GB of its shard against its host copy{each}"
@@ -198,9 +190,9 @@ class DeltaSync:
         if self.owner_side:
             o = self.owner_side
             lines.append(
-                f"  owner-side diffs (built for experts, not for dense shards): ~{o.per_step:.2f} s a step "
-                f"(~{o.seconds:.2f} s a delta, bottleneck {o.links.bottleneck.name}): every owner, the TP group's "
-                f"too, diffs its own shard before the gathers, which then all carry encoded bytes"
+                f"  owner-side diffs (TP shards before the TP gather: not built): ~{o.per_step:.2f} s a step "
+                f"(~{o.seconds:.2f} s a delta, bottleneck {o.links.bottleneck.name}): every owner diffs its own "
+                f"shard before the gathers, which then all carry encoded bytes, with a compare that keeps up with PCIe"
             )
         return (
             lines

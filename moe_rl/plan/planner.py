@@ -65,9 +65,9 @@ them, takes link efficiencies from them, and models the FP8 quantization of `syn
 the measured rate on the owners' GPUs.
 
 Delta sync (`sync.delta.enabled`): the same links with each stage's deltas at `sync.delta.density`
-on the broadcast, as built (expert owners diff before the EP gather; the stage sources the other
-tensors after the TP gather, which stays dense) and owner-side (every owner, the TP group's dense
-shards too, before the gathers: built for experts only); the encode as links of its
+on the broadcast, as built (expert owners diff before the EP gather; each TP member its share of
+the other tensors after the TP gather, which stays dense, into it) and owner-side (the TP shards
+diffed before the TP gather too: not built); the encode as links of its
 turn, anchors amortised, and the kept copies as host memory per node (`moe_rl.plan.delta`, which
 also gives the bytes an engine rank receives against its own shard). `make_plan(..., link_gbps=G)`
 (`moe-rl plan --link-gbps G`) adds a cross-datacentre link of G Gb/s that every byte crosses once.
@@ -382,9 +382,10 @@ def delta_model(
     """`sync.delta` at `sync.delta.density` (`moe_rl.plan.delta`): each stage's bytes as deltas
     (decoder linears as FP8 with `sync.fp8_blocks`, their scales dense; headers per tensor), the
     encode as links of its turn, the kept copies per node; as built (expert owners diff before the
-    EP gather, the stage sources the rest after the TP gather; an anchor is the full sync with the
-    kept copies following over PCIe), with the owner-side design (every owner, dense shards too:
-    not built for those; its anchor the full sync) beside it."""
+    EP gather, the TP members their share of the rest after a dense TP gather into them; an anchor
+    is the full sync with the kept copies following over PCIe), with the owner-side design (TP
+    shards diffed before the TP gather, a compare that keeps up with PCIe: not built; its anchor
+    the full sync) beside it."""
     t, d, fp8 = config.trainer, config.sync.delta, config.sync.fp8_blocks
     wide = encoded_fraction(dtype_bytes, d.density, d.encoding)  # elements in the trainer's precision
     if fp8:
@@ -406,16 +407,20 @@ def delta_model(
             owner_kept[node] = owner_kept.get(node, 0.0) + nbytes
     quantize = _quantize(config, parts, dtype_bytes, measured, fp8)
     wire = sum(s.total for s in stages)
-    # as built: each stage source diffs its non-expert tensors after the TP gather, every expert
-    # owner its experts before the EP gather (`sync.owner`); the funnel's root diffs every stage
-    # after dense gathers
+    # as built: each TP member of a stage's source replica diffs its 1/tp of the non-expert tensors
+    # after the (dense) TP gather brought them to it and hands the payloads to the stage source,
+    # every expert owner its experts before the EP gather (`sync.owner`); the funnel's root diffs
+    # every stage after dense gathers
     dense = wire_stages(config, hf, counts, dtype_bytes, None)
     compare = measured_rate["value"] if measured_rate else None
     if config.sync.stage_groups or t.pp == 1:
-        built = [Owners.as_built(p, full.dense, full.experts, t) for p, full in enumerate(dense)]
-        gathered = [StageBytes(full.dense, wire.experts) for full, wire in zip(dense, stages)]
+        built = [Owners.of_stage(p, full.dense, full.experts, t) for p, full in enumerate(dense)]
+        # into the root: the other members' shards of its own 1/tp (dense), their payloads of theirs
+        # (an anchor: their whole tensors, handed over dense)
+        gathered = [StageBytes(full.dense / t.tp + wire.dense, wire.experts) for full, wire in zip(dense, stages)]
+        anchored = [StageBytes(full.dense / t.tp + full.dense, full.experts) for full in dense]
     else:
-        built, gathered = [Owners({0: sum(s.total for s in dense)})], dense
+        built, gathered, anchored = [Owners({0: sum(s.total for s in dense)})], dense, dense
     kept: dict[int, float] = {}
     for owners in built:
         for node, nbytes in owners.per_node(per_node).items():
@@ -434,7 +439,7 @@ def delta_model(
         [Link("kept copy update, PCIe of the busiest sending rank", max(o.shards.values()), PCIE_GB_PER_S)]
         for o in built
     ]
-    anchor = _links(config, dense, measured, quantize, encode=follow, link_gbps=link_gbps)
+    anchor = _links(config, dense, measured, quantize, encode=follow, gathered=anchored, link_gbps=link_gbps)
     owner_side = _links(config, stages, measured, quantize, encode=owner_encode, link_gbps=link_gbps)
     designs = {"as built": (as_built, anchor, kept), "owner-side": (owner_side, full, owner_kept)}
     delta, owner = (

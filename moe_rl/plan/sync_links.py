@@ -12,7 +12,7 @@ turn's source GPU, R = the NICs of the root's node in the group: 1 + `relays`, a
 
   gather NVLink      into the root from its node: TP shards, the EP members on the root's node
                      and the off-node members' bytes they forward as rails
-  gather NICs        from EP members on other nodes, spread over the rails (`parallel.mappings.Rails`:
+  gather NICs        from EP members on other nodes, spread over the rails (`parallel.gathers.Rails`:
                      the EP members on the root's node, each receiving its riders over its NIC)
   broadcast NVLink   with relays: the root feeds the ring through its node-mates
   broadcast NICs     the root's node sends the turn's bytes over R NICs (NCCL rings, one per NIC)
@@ -23,11 +23,13 @@ Bytes of a NIC link are per NIC (the link's bytes / its NICs).
   FP8 quantization   on the owners' GPUs (each EP member its experts), at the rate the GPU check
                      measured (`benchmarks/gpu_metrics.json`), where it did
   delta encode       with `sync.delta` (`moe_rl.plan.delta`), as built: the busiest sending rank's
-                     PCIe (stage source: non-expert tensors + its experts; other owners: their
-                     experts) and node's host memory, the TP gather dense, the EP gather encoded
-                     (`gathered`; with the funnel every gather and the funnel dense); owner-side
-                     (dense shards not built): the busiest owner's PCIe and node's host memory, with
-                     the funnel the slowest stage's (stages encode at once)
+                     PCIe (each TP member of the source replica: its 1/tp of the non-expert
+                     tensors; expert owners: their experts) and node's host memory, the TP gather
+                     dense into the diff owners then their payloads into the root, the EP gather
+                     encoded (`gathered`; with the funnel every gather and the funnel dense);
+                     owner-side (TP shards diffed before the TP gather: not built): the busiest
+                     owner's PCIe and node's host memory, with the funnel the slowest stage's
+                     (stages encode at once)
   cross-datacentre   with `moe-rl plan --link-gbps G`: trainer and engines in two datacentres joined
                      by one link of G Gb/s, which every byte of the turn crosses once (each NCCL ring
                      crosses it once, the rings share it), at the NIC efficiency
@@ -152,7 +154,7 @@ def model_sync(
         off_dense = nbytes.dense * (tp - 1) / tp - on_node
         share = nbytes.experts / ep  # each EP member's experts (after its node-local ETP gather)
         members = [root + i * etp for i in range(ep)]
-        rails = [m for m in members if m // per_node == node]  # parallel.mappings.Rails
+        rails = [m for m in members if m // per_node == node]  # parallel.gathers.Rails
         off = len(members) - len(rails)
         nic_rails = min(len(rails), cluster.nics_per_node) if off else 1
         riders = -(-off // nic_rails)  # the busiest rail NIC's off-node members

@@ -280,8 +280,9 @@ class MegatronTrainer:
 
     def export_hf_weights(self, bucket_bytes: int, fp8: BlockFP8 | None = None, owner: OwnerDiffs | None = None):
         """`(hf_name, tensor)` stream of the current weights on each stage's source rank, FP8 blocks
-        quantized where each weight lives (`fp8`), experts diffed by their owners (`owner`, with
-        `sync.delta`). Collective: every rank iterates it to the end (see parallel.export)."""
+        quantized where each weight lives (`fp8`), each tensor diffed by its owner (`owner`, with
+        `sync.delta`: experts before the EP gather, the rest on their TP diff owners). Collective:
+        every rank iterates it to the end (see parallel.export)."""
         return export_hf_weights(self.gpt_model, self.bridge, bucket_bytes=bucket_bytes, fp8=fp8, owner=owner)
 
     def export_adapter(self) -> tuple[dict, dict[str, torch.Tensor]] | None:

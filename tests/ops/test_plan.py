@@ -360,7 +360,7 @@ def test_one_nic_root_is_bytes_over_one_nic():
 
 def test_off_node_experts_come_in_over_every_rail():
     """DeepSeek-V3 (EP64, 8 GPUs a node): the root's node holds 8 EP members, the rails; the 56
-    off-node members' experts arrive 7 per rail NIC (parallel.mappings.Rails), not 56 on one."""
+    off-node members' experts arrive 7 per rail NIC (parallel.gathers.Rails), not 56 on one."""
     config = load_config("configs/models/deepseek_v3.yaml")
     plan = make_plan(config, gpu_metrics=Path("absent.json"))
     share = plan.params.experts * 2 / config.trainer.ep  # one member's bf16 experts

@@ -1,4 +1,4 @@
-"""EP gathers that reach the root's node through several NICs (`parallel.mappings.Rails`).
+"""EP gathers that reach the root's node through several NICs (`parallel.gathers.Rails`).
 
 On 8-rank gloo worlds whose ranks say they sit on different nodes (torchrun's `GROUP_RANK`, which
 `parallel.world.node_names` reads), `init_model_parallel` forms the rails: the EP members on the
@@ -39,7 +39,7 @@ def _export_with_and_without_rails(config: dict, layout: ParallelLayout, node_si
     from parallel.bridges import bridge_for
     from parallel.context import init_ep_rails, parallel_context
     from parallel.export import export_hf_weights, is_export_source
-    from parallel.mappings import GATHER_BYTES
+    from parallel.gathers import GATHER_BYTES
     from parallel.model import build_gpt_model, init_model_parallel
 
     os.environ["GROUP_RANK"] = str(dist.get_rank() // node_size)  # the node this rank says it is on

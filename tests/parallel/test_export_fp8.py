@@ -31,7 +31,7 @@ def _export_both(config: dict, layouts: list[ParallelLayout], blocks: list[Block
 
     from parallel.bridges import bridge_for
     from parallel.export import export_hf_weights, is_export_source
-    from parallel.mappings import GATHER_BYTES
+    from parallel.gathers import GATHER_BYTES
     from parallel.model import build_gpt_model, init_model_parallel
 
     bridge = bridge_for(config)

@@ -1,4 +1,4 @@
-"""`sync.owner.ExpertOwner` follows the announced decision (no world: one owner, payloads applied by
+"""`sync.owner.DiffOwner` follows the announced decision (no world: one owner, payloads applied by
 an engine's `AppliedCopy`), and the sender announces on every path, also when it fails before
 deciding."""
 
@@ -9,7 +9,7 @@ import torch
 
 from sync.config import DeltaConfig, SyncConfig
 from sync.delta import AppliedCopy, bits, header
-from sync.owner import Decision, ExpertOwner
+from sync.owner import Decision, DiffOwner
 from sync.receiver_engine import ReceiverEngineClient
 from sync.sender import WeightSender
 
@@ -25,7 +25,7 @@ def _version(seed: int, base: torch.Tensor | None = None) -> torch.Tensor:
     return torch.where(moved, base + 0.25, base).to(torch.bfloat16)
 
 
-def _send(owner: ExpertOwner, decision: Decision | None, tensor: torch.Tensor) -> torch.Tensor:
+def _send(owner: DiffOwner, decision: Decision | None, tensor: torch.Tensor) -> torch.Tensor:
     """One update of one expert as `Mapping.export` runs it on its owner; returns what crosses."""
     owner.begin(decision)
     out = []
@@ -43,7 +43,7 @@ def _send(owner: ExpertOwner, decision: Decision | None, tensor: torch.Tensor) -
 
 
 def test_an_owner_diffs_on_its_kept_version_and_goes_dense_otherwise():
-    owner, engine = ExpertOwner(), AppliedCopy()
+    owner, engine = DiffOwner(), AppliedCopy()
     v1 = _version(1)
     assert _send(owner, Decision(1, False, 0, "auto"), v1) is v1  # an anchor: the tensor itself
     engine.hold({NAME: v1.clone()}, 1)

@@ -1,9 +1,11 @@
-"""Owner-side diffs of experts (`sync.owner`): EP2, PP2 x EP2 and TP2 x EP2 gloo worlds of the tiny Qwen3-MoE
-send a chain of versions with `sync.delta` into receiver-only engines, each expert owner encoding
-its own experts before the EP gather. After every version each engine serves exactly what a
-plain (dense) export of the same weights yields; on a delta the EP gather carries payloads (a
-fraction of the dense bytes, at least the other owners' payloads), on an anchor the dense bytes;
-an owner whose kept copy was invalidated sends dense payloads and the result is still exact."""
+"""Owner-side diffs (`sync.owner`): EP2, PP2 x EP2, TP2 and TP2 x EP2 gloo worlds of the tiny
+Qwen3-MoE send a chain of versions with `sync.delta` into receiver-only engines, each expert owner
+encoding its own experts before the EP gather and each TP member the dense tensors it diff-owns.
+After every version each engine serves exactly what a plain (dense) export of the same weights
+yields; on a delta the EP gather carries payloads (a fraction of the dense bytes, at least the
+other owners' payloads), on an anchor the dense bytes; an owner whose kept copy was invalidated
+sends dense payloads and the result is still exact. Each TP member keeps its share of the dense
+tensors and the stage source no tensor it does not own."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a
 
 EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 ANCHORS = [True, False, False, False, True]  # full_every 4: versions 1 and 5 are anchors
-INVALIDATED = 4  # before this version EP rank 1's owner forgets its kept version
+INVALIDATED = 4  # before this version the owners of EP rank 1 (TP only: TP rank 1) forget their kept version
 
 
 def owner_sync(hf_dir: str, ports: list[int], out_dir: str, layout: ParallelLayout, fp8_blocks: int | None) -> dict:
@@ -37,7 +39,7 @@ def owner_sync(hf_dir: str, ports: list[int], out_dir: str, layout: ParallelLayo
 
     from parallel.export import export_hf_weights
     from parallel.fp8 import BlockFP8
-    from parallel.mappings import GATHER_BYTES
+    from parallel.gathers import GATHER_BYTES
     from sync.config import DeltaConfig, SyncConfig
     from sync.shapes import SyncSetup, make_syncer
 
@@ -46,6 +48,7 @@ def owner_sync(hf_dir: str, ports: list[int], out_dir: str, layout: ParallelLayo
     config = SyncConfig(bucket_bytes=16384, timeout_s=60, delta=DeltaConfig(enabled=True, full_every=4))
     syncer = make_syncer(clients, SyncSetup(config, sources))
     rank, ep_rank = dist.get_rank(), ps.get_expert_model_parallel_rank()
+    invalidated = (ep_rank if layout.ep > 1 else ps.get_tensor_model_parallel_rank()) == 1
     versions = []
     for version in range(1, 6):
         torch.manual_seed(version)
@@ -56,7 +59,7 @@ def owner_sync(hf_dir: str, ports: list[int], out_dir: str, layout: ParallelLayo
         before = GATHER_BYTES["received"]
         reference = {name: t.clone() for name, t in export_hf_weights(model, bridge, 16384, fp8=fp8)}
         dense_gather = GATHER_BYTES["received"] - before
-        if version == INVALIDATED and ep_rank == 1:
+        if version == INVALIDATED and invalidated:
             syncer.owner.kept.invalidate()
         yielded = {}
 
@@ -72,7 +75,9 @@ def owner_sync(hf_dir: str, ports: list[int], out_dir: str, layout: ParallelLayo
                 client.dump_weights(f"{out_dir}/engine{i}-v{version}.safetensors")
         files = {"reference": reference, "yielded": yielded}  # safetensors: FP8 does not pickle back
         for what, tensors in files.items():
-            save_file(tensors, f"{out_dir}/{what}-r{rank}-v{version}.safetensors")
+            save_file(
+                {n: t.contiguous() for n, t in tensors.items()}, f"{out_dir}/{what}-r{rank}-v{version}.safetensors"
+            )
         versions.append(
             {
                 "dense_gather": dense_gather,
@@ -83,13 +88,16 @@ def owner_sync(hf_dir: str, ports: list[int], out_dir: str, layout: ParallelLayo
         dist.barrier()
     source = syncer.sender or getattr(syncer, "source", None)  # this stage's source, if this rank is one
     kept = sorted(source.kept.tensors) if source is not None else []
-    owned = sorted(syncer.owner.kept.tensors)
+    owned = {name: reference_bytes(t) for name, t in syncer.owner.kept.tensors.items()}
     syncer.close()
     return {
         "rank": rank,
         "source": rank in sources.values(),
         "coordinator": syncer.sender is not None,
         "ep_rank": ep_rank,
+        "stage": ps.get_pipeline_model_parallel_rank(),
+        "invalidated": invalidated,
+        "tp_group": dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()),
         "local_experts": tiny_qwen3_moe_config().num_experts // ps.get_expert_model_parallel_world_size(),
         "versions": versions,
         "source_kept": kept,
@@ -111,9 +119,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
         (ParallelLayout(world_size=2, ep=2), None),
         (ParallelLayout(world_size=2, ep=2), 16),
         (ParallelLayout(world_size=4, pp=2, ep=2), None),
+        (ParallelLayout(world_size=2, tp=2, sequence_parallel=True), 16),
         (ParallelLayout(world_size=4, tp=2, ep=2, sequence_parallel=True), None),
     ],
-    ids=["ep2-bf16", "ep2-fp8", "pp2-ep2-bf16", "tp2-ep2-bf16"],
+    ids=["ep2-bf16", "ep2-fp8", "pp2-ep2-bf16", "tp2-fp8", "tp2-ep2-bf16"],
 )
 def test_expert_owners_send_payloads_over_the_ep_gather(engines, tmp_path, layout, fp8_blocks):
     from transformers import Qwen3MoeForCausalLM
@@ -129,6 +138,7 @@ def test_expert_owners_send_payloads_over_the_ep_gather(engines, tmp_path, layou
         for v, step in enumerate(r["versions"], start=1):
             for what in ("reference", "yielded"):
                 step[what] = load_file(tmp_path / f"{what}-r{r['rank']}-v{v}.safetensors")
+    invalid = {n for r in ranks if r["invalidated"] for n in r["owner_kept"]}  # what those owners keep
     for v, anchor in enumerate(ANCHORS):
         version = v + 1
         want = {name: t for r in sources for name, t in r["versions"][v]["reference"].items()}
@@ -142,12 +152,18 @@ def test_expert_owners_send_payloads_over_the_ep_gather(engines, tmp_path, layou
             step = r["versions"][v]
             experts = {name: t for name, t in step["yielded"].items() if EXPERT.search(name)}
             assert experts and step["dense_gather"] > 0
-            if anchor:  # the EP gather carries the dense bytes, the tensors as they are
-                assert step["gather"] == step["dense_gather"]
+            if anchor:  # the gathers carry the dense bytes (TP: handed over by the diff owners), as they are
+                assert layout.tp > 1 or step["gather"] == step["dense_gather"]
                 assert all(torch.equal(t, step["reference"][name]) for name, t in experts.items())
                 continue
-            heads = {name: header(t) for name, t in experts.items()}
-            assert all((h.base_version, h.version) == (version - 1, version) for h in heads.values())
+            every = {name: header(t) for name, t in step["yielded"].items()}  # every tensor: a payload
+            assert all((h.base_version, h.version) == (version - 1, version) for h in every.values())
+            # an owner with no kept version sends dense payloads, dense tensors' owners too; the others diff
+            went_dense = {n for n, h in every.items() if h.encoding == "dense"}
+            assert went_dense == (invalid & set(every) if version == INVALIDATED else set()), sorted(went_dense)[:3]
+            if layout.tp > 1:  # the other TP members' share reaches the source as payloads (EP bytes: TP1 below)
+                assert version == INVALIDATED or step["gather"] < step["dense_gather"], step
+                continue
             others = [n for n in experts if int(EXPERT.search(n)[1]) >= r["local_experts"]]
             crossed = sum(experts[n].numel() for n in others)  # the other owners' payloads
             # the EP gather of a full sync: the other owners' dense experts (16-byte aligned); the
@@ -158,23 +174,33 @@ def test_expert_owners_send_payloads_over_the_ep_gather(engines, tmp_path, layou
             # the invalidated owner's: dense + per tensor a header, its length and alignment (< 128 B)
             bound = ep_dense + 128 * len(others) if version == INVALIDATED else ep_dense / 2
             assert crossed <= ep_moved < bound, (version, crossed, ep_moved, ep_dense)
-            dense = {n for n, h in heads.items() if h.encoding == "dense"}
-            # an owner with no kept version sends dense payloads; the others diff
-            assert dense == (set(others) if version == INVALIDATED else set()), sorted(dense)[:3]
-        local_experts = coordinator["local_experts"]
-        if not anchor:  # changed elements, counted from the owners' headers and the source's diffs
+        if not anchor:  # changed elements, counted from the owners' headers
             before = coordinator["versions"][v - 1]["reference"]
             changed = 0
             for name, t in own.items():
-                expert = EXPERT.search(name)
-                invalid = version == INVALIDATED and expert is not None and int(expert[1]) >= local_experts
-                changed += t.numel() if invalid else int((_bits(t) != _bits(before[name])).sum())
+                gone = version == INVALIDATED and name in invalid
+                changed += t.numel() if gone else int((_bits(t) != _bits(before[name])).sum())
             assert stats.changed == changed
             assert stats.wire_bytes < 0.5 * stats.dense_bytes or version == INVALIDATED
-    for r in sources:  # the source keeps no expert; every owner keeps exactly its own
-        assert r["source_kept"] and not any(EXPERT.search(n) for n in r["source_kept"])
-    owners = [r for r in ranks if r["owner_kept"]]  # the ETP-rank-0 member of each EP rank
+    for r in sources:  # every tensor is owned: the source keeps none of another's
+        assert r["source_kept"] == []
+    owners = [r for r in ranks if any(EXPERT.search(n) for n in r["owner_kept"])]  # ETP-rank-0 of each EP rank
     assert sorted(r["ep_rank"] for r in owners) == sorted(list(range(layout.ep)) * layout.pp)
     for r in owners:
-        local = {int(EXPERT.search(n)[1]) // r["local_experts"] for n in r["owner_kept"]}
+        local = {int(EXPERT.search(n)[1]) // r["local_experts"] for n in r["owner_kept"] if EXPERT.search(n)}
         assert local == {r["ep_rank"]}, (r["rank"], sorted(local))
+    for stage in range(layout.pp):  # the TP members of the source replica share the dense tensors
+        (source,) = [r for r in sources if r["stage"] == stage]
+        dense = {n: t for n, t in source["versions"][-1]["reference"].items() if not EXPERT.search(n)}
+        shares = [
+            {n: b for n, b in r["owner_kept"].items() if not EXPERT.search(n)}
+            for r in ranks
+            if r["rank"] in source["tp_group"]
+        ]
+        assert sorted(n for share in shares for n in share) == sorted(dense)  # each kept once, by one
+        total = sum(reference_bytes(t) for t in dense.values())
+        kept = [sum(share.values()) for share in shares]  # balanced by bytes: about 1/tp each
+        assert len(kept) == layout.tp and all(total / (2 * layout.tp) <= k <= 1.5 * total / layout.tp for k in kept), (
+            kept,
+            total,
+        )

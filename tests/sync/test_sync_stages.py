@@ -47,7 +47,7 @@ def staged_sync(
     from megatron.core import parallel_state as ps
 
     from parallel.export import export_hf_weights
-    from parallel.mappings import GATHER_BYTES
+    from parallel.gathers import GATHER_BYTES
     from sync import traffic
     from sync.config import SyncConfig
     from sync.pipeline import stage_stream, sync_source

@@ -4,6 +4,7 @@ that would hang scoring 0 within its limit while the grader keeps working."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import subprocess
 import sys
 import time
@@ -93,9 +94,9 @@ def test_the_prediction_is_the_last_box_with_nested_braces():
 
 
 def test_a_grade_past_math_verify_limit_is_wrong_and_the_next_one_scores():
-    start = time.perf_counter()
+    # (no bound on the clock: sympy would compute the power for good, so a grade that comes back
+    # at all was cut by a limit; the busy machine of a CI run sets how long that takes)
     assert get_reward("math")(SLOW, "1", SAMPLE) == 0.0
-    assert time.perf_counter() - start < 2 * (math_task.PARSE_TIMEOUT_S + math_task.VERIFY_TIMEOUT_S)
     assert get_reward("math")(r"\boxed{1}", "1", SAMPLE) == 1.0
 
 
@@ -104,12 +105,15 @@ def test_a_stuck_child_is_killed_at_the_limit_and_a_fresh_one_grades_next():
     try:
         assert grader.call(grade, "$5$", "$5$") is True  # the child is up
         child = next(iter(grader._pool._processes.values()))
-        start = time.perf_counter()
         with pytest.raises(TimeoutError, match="sleep ran past 1.0 s"):
-            grader.call(time.sleep, 60)
-        assert time.perf_counter() - start < 3
-        child.join(5)
-        assert not child.is_alive()
+            grader.call(time.sleep, 600)
+        # killed, not done sleeping (600 s); the pool's own thread may reap it (then `join` here
+        # can return before that thread has recorded the exit code): wait for the code
+        deadline = time.monotonic() + 60
+        while child.exitcode is None:
+            assert time.monotonic() < deadline, "the stuck child was not killed"
+            child.join(0.1)
+        assert child.exitcode == -signal.SIGKILL
         assert grader.call(grade, "$\\frac12$", "$0.5$") is True
     finally:
         grader.close()
@@ -122,16 +126,14 @@ def test_the_reward_scorer_turns_the_grader_timeout_into_zero(monkeypatch):
 
     async def main():
         await scorer.score(r"\boxed{2}", "2", SAMPLE)  # the child starts
-        start = time.perf_counter()
         hung = await scorer.score(SLOW, "1", SAMPLE)
-        waited = time.perf_counter() - start
-        return hung, waited, await asyncio.gather(*[scorer.score(rf"\boxed{{{k}}}", k, SAMPLE) for k in range(4)])
+        return hung, await asyncio.gather(*[scorer.score(rf"\boxed{{{k}}}", k, SAMPLE) for k in range(4)])
 
     try:
-        hung, waited, later = asyncio.run(main())
+        hung, later = asyncio.run(main())
     finally:
         grader.close()
-    assert hung == 0.0 and waited < 3 and later == [1.0] * 4
+    assert hung == 0.0 and later == [1.0] * 4  # the timeout (counted below), not the scorer's 30 s
     assert scorer.metrics() == {"rollout/reward_errors": 0, "rollout/reward_timeouts": 1}
 
 

@@ -639,20 +639,18 @@ class EmbeddedServer:
         return web.json_response({"success": True, "message": f"Serving weight version {version}."})
 
     def _after_swap(self, swap: asyncio.Future) -> None:
-        if swap.cancelled() or swap.exception() is None:
-            return
-        error = swap.exception()
-        self.broken = f"the committed version failed to load: {type(error).__name__}: {error}"
-        self.scheduler.release()  # held requests run under the old version, tagged with it
+        """An answered commit's swap is over: if it failed (or was cancelled), the engine is broken."""
+        error = asyncio.CancelledError() if swap.cancelled() else swap.exception()
+        if error is not None:
+            self.broken = f"the committed version failed to load: {type(error).__name__}: {error}"
+            self.scheduler.release()  # held requests run under the old version, tagged with it
 
     async def _swapped(self) -> None:
         """Wait for the swap of the last answered commit; SwapFailed if it failed."""
-        if self._swapping is None:
-            return
-        await asyncio.wait([self._swapping])
-        if self._swapping.cancelled() or self._swapping.exception() is not None:
-            self._after_swap(self._swapping)
-            raise SwapFailed(self.broken or "the committed version's load was cancelled")
+        if self._swapping is not None:
+            await asyncio.wait([self._swapping])  # its `_after_swap`, added first, has run by then
+        if self.broken is not None:
+            raise SwapFailed(self.broken)
 
 
 class Handoff:

@@ -76,6 +76,16 @@ class OwnerDiffs(Protocol):
         it passes on unchanged."""
 
 
+def _through(owner: OwnerDiffs | None, names: list[str], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`tensors` as they leave their owner: its payloads when it encodes, else the tensors
+    themselves, kept (as they are with no owner)."""
+    if owner is not None and owner.encodes:
+        return [owner.encode(name, tensor) for name, tensor in zip(names, tensors)]
+    for name, tensor in zip(names, tensors) if owner is not None else ():
+        owner.keep(name, tensor)
+    return tensors
+
+
 def _pattern(template: str) -> re.Pattern:
     return re.compile("^" + re.escape(template).replace(r"\*", r"(\d+)") + "$")
 
@@ -194,14 +204,11 @@ class Mapping:
             return self._diffed(labels, [tensor for _, _, tensor in pieces], axis, dst, owner)
         if axis.rank != 0:
             return []
-        own = [(names[i] + suffix, tensor) for i, suffix, tensor in pieces]
+        sent = _through(owner, [names[i] + suffix for i, suffix, _ in pieces], [t for _, _, t in pieces])
         if owner is not None and owner.encodes:
-            payloads = [owner.encode(name, tensor) for name, tensor in own]
-            members = gather_payloads(payloads, ctx.ep, ctx.ep_rails, device=local.device)
+            members = gather_payloads(sent, ctx.ep, ctx.ep_rails, device=local.device)
         else:
-            for name, tensor in own if owner is not None else ():
-                owner.keep(name, tensor)
-            members = gather_members([tensor for _, tensor in own], ctx.ep, ctx.ep_rails)
+            members = gather_members(sent, ctx.ep, ctx.ep_rails)
         if members is None:
             return []
         out: list[tuple[str, torch.Tensor]] = []
@@ -221,11 +228,7 @@ class Mapping:
         member 0 when `dst` is another member; [] on the others."""
         if axis.rank == dst and owner is not None:
             assert len(tensors) == len(names), (names, len(tensors))
-            if owner.encodes:
-                tensors = [owner.encode(name, tensor) for name, tensor in zip(names, tensors)]
-            else:
-                for name, tensor in zip(names, tensors):
-                    owner.keep(name, tensor)
+            tensors = _through(owner, names, tensors)
         if dst != 0 and axis.rank in (0, dst):
             tensors = hand_to_first(tensors if axis.rank == dst else None, axis, dst, len(names))
         if axis.rank != 0:

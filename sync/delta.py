@@ -15,11 +15,11 @@ Contract:
 3. One payload per tensor: a flat uint8 tensor under the tensor's own name, so it packs into the
    flattened buckets (`sync.bucket`) like any tensor. A fixed little-endian header, then the body.
 4. Header (`HEADER_NBYTES` = 64 bytes, then the shape as ndim int64): magic b"MRLD", format (u8,
-   `FORMAT`), encoding (u8: 0 none, 1 gaps, 2 bitmap, 3 dense), hash kind (u8: 1 = zlib CRC-32),
-   element size (u8), dtype (u8, an index into `DTYPES`), ndim (u8), 6 zero bytes; numel, count
-   of changed elements (numel when there is no base), gap tokens (u64 each); base_version,
-   version (i64: the version it applies on and the one it produces); the hash of the target's
-   bytes AFTER applying (u64).
+   `FORMAT`), encoding (u8: 0 none, 1 gaps, 2 bitmap, 3 dense), hash kind (u8, `digest`: 1 CRC32,
+   2 SUM64), element size (u8), dtype (u8, an index into `DTYPES`), ndim (u8), 6 zero bytes;
+   numel, count of changed elements (numel when there is no base), gap tokens (u64 each);
+   base_version, version (i64: the version it applies on and the one it produces); the hash of the
+   target's bytes AFTER applying (u64).
 5. Body (each section but the last zero-padded to a multiple of 8 bytes):
    - none (count 0, whatever encoding was asked): empty; the header still carries both versions
      and the hash, so the engine verifies its copy and learns the tensor is at `version`;
@@ -37,9 +37,15 @@ Contract:
    while a stream is under way, so an update that fails halfway, on either side, makes the next one
    a full anchor (the sender calls `KeptCopy.invalidate` when the engines did not commit).
 
-Encoding and decoding are vectorized (torch and numpy on the host). Memory: encode holds a bool
-mask (1 byte per element), the changed positions (8 bytes each) and the payload; apply holds the
-positions or the unpacked bitmap (8 or 1 bytes per element) besides the payload.
+Where the work happens. `encode` runs in torch on the device of its tensors (a trainer's GPU), so
+the compare keeps up with PCIe: `KeptCopy` takes its host copy up for the compare (one pass over
+PCIe and host memory), the payload stays on the device for the gathers and the broadcast, and only
+the payload comes back to write the changed elements into the host copy. A host tensor hashes with
+CRC-32 (zlib, ~4 GB/s on one core here), a device one with SUM64 (torch ops, no host round trip);
+the receiver computes the kind its header names. `apply` runs on the host (numpy). Memory: encode
+holds a bool mask (1 byte per element), the changed positions (8 bytes each), the payload and, for
+a device tensor, the kept copy brought up (one tensor at a time); apply holds the positions or the
+unpacked bitmap (8 or 1 bytes per element) besides the payload.
 """
 
 from __future__ import annotations
@@ -55,7 +61,12 @@ from typing import Container, Iterable, Iterator
 import numpy as np
 import torch
 
-MAGIC, FORMAT, CRC32 = b"MRLD", 1, 1
+MAGIC, FORMAT = b"MRLD", 1
+CRC32, SUM64 = 1, 2
+"""The header's hash kinds (`digest`)."""
+SUM64_CHUNK = 1 << 20
+"""Elements SUM64 takes at a time (its int64 temporaries: 8 MB each)."""
+_SUM64_STEP = (2 * 0x9E3779B97F4A7C15) % (1 << 64)  # even and below 2**63: weights i x step + 1 are odd
 DELTA_ENCODINGS = ("auto", "gaps", "bitmap", "dense")
 """What `sync.delta.encoding` and `encode` take: "auto" picks per tensor (contract point 5)."""
 DELTA_LOAD_FORMAT = "flattened_bucket_delta"
@@ -103,6 +114,7 @@ class DeltaHeader:
     tokens: int
     base_version: int
     version: int
+    hash_kind: int
     hash: int
 
     @property
@@ -129,19 +141,25 @@ def payload_nbytes(encoding: str, shape: tuple[int, ...], element_size: int, cou
 
 
 def encode(
-    new: torch.Tensor, old: torch.Tensor | None, base_version: int, version: int, encoding: str = "auto"
+    new: torch.Tensor,
+    old: torch.Tensor | None,
+    base_version: int,
+    version: int,
+    encoding: str = "auto",
+    hash_kind: int | None = None,
 ) -> torch.Tensor:
-    """The payload (flat uint8, on the host) that turns `old`'s bits into `new`'s. `old` None: dense
-    (every element counts as changed); else `old` must have `new`'s shape and dtype. A device tensor
-    is copied to the host first."""
+    """The payload (flat uint8, on `new`'s device) that turns `old`'s bits into `new`'s. `old` None:
+    dense (every element counts as changed); else `old` must have `new`'s shape, dtype and device.
+    `hash_kind`: CRC32 or SUM64 (`digest`); None takes CRC32 for a host tensor, SUM64 on a device."""
     if encoding not in DELTA_ENCODINGS:
         raise ValueError(f"encoding: {encoding!r} is not one of {DELTA_ENCODINGS}")
     new_bits = bits(new)
     mask, positions, count = None, None, new.numel()
     if old is not None:
-        if old.shape != new.shape or old.dtype != new.dtype:
+        if old.shape != new.shape or old.dtype != new.dtype or old.device != new.device:
             raise ValueError(
-                f"old: {old.dtype}{list(old.shape)} is not new's {new.dtype}{list(new.shape)}; pass old=None (dense)"
+                f"old: {old.dtype}{list(old.shape)} on {old.device} is not new's {new.dtype}{list(new.shape)} on "
+                f"{new.device}; pass old=None (dense)"
             )
         mask = new_bits != bits(old)
         count = int(torch.count_nonzero(mask))
@@ -156,59 +174,56 @@ def encode(
             escapes = int((_gaps(positions) // ESCAPE).sum())
             best = min((best, "gaps"), key=lambda e: payload_nbytes(e, tokens=count + escapes, **sizes))
         chosen = best
-    tokens = None
-    if chosen == "gaps":
-        tokens = _gap_tokens(_changed(mask) if positions is None else positions)
-    out = np.zeros(payload_nbytes(chosen, tokens=0 if tokens is None else tokens.numel(), **sizes), np.uint8)
+    sections, tokens = [], 0
+    if chosen == "gaps":  # u16 tokens: int32 -> int16 keeps each token's low 16 bits
+        gap_tokens = _gap_tokens(_changed(mask) if positions is None else positions)
+        tokens = gap_tokens.numel()
+        sections.append(_padded(gap_tokens.to(torch.int16).view(torch.uint8)))
+    elif chosen == "bitmap":
+        sections.append(_padded(_packbits(mask)))
+    if chosen != "none":
+        sections.append((new_bits if chosen == "dense" else new_bits[mask]).view(torch.uint8))
+    kind = hash_kind or (CRC32 if new.device.type == "cpu" else SUM64)
     head = _FIXED.pack(
         MAGIC,
         FORMAT,
         ENCODINGS.index(chosen),
-        CRC32,
+        kind,
         new.element_size(),
         _dtype_id(new.dtype),
         new.dim(),
         new.numel(),
         count,
-        0 if tokens is None else tokens.numel(),
+        tokens,
         base_version,
         version,
-        zlib.crc32(new_bits.numpy().view(np.uint8)),
-    )
-    head += struct.pack(f"<{new.dim()}q", *new.shape)
-    out[: len(head)] = np.frombuffer(head, np.uint8)
-    at = len(head)
-    if chosen == "gaps":
-        out[at : at + 2 * tokens.numel()].view(np.uint16)[:] = tokens.numpy()
-        at += _pad8(2 * tokens.numel())
-    elif chosen == "bitmap":
-        packed = np.packbits(mask.numpy(), bitorder="little")
-        out[at : at + packed.size] = packed
-        at += _pad8(packed.size)
-    if chosen != "none":
-        values = new_bits if chosen == "dense" else new_bits[mask]
-        out[at:].view(values.numpy().dtype)[:] = values.numpy()
-    return torch.from_numpy(out)
+        digest(new_bits, kind),
+    ) + struct.pack(f"<{new.dim()}q", *new.shape)
+    head_bytes = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(new.device)
+    return torch.cat([head_bytes, *sections])
 
 
 def header(payload: torch.Tensor) -> DeltaHeader:
-    """The header of a payload, checked (DeltaError if it is not one this format reads)."""
+    """The header of a payload, checked (DeltaError if it is not one this format reads); of a device
+    payload only the header's bytes cross to the host."""
     if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
         raise DeltaError(f"payload: expected a flat uint8 tensor, got {getattr(payload, 'dtype', type(payload))}")
-    if payload.device.type != "cpu" or payload.numel() < HEADER_NBYTES:
-        raise DeltaError(f"payload: {payload.numel()} bytes on {payload.device}; need a host payload of a header")
-    data = payload.numpy()
-    magic, fmt, enc, kind, size, dtype, ndim, numel, count, tokens, base, version, digest = _FIXED.unpack(
+    if payload.numel() < HEADER_NBYTES:
+        raise DeltaError(f"payload: {payload.numel()} bytes; need at least a header's {HEADER_NBYTES}")
+    data = payload[: HEADER_NBYTES + 8 * MAX_NDIM].cpu().numpy()
+    magic, fmt, enc, kind, size, dtype, ndim, numel, count, tokens, base, version, hashed = _FIXED.unpack(
         data[:HEADER_NBYTES].tobytes()
     )
-    if magic != MAGIC or fmt != FORMAT or kind != CRC32 or enc >= len(ENCODINGS) or dtype >= len(DTYPES):
+    if magic != MAGIC or fmt != FORMAT or enc >= len(ENCODINGS) or dtype >= len(DTYPES):
         raise DeltaError(f"payload: not a delta of format {FORMAT} (magic {magic!r}, format {fmt}, encoding {enc})")
+    if kind not in (CRC32, SUM64):
+        raise DeltaError(f"payload: hash kind {kind} is not CRC32 ({CRC32}) or SUM64 ({SUM64})")
     if data.size < HEADER_NBYTES + 8 * ndim:
         raise DeltaError(f"payload: {data.size} bytes, too short for its header's {ndim} dims")
     shape = struct.unpack(f"<{ndim}q", data[HEADER_NBYTES : HEADER_NBYTES + 8 * ndim].tobytes())
     if size != DTYPES[dtype].itemsize or math.prod(shape) != numel or count > numel:
         raise DeltaError(f"payload: inconsistent header (element size {size}, shape {shape}, numel {numel})")
-    return DeltaHeader(ENCODINGS[enc], size, DTYPES[dtype], shape, count, tokens, base, version, digest)
+    return DeltaHeader(ENCODINGS[enc], size, DTYPES[dtype], shape, count, tokens, base, version, kind, hashed)
 
 
 def apply(payload: torch.Tensor, target: torch.Tensor, base_version: int) -> int:
@@ -219,17 +234,48 @@ def apply(payload: torch.Tensor, target: torch.Tensor, base_version: int) -> int
     DeltaError after writing: the target's hash is not the payload's, so the target now holds
     neither version and only a full anchor repairs it."""
     head = header(payload)
+    if head.base_version != base_version:
+        raise DeltaError(f"payload: applies on version {head.base_version}, the target holds {base_version}")
+    _write(payload, head, target)
+    if digest(bits(target), head.hash_kind) != head.hash:
+        raise DeltaError(f"hash mismatch after applying version {head.version}: the target is corrupt, load an anchor")
+    return head.version
+
+
+def digest(elements: torch.Tensor, kind: int) -> int:
+    """The hash of a flat integer view of a tensor's elements (`bits`), computed where it lives.
+    CRC32: zlib's CRC-32 of the bytes (on the host; a device tensor is copied there first).
+    SUM64: sum over i of element_i x (i x _SUM64_STEP + 1), mod 2**64, each element read as the
+    integer `bits` views it as (uint8 for 1 byte, signed otherwise): torch integer ops on the
+    tensor's own device, chunked. Every weight is odd, so any one changed element changes the sum."""
+    if kind == CRC32:
+        return zlib.crc32(elements.cpu().numpy().view(np.uint8))
+    if kind != SUM64:
+        raise ValueError(f"hash kind {kind}: expected CRC32 ({CRC32}) or SUM64 ({SUM64})")
+    total = 0
+    for start in range(0, elements.numel(), SUM64_CHUNK):
+        chunk = elements[start : start + SUM64_CHUNK].to(torch.int64)
+        weights = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=chunk.device)
+        total += int((chunk * (weights * _SUM64_STEP + 1)).sum())  # int64 products and sums wrap mod 2**64
+    return total % (1 << 64)
+
+
+def _write(payload: torch.Tensor, head: DeltaHeader, target: torch.Tensor) -> None:
+    """Write a checked header's payload (on the host) into `target`: `apply` without the hash, for a
+    sender's kept copy of bytes it has just hashed itself. DeltaError before anything is written if
+    the payload does not fit the target."""
     if target.element_size() != head.element_size or target.numel() != head.numel:
         raise DeltaError(
             f"target: {target.element_size()}-byte x {target.numel()} elements, the payload is for "
             f"{head.element_size}-byte x {head.numel}"
         )
-    if head.base_version != base_version:
-        raise DeltaError(f"payload: applies on version {head.base_version}, the target holds {base_version}")
     if payload.numel() != head.nbytes:
         raise DeltaError(f"payload: {payload.numel()} bytes, its header describes {head.nbytes}")
-    if target.device.type != "cpu" or not target.is_contiguous():
-        raise ValueError(f"target: must be a contiguous host tensor, got {target.device}, {target.stride()}")
+    if payload.device.type != "cpu" or target.device.type != "cpu" or not target.is_contiguous():
+        raise ValueError(
+            f"payload on {payload.device}, target on {target.device} {target.stride()}: both must be contiguous "
+            "host tensors"
+        )
     elements = bits(target).numpy()  # shares target's memory
     body = payload.numpy()[HEADER_NBYTES + 8 * len(head.shape) :]
     values = body[body.size - head.count * head.element_size :].view(elements.dtype)  # the last section
@@ -242,9 +288,6 @@ def apply(payload: torch.Tensor, target: torch.Tensor, base_version: int) -> int
         if int(np.count_nonzero(mask)) != head.count:
             raise DeltaError(f"payload: the bitmap marks {np.count_nonzero(mask)} elements, the header {head.count}")
         elements[mask] = values
-    if zlib.crc32(elements.view(np.uint8)) != head.hash:
-        raise DeltaError(f"hash mismatch after applying version {head.version}: the target is corrupt, load an anchor")
-    return head.version
 
 
 @dataclass
@@ -320,8 +363,8 @@ class KeptCopy:
             start = time.perf_counter()
             if name in owned:
                 out, numel, size, changed = tensor, tensor.numel(), tensor.element_size(), tensor.numel()
-                if not full:  # the header alone (a device payload: only its first bytes cross)
-                    head = header(tensor[: HEADER_NBYTES + 8 * MAX_NDIM].cpu())
+                if not full:  # the header alone (of a device payload, only its bytes cross)
+                    head = header(tensor)
                     numel, size, changed = head.numel, head.element_size, head.count
             else:
                 if full:
@@ -345,19 +388,27 @@ class KeptCopy:
     def encode_one(
         self, name: str, tensor: torch.Tensor, base: int, version: int, diff: bool, encoding: str = "auto"
     ) -> torch.Tensor:
-        """One tensor's payload from `base` to `version`: against the kept bytes of `name` when `diff`
-        and they are of its shape and dtype, else dense (still naming `base`); the kept bytes become
-        `tensor`'s. The caller names the kept version once the whole version went (`sync.owner`)."""
+        """One tensor's payload from `base` to `version`, on `tensor`'s device: against the kept bytes
+        of `name` when `diff` and they are of its shape and dtype, else dense (still naming `base`);
+        the kept bytes become `tensor`'s. The caller names the kept version once the whole version
+        went (`sync.owner`).
+
+        The compare runs where `tensor` lives: the kept bytes go up to it (one pass over PCIe, pinned)
+        and only the payload comes back, its changed elements written into the kept bytes (few)."""
         kept, held = self._slot(name, tensor)
-        host = tensor.detach().cpu()  # the tensor crosses to the host once: compare and keep from there
-        out = encode(host, kept if held and diff else None, base, version, encoding)
-        kept.copy_(host)
+        tensor = tensor.detach()
+        if not (held and diff):
+            kept.copy_(tensor)
+            return encode(tensor, None, base, version, encoding)
+        out = encode(tensor, kept.to(tensor.device, non_blocking=True), base, version, encoding)
+        host = out.cpu()
+        _write(host, header(host), kept)
         return out
 
     def keep(self, name: str, tensor: torch.Tensor) -> None:
         """Keep `tensor` as `name`'s bytes, as sent in full (an anchor)."""
         kept, _ = self._slot(name, tensor)
-        kept.copy_(tensor.detach().cpu())
+        kept.copy_(tensor.detach())
 
     def _slot(self, name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """The host storage that keeps `name` and whether it holds earlier bytes of `tensor`'s shape
@@ -466,11 +517,11 @@ def check_complete(staged: dict[str, torch.Tensor], held: dict[str, torch.Tensor
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The flat host integer view of `tensor`'s elements (contiguous copy only when needed): what
-    deltas compare and hash, so NaN payloads and -0.0 count as the bits they are."""
+    """The flat integer view of `tensor`'s elements, on its device (contiguous copy only when needed):
+    what deltas compare and hash, so NaN payloads and -0.0 count as the bits they are."""
     if tensor.element_size() not in _BITS:
         raise ValueError(f"{tensor.dtype}: delta sync carries elements of 1, 2, 4 or 8 bytes")
-    return tensor.detach().cpu().contiguous().view(-1).view(_BITS[tensor.element_size()])
+    return tensor.detach().contiguous().view(-1).view(_BITS[tensor.element_size()])
 
 
 def _dtype_id(dtype: torch.dtype) -> int:
@@ -488,7 +539,7 @@ def _gap_tokens(positions: torch.Tensor) -> torch.Tensor:
     """The gaps encoding's u16 tokens (as int32) of ascending positions (contract point 5)."""
     gaps = _gaps(positions)
     ends = torch.cumsum(gaps // ESCAPE + 1, 0) - 1  # each gap's last token; escapes fill the rest
-    tokens = torch.full((int(ends[-1]) + 1,), ESCAPE, dtype=torch.int32)
+    tokens = torch.full((int(ends[-1]) + 1,), ESCAPE, dtype=torch.int32, device=positions.device)
     tokens[ends] = (gaps % ESCAPE).to(torch.int32)
     return tokens
 
@@ -505,6 +556,20 @@ def _positions(tokens: np.ndarray, head: DeltaHeader) -> np.ndarray:
 
 def _pad8(n: int) -> int:
     return (n + 7) // 8 * 8
+
+
+def _padded(section: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 body section zero-padded to a multiple of 8 bytes (contract point 5)."""
+    return torch.cat([section, section.new_zeros(_pad8(section.numel()) - section.numel())])
+
+
+def _packbits(mask: torch.Tensor) -> torch.Tensor:
+    """A flat bool mask as ceil(n / 8) bytes, element i in bit i % 8 of byte i // 8 (numpy's
+    packbits, bitorder little), on the mask's device."""
+    padded = mask.new_zeros(_pad8(mask.numel()), dtype=torch.uint8)
+    padded[: mask.numel()] = mask
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=mask.device)
+    return (padded.view(-1, 8) * weights).sum(1).to(torch.uint8)[: math.ceil(mask.numel() / 8)]
 
 
 def _changed(mask: torch.Tensor) -> torch.Tensor:

@@ -9,13 +9,17 @@ import math
 import pytest
 import torch
 
+import sync.delta
 from sync.delta import (
+    CRC32,
     ESCAPE,
     HEADER_NBYTES,
+    SUM64,
     AppliedCopy,
     DeltaError,
     KeptCopy,
     apply,
+    digest,
     encode,
     header,
     payload_nbytes,
@@ -155,6 +159,47 @@ def test_a_corrupted_value_fails_the_hash():
     payload[-1] ^= 0x10
     with pytest.raises(DeltaError, match="hash mismatch"):
         apply(payload, old.clone(), 0)
+
+
+def test_sum64_is_its_definition_in_any_chunking(monkeypatch):
+    """SUM64 = sum of element_i x (i x step + 1) mod 2**64 (`sync.delta.digest`), here against Python
+    integers, with torch's int64 products and sums wrapping, over chunks of 7 and of the default."""
+    gen = torch.Generator().manual_seed(10)
+    step = sync.delta._SUM64_STEP
+    cases = [
+        torch.randint(-(1 << 15), 1 << 15, (50,), generator=gen, dtype=torch.int16),
+        torch.randint(0, 256, (23,), generator=gen, dtype=torch.uint8),
+        torch.tensor([-(1 << 63), (1 << 63) - 1, -1, 0, 1 << 62], dtype=torch.int64),  # products wrap
+        torch.randint(-(1 << 31), (1 << 31) - 1, (29,), generator=gen, dtype=torch.int32),
+    ]
+    for elements in cases:
+        expected = sum(int(v) * (i * step + 1) for i, v in enumerate(elements.tolist())) % (1 << 64)
+        assert digest(elements, SUM64) == expected
+        monkeypatch.setattr(sync.delta, "SUM64_CHUNK", 7)
+        assert digest(elements, SUM64) == expected
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("encoding", ["gaps", "bitmap"])
+def test_a_sum64_payload_applies_and_catches_a_changed_or_swapped_element(encoding):
+    """What a device sender sends (SUM64, `encode` on a GPU tensor): the same body as CRC32's, its
+    hash checked after applying; one changed element or two swapped ones (a reordered write) fail."""
+    gen = torch.Generator().manual_seed(11)
+    old = random_tensor(torch.bfloat16, (3000,), gen)
+    new = changed(old, 100 + torch.randperm(2900, generator=gen)[:30], gen)  # elements 0-99 stay
+    payload = encode(new, old, 0, 1, encoding, hash_kind=SUM64)
+    crc = encode(new, old, 0, 1, encoding)
+    assert (header(payload).hash_kind, header(crc).hash_kind) == (SUM64, CRC32)
+    assert torch.equal(payload[HEADER_NBYTES:], crc[HEADER_NBYTES:])  # the body is the same
+    target = old.clone()
+    assert apply(payload, target, 0) == 1
+    assert_bit_equal(target, new)
+    flat = bits(old).view(-1)
+    swapped = old.clone()
+    bits(swapped).view(-1)[[7, 8]] = flat[[8, 7]]
+    for base in (changed(old, [5], gen), swapped):  # not the base: elements it keeps come out wrong
+        with pytest.raises(DeltaError, match="hash mismatch"):
+            apply(payload, base, 0)
 
 
 def test_applying_twice_gives_the_same_result():

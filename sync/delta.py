@@ -252,12 +252,12 @@ def digest(elements: torch.Tensor, kind: int) -> int:
         return zlib.crc32(elements.cpu().numpy().view(np.uint8))
     if kind != SUM64:
         raise ValueError(f"hash kind {kind}: expected CRC32 ({CRC32}) or SUM64 ({SUM64})")
-    total = 0
+    total = torch.zeros((), dtype=torch.int64, device=elements.device)  # one sync, at the end
     for start in range(0, elements.numel(), SUM64_CHUNK):
         chunk = elements[start : start + SUM64_CHUNK].to(torch.int64)
         weights = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=chunk.device)
-        total += int((chunk * (weights * _SUM64_STEP + 1)).sum())  # int64 products and sums wrap mod 2**64
-    return total % (1 << 64)
+        total += (chunk * (weights * _SUM64_STEP + 1)).sum()  # int64 products and sums wrap mod 2**64
+    return int(total) % (1 << 64)
 
 
 def _write(payload: torch.Tensor, head: DeltaHeader, target: torch.Tensor) -> None:

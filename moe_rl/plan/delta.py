@@ -21,23 +21,23 @@ bytes on each TP member of the stage's source replica, 1/ep of the experts on ea
              over TP into its diff owner, a TP member (`parallel.export.diff_owners`, balanced by
              bytes), which keeps and diffs it and hands the payloads to the stage source: into
              the root, the TP gather carries its own 1/tp dense and the other members' payloads.
-             A sending rank copies what it diffs device -> host over its PCIe
-             (SOURCE_PCIE_PASSES times), its node's host memory moves it HOST_PASSES times; the
-             broadcast carries encoded bytes. With the funnel (`sync.stage_groups: false`, PP > 1)
-             the first stage's source diffs every stage after dense gathers (no owners there).
+             A sending rank compares on its GPU: its kept copy crosses its PCIe host -> device
+             (SOURCE_PCIE_PASSES times) and its node's host memory reads it HOST_PASSES times (the
+             changed elements written back are few); the broadcast carries encoded bytes. With the
+             funnel (`sync.stage_groups: false`, PP > 1) the first stage's source diffs every stage
+             after dense gathers (no owners there).
   owner-side (not built): every owner diffs its own shard before any gather, in the engine's
              format, against the copy of it it last sent, kept in pinned host memory; the TP and
              EP gathers and the broadcast then carry encoded bytes. An owner's shard crosses PCIe
              once per sync (the kept copy up to the GPU for the compare, or the shard down to the
              host; the changed elements written back are few), and the kept copies of a node's
-             owners are read through its host memory once (a compare that keeps up with PCIe).
-             The wire format's whole-tensor hash and Megatron's fused shards are why the TP part is
-             not built (`sync/owner.py`).
+             owners are read through its host memory once, as built. The wire format's whole-tensor
+             hash and Megatron's fused shards are why the TP part is not built (`sync/owner.py`).
 Either encode lasts the longer of its PCIe and host-memory links, pipelined with the wire bucket
 by bucket like the FP8 quantization (links of the turn, `moe_rl.plan.sync_links`). PCIe is the
-bound only for a compare that keeps up with it (on the GPU, or threaded on the host): `sync.delta`
-today compares and hashes on the host, which the plan takes at a measured `delta_encode_gb_per_s`
-per rank where the GPU check's file (`benchmarks/gpu_metrics.json`) has one.
+bound for a compare that keeps up with it: `sync.delta` compares and hashes on the GPU (torch ops,
+SUM64), at a measured `delta_encode_gb_per_s` per rank where the GPU check's file
+(`benchmarks/gpu_metrics.json`) has one (`tests/gpu/test_delta_cuda.py`).
 
 Bytes per engine rank. SGLang 0.5.23's `/update_weights_from_distributed` has every TP rank of an
 engine join the group (rank_offset + tp_rank) and receive each whole bucket
@@ -64,11 +64,11 @@ HOST_MEMORY_GB_PER_S = 400.0
 """Modelled: a node's host memory read bandwidth (two sockets of 8-channel DDR5-4800, 614 GB/s
 peak; ~2/3 of it for streaming reads). Not measured here."""
 SOURCE_PCIE_PASSES = 1
-"""As built, a sending rank's PCIe carries what it diffs once device -> host: `KeptCopy` takes each
-tensor to the host, compares it there and keeps those host bits."""
-HOST_PASSES = SOURCE_PCIE_PASSES + 2
-"""As built, a node's host memory moves what its sending ranks diff three times: the copy in from
-the device (SOURCE_PCIE_PASSES), then the compare reading the new bytes and the kept copy."""
+"""As built, a sending rank's PCIe carries what it diffs once: `KeptCopy` takes each tensor's kept
+copy host -> device, compares on the GPU and takes only the payload back."""
+HOST_PASSES = 1
+"""As built, a node's host memory reads its sending ranks' kept copies once (the copy up to the
+GPUs); the changed elements written back into them are a density's worth."""
 
 
 def encoded_fraction(element_bytes: int, density: float, encoding: str = "auto") -> float:
@@ -122,7 +122,7 @@ class Owners:
 
 def built_encode_links(owners: Owners, gpus_per_node: int, measured_gb_per_s: float | None = None) -> list[Link]:
     """As built: the busiest sending rank's PCIe (SOURCE_PCIE_PASSES), the busiest node's host
-    memory (HOST_PASSES) and, where the GPU check measured one, the host compare's rate."""
+    memory (HOST_PASSES) and, where the GPU check measured one, the encode's rate on the GPU."""
     busiest = max(owners.shards.values())
     links = [
         Link("delta encode, PCIe of the busiest sending rank", SOURCE_PCIE_PASSES * busiest, PCIE_GB_PER_S),
@@ -133,7 +133,7 @@ def built_encode_links(owners: Owners, gpus_per_node: int, measured_gb_per_s: fl
         ),
     ]
     if measured_gb_per_s:
-        links.append(Link("delta encode, host compare (measured)", busiest, measured_gb_per_s))
+        links.append(Link("delta encode, GPU compare (measured)", busiest, measured_gb_per_s))
     return links
 
 
@@ -175,8 +175,9 @@ class DeltaSync:
         if self.design == "as built":
             who = (
                 f"each TP member copies its share of the non-expert tensors (after the TP gather into it) and "
-                f"each expert owner its own experts (before the EP gather) device -> host ({SOURCE_PCIE_PASSES}x) "
-                f"and compares them on the host against its kept copy; slowest encode link {nbytes / GB:.1f} GB{each}"
+                f"each expert owner its own experts (before the EP gather) on its GPU against its kept copy, "
+                f"which crosses PCIe host -> device ({SOURCE_PCIE_PASSES}x); slowest encode link "
+                f"{nbytes / GB:.1f} GB{each}"
             )
         else:
             who = f"the busiest sending rank diffs {nbytes / GB:.1f} GB of its shard against its host copy{each}"
@@ -192,7 +193,7 @@ class DeltaSync:
             lines.append(
                 f"  owner-side diffs (TP shards before the TP gather: not built): ~{o.per_step:.2f} s a step "
                 f"(~{o.seconds:.2f} s a delta, bottleneck {o.links.bottleneck.name}): every owner diffs its own "
-                f"shard before the gathers, which then all carry encoded bytes, with a compare that keeps up with PCIe"
+                f"shard before the gathers, which then all carry encoded bytes"
             )
         return (
             lines

@@ -384,8 +384,7 @@ def delta_model(
     encode as links of its turn, the kept copies per node; as built (expert owners diff before the
     EP gather, the TP members their share of the rest after a dense TP gather into them; an anchor
     is the full sync with the kept copies following over PCIe), with the owner-side design (TP
-    shards diffed before the TP gather, a compare that keeps up with PCIe: not built; its anchor
-    the full sync) beside it."""
+    shards diffed before the TP gather: not built; its anchor the full sync) beside it."""
     t, d, fp8 = config.trainer, config.sync.delta, config.sync.fp8_blocks
     wide = encoded_fraction(dtype_bytes, d.density, d.encoding)  # elements in the trainer's precision
     if fp8:
@@ -448,7 +447,7 @@ def delta_model(
     )
     if measured_rate:
         where = f"{measured_rate.get('gpu', '?')}, {measured_rate.get('date', '?')}"
-        delta.rate = f"PCIe {PCIE_GB_PER_S:g} GB/s modelled, host compare measured on {where}"
+        delta.rate = f"PCIe {PCIE_GB_PER_S:g} GB/s modelled, GPU compare measured on {where}"
         owner.rate = f"measured encode on {where}"
     delta.owner_side = owner
     return delta

@@ -112,7 +112,7 @@ def plan(model, bridge: Bridge, ctx: ParallelContext | None = None) -> tuple[Exp
 def diff_owners(tasks: tuple[ExportTask, ...], tp_size: int) -> dict[str, int]:
     """{non-expert task name: the TP member that gathers and diffs it} with owner-side diffs: each
     task in plan order to the member with the fewest gathered bytes so far (the lowest on a tie),
-    so every member copies to its host and keeps about 1/tp of the stage's dense bytes. The same
+    so every member compares and keeps about 1/tp of the stage's dense bytes. The same
     on every member (a function of the plan). Experts: their owners diff them (`sync.owner`)."""
     load = [0] * tp_size
     owners = {}

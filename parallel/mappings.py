@@ -66,7 +66,7 @@ class OwnerDiffs(Protocol):
         """This update's tensors travel as payloads (the same on every trainer rank)."""
 
     def encode(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The flat uint8 host payload that stands for `tensor` (kept for the next update)."""
+        """The flat uint8 payload, on `tensor`'s device, that stands for `tensor` (kept for the next update)."""
 
     def keep(self, name: str, tensor: torch.Tensor) -> None:
         """`tensor` goes as it is (an anchor): keep it."""

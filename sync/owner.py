@@ -25,8 +25,8 @@ engines get one payload per HF tensor with a hash of the whole tensor (`sync.del
 which a column-split tensor's shards cannot combine, and Megatron's fused shards (QKV, gate/up)
 map onto several HF tensors, reordered by `to_hf`. Whole HF tensors on one owner keep the wire
 format, the hashes and the conversion as they are; the dense gather stays inside the TP group
-(NVLink), while the PCIe copies, kept copies and compares are spread over its members (their
-node's host memory still moves them all: `moe_rl.plan.delta`).
+(NVLink), while the kept copies and the compares (on each member's GPU, its kept copy brought up
+over PCIe: `sync.delta.KeptCopy`) are spread over its members (`moe_rl.plan.delta`).
 
 The decision: the coordinator's `WeightSender` decides per update whether it is a delta (and on
 which version) or a full anchor, before any rank's export reaches a gather, and announces it
@@ -108,7 +108,7 @@ class DiffOwner:
         return self.decision is not None and self.decision.delta
 
     def encode(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """`name`'s payload (host, flat uint8) on the announced base: a diff against the kept bytes
+        """`name`'s payload (flat uint8, on `tensor`'s device) on the announced base: a diff against the kept bytes
         when they are of that base, else dense (contract point 2)."""
         decision = self.decision
         assert decision is not None and decision.delta, "encode: no delta was announced"

@@ -566,10 +566,10 @@ def _padded(section: torch.Tensor) -> torch.Tensor:
 def _packbits(mask: torch.Tensor) -> torch.Tensor:
     """A flat bool mask as ceil(n / 8) bytes, element i in bit i % 8 of byte i // 8 (numpy's
     packbits, bitorder little), on the mask's device."""
-    padded = mask.new_zeros(_pad8(mask.numel()), dtype=torch.uint8)
+    padded = mask.new_zeros(_pad8(mask.numel()), dtype=torch.uint8)  # ceil(n / 8) rows of 8
     padded[: mask.numel()] = mask
     weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=mask.device)
-    return (padded.view(-1, 8) * weights).sum(1).to(torch.uint8)[: math.ceil(mask.numel() / 8)]
+    return (padded.view(-1, 8) * weights).sum(1).to(torch.uint8)
 
 
 def _changed(mask: torch.Tensor) -> torch.Tensor:

@@ -174,7 +174,7 @@ class DeltaSync:
         each = f", summed over {turns} stage turns" if turns > 1 else ""
         if self.design == "as built":
             who = (
-                f"each TP member copies its share of the non-expert tensors (after the TP gather into it) and "
+                f"each TP member compares its share of the non-expert tensors (after the TP gather into it) and "
                 f"each expert owner its own experts (before the EP gather) on its GPU against its kept copy, "
                 f"which crosses PCIe host -> device ({SOURCE_PCIE_PASSES}x); slowest encode link "
                 f"{nbytes / GB:.1f} GB{each}"

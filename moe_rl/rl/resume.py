@@ -143,7 +143,10 @@ def truncate_rows(path: Path, last_step: int) -> None:
             ) from None
         if step <= last_step:
             kept.append(line)
-    path.write_text("".join(line + "\n" for line in kept))
+    # a new file renamed over the old one: a crash mid-write, or a reader meanwhile, never sees half
+    temporary = path.with_suffix(path.suffix + ".tmp")
+    temporary.write_text("".join(line + "\n" for line in kept))
+    temporary.replace(path)
 
 
 def read_rows(path: Path) -> list[dict]:

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from moe_rl.config import load_config
+from moe_rl.rl.resume import read_rows
 from moe_rl.rl.stacks import read_processes
 from tests.rl.test_rl_modes import check_ledger
 
@@ -41,7 +42,8 @@ def rows(path: Path) -> list[dict]:
 
 
 def last_step(run_dir: Path) -> int:
-    return max((r["step"] for r in rows(run_dir / "metrics.jsonl")), default=0)
+    """The newest step logged; read while the run writes, so a row being appended is skipped."""
+    return max((r["step"] for r in read_rows(run_dir / "metrics.jsonl")), default=0)
 
 
 def pids(run_dir: Path, kind: str) -> dict[str, int]:
@@ -73,10 +75,9 @@ class Injector(threading.Thread):
 
     def run(self) -> None:
         for step in self.steps:
-            while last_step(self.run_dir) < step or not rank_pids(self.run_dir):
+            while last_step(self.run_dir) < step or not (pids := rank_pids(self.run_dir)):
                 if self.finished.wait(0.05):
                     return
-            pids = rank_pids(self.run_dir)
             self.engines = self.engines or pids_of_engines(self.run_dir)
             rank = self.rng.choice(sorted(pids))
             os.kill(pids[rank], self.sig)

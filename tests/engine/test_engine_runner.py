@@ -12,31 +12,40 @@ from moe_rl.engine.embedded.request import Request
 from moe_rl.engine.embedded.runner import ModelRunner
 from moe_rl.engine.embedded.scheduler import Scheduler
 from moe_rl.engine.sampling import SamplingParams
-from tests.tiny_models import QWEN3_MOE, hf_config, save_random_model
+from tests.tiny_models import DEEPSEEK_V3, GLM4_MOE, MIXTRAL, QWEN3_MOE, hf_config, save_random_model
+
+FAMILIES = {
+    "qwen3_moe": None,
+    "tied-embeddings": hf_config(QWEN3_MOE, tie_word_embeddings=True),
+    "glm4_moe": hf_config(GLM4_MOE),
+    "deepseek_v3": hf_config(DEEPSEEK_V3),
+    "mixtral": hf_config(MIXTRAL),
+}
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-embeddings"])
-def test_updates_load_into_the_spare_model_exactly_as_a_fresh_build(qwen3_dir, tmp_path, tied):
-    model_dir = save_random_model(hf_config(QWEN3_MOE, tie_word_embeddings=True), tmp_path) if tied else qwen3_dir
-    runner = ModelRunner(model_dir)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_updates_load_into_the_spare_model_exactly_as_a_fresh_build(qwen3_dir, tmp_path, family):
+    config = FAMILIES[family]
+    runner = ModelRunner(qwen3_dir if config is None else save_random_model(config, tmp_path))
     first = runner.model
     generator = torch.Generator().manual_seed(0)
-    for update in range(3):
-        names = sorted(runner.checkpoint)[update::2]  # a different half of the tensors each time
+    for update in range(4):
+        names = sorted(runner.checkpoint)[update % 2 :: 2]  # a different half of the tensors each time
         tensors = {n: torch.randn(runner.checkpoint[n].shape, generator=generator) for n in names}
         staged = runner.build_staged(tensors)
         merged = staged.checkpoint
         assert staged.model is not runner.model  # staged beside the live model, which keeps serving
         runner.swap(staged)
-        # update 0 builds a model; later ones load into the model the previous swap replaced
+        # update 0 builds a model; later ones load into the model the previous swap replaced, as the
+        # copies of the load plan found at update 1 (checked there against the converter)
         assert (runner.model is first) == (update % 2 == 1)
-        if tied:  # the checkpoint has no lm_head: the head stays the embedding itself
+        assert (runner._plan is not None) == (update >= 1) and not runner._converter_only
+        if family == "tied-embeddings":  # the checkpoint has no lm_head: the head stays the embedding itself
             assert runner.model.lm_head.weight is runner.model.model.embed_tokens.weight
-        fresh = runner._build(merged).state_dict()
-        live = runner.model.state_dict()
-        assert fresh.keys() == live.keys()
-        for name in fresh:
-            assert torch.equal(fresh[name], live[name]), (update, name)
+        fresh = runner._build(merged)
+        assert fresh.state_dict().keys() == runner.model.state_dict().keys()
+        for name, tensor in fresh.state_dict().items():
+            assert torch.equal(tensor, runner.model.state_dict()[name]), (update, name)
 
 
 def test_a_full_batch_does_not_hold_back_a_prefill_only_request(qwen3_dir):

@@ -13,9 +13,9 @@ weight update is "merge new checkpoint tensors -> load them into a staged model 
 transformers does the per-expert -> fused conversion, and no forward ever sees a half-loaded model.
 The staged model is a spare instance (double buffering): the first update builds it, each swap
 makes the model it replaced the next spare, and later updates load the merged checkpoint into it in
-place through transformers' own converter (the one `from_pretrained` runs). That takes about a third
-of the time of building a model (3.9 against 11.7 ms for the bench's tiny Qwen3-MoE), and the weight
-sync's commit waits on it while generation is paused. Both models' objects are frozen out of the
+place, as the copies that transformers' own converter (the one `from_pretrained` runs) makes
+(`load_plan`): 0.4 ms for the bench's tiny Qwen3-MoE, against 5.5 ms through the converter and
+~12 ms for a build. The weight sync's commit waits on it while generation is paused. Both models' objects are frozen out of the
 cyclic garbage collector (`gc.freeze`): its full passes over them held the GIL for ~0.2 s.
 
 Memory occupation (SGLang's `/release_memory_occupation` tag "weights", for colocated RL):
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 import re
 from pathlib import Path
 
@@ -43,15 +44,15 @@ import torch
 import transformers
 from safetensors.torch import load_file
 from transformers import AutoConfig, DynamicCache
-from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import convert_and_load_state_dict_in_model
-from transformers.modeling_utils import LoadStateDictConfig
 
 from moe_rl.engine.embedded.draft import MtpDraft, is_mtp_name
+from moe_rl.engine.embedded.load_plan import convert_into, load_plan, load_with_plan, model_tensors
 from moe_rl.engine.embedded.lora import LoraAdapter
 from moe_rl.engine.embedded.lora_hooks import LoraSet
 from parallel.fp8 import BlockFP8
 from parallel.hf_checkpoint import check_safetensors
+
+log = logging.getLogger(__name__)
 
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
@@ -128,6 +129,8 @@ class ModelRunner:
         self.model = self._install(self._build(self.checkpoint))
         self.draft = self._draft(self.checkpoint)
         self._spare: torch.nn.Module | None = None  # the model the last swap replaced: the next staged one
+        self._plan: dict[str, tuple[str, ...]] | None = None  # the spare's loads as copies (`_load`)
+        self._converter_only = False  # the plan did not reproduce the converter: no plan
         # The model's objects live as long as the engine: a full pass of the cyclic garbage collector
         # over them stalled a forward or a commit by ~0.2 s every ~20 steps; frozen, it skips them.
         gc.freeze()
@@ -187,11 +190,31 @@ class ModelRunner:
 
     def _load(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
         """`model` (not the live one) holding every tensor of `state` (a full checkpoint), converted
-        as `from_pretrained` converts them."""
-        config = LoadStateDictConfig(dtype=torch.float32, weight_mapping=get_model_conversion_mapping(model))
-        with torch.no_grad():
-            info, _ = convert_and_load_state_dict_in_model(model, self._main(state), config)
-            model.tie_weights()  # the loader replaces parameters: tie them again, as from_pretrained does
+        as `from_pretrained` converts them: by the copies of `load_plan`, found at the first load
+        and checked there against transformers' converter."""
+        main = self._main(state)
+        if self._plan is not None:
+            load_with_plan(model, main, self._plan)
+            return model
+        self._convert(model, main)
+        if self._converter_only:
+            return model
+        try:
+            plan = load_plan(model, main)
+            converted = {name: tensor.clone() for name, tensor in model_tensors(model).items()}
+            load_with_plan(model, main, plan)
+            for name, tensor in model_tensors(model).items():
+                if not torch.equal(tensor, converted[name]):
+                    raise ValueError(f"{name} differs from the converter's")
+            self._plan = plan
+        except ValueError as error:  # a family whose conversion is not copies: its converter each time
+            log.warning("weight updates load through transformers' converter (%s)", error)
+            self._converter_only = True
+            self._convert(model, main)
+        return model
+
+    def _convert(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        info = convert_into(model, state, torch.float32)
         params = dict(model.named_parameters(remove_duplicate=False))
         loaded = [p for name, p in params.items() if name not in info.missing_keys]
         untied = {name for name in info.missing_keys if not any(params.get(name) is p for p in loaded)}
@@ -199,7 +222,6 @@ class ModelRunner:
         assert not problems and not info.error_msgs, (
             f"the checkpoint did not load in place: {problems or info.error_msgs}"
         )
-        return model
 
     def swap(self, staged: Staged) -> None:
         """Make a staged version live, model and draft together (scheduler thread, between forwards)."""

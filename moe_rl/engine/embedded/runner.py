@@ -15,8 +15,9 @@ The staged model is a spare instance (double buffering): the first update builds
 makes the model it replaced the next spare, and later updates load the merged checkpoint into it in
 place, as the copies that transformers' own converter (the one `from_pretrained` runs) makes
 (`load_plan`): 0.4 ms for the bench's tiny Qwen3-MoE, against 5.5 ms through the converter and
-~12 ms for a build. The weight sync's commit waits on it while generation is paused. Both models' objects are frozen out of the
-cyclic garbage collector (`gc.freeze`): its full passes over them held the GIL for ~0.2 s.
+~12 ms for a build. The weight sync's commit waits on it while generation is paused. Both models'
+objects are frozen out of the cyclic garbage collector (`gc.freeze`): its full passes over them
+held the GIL for ~0.2 s.
 
 Memory occupation (SGLang's `/release_memory_occupation` tag "weights", for colocated RL):
 `release_weights` drops the model and the checkpoint tensors (their memory is freed) and keeps

@@ -50,10 +50,23 @@ from moe_rl.rl.step_clock import StepClock, TraceWindow
 from moe_rl.rl.trainer_group import SaveHFRequest, TrainerFault
 from moe_rl.rollout.dump import ROLLOUTS_DIR, SampleDump
 from moe_rl.rollout.expert_load import EXPERTS_FILE, write_expert_load
+from moe_rl.rollout.train_batch import BatchInfo
 from moe_rl.trace import TRACE_FILE, TRACER
 from sync.lora import adapter_name
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepRow:
+    """A step's metrics row, written while the next step trains: it waits for the admit's answer
+    (the rollout worker's counters), which the trainer need not wait for."""
+
+    step: int
+    metrics: dict[str, float]
+    info: BatchInfo
+    records: list | None
+    admitted: ray.ObjectRef
 
 
 @dataclass
@@ -200,6 +213,27 @@ def _attempt(config: RunConfig, restore: RunCheckpoint | None, stop: StopSignals
         return bool(every) and (step % every == 0 or step == config.steps)
 
     asked = None  # the next step's batch, asked for while this step trains
+
+    def write_row(row: StepRow) -> None:
+        """6. log the step: its metrics row (with the rollout worker's counters, which the admit
+        answered), the expert load, the groups it trained and, with rollout.dump, its samples."""
+        log_start = time.time()
+        rollout_metrics = cluster.admitted(row.admitted)
+        metrics = {**row.metrics, **row.info.metrics(), **rollout_metrics}
+        metrics.update(clock.finish(metrics, rollout_metrics))
+        metrics.update(faults.metrics())
+        logger.log(row.step, metrics)
+        if row.info.expert_counts is not None:  # the layer x expert load, for plots/experts.png
+            write_expert_load(run_dir, row.step, row.info.moe_layers, row.info.expert_counts)
+        resume_state.record_trained(run_dir, row.step, row.info.group_ids)
+        if dumps is not None:  # rollout.dump: the samples trained at this step (before its checkpoint)
+            dumps.write(row.step, row.records)
+        TRACER.add("log", log_start, time.time())
+        progress.advance(
+            f"reward {metrics['rollout/reward_mean']:.3f}  staleness {metrics['rollout/staleness_mean']:.2f}  "
+            f"sync {metrics['time/sync_s']:.2f}s  step {metrics['time/step_s']:.2f}s"
+        )
+
     try:
         stacks.record_processes(run_dir, _processes(cluster, run_dir))
         setup_s = time.perf_counter() - start
@@ -216,6 +250,7 @@ def _attempt(config: RunConfig, restore: RunCheckpoint | None, stop: StopSignals
         )
         if first == 0:
             evaluations.step_done(0, config.steps)  # eval.at_start
+        row = None  # the last step's, unless that step checkpointed or ended the run
         # a stop signal (preemption) is honoured at the end of a step whose successor's batch was not
         # asked for yet (that batch's groups would be in no checkpoint): this step or the next
         with StepProgress("rl", config.steps, first=first) as progress:
@@ -238,22 +273,28 @@ def _attempt(config: RunConfig, restore: RunCheckpoint | None, stop: StopSignals
                 info = batch.info
                 metrics["perf/driver_batch_bytes"] = batch.driver_bytes()
                 metrics["perf/batch_tensor_bytes"] = batch.tensor_bytes
-                # 2. train (colocated engines give their memory back meanwhile); each rank resolves the ref
+                # 2. train (colocated engines give their memory back meanwhile); each rank resolves the
+                #    ref. Meanwhile the driver writes the previous step's row (6).
                 with (
                     TRACER.span("train"),
                     clock.training(),
                     engines_released(cluster.engines, config.engines.kind, config.rl.colocate, metrics),
                 ):
-                    metrics.update(cluster.trainer.step(batch.tensors, config.algorithm, version + 1))
+                    training = cluster.trainer.start_step(batch.tensors, config.algorithm, version + 1)
+                    if row is not None:
+                        write_row(row)
+                        row = None
+                    metrics.update(cluster.trainer.step_result(training))
                     checkpoints.complete()  # run checkpoints whose background writes are done
                 # 3. update the engines' weights to version + 1 (eval.hold_sync: after the running evaluation)
                 with TRACER.span("weight sync"):
                     evaluations.before_sync()
                     metrics.update(_update_weights(cluster, config, version + 1))
                 # 4. admit: the engines serve version + 1, so the rounds it allows may start (the
-                #    worker's counters come back, read before it starts them)
+                #    worker's counters, read before it starts them, come back for the row: the
+                #    next step does not wait for them)
                 with TRACER.span("admit"):
-                    rollout_metrics = cluster.admit(version + 1)
+                    admitted = cluster.admit(version + 1)
                 with TRACER.span("evaluations"):
                     metrics.update(evaluations.step_done(version + 1, config.steps))
                 # 5. every trainer.consistency_probe_every steps: an engine scores a few of the batch's
@@ -261,20 +302,15 @@ def _attempt(config: RunConfig, restore: RunCheckpoint | None, stop: StopSignals
                 if batch.probe_ids is not None:
                     with TRACER.span("consistency probe"):
                         metrics.update(_probe(cluster, config, batch.probe_ids, version + 1))
-                # 6. log
-                log_start = time.time()
-                metrics.update({**info.metrics(), **rollout_metrics})
-                metrics.update(clock.finish(metrics, rollout_metrics))
-                metrics.update(faults.metrics())
-                logger.log(version + 1, metrics)
-                if info.expert_counts is not None:  # the layer x expert load, for plots/experts.png
-                    write_expert_load(run_dir, version + 1, info.moe_layers, info.expert_counts)
-                resume_state.record_trained(run_dir, version + 1, info.group_ids)
-                if dumps is not None:  # rollout.dump: the samples trained at this step (before its checkpoint)
-                    dumps.write(version + 1, batch.records)
-                TRACER.add("log", log_start, time.time())
-                # 7. checkpoint the run every `rl.checkpoint_every` steps, at the last, and at a stop signal
+                # 6. the step's row: written while the next step trains, now if this step
+                #    checkpoints or ends the run
+                metrics.update(clock.end(metrics))
+                row = StepRow(version + 1, metrics, info, batch.records if dumps is not None else None, admitted)
                 stopping = stop.requested is not None and asked is None and not last
+                if last or stopping or checkpoint_due(version + 1):
+                    write_row(row)
+                    row = None
+                # 7. checkpoint the run every `rl.checkpoint_every` steps, at the last, and at a stop signal
                 if checkpoint_due(version + 1) or stopping:
                     with TRACER.span("checkpoint"):
                         evaluations.collect(wait=True)  # every evaluation up to here is logged before it
@@ -283,10 +319,6 @@ def _attempt(config: RunConfig, restore: RunCheckpoint | None, stop: StopSignals
                             checkpoints.complete(blocking=True)
                 TRACER.add(f"step {version + 1}", step_start, time.time(), lane="steps")
                 window.end(version)
-                progress.advance(
-                    f"reward {metrics['rollout/reward_mean']:.3f}  staleness {metrics['rollout/staleness_mean']:.2f}  "
-                    f"sync {metrics['time/sync_s']:.2f}s  step {metrics['time/step_s']:.2f}s"
-                )
                 if stopping:
                     preempted = stop.requested
                     log.warning("%s: run checkpoint of step %d written; stopping", preempted, version + 1)

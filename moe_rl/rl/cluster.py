@@ -273,10 +273,14 @@ class RLCluster:
         """The rollout worker's counters (`RolloutManager.metrics` plus the engines' active seconds)."""
         return self._ask(self.rollout.metrics.remote(), "metrics")
 
-    def admit(self, version: int) -> dict[str, float]:
+    def admit(self, version: int) -> ray.ObjectRef:
         """Tell the rollout worker that engines serve `version` now (the buffer admits by it);
-        returns its counters read just before (`rollout_metrics`)."""
-        return self._ask(self.rollout.admit.remote(version), "admit")
+        returns at once. `admitted` waits for its answer."""
+        return self.rollout.admit.remote(version)
+
+    def admitted(self, ref: ray.ObjectRef) -> dict[str, float]:
+        """The answer of `admit`: the worker's counters read just before (`rollout_metrics`)."""
+        return self._ask(ref, "admit")
 
     def start_eval(self) -> None:
         """Queue an evaluation on the rollout worker (`moe_rl.rollout.evaluation`); returns at once."""

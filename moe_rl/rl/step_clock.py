@@ -46,13 +46,20 @@ class StepClock:
         yield
         self._released_s = time.perf_counter() - start if self.colocate else 0.0
 
-    def finish(self, metrics: dict[str, float], rollout_metrics: dict[str, float]) -> dict[str, float]:
-        """The step's end: its wall time, the pools' utilization and the step's generation rate.
-        `metrics` holds this step's `time/trainer_wait_s`, `time/sync_s` (and `time/drain_s`)."""
+    def end(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The step's end (`metrics` holds its `time/sync_s`): its wall time and the seconds the
+        engines were paused in it."""
         step_s = time.perf_counter() - self._start
         paused = self._released_s + (metrics["time/sync_s"] if self.full_weight_sync else 0.0)
-        timed = {**metrics, "time/step_s": step_s}
-        out = {"time/step_s": step_s, **utilization(timed, rollout_metrics["engines/active_s"] - self.active_s, paused)}
+        return {"time/step_s": step_s, "perf/engine_paused_s": min(step_s, paused)}
+
+    def finish(self, metrics: dict[str, float], rollout_metrics: dict[str, float]) -> dict[str, float]:
+        """The step's row, written once the rollout worker's counters are in (during the next
+        step): the pools' utilization and the step's generation rate. `metrics` holds this step's
+        `end`, `time/trainer_wait_s` (and `time/drain_s`)."""
+        step_s = metrics["time/step_s"]
+        active_s = rollout_metrics["engines/active_s"] - self.active_s
+        out = utilization(metrics, active_s, metrics["perf/engine_paused_s"])
         self.active_s = rollout_metrics["engines/active_s"]
         new_tokens = rollout_metrics["rollout/generated_tokens"] - self.generated_tokens
         self.generated_tokens = rollout_metrics["rollout/generated_tokens"]

@@ -261,11 +261,16 @@ class TrainerGroup:
         self._all(TrainerRank.setup, master, trainer_config, model_config, lora)
 
     # -- the ranks' methods, each run on every rank at once (see TrainerRank for what they do) --
-    def step(self, batch: ray.ObjectRef | RLBatch, algorithm: AlgorithmConfig, step: int) -> dict[str, float]:
-        """RL `step` on every rank; `batch`: the rollout worker's ObjectRef (each rank fetches it;
-        the tensors never pass through the driver) or an `RLBatch` (put once here)."""
+    def start_step(self, batch: ray.ObjectRef | RLBatch, algorithm: AlgorithmConfig, step: int) -> list:
+        """Start RL `step` on every rank; returns at once (`step_result` waits). `batch`: the rollout
+        worker's ObjectRef (each rank fetches it; the tensors never pass through the driver) or an
+        `RLBatch` (put once here)."""
         ref = ray.put(batch) if isinstance(batch, RLBatch) else batch
-        return self._all(TrainerRank.step, [ref], algorithm, step)
+        return self._submit(TrainerRank.step, [ref], algorithm, step)
+
+    def step_result(self, refs: list) -> dict[str, float]:
+        """Rank 0's metrics of the step `start_step` started."""
+        return self._collect("step", refs)[0]
 
     sync_weights = on_every_rank(TrainerRank.sync_weights)
     connect = on_every_rank(TrainerRank.connect)
@@ -301,10 +306,16 @@ class TrainerGroup:
         return self._each(method, *args, **kwargs)[0]
 
     def _each(self, method, *args: Any, **kwargs: Any) -> list:
-        """Every rank's result of `method`; `TrainerFault` when a rank died or the ranks did not all
-        answer within `call_timeout_s` (a Python error in a rank is raised as it is)."""
-        call = method.__name__
-        refs = [getattr(actor, call).remote(*args, **kwargs) for actor in self.actors]
+        """Every rank's result of `method`."""
+        return self._collect(method.__name__, self._submit(method, *args, **kwargs))
+
+    def _submit(self, method, *args: Any, **kwargs: Any) -> list:
+        """`TrainerRank.method(*args, **kwargs)` started on every rank; their refs, in rank order."""
+        return [getattr(actor, method.__name__).remote(*args, **kwargs) for actor in self.actors]
+
+    def _collect(self, call: str, refs: list) -> list:
+        """Every rank's result of the call `refs` started; `TrainerFault` when a rank died or the
+        ranks did not all answer within `call_timeout_s` (a Python error in a rank is raised as it is)."""
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         pending, deadline = refs, time.monotonic() + self.call_timeout_s
         try:

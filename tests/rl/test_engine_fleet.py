@@ -71,7 +71,7 @@ class FleetCluster(RLCluster):
         self.steps += 1
         return super().get_batch(asked)
 
-    def admit(self, version: int) -> dict[str, float]:
+    def admit(self, version: int) -> ray.ObjectRef:
         if self.checked.is_set() and not self.removed.is_set():
             # the sync just resumed every engine; engine-1 holds what the admitted round sends it
             # (in place: queued, not stepped) until it is removed, while the driver parks

@@ -122,11 +122,19 @@ def check_trace(run_dir, rows: list[dict]) -> list[dict]:
     for step in steps:
         inside = [s for s in spans if step["start"] <= s["start"] and s["end"] <= step["end"] + 1e-6]
         driver = [
-            s["name"]
+            s
             for s in sorted(inside, key=lambda s: s["start"])
             if s["lane"] == "MainThread" and s["process"] == "driver"
         ]
-        assert driver[:3] == ["wait for batch", "train", "weight sync"], driver
+        names = [s["name"] for s in driver]
+        assert [name for name in names if name != "log"][:3] == ["wait for batch", "train", "weight sync"], names
+        # the previous step's row is written while this step trains (the last step's at its end)
+        (train,) = (s for s in driver if s["name"] == "train")
+        logs = [s for s in driver if s["name"] == "log"]
+        assert (
+            len(logs) == 1 + (step is steps[-1])
+            and train["start"] <= logs[0]["start"] <= logs[0]["end"] <= train["end"]
+        )
         for rank in ("trainer rank 0", "trainer rank 1"):
             names = [s["name"] for s in inside if s["process"] == rank]
             for name in ("batch transfer", "train step", "forward-backward", "optimizer", "weight sync"):

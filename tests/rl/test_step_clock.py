@@ -28,14 +28,15 @@ def test_a_step_adds_up(monkeypatch, colocate, full_weight_sync):
         clock_time.now += 2.0  # the train step
     clock_time.now += 1.0  # the weight sync
     metrics.update({"time/sync_s": 1.0, "time/drain_s": 0.0})
+    metrics.update(clock.end(metrics))
+    clock.start()  # the next step starts before this one's row is written
     rollout = {"engines/active_s": 8.0, "rollout/generated_tokens": 40.0}
     out = clock.finish(metrics, rollout)
 
     paused = (2.0 if colocate else 0.0) + (1.0 if full_weight_sync else 0.0)
     busy = min(4.0 - paused, max(0.0, 3.0 - paused))  # 3 active seconds since the clock started
-    assert metrics["time/trainer_wait_s"] == 1.0
+    assert metrics["time/trainer_wait_s"] == 1.0 and metrics["time/step_s"] == 4.0
     assert out == {
-        "time/step_s": 4.0,
         "perf/trainer_busy_frac": 3.0 / 4.0,
         "perf/trainer_wait_s": 1.0,
         "perf/engine_busy_frac": busy / 4.0,
@@ -44,9 +45,9 @@ def test_a_step_adds_up(monkeypatch, colocate, full_weight_sync):
         "rollout/step_generated_tokens_per_s": 10.0,
     }
     # the next step counts from these counters
-    clock.start()
     clock_time.now += 2.0
     metrics = {**clock.waited(), "time/sync_s": 0.0}
+    metrics.update(clock.end(metrics))
     out = clock.finish(metrics, {"engines/active_s": 9.0, "rollout/generated_tokens": 50.0})
     assert out["rollout/step_generated_tokens_per_s"] == 5.0 and out["perf/engine_busy_frac"] == 0.5
 

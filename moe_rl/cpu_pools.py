@@ -4,7 +4,9 @@ The CPU picture of disaggregated GPU pools: with `cpu_pools:` set, each trainer 
 and each embedded engine process is pinned with `sched_setaffinity` and runs one torch thread per
 core it owns, so generation and training stop time-sharing cores and can overlap for real. The
 rollout worker runs on the engines' cores (its work, building requests and scoring responses, is
-generation's; left free it would steal the trainer's cores). The driver runs on the trainer's cores
+generation's; left free it would steal the trainer's cores), as SCHED_BATCH: woken by each
+response an engine sends, it would otherwise take the core from the engine in the middle of
+sending the rest (and of answering the weight sync's calls). The driver runs on the trainer's cores
 while its `RLCluster` lives, and so do the Ray processes it starts: its work (building the batch,
 logging) alternates with the trainer's, which waits for it, while left free it takes time from the
 engines, whose core is the busy one in fully_async mode.
@@ -113,10 +115,12 @@ class CpuPoolsConfig:
             )
 
 
-def pin_process(cores: list[int]) -> list[int]:
+def pin_process(cores: list[int], batch: bool = False) -> list[int]:
     """Pin every thread of this process to `cores` (threads started later inherit it); returns
     the cores the process now has. Every thread, not just the caller: sched_setaffinity(0) pins
-    only the calling thread, and a Ray actor runs methods on other threads than its constructor."""
+    only the calling thread, and a Ray actor runs methods on other threads than its constructor.
+    `batch`: SCHED_BATCH as well, so that a thread of this process that wakes up does not take
+    the core from the one running there (it waits for its turn)."""
     wanted = set(cores)
     seen: set[int] = set()
     while True:  # a thread may start while we pin; loop until no new one appears
@@ -126,6 +130,8 @@ def pin_process(cores: list[int]) -> list[int]:
         for tid in tids:
             try:
                 os.sched_setaffinity(tid, wanted)
+                if batch:
+                    os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
             except ProcessLookupError:  # it exited meanwhile
                 pass
             except OSError as error:  # EINVAL: none of the cores exists or is allowed (cgroup cpuset)

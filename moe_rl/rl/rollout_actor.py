@@ -224,8 +224,8 @@ class RolloutWorker:
         """`teacher_urls`: on-policy distillation's teachers by task name (None: the default one);
         `judge_url`: the served judge of `rollout.reward: judge`."""
         TRACER.process = "rollout worker"
-        if cpus:  # `cpu_pools`: the engines' cores (building requests and scoring is generation's work)
-            pin_process(cpus)
+        if cpus:  # `cpu_pools`: the engines' cores (building requests and scoring is generation's
+            pin_process(cpus, batch=True)  # work), not taking them from an engine when it wakes
         self.config, self.urls, self.kind, self.layout = config, urls, kind, (layers, topk)
         self.adapters = adapters  # LoRA: requests name the newest adapter, `policy-v{version}`
         self.tokenizer_dir = tokenizer_dir  # text and chat prompts, agents

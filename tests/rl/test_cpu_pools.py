@@ -5,6 +5,7 @@ driver runs on the trainer's cores until the cluster closes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -17,6 +18,15 @@ pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a
 
 CORES = sorted(os.sched_getaffinity(0))
 two_cores = pytest.mark.skipif(len(CORES) < 2, reason="pinning to disjoint pools needs >= 2 cores")
+
+
+def scheduling_policies(pid: int) -> set[int]:
+    """The scheduling policies of the process's threads (one that exits meanwhile is skipped)."""
+    policies = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            policies.add(os.sched_getscheduler(int(tid)))
+    return policies
 
 
 def test_pools_validation():
@@ -108,6 +118,9 @@ def test_rl_cluster_pins_trainer_engine_and_rollout_worker(tmp_path):
         pid = ray.get(cluster.engines[0].pid.remote())
         assert process_cores(pid) == CORES[1:]
         assert ray.get(cluster.rollout.cpus.remote()) == CORES[1:]
+        # the rollout worker's threads, as SCHED_BATCH, wait for the engine's core instead of taking it
+        worker = ray.get(cluster.rollout.__ray_call__.remote(lambda _: os.getpid()))
+        assert scheduling_policies(worker) == {os.SCHED_BATCH} and scheduling_policies(pid) == {os.SCHED_OTHER}
         # the driver, every thread of it, runs on the trainer's cores while the cluster lives
         tids = os.listdir("/proc/self/task")
         assert {tuple(sorted(os.sched_getaffinity(int(t)))) for t in tids} == {(CORES[0],)}

@@ -391,7 +391,8 @@ class RolloutWorker:
 
     async def admit(self, version: int) -> dict[str, float]:
         """The engines serve `version`: the rounds it allows may start (`RolloutBuffer.set_version`).
-        Answers `metrics()` as read just before (one call: the driver waits for it each step)."""
+        Answers `metrics()` as read just before (one call: the driver reads the answer for the
+        step's row while the next step trains)."""
         metrics = await self.metrics()
         await self.manager.buffer.set_version(version)
         return metrics

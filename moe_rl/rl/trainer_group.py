@@ -270,7 +270,7 @@ class TrainerGroup:
 
     def step_result(self, refs: list) -> dict[str, float]:
         """Rank 0's metrics of the step `start_step` started."""
-        return self._collect("step", refs)[0]
+        return self._collect(TrainerRank.step.__name__, refs)[0]
 
     sync_weights = on_every_rank(TrainerRank.sync_weights)
     connect = on_every_rank(TrainerRank.connect)

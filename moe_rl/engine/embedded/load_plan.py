@@ -2,7 +2,7 @@
 
 transformers' converter (what `from_pretrained` runs) turns checkpoint tensors into the model's
 parameters: per-expert tensors stacked into fused ones, tied weights, any transpose. Run on every
-update it costs several times the copies it makes (5.5 against 0.6 ms a load for the async bench's
+update it costs many times the copies it makes (5.5 against 0.4 ms a load for the async bench's
 tiny Qwen3-MoE), and the weight sync's commit waits on it while generation is paused. `load_plan`
 finds those copies once, by running the converter on a float64 copy of the model whose checkpoint
 holds each element's own index; `load_with_plan` then makes them. A family whose converter

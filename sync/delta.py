@@ -95,6 +95,7 @@ MAX_NDIM = 8
 _FIXED = struct.Struct("<4sBBBBBB6xQQQqqQ")
 HEADER_NBYTES = _FIXED.size
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_BITS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 class DeltaError(ValueError):
@@ -252,10 +253,20 @@ def digest(elements: torch.Tensor, kind: int) -> int:
         return zlib.crc32(elements.cpu().numpy().view(np.uint8))
     if kind != SUM64:
         raise ValueError(f"hash kind {kind}: expected CRC32 ({CRC32}) or SUM64 ({SUM64})")
+    return sum64(elements)
+
+
+def sum64(elements: torch.Tensor, positions: torch.Tensor | None = None) -> int:
+    """SUM64 (`digest`) of flat integer `elements` standing at `positions` of their tensor (int64, on
+    the elements' device; None: 0..n-1). A sum over elements, so the sums of disjoint parts of a
+    tensor add up, mod 2**64, to the whole tensor's: what SGLang's TP ranks check a delta with."""
     total = torch.zeros((), dtype=torch.int64, device=elements.device)  # one sync, at the end
     for start in range(0, elements.numel(), SUM64_CHUNK):
         chunk = elements[start : start + SUM64_CHUNK].to(torch.int64)
-        weights = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=chunk.device)
+        if positions is None:
+            weights = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=chunk.device)
+        else:
+            weights = positions[start : start + SUM64_CHUNK]
         total += (chunk * (weights * _SUM64_STEP + 1)).sum()  # int64 products and sums wrap mod 2**64
     return int(total) % (1 << 64)
 
@@ -269,25 +280,35 @@ def _write(payload: torch.Tensor, head: DeltaHeader, target: torch.Tensor) -> No
             f"target: {target.element_size()}-byte x {target.numel()} elements, the payload is for "
             f"{head.element_size}-byte x {head.numel}"
         )
-    if payload.numel() != head.nbytes:
-        raise DeltaError(f"payload: {payload.numel()} bytes, its header describes {head.nbytes}")
     if payload.device.type != "cpu" or target.device.type != "cpu" or not target.is_contiguous():
         raise ValueError(
             f"payload on {payload.device}, target on {target.device} {target.stride()}: both must be contiguous "
             "host tensors"
         )
     elements = bits(target).numpy()  # shares target's memory
+    where, values = changes(payload, head)
+    elements[slice(None) if where is None else where] = values
+
+
+def changes(payload: torch.Tensor, head: DeltaHeader) -> tuple[np.ndarray | None, np.ndarray]:
+    """A checked host payload's changed elements: where they are (ascending int64 positions, a bool
+    mask of numel, or None for every element: dense) and their bits (as `bits` views the dtype).
+    DeltaError if the body disagrees with its header."""
+    if payload.numel() != head.nbytes:
+        raise DeltaError(f"payload: {payload.numel()} bytes, its header describes {head.nbytes}")
     body = payload.numpy()[HEADER_NBYTES + 8 * len(head.shape) :]
-    values = body[body.size - head.count * head.element_size :].view(elements.dtype)  # the last section
+    dtype = _NP_BITS[head.element_size]
+    values = body[body.size - head.count * head.element_size :].view(dtype)  # the last section
     if head.encoding == "dense":
-        elements[:] = body.view(elements.dtype)
-    elif head.encoding == "gaps":
-        elements[_positions(body[: 2 * head.tokens].view(np.uint16), head)] = values
-    elif head.encoding == "bitmap":
+        return None, body.view(dtype)
+    if head.encoding == "gaps":
+        return _positions(body[: 2 * head.tokens].view(np.uint16), head), values
+    if head.encoding == "bitmap":
         mask = np.unpackbits(body[: math.ceil(head.numel / 8)], count=head.numel, bitorder="little").view(bool)
         if int(np.count_nonzero(mask)) != head.count:
             raise DeltaError(f"payload: the bitmap marks {np.count_nonzero(mask)} elements, the header {head.count}")
-        elements[mask] = values
+        return mask, values
+    return np.zeros(0, dtype=np.int64), values  # none
 
 
 @dataclass

@@ -62,6 +62,7 @@ DEPENDENCIES = [
     "einops==0.8.2",
 ]
 STUBBED = ("triton", "torchvision", "IPython")
+_stubbed = set(STUBBED)
 _REPO = Path(__file__).resolve().parents[2]
 
 
@@ -121,7 +122,7 @@ class _StubModule(types.ModuleType):
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path, target=None):
-        if fullname.split(".")[0] in STUBBED:
+        if fullname.split(".")[0] in _stubbed:
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
@@ -155,8 +156,14 @@ def _lazy_package(root: Path, name: str) -> None:
     sys.modules[name] = module
 
 
-def install() -> None:
-    """Make SGLang's modules importable in this process (see the module docstring)."""
+def install(models: bool = False) -> None:
+    """Make SGLang's modules importable in this process (see the module docstring). `models`: also
+    SGLang's model classes, built on its CPU backend (`SGLANG_USE_CPU_ENGINE=1`), with stand-ins for
+    the kernel packages they import at module level (`sgl_kernel`, `vllm`) and never call while
+    a model is built and loads weights."""
+    if models:
+        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+        _stubbed.update(("sgl_kernel", "vllm"))
     if "sglang" in sys.modules:
         return
     root = ensure()

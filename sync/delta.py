@@ -70,8 +70,14 @@ _SUM64_STEP = (2 * 0x9E3779B97F4A7C15) % (1 << 64)  # even and below 2**63: weig
 DELTA_ENCODINGS = ("auto", "gaps", "bitmap", "dense")
 """What `sync.delta.encoding` and `encode` take: "auto" picks per tensor (contract point 5)."""
 DELTA_LOAD_FORMAT = "flattened_bucket_delta"
-"""The load_format that announces a bucket of payloads (an embedded-engine extension: SGLang
-0.5.23's distributed route has no custom loader, see docs/weight-sync.md)."""
+"""The load_format that announces a bucket of payloads over the broadcast route (an embedded-engine
+extension: SGLang 0.5.23's distributed route has no custom loader; SGLang takes `SGLANG_LOADER`)."""
+SGLANG_LOADER = "moe_rl.engine.sglang_delta.load_delta"
+"""SGLang's custom weight loader of these payloads (its `--custom-weight-loader` and the
+`load_format` of `/update_weights_from_tensor`, the one route that runs such a loader)."""
+SGLANG_COMMIT = "moe_rl.delta.commit"
+"""The name of the last tensor of a version sent to that loader (int64 [version]): every rank
+checks that it holds that version whole."""
 ENCODINGS = ("none", "gaps", "bitmap", "dense")
 """The header's encoding ids, in order."""
 DTYPES = (

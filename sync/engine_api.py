@@ -40,8 +40,9 @@ until the swap is done); the sender's correctness
 never relies on either, except under `pause_mode: none`, which only an engine that
 `stages_versions` takes: it keeps generating on the served version while the buckets arrive.
 Deltas (`sync.delta`) are a third extension: an engine that `applies_deltas` takes buckets of
-payloads announced with load_format `sync.delta.DELTA_LOAD_FORMAT`; the sender sends full
-versions to any other.
+payloads announced with load_format `sync.delta.DELTA_LOAD_FORMAT`; over `cuda_ipc`, SGLang engines
+that list `sync.delta.SGLANG_LOADER` among their `custom_weight_loaders` take them through
+`/update_weights_from_tensor` (`Transport.takes_deltas`); the sender sends full versions to any other.
 
 Group membership follows SGLang's `/init_weights_update_group` (master_address, master_port,
 rank_offset, world_size, group_name, backend): the trainer source is rank 0 and each engine
@@ -126,5 +127,9 @@ class ColocatedEngineEndpoint(EngineEndpoint, Protocol):
     ) -> None:
         """POST /update_weights_from_tensor with `serialized_named_tensors` (one base64
         `MultiprocessingSerializer` payload per engine TP rank), `load_format`
-        ("flattened_bucket"), `weight_version` (None: see step 3), `flush_cache: false`: load one bucket
-        (the ack). SGLang's rank r deserializes `serialized_named_tensors[r]`."""
+        ("flattened_bucket", or `sync.delta.SGLANG_LOADER`), `weight_version` (None: see step 3),
+        `flush_cache: false`: load one bucket (the ack). SGLang's rank r deserializes
+        `serialized_named_tensors[r]`."""
+
+    async def custom_weight_loaders(self) -> list[str]:
+        """GET /server_info: the import paths SGLang may load updates with (`--custom-weight-loader`)."""

@@ -232,8 +232,7 @@ class WeightSender(Syncer):
             and self.anchored is not None
             and version - self.anchored < self.config.delta.full_every
             and not (self.behind | self.partial) & set(targets.names)
-            and self.transport.carries_deltas
-            and all(engine.applies_deltas for engine in targets.engines)
+            and self.transport.takes_deltas(targets)
         )
         if not delta:
             self.anchored = version

@@ -106,6 +106,7 @@ BAD = [
     ({"model.path": "{files}/converted/hf_files", "model.hf_config": None}, "model.path", "point model.path at"),
     ({"model.tokenizer": "/no/such/tokenizer"}, "model.tokenizer", "point it at"),
     ({"sync.transport": "disk"}, "sync.disk_dir", "set it"),
+    ({"engines.kind": "sglang", "sync.delta.enabled": True}, "sync.transport='broadcast'", "sync.transport: cuda_ipc"),
     (
         {
             "rollout.task_options": {"length": 2},

@@ -354,6 +354,13 @@ class EngineClient:
             self._group_ranks = int(info["tp_size"])
         return self._group_ranks
 
+    async def custom_weight_loaders(self) -> list[str]:
+        """SGLang's `--custom-weight-loader` import paths (`load_format`s it runs); none on the
+        embedded engine."""
+        if self.kind == "embedded":
+            return []
+        return list((await self.server_info()).get("custom_weight_loader") or [])
+
     async def health(self) -> bool:
         try:
             await self._request("GET", "/health", timeout_s=min(self.timeout_s, 10.0))

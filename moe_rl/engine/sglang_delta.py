@@ -3,9 +3,10 @@ TP rank's live parameters, wherever SGLang's own loader put each HF tensor's ele
 
 SGLang 0.5.23 runs a custom loader on one route only: `/update_weights_from_tensor` with
 `load_format` naming an import path the server registered with `--custom-weight-loader`
-(`WeightUpdater.update_weights_from_tensor` calls `loader(model, named_tensors)` on every TP rank).
+(`WeightUpdater.update_weights_from_tensor` calls `loader(model, named_tensors)` on every TP rank;
+this function's path is `sync.delta.SGLANG_LOADER`).
 Here each named tensor is the `sync.delta` payload of the HF tensor of that name (SUM64-hashed),
-and a last call names `COMMIT` with the version the engine is about to serve.
+and a last call names `sync.delta.SGLANG_COMMIT` with the version the engine is about to serve.
 
 Where the elements live. SGLang fuses (qkv, gate_up), slices for TP and stacks experts, so an HF
 element sits at some flat position of some parameter of the rank, or on another rank. The loader
@@ -30,7 +31,7 @@ Applying a bucket (every TP rank runs the same calls in the same order; SGLang f
 - SUM64 is a sum over elements, so each rank sums the elements it owns (held, and by no lower
   rank), read back from its parameters; the TP group's total must be the header's hash. A mismatch
   leaves the bucket's tensors at no version, so only an anchor applies to them next.
-`COMMIT` checks that every tensor the rank holds is at the version: a lost bucket is refused
+The commit checks that every tensor the rank holds is at the version: a lost bucket is refused
 before the engine serves it. The sender pauses generation from the first bucket to the commit, so
 a refused update is never served; the anchor that follows heals it.
 
@@ -46,12 +47,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sync.delta import SUM64, DeltaError, bits, changes, header, sum64
+from sync.delta import SGLANG_COMMIT, SUM64, DeltaError, bits, changes, header, sum64
 
-LOAD_FORMAT = "moe_rl.engine.sglang_delta.load_delta"
-"""What the launcher registers (`--custom-weight-loader`) and the sender names as `load_format`."""
-COMMIT = "moe_rl.delta.commit"
-"""A named tensor (int64 [version]) that asks every rank to confirm it holds that version whole."""
 _LAYER = re.compile(r"^(.*?\.layers\.\d+\.)")
 _EXACT_INTEGERS = {  # 2^(mantissa bits + 1): the digits a float dtype holds exactly
     torch.float8_e4m3fn: 16,
@@ -146,7 +143,7 @@ def load_delta(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tens
     if state is None:
         state = model._moe_rl_delta = DeltaState()  # a submodule: SGLang asks it for `_derived_weight_cache_error`
     try:  # every rank takes the same branches: the collectives inside line up
-        if len(named_tensors) == 1 and named_tensors[0][0] == COMMIT:
+        if len(named_tensors) == 1 and named_tensors[0][0] == SGLANG_COMMIT:
             _commit(state, int(named_tensors[0][1].view(-1)[0]), _tp_group())
         elif named_tensors:
             _apply(model, state, named_tensors, _tp_group())

@@ -112,6 +112,9 @@ class SGLangConfig:
     """`--base-gpu-id`: the first GPU the engine uses."""
     max_running_requests: int | None = None
     """`--max-running-requests`: most requests the engine runs together (None: SGLang sizes it)."""
+    custom_weight_loader: str | None = None
+    """`--custom-weight-loader`: an import path SGLang may load updates with (`load_format`); the
+    delta sync's `moe_rl.engine.sglang_delta.LOAD_FORMAT`, else None."""
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Any other server option by its flag's name (e.g. {"attention_backend": "fa3"}), checked by
     `moe_rl.engine.sglang_options.check_options`."""
@@ -186,6 +189,8 @@ def sglang_command(config: SGLangConfig, port: int | str) -> list[str]:
             command += ["--max-loaded-loras", str(lora.max_loaded_loras)]
     if config.max_running_requests is not None:
         command += ["--max-running-requests", str(config.max_running_requests)]
+    if config.custom_weight_loader is not None:
+        command += ["--custom-weight-loader", config.custom_weight_loader]
     return command + speculative_args(config.speculative_steps) + option_args(config.options)
 
 

@@ -140,11 +140,12 @@ def check_sync(config: RunConfig) -> None:
             "sync.transport='disk' needs sync.disk_dir: a directory that the trainer writes and every "
             "engine reads (shared storage on a cluster); set it, or use sync.transport: broadcast"
         )
-    if config.sync.delta.enabled and config.engines.kind != "embedded":
+    if config.sync.delta.enabled and config.engines.kind == "sglang" and config.sync.transport != "cuda_ipc":
         raise ValueError(
-            f"sync.delta.enabled with engines.kind={config.engines.kind!r}: SGLang 0.5.23 loads a broadcast "
-            "bucket with its own loader (its custom loaders serve only /update_weights_from_tensor), so it "
-            "cannot apply a delta; set sync.delta.enabled: false (docs/delta-sync.md)"
+            f"sync.delta.enabled with engines.kind='sglang' and sync.transport={config.sync.transport!r}: SGLang "
+            "0.5.23 runs a custom loader (the delta loader) only on /update_weights_from_tensor, the cuda_ipc "
+            "transport's route; set sync.transport: cuda_ipc (rl.colocate: true, one engine), or "
+            "sync.delta.enabled: false (docs/delta-sync.md)"
         )
 
 

@@ -14,6 +14,7 @@ import shlex
 
 from moe_rl.config import EngineConfig, RunConfig
 from moe_rl.engine.sglang_launcher import SERVER_ENV, SGLangConfig, SGLangLoRA, sglang_command
+from sync.delta import SGLANG_LOADER
 
 
 def engine_commands(config: RunConfig) -> list[str]:
@@ -25,7 +26,7 @@ def engine_commands(config: RunConfig) -> list[str]:
         first = (0 if colocated else config.trainer.world_size) + i * engines.tp
         launch = engine_sglang_config(
             engines, "RUN_DIR/initial_hf", host=f"NODE{first // per_node}", weight_version="0",
-            colocated=colocated, lora=lora,
+            colocated=colocated, lora=lora, delta=config.sync.delta.enabled,
         )  # fmt: skip
         env = dict(SERVER_ENV)
         if colocated:  # launch_sglang's env: the trainer ranks' GPUs of the node
@@ -43,10 +44,12 @@ def engine_sglang_config(
     weight_version: str,
     colocated: bool = False,
     lora: SGLangLoRA | None = None,
+    delta: bool = False,
 ) -> SGLangConfig:
     """One RL engine's SGLang launch from `engines` (the engines section): what `EngineServer`
     starts, the evaluation job starts, and `moe-rl plan` prints. `colocated`: on the trainer's GPUs
-    (`--enable-memory-saver`); `lora`: the adapter slots (`sglang_lora_slots`)."""
+    (`--enable-memory-saver`); `lora`: the adapter slots (`sglang_lora_slots`); `delta`: updates
+    come as `sync.delta` payloads (`--custom-weight-loader` of `moe_rl.engine.sglang_delta`)."""
     return SGLangConfig(
         model_path=model_path,
         host=host,
@@ -59,6 +62,7 @@ def engine_sglang_config(
         enable_memory_saver=colocated,
         lora=lora,
         speculative_steps=engines.speculative.steps if engines.speculative is not None else 0,
+        custom_weight_loader=SGLANG_LOADER if delta else None,
         options=dict(engines.sglang),
     )
 

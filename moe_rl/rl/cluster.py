@@ -442,8 +442,9 @@ class RLCluster:
         cfg, log = self.config, str(self.run_dir / f"{engine_name(index)}.log")
         server = ray.remote(EngineServer).options(**options)
         return server.remote(
-            self.initial_dir, cfg.engines, log, self.initial_version, gpu_ids, self._lora_slots(), cpus
-        )
+            self.initial_dir, cfg.engines, log, self.initial_version, gpu_ids, self._lora_slots(), cpus,
+            cfg.sync.delta.enabled,
+        )  # fmt: skip
 
     def _lora_slots(self):
         return sglang_lora_slots(self.config)

@@ -102,8 +102,10 @@ class EngineServer:
         gpu_ids: list[str] | None = None,
         lora=None,
         cpus: list[int] | None = None,
+        delta: bool = False,
     ):
         self.model_dir, self.engines, self.log_path, self.gpu_ids = model_dir, engines, log_path, gpu_ids
+        self.delta = delta  # `sync.delta`: SGLang loads updates with the delta loader
         self.lora = lora  # SGLangLoRA slots (the embedded engine always serves adapters)
         self.cpus = cpus
         self.weight_version = weight_version
@@ -131,6 +133,7 @@ class EngineServer:
             weight_version=str(self.weight_version),
             colocated=self.gpu_ids is not None,
             lora=self.lora,
+            delta=self.delta,
         )
         env = None if self.gpu_ids is None else {"CUDA_VISIBLE_DEVICES": ",".join(self.gpu_ids)}
         return launch_sglang(config, log_path=self.log_path, env=env)

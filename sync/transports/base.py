@@ -85,6 +85,10 @@ class Transport(ABC):
     def __init__(self, config: TransportConfig):
         self.config = config
 
+    def takes_deltas(self, engines: EngineSet) -> bool:
+        """Whether a version may go to `engines` as `sync.delta` payloads over this transport."""
+        return self.carries_deltas and all(engine.applies_deltas for engine in engines.engines)
+
     @abstractmethod
     def open(self, engines: EngineSet) -> None: ...
 

@@ -17,6 +17,13 @@ bucket, on the source rank:
      overlaps the engines' load of bucket k.
 The sender commits with `update_weight_version` as for every transport.
 
+Delta sync (`sync.delta`) into SGLang takes this route, the only one on which SGLang 0.5.23 runs a
+custom loader: when every engine registered `sync.delta.SGLANG_LOADER` (`--custom-weight-loader`,
+which the launcher adds with `sync.delta.enabled`), each bucket goes as named `sync.delta` payloads
+(`loader_payloads`: the stream's payloads for a delta, each tensor as a dense SUM64 payload for an
+anchor) with that `load_format`, and the version ends with `sync.delta.SGLANG_COMMIT` and an empty
+call, which answers any refusal (`moe_rl.engine.sglang_delta`).
+
 The buffer lives on the source rank's GPU, so every engine's ranks must see that GPU: SGLang
 resolves the IPC handle by device UUID and its scheduler dies on a GPU it cannot see ("Invalid
 device_uuid", `sglang/srt/utils/patch_torch.py`). The RL config therefore allows cuda_ipc with
@@ -41,6 +48,7 @@ from typing import Iterable
 import torch
 
 from sync.bucket import Bucket, BucketPacker
+from sync.delta import SGLANG_COMMIT, SGLANG_LOADER, SUM64, encode
 from sync.engine_api import ColocatedEngineEndpoint
 from sync.engine_set import EngineSet, SyncError, describe
 from sync.flattened_payload import FlattenedTensorMetadata, serialize
@@ -61,6 +69,7 @@ def _with_sglang() -> bool:
 class CudaIpcTransport(Transport):
     name = "cuda_ipc"
     session = True
+    carries_deltas = True  # to engines that load with SGLANG_LOADER (`takes_deltas`)
 
     def __init__(self, config):
         super().__init__(config)
@@ -72,6 +81,7 @@ class CudaIpcTransport(Transport):
         self.packer: BucketPacker | None = None
         self._worker: cf.ThreadPoolExecutor | None = None
         self.ranks: dict[str, int] = {}  # engine -> its TP ranks (one payload each)
+        self.loader = False  # every engine loads with SGLANG_LOADER: every version goes as payloads
 
     def open(self, engines: EngineSet) -> None:
         for engine in engines.engines:
@@ -81,6 +91,8 @@ class CudaIpcTransport(Transport):
                     f"transport needs sync.engine_api.ColocatedEngineEndpoint"
                 )
         self.ranks = engines.results(lambda e: e.num_group_ranks(), "server_info")
+        loaders = engines.results(lambda e: e.custom_weight_loaders(), "server_info")
+        self.loader = bool(loaders) and all(SGLANG_LOADER in names for names in loaders.values())
         if _with_sglang():  # SGLang resolves the IPC handle's GPU by UUID
             # optional: SGLang (GPU engines only)
             from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
@@ -89,6 +101,9 @@ class CudaIpcTransport(Transport):
         self.packer = BucketPacker(self.config.bucket_bytes, torch.device("cuda", torch.cuda.current_device()))
         self._worker = cf.ThreadPoolExecutor(1, thread_name_prefix="sync-cuda-ipc")
         self.broken = False
+
+    def takes_deltas(self, engines: EngineSet) -> bool:
+        return self.loader
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, engines: EngineSet) -> int:
         """Source rank only; returns the bytes handed over. Raises SyncError after exhausting the export."""
@@ -102,6 +117,8 @@ class CudaIpcTransport(Transport):
                 pending = self._worker.submit(self._hand_over, bucket, version, engines)
             if pending is not None:
                 sent_bytes += pending.result()
+            if self.loader:
+                self._commit(version, engines)
         except BaseException:
             if pending is not None:
                 cf.wait([pending])
@@ -110,28 +127,60 @@ class CudaIpcTransport(Transport):
         return sent_bytes
 
     def _hand_over(self, bucket: Bucket, version: int, engines: EngineSet) -> int:
-        payloads = {e.name: serialize_bucket(bucket, self.ranks[e.name]) for e in engines.engines}
+        if self.loader:
+            named = loader_payloads(bucket, version, self.delta)
+            payloads = {e.name: serialize_named(named, self.ranks[e.name]) for e in engines.engines}
+        else:
+            payloads = {e.name: serialize_bucket(bucket, self.ranks[e.name]) for e in engines.engines}
+        what = f"bucket {bucket.index} ({len(bucket.metas)} tensors, first {bucket.metas[0].name})"
+        self._call(engines, payloads, f"{what} of version {version}", bucket.index)
+        return bucket.nbytes
+
+    def _commit(self, version: int, engines: EngineSet) -> None:
+        """The loader's end of a version: every rank checks it holds `version` whole, then an empty
+        call carries back any refusal (SGLang answers it before running the loader)."""
+        marker = [(SGLANG_COMMIT, torch.tensor([version], device=self.packer.device))]
+        for named, what in ((marker, "commit"), ([], "the refusal check")):
+            payloads = {e.name: serialize_named(named, self.ranks[e.name]) for e in engines.engines}
+            self._call(engines, payloads, f"{what} of version {version}", None)
+
+    def _call(self, engines: EngineSet, payloads: dict[str, list[str]], what: str, bucket: int | None) -> None:
         failed = engines.call(  # no weight_version: the sender commits it last (sync.engine_api)
             lambda e: e.update_weights_from_tensor(
                 serialized_named_tensors=payloads[e.name],
-                load_format="flattened_bucket",
+                load_format=SGLANG_LOADER if self.loader else "flattened_bucket",
                 weight_version=None,
             )
         )
         if failed:
             engine = next(iter(failed))
-            raise SyncError(
-                f"bucket {bucket.index} ({len(bucket.metas)} tensors, first {bucket.metas[0].name}) of "
-                f"version {version} failed on {engine}: {describe(failed)}",
-                engine=engine,
-                bucket=bucket.index,
-            )
-        return bucket.nbytes
+            raise SyncError(f"{what} failed on {engine}: {describe(failed)}", engine=engine, bucket=bucket)
 
     def close(self, engines: EngineSet) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
         self.packer, self._worker, self.broken = None, None, True
+
+
+def loader_payloads(bucket: Bucket, version: int, delta: bool) -> list[tuple[str, torch.Tensor]]:
+    """A bucket as the delta loader takes it: a delta's payloads as they were packed (views of the
+    bucket), an anchor's tensors each as a dense SUM64 payload of `version`."""
+    named = []
+    for meta in bucket.metas:
+        data = bucket.data[meta.offset : meta.offset + meta.nbytes]
+        if not delta:
+            data = encode(data.view(meta.dtype).view(meta.shape), None, version, version, hash_kind=SUM64)
+        named.append((meta.name, data))
+    return named
+
+
+def serialize_named(named: list[tuple[str, torch.Tensor]], num_ranks: int) -> list[str]:
+    """Named tensors for `/update_weights_from_tensor`, once per engine TP rank, with SGLang's
+    serializer (CUDA-IPC handles)."""
+    # optional: SGLang (the delta loader runs in SGLang engines only)
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    return [MultiprocessingSerializer.serialize(named, output_str=True) for _ in range(num_ranks)]
 
 
 def serialize_bucket(bucket: Bucket, num_ranks: int) -> list[str]:

@@ -15,6 +15,7 @@ import socket
 
 import pytest
 
+from sync.delta import SGLANG_LOADER
 from tests.tiny_models import hf_config, save_random_model
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.world]
@@ -41,12 +42,16 @@ def _scenario(rank: int, tp: int, port: int, model_dir: str) -> dict:
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
     from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM
     from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils.common import build_server_info
 
-    from moe_rl.engine.sglang_delta import COMMIT, LOAD_FORMAT
-    from sync.delta import SUM64, encode
+    from sync.bucket import BucketPacker
+    from sync.delta import SGLANG_COMMIT, SUM64, encode
+    from sync.transports.cuda_ipc import loader_payloads
 
     torch.set_num_threads(1)
-    server_args = ServerArgs(model_path=model_dir, tp_size=tp, device="cpu", skip_tokenizer_init=True)
+    server_args = ServerArgs(
+        model_path=model_dir, tp_size=tp, device="cpu", skip_tokenizer_init=True, custom_weight_loader=[SGLANG_LOADER]
+    )
     runtime_context.publish(server_args, role="scheduler", ranks=runtime_context.SpawnRanks(world_rank=rank))
     parallel_state.init_distributed_environment(
         world_size=tp, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}", local_rank=rank, backend="gloo"
@@ -61,24 +66,30 @@ def _scenario(rank: int, tp: int, port: int, model_dir: str) -> dict:
         device="cpu",
         gpu_id=0,
         model_config=None,
-        custom_weight_loaders=[LOAD_FORMAT],  # --custom-weight-loader
+        custom_weight_loaders=[SGLANG_LOADER],  # --custom-weight-loader
         get_model=lambda: engine,
         update_model_fields=lambda *a, **k: None,
         recapture_cuda_graph=lambda: None,
         get_model_runner=lambda: None,
     )
     names = sorted(hf)
-    halves = [names[: len(names) // 2], names[len(names) // 2 :]]
+    packer = BucketPacker(32 << 10)
 
-    def send(payloads: dict, buckets=halves) -> list:
-        return [updater.update_weights_from_tensor([(n, payloads[n]) for n in b], LOAD_FORMAT) for b in buckets]
+    def send(named: dict, version: int, delta: bool, only: list[str] = names) -> tuple[bool, str]:
+        """The cuda_ipc transport's hand-over, on the host: buckets packed from the stream, each as
+        `loader_payloads` makes it, through SGLang's dispatch; the first failure, else the last answer."""
+        for bucket in packer.pack((n, named[n]) for n in only):
+            ok, message = updater.update_weights_from_tensor(loader_payloads(bucket, version, delta), SGLANG_LOADER)
+            if not ok:
+                return ok, message
+        return ok, message
 
     def commit(version: int) -> tuple[bool, str]:
         """The commit, then an empty call that carries any refusal back (the sender's protocol)."""
-        first = updater.update_weights_from_tensor([(COMMIT, torch.tensor([version]))], LOAD_FORMAT)
+        first = updater.update_weights_from_tensor([(SGLANG_COMMIT, torch.tensor([version]))], SGLANG_LOADER)
         if not first[0]:
             return first
-        return updater.update_weights_from_tensor([], LOAD_FORMAT)
+        return updater.update_weights_from_tensor([], SGLANG_LOADER)
 
     def equal_to_reference(tensors: dict) -> bool:
         reference.load_weights(list(tensors.items()))
@@ -93,9 +104,8 @@ def _scenario(rank: int, tp: int, port: int, model_dir: str) -> dict:
             new[n] = torch.where(changed, t + 0.01 * torch.randn(t.shape, generator=gen).to(t.dtype), t)
         return new
 
-    out: dict = {"chain": []}
-    anchor = {n: encode(t, None, 0, 1, hash_kind=SUM64) for n, t in hf.items()}
-    out["anchor_sends"] = [ok for ok, _ in send(anchor, [names[:10], names[10:30], names[30:]])]
+    out: dict = {"chain": [], "server_info": build_server_info(server_args, {})["custom_weight_loader"]}
+    out["anchor_sends"] = send(hf, 1, delta=False)
     out["anchor_commit"] = commit(1)
     out["anchor_equal"] = equal_to_reference(hf)
     placements = engine._moe_rl_delta.placements
@@ -107,27 +117,27 @@ def _scenario(rank: int, tp: int, port: int, model_dir: str) -> dict:
     for version in range(2, 7):  # five chained deltas, ~2% of the elements each
         new = step(current, version, 0.02)
         payloads = {n: encode(new[n], current[n], version - 1, version, hash_kind=SUM64) for n in names}
-        sends = send(payloads)
-        out["chain"].append((all(ok for ok, _ in sends), commit(version), equal_to_reference(new)))
+        out["chain"].append((send(payloads, version, delta=True), commit(version), equal_to_reference(new)))
         current = new
     # a wrong base (4, the engine holds 6): refused on the next call, nothing written
     stale = {n: encode(step(current, 7, 0.02)[n], current[n], 4, 7, hash_kind=SUM64) for n in names}
-    out["wrong_base"] = (send(stale, [halves[0]])[0], commit(7), equal_to_reference(current))
+    out["wrong_base"] = (send(stale, 7, True, names[:10]), commit(7), equal_to_reference(current))
     # a corrupted value: the hash after applying fails on the TP group's sum; the tensors need an anchor
     new = step(current, 8, 0.02)
     payloads = {n: encode(new[n], current[n], 6, 8, hash_kind=SUM64) for n in names}
     broken = payloads[q].clone()
     broken[-1] ^= 1  # the last value's low byte
     payloads[q] = broken
-    out["corrupt"] = send(payloads)  # the first bucket's refusal answers the second bucket's call
+    sent = send(payloads, 8, delta=True)  # a bucket's refusal answers the next call, or the commit's
+    out["corrupt"] = sent if not sent[0] else commit(8)
     retry = {n: encode(new[n], current[n], 8, 9, hash_kind=SUM64) for n in names}
-    out["after_corrupt"] = send(retry)
+    sent = send(retry, 9, delta=True)
+    out["after_corrupt"] = sent if not sent[0] else commit(9)
     # a lost bucket: the commit finds tensors at an older version
-    healed = {n: encode(t, None, 0, 10, hash_kind=SUM64) for n, t in current.items()}
-    out["heal"] = (all(ok for ok, _ in send(healed)), commit(10), equal_to_reference(current))
+    out["heal"] = (send(current, 10, delta=False), commit(10), equal_to_reference(current))
     new = step(current, 11, 0.02)
     payloads = {n: encode(new[n], current[n], 10, 11, hash_kind=SUM64) for n in names}
-    out["lost_bucket"] = (send(payloads, [halves[0]])[0], commit(11))
+    out["lost_bucket"] = (send(payloads, 11, True, names[: len(names) // 2]), commit(11))
     return out
 
 
@@ -158,7 +168,8 @@ def model_dir(tmp_path_factory):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_deltas_apply_in_place_through_sglangs_custom_loader(tp, model_dir):
     for rank, out in enumerate(_run(tp, model_dir)):
-        assert all(out["anchor_sends"]) and out["anchor_commit"][0] and out["anchor_equal"], out
+        assert out["server_info"] == [SGLANG_LOADER]  # what the cuda_ipc transport reads at open
+        assert out["anchor_sends"][0] and out["anchor_commit"][0] and out["anchor_equal"], out
         # TP slices: q_proj (column parallel) one run; o_proj (row parallel) one run per row
         assert out["held"] == {
             "model.layers.0.self_attn.q_proj.weight": 64 * 64 // tp,
@@ -166,13 +177,14 @@ def test_deltas_apply_in_place_through_sglangs_custom_loader(tp, model_dir):
         }
         assert out["runs"]["model.layers.0.self_attn.q_proj.weight"] == 1
         assert out["runs"]["model.layers.0.self_attn.o_proj.weight"] == (1 if tp == 1 else 64)
-        assert out["chain"] == [(True, (True, "Success"), True)] * 5
-        (sent, _), (ok, message), unchanged = out["wrong_base"]
-        assert sent and not ok and "applies on version 4, this engine holds 6" in message and unchanged
-        (sent, _), (ok, message) = out["corrupt"]
-        assert sent and not ok and "hash mismatch after applying" in message
-        (sent, _), (ok, message) = out["after_corrupt"]
-        assert sent and not ok and "holds no version of it" in message
-        assert out["heal"] == (True, (True, "Success"), True)
-        (sent, _), (ok, message) = out["lost_bucket"]
-        assert sent and not ok and "not at version 11 (a lost bucket?)" in message
+        success = (True, "Success")
+        assert out["chain"] == [(success, success, True)] * 5
+        _, (ok, message), unchanged = out["wrong_base"]  # answered at the next call at the latest
+        assert not ok and "applies on version 4, this engine holds 6" in message and unchanged
+        ok, message = out["corrupt"]
+        assert not ok and "hash mismatch after applying" in message
+        ok, message = out["after_corrupt"]
+        assert not ok and "holds no version of it" in message
+        assert out["heal"] == (success, success, True)
+        sent, (ok, message) = out["lost_bucket"]
+        assert sent == success and not ok and "not at version 11 (a lost bucket?)" in message

@@ -12,6 +12,7 @@ import pytest
 from moe_rl.config import EngineConfig
 from moe_rl.engine import sglang_launcher
 from moe_rl.engine.sglang_launcher import SERVER_ENV, SGLangConfig, SGLangLoRA, sglang_command
+from sync.delta import SGLANG_LOADER
 from tests.conformance import sglang_oracle
 
 pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
@@ -37,6 +38,7 @@ CHECKED = (
     "max_loras_per_batch",
     "attention_backend",
     "max_running_requests",
+    "custom_weight_loader",
 )
 
 CONFIGS = {
@@ -57,6 +59,9 @@ CONFIGS = {
         lora=SGLangLoRA(
             max_lora_rank=16, target_modules=["q_proj", "v_proj"], max_loaded_loras=4, max_loras_per_batch=2
         ),
+    ),
+    "delta": SGLangConfig(  # sync.delta over cuda_ipc: the delta loader registered
+        model_path="/models/qwen3", enable_memory_saver=True, custom_weight_loader=SGLANG_LOADER
     ),
     "attention_dp": SGLangConfig(
         model_path="/models/dsv3", tp_size=8, ep_size=8, attn_dp_size=4, options={"attention_backend": "fa3"}
@@ -104,6 +109,7 @@ def expected(config: SGLangConfig, port: int) -> dict:
         "max_loras_per_batch": lora.max_loras_per_batch if lora else 8,
         "attention_backend": config.options.get("attention_backend"),
         "max_running_requests": config.max_running_requests,
+        "custom_weight_loader": [config.custom_weight_loader] if config.custom_weight_loader else None,
     }
 
 

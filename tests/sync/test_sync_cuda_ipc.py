@@ -80,6 +80,9 @@ class IpcEngine:
     async def num_group_ranks(self) -> int:
         return 1
 
+    async def custom_weight_loaders(self) -> list[str]:
+        return []  # full versions, as flattened buckets
+
     async def health(self) -> bool:
         return self.proc.is_alive()
 

@@ -3,7 +3,7 @@ Qwen3-MoE model class (fused qkv and gate_up, stacked experts, TP slices) built 
 loaded by its own `load_weights`, and every update dispatched by SGLang's model-runner
 `WeightUpdater.update_weights_from_tensor` to the custom loader registered under its import path.
 
-Each TP rank (1 or 2 processes, SGLang's TP group on gloo) holds two SGLang models: the engine, which
+Each TP rank (TP 1, TP 2, and TP 2 with EP 2: SGLang's groups on gloo) holds two SGLang models: the engine, which
 only ever gets payloads, and a reference that `load_weights` loads with each version's whole
 tensors. After every committed version the two must be equal bit for bit; a refused update must
 leave the engine as it was and answer the sender with the reason on its next call."""
@@ -21,16 +21,16 @@ from tests.tiny_models import hf_config, save_random_model
 pytestmark = [pytest.mark.timeout(600), pytest.mark.world]
 
 
-def _rank(rank: int, tp: int, port: int, model_dir: str, results) -> None:
+def _rank(rank: int, tp: int, ep: int, port: int, model_dir: str, results) -> None:
     try:
-        results.put((rank, _scenario(rank, tp, port, model_dir)))
+        results.put((rank, _scenario(rank, tp, ep, port, model_dir)))
     except BaseException as error:  # the parent reports it
         import traceback
 
         results.put((rank, f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
 
 
-def _scenario(rank: int, tp: int, port: int, model_dir: str) -> dict:
+def _scenario(rank: int, tp: int, ep: int, port: int, model_dir: str) -> dict:
     from tests.conformance import sglang_oracle
 
     sglang_oracle.install(models=True)
@@ -50,7 +50,12 @@ def _scenario(rank: int, tp: int, port: int, model_dir: str) -> dict:
 
     torch.set_num_threads(1)
     server_args = ServerArgs(
-        model_path=model_dir, tp_size=tp, device="cpu", skip_tokenizer_init=True, custom_weight_loader=[SGLANG_LOADER]
+        model_path=model_dir,
+        tp_size=tp,
+        ep_size=ep,
+        device="cpu",
+        skip_tokenizer_init=True,
+        custom_weight_loader=[SGLANG_LOADER],
     )
     runtime_context.publish(server_args, role="scheduler", ranks=runtime_context.SpawnRanks(world_rank=rank))
     parallel_state.init_distributed_environment(
@@ -111,7 +116,8 @@ def _scenario(rank: int, tp: int, port: int, model_dir: str) -> dict:
     placements = engine._moe_rl_delta.placements
     q = "model.layers.0.self_attn.q_proj.weight"
     o = "model.layers.0.self_attn.o_proj.weight"
-    out["held"] = {n: sum(int(r.length.sum()) for r in placements[n].held) for n in (q, o)}
+    e = "model.layers.0.mlp.experts.0.gate_proj.weight"
+    out["held"] = {n: sum(int(r.length.sum()) for r in placements[n].held) for n in (q, o, e)}
     out["runs"] = {n: sum(r.length.numel() for r in placements[n].held) for n in (q, o)}
     current, version = hf, 1
     for version in range(2, 7):  # five chained deltas, ~2% of the elements each
@@ -141,13 +147,13 @@ def _scenario(rank: int, tp: int, port: int, model_dir: str) -> dict:
     return out
 
 
-def _run(tp: int, model_dir: str) -> list[dict]:
+def _run(tp: int, ep: int, model_dir: str) -> list[dict]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, tp, port, model_dir, results)) for r in range(tp)]
+    procs = [ctx.Process(target=_rank, args=(r, tp, ep, port, model_dir, results)) for r in range(tp)]
     for p in procs:
         p.start()
     got = dict(results.get(timeout=540) for _ in procs)
@@ -165,15 +171,17 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_deltas_apply_in_place_through_sglangs_custom_loader(tp, model_dir):
-    for rank, out in enumerate(_run(tp, model_dir)):
+@pytest.mark.parametrize("tp, ep", [(1, 1), (2, 1), (2, 2)])
+def test_deltas_apply_in_place_through_sglangs_custom_loader(tp, ep, model_dir):
+    for rank, out in enumerate(_run(tp, ep, model_dir)):
         assert out["server_info"] == [SGLANG_LOADER]  # what the cuda_ipc transport reads at open
         assert out["anchor_sends"][0] and out["anchor_commit"][0] and out["anchor_equal"], out
         # TP slices: q_proj (column parallel) one run; o_proj (row parallel) one run per row
+        expert = 32 * 64 // tp if ep == 1 else (32 * 64 if rank == 0 else 0)  # EP: expert 0 on rank 0
         assert out["held"] == {
             "model.layers.0.self_attn.q_proj.weight": 64 * 64 // tp,
             "model.layers.0.self_attn.o_proj.weight": 64 * 64 // tp,
+            "model.layers.0.mlp.experts.0.gate_proj.weight": expert,
         }
         assert out["runs"]["model.layers.0.self_attn.q_proj.weight"] == 1
         assert out["runs"]["model.layers.0.self_attn.o_proj.weight"] == (1 if tp == 1 else 64)

@@ -42,7 +42,9 @@ the compare keeps up with PCIe: `KeptCopy` takes its host copy up for the compar
 PCIe and host memory), the payload stays on the device for the gathers and the broadcast, and only
 the payload comes back to write the changed elements into the host copy. A host tensor hashes with
 CRC-32 (zlib, ~4 GB/s on one core here), a device one with SUM64 (torch ops, no host round trip);
-the receiver computes the kind its header names. `apply` runs on the host (numpy). Memory: encode
+the receiver computes the kind its header names. `apply` decodes and writes where the payload and
+its target live (torch ops; the embedded engine's copy on the host, SGLang's parameters on their
+GPU: `moe_rl.engine.sglang_delta`). Memory: encode
 holds a bool mask (1 byte per element), the changed positions (8 bytes each), the payload and, for
 a device tensor, the kept copy brought up (one tensor at a time); apply holds the positions or the
 unpacked bitmap (8 or 1 bytes per element) besides the payload.
@@ -101,7 +103,6 @@ MAX_NDIM = 8
 _FIXED = struct.Struct("<4sBBBBBB6xQQQqqQ")
 HEADER_NBYTES = _FIXED.size
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_NP_BITS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 class DeltaError(ValueError):
@@ -234,7 +235,7 @@ def header(payload: torch.Tensor) -> DeltaHeader:
 
 
 def apply(payload: torch.Tensor, target: torch.Tensor, base_version: int) -> int:
-    """Overwrite the changed elements of `target` (a contiguous host tensor holding `base_version`'s
+    """Overwrite the changed elements of `target` (a contiguous tensor on the payload's device holding `base_version`'s
     bits of this tensor, any dtype of the payload's element size) and return the version produced.
     DeltaError before anything is written: the header does not match the target (element size,
     numel), the payload is malformed, or it applies on another version than `base_version`.
@@ -278,7 +279,7 @@ def sum64(elements: torch.Tensor, positions: torch.Tensor | None = None) -> int:
 
 
 def _write(payload: torch.Tensor, head: DeltaHeader, target: torch.Tensor) -> None:
-    """Write a checked header's payload (on the host) into `target`: `apply` without the hash, for a
+    """Write a checked header's payload into `target` (on its device): `apply` without the hash, for a
     sender's kept copy of bytes it has just hashed itself. DeltaError before anything is written if
     the payload does not fit the target."""
     if target.element_size() != head.element_size or target.numel() != head.numel:
@@ -286,35 +287,41 @@ def _write(payload: torch.Tensor, head: DeltaHeader, target: torch.Tensor) -> No
             f"target: {target.element_size()}-byte x {target.numel()} elements, the payload is for "
             f"{head.element_size}-byte x {head.numel}"
         )
-    if payload.device.type != "cpu" or target.device.type != "cpu" or not target.is_contiguous():
+    if payload.device != target.device or not target.is_contiguous():
         raise ValueError(
-            f"payload on {payload.device}, target on {target.device} {target.stride()}: both must be contiguous "
-            "host tensors"
+            f"payload on {payload.device}, target on {target.device} {target.stride()}: both must be on one device, "
+            "the target contiguous"
         )
-    elements = bits(target).numpy()  # shares target's memory
+    elements = bits(target)  # shares target's memory
     where, values = changes(payload, head)
-    elements[slice(None) if where is None else where] = values
+    if where is None:
+        elements.copy_(values)
+    else:
+        elements[where] = values
 
 
-def changes(payload: torch.Tensor, head: DeltaHeader) -> tuple[np.ndarray | None, np.ndarray]:
-    """A checked host payload's changed elements: where they are (ascending int64 positions, a bool
-    mask of numel, or None for every element: dense) and their bits (as `bits` views the dtype).
-    DeltaError if the body disagrees with its header."""
+def changes(payload: torch.Tensor, head: DeltaHeader) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """A checked payload's changed elements, decoded on the payload's device: where they are
+    (ascending int64 positions, a bool mask of numel for a bitmap, or None for every element:
+    dense) and their bits (as `bits` views the dtype). DeltaError if the body disagrees with its
+    header."""
     if payload.numel() != head.nbytes:
         raise DeltaError(f"payload: {payload.numel()} bytes, its header describes {head.nbytes}")
-    body = payload.numpy()[HEADER_NBYTES + 8 * len(head.shape) :]
-    dtype = _NP_BITS[head.element_size]
-    values = body[body.size - head.count * head.element_size :].view(dtype)  # the last section
-    if head.encoding == "dense":
-        return None, body.view(dtype)
+    body = payload[HEADER_NBYTES + 8 * len(head.shape) :]
+    dtype = _BITS[head.element_size]
+    if head.encoding == "dense":  # every element, whatever the count of changed ones
+        return None, _as(body, dtype)
+    values = _as(body[body.numel() - head.count * head.element_size :], dtype)  # the last section
     if head.encoding == "gaps":
-        return _positions(body[: 2 * head.tokens].view(np.uint16), head), values
+        return _positions(_as(body[: 2 * head.tokens], torch.int16), head), values
     if head.encoding == "bitmap":
-        mask = np.unpackbits(body[: math.ceil(head.numel / 8)], count=head.numel, bitorder="little").view(bool)
-        if int(np.count_nonzero(mask)) != head.count:
-            raise DeltaError(f"payload: the bitmap marks {np.count_nonzero(mask)} elements, the header {head.count}")
+        packed = body[: math.ceil(head.numel / 8)]
+        shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+        mask = ((packed.unsqueeze(1) >> shifts) & 1).view(-1)[: head.numel].bool()  # bit i of byte i // 8
+        if (marked := int(mask.sum())) != head.count:
+            raise DeltaError(f"payload: the bitmap marks {marked} elements, the header {head.count}")
         return mask, values
-    return np.zeros(0, dtype=np.int64), values  # none
+    return torch.zeros(0, dtype=torch.int64, device=payload.device), values  # none
 
 
 @dataclass
@@ -571,14 +578,23 @@ def _gap_tokens(positions: torch.Tensor) -> torch.Tensor:
     return tokens
 
 
-def _positions(tokens: np.ndarray, head: DeltaHeader) -> np.ndarray:
-    """The changed positions the gap tokens mark; DeltaError if they disagree with the header."""
+def _positions(tokens: torch.Tensor, head: DeltaHeader) -> torch.Tensor:
+    """The changed positions the gap tokens (u16 read as int16) mark; DeltaError if they disagree
+    with the header."""
+    tokens = tokens.to(torch.int64) & ESCAPE
     escape = tokens == ESCAPE
-    steps = np.where(escape, ESCAPE, tokens.astype(np.int64) + 1)
-    positions = (np.cumsum(steps) - 1)[~escape]
-    if positions.size != head.count or (positions.size and positions[-1] >= head.numel):
-        raise DeltaError(f"payload: the gap tokens mark {positions.size} positions, not {head.count} within numel")
+    positions = (torch.cumsum(torch.where(escape, ESCAPE, tokens + 1), 0) - 1)[~escape]
+    if positions.numel() != head.count or (positions.numel() and int(positions[-1]) >= head.numel):
+        raise DeltaError(f"payload: the gap tokens mark {positions.numel()} positions, not {head.count} within numel")
     return positions
+
+
+def _as(section: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A flat uint8 section read as `dtype` (copied first where its offset is not aligned to it)."""
+    try:
+        return section.view(dtype)
+    except RuntimeError:
+        return section.clone().view(dtype)
 
 
 def _pad8(n: int) -> int:

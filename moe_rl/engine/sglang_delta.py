@@ -41,10 +41,10 @@ refused at its anchor), and loaders that transform values (refused at the anchor
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from sync.delta import SGLANG_COMMIT, SUM64, DeltaError, bits, changes, header, sum64
@@ -76,8 +76,8 @@ class Runs:
         if source.numel() == 0:
             return cls(param, source, target, source)
         breaks = (torch.diff(source) != 1) | (torch.diff(target) != 1)
-        starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.nonzero(breaks).view(-1) + 1])
-        ends = torch.cat([starts[1:], torch.tensor([source.numel()])])
+        starts = torch.cat([source.new_zeros(1), torch.nonzero(breaks).view(-1) + 1])
+        ends = torch.cat([starts[1:], source.new_tensor([source.numel()])])
         return cls(param, source[starts], target[starts], ends - starts)
 
     def locate(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +91,7 @@ class Runs:
         """Every (tensor offset, parameter offset) pair of the runs."""
         if self.length.numel() == 0:
             return self.source, self.target
-        within = torch.arange(int(self.length.sum())) - torch.repeat_interleave(
+        within = torch.arange(int(self.length.sum()), device=self.length.device) - torch.repeat_interleave(
             torch.cumsum(self.length, 0) - self.length, self.length
         )
         return (
@@ -102,8 +102,11 @@ class Runs:
     def restrict(self, keep: torch.Tensor) -> Runs:
         """The runs of the elements whose tensor offsets `keep` (bool over the tensor) marks."""
         source, target = self.expand()
-        chosen = keep[source]
+        chosen = keep.to(source.device)[source]
         return Runs.of(self.param, source[chosen], target[chosen])
+
+    def to(self, device: torch.device) -> Runs:
+        return Runs(self.param, self.source.to(device), self.target.to(device), self.length.to(device))
 
 
 @dataclass
@@ -154,11 +157,11 @@ def load_delta(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tens
 def _apply(model: torch.nn.Module, state: DeltaState, named_tensors: list, group) -> None:
     payloads, decoded, problem = {}, {}, None
     for name, payload in named_tensors:
-        payloads[name] = payload.detach().cpu().contiguous().view(-1).view(torch.uint8)
+        payloads[name] = payload.detach().contiguous().view(-1).view(torch.uint8)  # on this rank's device
         try:
             head = header(payloads[name])
             where, values = changes(payloads[name], head)
-            decoded[name] = (head, _positions(where, head.numel), values)
+            decoded[name] = (head, _positions(where, head.numel, payloads[name].device), values)
             problem = problem or _refusal(state.placements.get(name), name, head)
         except DeltaError as error:
             problem = problem or str(error)
@@ -172,9 +175,9 @@ def _apply(model: torch.nn.Module, state: DeltaState, named_tensors: list, group
         placement = state.placements[name]
         placement.version = None  # until its hash is checked
         for runs in placement.held:
-            inside, target = runs.locate(positions)
+            inside, target = runs.locate(positions.to(runs.source.device))
             flat = _flat_bits(params[runs.param])
-            flat[target.to(flat.device)] = torch.from_numpy(values[inside.numpy()]).to(flat.device)
+            flat[target] = values[inside.to(values.device)].to(flat.device)
         partials.append(_owned_sum(placement, params))
     totals = torch.tensor(partials, dtype=torch.int64)
     if group is not None:
@@ -229,10 +232,7 @@ def _tp_group():
 def _place(model: torch.nn.Module, state: DeltaState, items: dict, group) -> None:
     """Learn where each of `items` (name -> a dense payload's header, positions, values) lands on
     this rank (module docstring), leaving the model loaded with their values."""
-    tensors = {
-        name: torch.from_numpy(values.copy()).view(head.dtype).view(head.shape)
-        for name, (head, _, values) in items.items()
-    }
+    tensors = {name: values.clone().view(head.dtype).view(head.shape) for name, (head, _, values) in items.items()}
     offsets, total = {}, 0
     for name, tensor in tensors.items():
         offsets[name], total = total, total + tensor.numel()
@@ -243,7 +243,7 @@ def _place(model: torch.nn.Module, state: DeltaState, items: dict, group) -> Non
     saved = {name: p.data.clone() for name, p in candidates.items()}
     index: dict[str, torch.Tensor] = {}
     written: dict[str, torch.Tensor] = {}
-    passes = max(1, int(np.ceil(np.log(max(total, 2)) / np.log(base))))
+    passes = max(1, math.ceil(math.log(max(total, 2)) / math.log(base) - 1e-9))
     with torch.no_grad():
         for p in candidates.values():
             p.data.fill_(float("nan"))
@@ -259,7 +259,7 @@ def _place(model: torch.nn.Module, state: DeltaState, items: dict, group) -> Non
                 if k == 0:
                     written[pname] = torch.nonzero(~torch.isnan(flat.float())).view(-1).cpu()
                     index[pname] = torch.zeros(written[pname].numel(), dtype=torch.int64)
-                index[pname] += flat[written[pname]].float().cpu().long() * base**k
+                index[pname] += flat[written[pname].to(flat.device)].float().cpu().long() * base**k
         for pname, p in candidates.items():
             p.data.copy_(saved[pname])
         model.load_weights(list(tensors.items()))
@@ -273,13 +273,15 @@ def _place(model: torch.nn.Module, state: DeltaState, items: dict, group) -> Non
         for i in owner.unique().tolist():
             mine = owner == i
             source, order = torch.sort(index[pname][mine] - starts[i])
-            held[names[i]].append(Runs.of(pname, source, positions[mine][order]))
+            held[names[i]].append(Runs.of(pname, source, positions[mine][order]).to(candidates[pname].device))
     params, problem = dict(model.named_parameters()), None
     for name, tensor in tensors.items():
         for runs in held[name]:
             source, target = runs.expand()
             param = params[runs.param]
-            if param.dtype != tensor.dtype or not torch.equal(_flat_bits(param)[target].cpu(), bits(tensor)[source]):
+            if param.dtype != tensor.dtype or not torch.equal(
+                _flat_bits(param)[target], bits(tensor)[source.to(tensor.device)].to(param.device)
+            ):
                 problem = problem or (
                     f"{name}: SGLang's loader does not copy it as it is into {runs.param} ({param.dtype}; the "
                     f"tensor is {tensor.dtype}); deltas cannot apply to it in place, set sync.delta.enabled: false"
@@ -296,7 +298,7 @@ def _own(state: DeltaState, tensors: dict[str, torch.Tensor], held: dict[str, li
     for name, tensor in tensors.items():
         mine = torch.full((tensor.numel(),), size, dtype=torch.int32)
         for runs in held[name]:
-            mine[runs.expand()[0]] = rank
+            mine[runs.expand()[0].cpu()] = rank
         lowest[name] = mine
     flat = torch.cat(list(lowest.values()))
     if group is not None:
@@ -323,12 +325,13 @@ def _candidates(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dic
     return chosen
 
 
-def _positions(where: np.ndarray | None, numel: int) -> torch.Tensor:
+def _positions(where: torch.Tensor | None, numel: int, device: torch.device) -> torch.Tensor:
+    """The changed positions of `sync.delta.changes`'s `where` (positions, a mask, or None: all)."""
     if where is None:
-        return torch.arange(numel)
-    if where.dtype == bool:
-        return torch.from_numpy(np.flatnonzero(where))
-    return torch.from_numpy(where)
+        return torch.arange(numel, device=device)
+    if where.dtype == torch.bool:
+        return torch.nonzero(where).view(-1)
+    return where
 
 
 def _flat_bits(param: torch.Tensor) -> torch.Tensor:

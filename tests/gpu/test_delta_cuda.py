@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from sync.delta import SUM64, AppliedCopy, KeptCopy, bits, encode, header
+from sync.delta import SUM64, AppliedCopy, KeptCopy, apply, bits, encode, header
 from tests.gpu.metrics import record
 from tests.gpu.test_export_fp8_cuda import HostAllocations
 
@@ -52,6 +52,10 @@ def test_a_chain_encoded_on_cuda_equals_the_host_codec_and_applies_bit_equal():
             assert header(payload).hash_kind == SUM64
             assert torch.equal(payload.cpu(), expected)
         assert engine.apply_stream(((n, p.cpu()) for n, p in payloads.items()), version - 1) == version
+        for name, payload in payloads.items():  # decoded and written on the GPU, as SGLang's ranks do
+            target = weights[name].clone()
+            assert apply(payload, target, version - 1) == version
+            assert torch.equal(bits(target), bits(new[name]))
         weights = new
     for name, tensor in weights.items():
         assert torch.equal(bits(engine.tensors[name]), bits(tensor.cpu()))

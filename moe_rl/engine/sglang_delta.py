@@ -112,12 +112,15 @@ class Runs:
 @dataclass
 class Placement:
     """One HF tensor on this rank: where it is held, which of those elements this rank counts in the
-    tensor's hash, and the version it holds (None: only a dense payload applies)."""
+    tensor's hash, and the version it holds (None: only a dense payload applies). `served` is False
+    for a tensor the model's loader skips on every rank (e.g. an MTP layer, which only a draft model
+    loads): its versions are followed, nothing is written or hashed."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     held: list[Runs]
     owned: list[Runs]
+    served: bool = True
     version: int | None = None
 
 
@@ -182,7 +185,11 @@ def _apply(model: torch.nn.Module, state: DeltaState, named_tensors: list, group
     totals = torch.tensor(partials, dtype=torch.int64)
     if group is not None:
         torch.distributed.all_reduce(totals, group=group)  # int64 sums wrap: mod 2**64
-    wrong = [name for name, total in zip(decoded, totals.tolist()) if total % (1 << 64) != decoded[name][0].hash]
+    wrong = [
+        name
+        for name, total in zip(decoded, totals.tolist())
+        if state.placements[name].served and total % (1 << 64) != decoded[name][0].hash
+    ]
     if wrong:  # the same on every rank: the totals are the group's
         raise DeltaError(f"hash mismatch after applying {len(wrong)} tensors, e.g. {wrong[0]}: load an anchor")
     for name, (head, _, _) in decoded.items():
@@ -291,7 +298,8 @@ def _place(model: torch.nn.Module, state: DeltaState, items: dict, group) -> Non
 
 
 def _own(state: DeltaState, tensors: dict[str, torch.Tensor], held: dict[str, list[Runs]], group) -> None:
-    """Each element is counted in its tensor's hash by the lowest TP rank that holds it."""
+    """Each element is counted in its tensor's hash by the lowest TP rank that holds it; a tensor
+    held in part only is refused (the loader dropped or moved some of its elements)."""
     rank = 0 if group is None else torch.distributed.get_rank(group)
     size = 1 if group is None else torch.distributed.get_world_size(group)
     lowest = {}
@@ -304,11 +312,16 @@ def _own(state: DeltaState, tensors: dict[str, torch.Tensor], held: dict[str, li
     if group is not None:
         torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MIN, group=group)
     for name, part in zip(lowest, torch.split(flat, [t.numel() for t in lowest.values()])):
-        if bool((part == size).any()):
-            raise DeltaError(f"{name}: {int((part == size).sum())} of its elements are held by no TP rank")
+        unheld = int((part == size).sum())
+        if 0 < unheld < part.numel():
+            raise DeltaError(f"{name}: {unheld} of its elements are held by no TP rank")
         keep = part == rank
         state.placements[name] = Placement(
-            tuple(tensors[name].shape), tensors[name].dtype, held[name], [r.restrict(keep) for r in held[name]]
+            tuple(tensors[name].shape),
+            tensors[name].dtype,
+            held[name],
+            [r.restrict(keep) for r in held[name]],
+            served=unheld == 0,
         )
 
 

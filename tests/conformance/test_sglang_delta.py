@@ -64,6 +64,8 @@ def _scenario(rank: int, tp: int, ep: int, port: int, model_dir: str) -> dict:
     parallel_state.initialize_model_parallel(backend="gloo")
     config = transformers.AutoConfig.from_pretrained(model_dir)
     hf = load_file(f"{model_dir}/model.safetensors")  # the checkpoint's names: one tensor per expert
+    hf["mtp.fc.weight"] = torch.randn(64, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    # (a tensor the main model's load_weights skips: SGLang's draft model loads it)
     torch.set_default_dtype(torch.bfloat16)  # what SGLang serves this checkpoint in
     engine, reference = Qwen3MoeForCausalLM(config), Qwen3MoeForCausalLM(config)
     updater = WeightUpdater(
@@ -118,6 +120,7 @@ def _scenario(rank: int, tp: int, ep: int, port: int, model_dir: str) -> dict:
     o = "model.layers.0.self_attn.o_proj.weight"
     e = "model.layers.0.mlp.experts.0.gate_proj.weight"
     out["held"] = {n: sum(int(r.length.sum()) for r in placements[n].held) for n in (q, o, e)}
+    out["served"] = {n: placements[n].served for n in ("mtp.fc.weight", "model.norm.weight")}
     out["runs"] = {n: sum(r.length.numel() for r in placements[n].held) for n in (q, o)}
     current, version = hf, 1
     for version in range(2, 7):  # five chained deltas, ~2% of the elements each
@@ -174,6 +177,7 @@ def model_dir(tmp_path_factory):
 @pytest.mark.parametrize("tp, ep", [(1, 1), (2, 1), (2, 2)])
 def test_deltas_apply_in_place_through_sglangs_custom_loader(tp, ep, model_dir):
     for rank, out in enumerate(_run(tp, ep, model_dir)):
+        assert out["served"] == {"mtp.fc.weight": False, "model.norm.weight": True}
         assert out["server_info"] == [SGLANG_LOADER]  # what the cuda_ipc transport reads at open
         assert out["anchor_sends"][0] and out["anchor_commit"][0] and out["anchor_equal"], out
         # TP slices: q_proj (column parallel) one run; o_proj (row parallel) one run per row

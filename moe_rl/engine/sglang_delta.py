@@ -35,8 +35,13 @@ The commit checks that every tensor the rank holds is at the version: a lost buc
 before the engine serves it. The sender pauses generation from the first bucket to the commit, so
 a refused update is never served; the anchor that follows heals it.
 
-Not covered: pipeline parallelism in the engine (a tensor held by no rank of the TP group is
-refused at its anchor), and loaders that transform values (refused at the anchor, by name).
+Refusals. A custom loader that raises ends SGLang's scheduler, so this one never raises: it keeps
+the message, and SGLang answers the next weight-update call with it as a failure (`DeltaState`).
+
+A tensor that no rank of the TP group holds (an MTP layer the main model skips; with pipeline
+parallelism, another stage's layers) is followed from version to version and not written; one held
+in part only is refused. Not covered: loaders that transform values (refused at the anchor, by
+name); pipeline parallelism and speculative draft models are not checked here.
 """
 
 from __future__ import annotations
@@ -144,7 +149,7 @@ class DeltaState(torch.nn.Module):
 
 def load_delta(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     """SGLang's custom-loader entry point (module docstring). Never raises: an exception in a custom
-    loader ends SGLang's scheduler. A refused update is answered on the next call instead (`Refusal`)."""
+    loader ends SGLang's scheduler. A refused update is answered on the next call instead (`DeltaState`)."""
     state = getattr(model, "_moe_rl_delta", None)
     if state is None:
         state = model._moe_rl_delta = DeltaState()  # a submodule: SGLang asks it for `_derived_weight_cache_error`

@@ -169,7 +169,7 @@ def _apply(model: torch.nn.Module, state: DeltaState, named_tensors: list, group
         try:
             head = header(payloads[name])
             where, values = changes(payloads[name], head)
-            decoded[name] = (head, _positions(where, head.numel, payloads[name].device), values)
+            decoded[name] = (head, where, values)
             problem = problem or _refusal(state.placements.get(name), name, head)
         except DeltaError as error:
             problem = problem or str(error)
@@ -179,13 +179,11 @@ def _apply(model: torch.nn.Module, state: DeltaState, named_tensors: list, group
         _place(model, state, new, group)
     params = dict(model.named_parameters())
     partials = []
-    for name, (head, positions, values) in decoded.items():
+    for name, (head, where, values) in decoded.items():
         placement = state.placements[name]
         placement.version = None  # until its hash is checked
-        for runs in placement.held:
-            inside, target = runs.locate(positions.to(runs.source.device))
-            flat = _flat_bits(params[runs.param])
-            flat[target] = values[inside.to(values.device)].to(flat.device)
+        if name not in new:  # `_place` has just loaded the new ones
+            _write(placement, params, where, values)
         partials.append(_owned_sum(placement, params))
     totals = torch.tensor(partials, dtype=torch.int64)
     if group is not None:
@@ -343,13 +341,19 @@ def _candidates(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dic
     return chosen
 
 
-def _positions(where: torch.Tensor | None, numel: int, device: torch.device) -> torch.Tensor:
-    """The changed positions of `sync.delta.changes`'s `where` (positions, a mask, or None: all)."""
-    if where is None:
-        return torch.arange(numel, device=device)
-    if where.dtype == torch.bool:
-        return torch.nonzero(where).view(-1)
-    return where
+def _write(placement: Placement, params: dict[str, torch.Tensor], where: torch.Tensor | None, values) -> None:
+    """Write one payload's elements (`sync.delta.changes`: `where` positions, a mask, or None for
+    every element) where this rank holds them, one tensor at a time."""
+    if where is not None and where.dtype == torch.bool:
+        where = torch.nonzero(where).view(-1)
+    for runs in placement.held:
+        flat = _flat_bits(params[runs.param])
+        if where is None:  # dense: every held element, by the runs (no position per element of the tensor)
+            source, target = runs.expand()
+            flat[target] = values[source.to(values.device)].to(flat.device)
+        else:
+            inside, target = runs.locate(where.to(runs.source.device))
+            flat[target] = values[inside.to(values.device)].to(flat.device)
 
 
 def _flat_bits(param: torch.Tensor) -> torch.Tensor:

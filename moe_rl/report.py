@@ -90,7 +90,7 @@ def write_report(run_dir: str | Path) -> list[Path]:
 
 
 # span name -> colour: generation green, training blue, weight sync red, batch handling purple,
-# waits grey; anything else (logging, evaluations, checkpoints, control calls) tan
+# waits grey, garbage-collector passes black; anything else (logging, evaluations, checkpoints, control calls) tan
 _TIMELINE_COLOURS = {
     **dict.fromkeys(("decode", "speculate", "prefill", "requests in flight"), "tab:green"),
     **dict.fromkeys(
@@ -100,6 +100,7 @@ _TIMELINE_COLOURS = {
     **dict.fromkeys(("weight sync", "sync pause", "sync buckets", "sync commit", "sync resume"), "tab:red"),
     **dict.fromkeys(("build batch", "batch transfer"), "tab:purple"),
     "wait for batch": "lightgrey",
+    **dict.fromkeys(("gc gen 0", "gc gen 1", "gc gen 2"), "black"),  # the process stops for them
 }
 _TIMELINE_STEPS = 3  # steps drawn: enough to see the overlap, few enough to read each span
 
@@ -138,12 +139,13 @@ def _timeline(ax, spans: list[dict], lanes: list[tuple[str, str]], labels: dict[
     ax.set_xlim(start, end)
     ax.set_xlabel("seconds from the trace's start")
     legend = {"generation": "tab:green", "training": "tab:blue", "weight sync": "tab:red"}
-    legend.update({"batch build / transfer": "tab:purple", "waiting for the batch": "lightgrey", "other": "tan"})
+    legend.update({"batch build / transfer": "tab:purple", "waiting for the batch": "lightgrey"})
+    legend.update({"garbage collector": "black", "other": "tan"})
     ax.legend(
         handles=[Patch(color=colour, label=label) for label, colour in legend.items()],
         loc="upper center",
         bbox_to_anchor=(0.5, -0.12 - 1.5 / max(4, len(lanes))),
-        ncol=6,
+        ncol=7,
         fontsize=8,
     )
     ax.set_title(f"Step timeline ({len(steps)} steps; {TRACE_FILE} has every span)")

@@ -16,6 +16,7 @@ close as their NTP sync. Recording a span appends one tuple (about a microsecond
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import threading
@@ -35,6 +36,7 @@ class Tracer:
         self.on = False
         self.started = 0.0  # when recording last started (`time.time()`)
         self._cpu_start = 0.0
+        self._gc_start = 0.0
         self._events: list[tuple] = []
         self._lock = threading.Lock()
 
@@ -44,12 +46,16 @@ class Tracer:
             self._events = []
         self._cpu_start = time.process_time()
         self.started, self.on = time.time(), True
+        if self._collection not in gc.callbacks:
+            gc.callbacks.append(self._collection)
 
     def stop(self) -> dict:
         """Stop recording; returns what was recorded: `{"process", "pid", "events", "cpu_s", "wall_s"}`,
         each event (name, start s, end s, lane, group key or None, args); `cpu_s`: the CPU seconds
         the process used meanwhile (every thread), against `wall_s` of wall time."""
         self.on = False
+        if self._collection in gc.callbacks:
+            gc.callbacks.remove(self._collection)
         with self._lock:
             events, self._events = self._events, []
         cpu, wall = time.process_time() - self._cpu_start, time.time() - self.started
@@ -74,6 +80,14 @@ class Tracer:
         lane = lane or threading.current_thread().name
         with self._lock:
             self._events.append((name, start, end, lane, group, args))
+
+    def _collection(self, phase: str, info: dict) -> None:
+        """gc.callbacks: each pass of the cyclic garbage collector as a span on lane "gc" (a pass
+        holds the GIL, so every thread of the process stops for it)."""
+        if phase == "start":
+            self._gc_start = time.time()
+        elif self.on:
+            self.add(f"gc gen {info['generation']}", self._gc_start, time.time(), "gc", collected=info["collected"])
 
 
 TRACER = Tracer()

@@ -1,9 +1,11 @@
-"""`moe_rl.trace`: a tracer records only while on, on the calling thread's lane or a named one;
+"""`moe_rl.trace`: a tracer records only while on, on the calling thread's lane or a named one, and
+each pass of the garbage collector on lane "gc";
 Chrome's format round-trips through `write_trace` / `read_trace` (complete events, async pairs,
 one pid per process, times from the first event)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 
@@ -26,12 +28,27 @@ def test_spans_record_only_while_on(tmp_path):
     with tracer.span("after"):
         pass
     assert recorded["process"] == "driver" and recorded["cpu_s"] >= 0 and recorded["wall_s"] >= 0
-    assert [(e[0], e[3], e[4], e[5]) for e in recorded["events"]] == [
+    assert [(e[0], e[3], e[4], e[5]) for e in recorded["events"] if e[3] != "gc"] == [
         ("train", "MainThread", None, {"step": 3}),
         ("build", "batch build", None, {}),
         ("generate", "groups", "g1", {}),
     ]
     assert tracer.stop()["events"] == []  # nothing after stop
+
+
+def test_collector_passes_on_their_own_lane():
+    tracer = Tracer("rollout worker")
+    gc.collect()
+    assert tracer._collection not in gc.callbacks  # off: nothing installed
+    tracer.start()
+    gc.collect(1)
+    recorded = tracer.stop()
+    passes = [e for e in recorded["events"] if e[3] == "gc"]
+    assert [e[0] for e in passes][-1] == "gc gen 1" and passes[-1][1] <= passes[-1][2]
+    assert "collected" in passes[-1][5]
+    assert tracer._collection not in gc.callbacks
+    gc.collect()
+    assert tracer.stop()["events"] == []
 
 
 def test_chrome_trace_round_trip(tmp_path):

@@ -34,6 +34,7 @@ import ray
 
 from moe_rl.config import RunConfig, dump_config, to_dict
 from moe_rl.engine.client import engine_name
+from moe_rl.gc_freeze import freeze_setup
 from moe_rl.jobs.evaluations import DriverEvaluations
 from moe_rl.metrics import MetricsLogger
 from moe_rl.progress import StepProgress
@@ -187,6 +188,7 @@ def _attempt(config: RunConfig, restore: RunCheckpoint | None, stop: StopSignals
     except BaseException:
         logger.close()
         raise
+    freeze_setup()  # Ray's, the config's and the cluster's objects: out of the collector's full passes
     hold = config.rl.mode == "sync" or (config.eval is not None and config.eval.hold_sync)
     evaluations = DriverEvaluations(config.eval, cluster, logger, run_dir, hold_sync=hold)
     evaluations.remove_after(first)

@@ -32,6 +32,7 @@ from moe_rl.engine.client import EngineClient, EngineError, engine_name
 from moe_rl.engine.pool import EnginePool
 from moe_rl.engine.process import EmbeddedConfig, launch_embedded
 from moe_rl.engine.sglang_launcher import launch_sglang
+from moe_rl.gc_freeze import freeze_setup
 from moe_rl.plan.launch import engine_sglang_config
 from moe_rl.rl.consistency_probe import ProbeBatch, ProbeRequest, probe_ids, score_rows
 from moe_rl.rl.resume import RunCheckpoint
@@ -267,6 +268,7 @@ class RolloutWorker:
             self.evaluator = Evaluator(self.evaluation, self.config, self.pool, self.tokenizer_dir)
             self.eval_lock = asyncio.Lock()
             await self.evaluator.start()
+        freeze_setup()  # the task, its data and the imports: out of the collector's full passes
 
     async def start_eval(self) -> None:
         """Queue an evaluation of the policy the engines serve when it begins; returns at once."""

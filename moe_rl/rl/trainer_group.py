@@ -29,6 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from moe_rl.algorithms import AlgorithmConfig
 from moe_rl.cpu_pools import pin_process, process_cores
+from moe_rl.gc_freeze import freeze_setup
 from moe_rl.rl.consistency_probe import ProbeBatch, compare
 from moe_rl.rl.stacks import RunProcess, enable_stack_dumps
 from moe_rl.rollout.train_batch import RLBatch
@@ -142,6 +143,7 @@ class TrainerRank:
             self.trainer.load_hf_weights(model_config.path)
         self.weight_sync = WeightSync(self.trainer, self.rank, self.world_size)
         self.checkpoints = BackgroundCheckpoints()
+        freeze_setup()  # the model's and megatron-core's objects: out of the collector's full passes
 
     @collective
     def save_hf(self, request: SaveHFRequest) -> None:

@@ -11,13 +11,15 @@ waits at most `timeout_s` for it:
 The first error and the first timeout are logged as warnings with the reward's name and a
 traceback (for a timeout: where the reward's thread is stuck); later ones are only counted.
 
-Why a thread per call: a thread cannot be killed, so a pool thread stuck in a reward would be lost
-to the pool for good, and enough stuck calls would starve every later one. Here a call holds one
-of `workers` slots while it runs and gives it back when it returns or times out; a stuck thread
-is abandoned (a daemon, it ends with the process) and later calls start fresh ones. The async
-path (`score`, the rollout loop) and the blocking path (`score_blocking`, other threads) keep
-separate slots, `workers` each: their callers never wait on one another. A thread start costs
-~50 us, nothing next to a reward.
+Why not a plain thread pool: a thread cannot be killed, so a pool thread stuck in a reward would be
+lost to the pool for good, and enough stuck calls would starve every later one. Here a call holds
+one of `workers` slots while it runs and gives it back when it returns or times out. Calls run on
+`_Threads`: a thread that finished its call waits, idle, for the next; a stuck one stays with its
+call (a daemon, it ends with the process) and later calls get fresh threads. The async path
+(`score`, the rollout loop) and the blocking path (`score_blocking`, other threads) keep separate
+slots, `workers` each: their callers never wait on one another. A thread per call would be simpler,
+but `Thread.start` waits for the new thread's first run: on the rollout worker's core, which an
+engine keeps busy, that wait was ~10% of the worker's time (py-spy, the async bench).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import queue
 import sys
 import threading
 import traceback
@@ -45,6 +48,7 @@ class RewardScorer:
         self._count_lock = threading.Lock()
         self._async_slots = asyncio.Semaphore(workers)
         self._thread_slots = threading.Semaphore(workers)
+        self._threads = _Threads(f"reward-{prefix}")
 
     async def score(self, text: str, answer: Any, sample: Any) -> float:
         """The reward of `text`; 0.0 (counted) when the reward raises or runs past `timeout_s`."""
@@ -77,19 +81,7 @@ class RewardScorer:
         """Nothing to release: a call still running is a daemon thread that ends with the process."""
 
     def _start(self, text: str, answer: Any, sample: Any) -> tuple[concurrent.futures.Future, threading.Thread]:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def call() -> None:
-            if not future.set_running_or_notify_cancel():  # cancelled before the thread ran
-                return
-            try:
-                future.set_result(float(self.fn(text, answer, sample)))
-            except BaseException as error:  # the thread's end: everything goes to the waiter
-                future.set_exception(error)
-
-        thread = threading.Thread(target=call, name=f"reward-{self.prefix}", daemon=True)
-        thread.start()
-        return future, thread
+        return self._threads.submit(lambda: float(self.fn(text, answer, sample)))
 
     def _failed(self, error: BaseException) -> float:
         with self._count_lock:
@@ -123,3 +115,44 @@ class RewardScorer:
                 exc_info=error,
             )
         return 0.0
+
+
+class _Threads:
+    """Daemon threads that run one call at a time and then wait, idle, for the next (module
+    docstring). A thread whose call never returns is never idle again: the next call starts a
+    fresh thread, so a stuck call costs its thread and nothing else."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._idle: list[tuple[queue.SimpleQueue, threading.Thread]] = []
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[[], Any]) -> tuple[concurrent.futures.Future, threading.Thread]:
+        """Run `fn` on an idle thread (or a new one); its future and the thread running it."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            worker = self._idle.pop() if self._idle else None
+        if worker is None:
+            inbox: queue.SimpleQueue = queue.SimpleQueue()
+            worker = (inbox, threading.Thread(target=self._serve, args=(inbox,), name=self.name, daemon=True))
+            worker[1].start()
+        worker[0].put((fn, future))
+        return future, worker[1]
+
+    def _serve(self, inbox: queue.SimpleQueue) -> None:
+        me = (inbox, threading.current_thread())
+        while True:
+            fn, future = inbox.get()
+            ran = future.set_running_or_notify_cancel()  # False: cancelled before it ran
+            result = error = None
+            if ran:
+                try:
+                    result = fn()
+                except BaseException as raised:  # everything goes to the waiter
+                    error = raised
+            with self._lock:  # idle again before the waiter hears: its next call may come here
+                self._idle.append(me)
+            if ran and error is not None:
+                future.set_exception(error)
+            elif ran:
+                future.set_result(result)

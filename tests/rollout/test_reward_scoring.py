@@ -1,5 +1,6 @@
 """`RewardScorer`: a reward that raises or hangs scores 0, is counted and logged once; later calls
-still score (plain asyncio and threads, no processes)."""
+still score; threads are reused, except one stuck in its call (plain asyncio and threads, no
+processes)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,28 @@ def test_a_stuck_reward_times_out_and_does_not_starve_later_calls(caplog):
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "stuck_reward" in warnings[0]
     assert "RELEASE.wait" in warnings[0]  # where the reward's thread is stuck
+
+
+def test_threads_are_reused_except_one_stuck_in_its_call():
+    ran_on = []
+
+    def reward(text, answer, sample):
+        ran_on.append(threading.get_ident())
+        return stuck_reward(text, answer, sample)
+
+    scorer = RewardScorer(reward, timeout_s=0.3, workers=1)
+
+    async def main():
+        return [await scorer.score(text, None, None) for text in ("a", "b", "hang", "c", "d")]
+
+    assert asyncio.run(main()) == [1.0, 1.0, 0.0, 1.0, 1.0]
+    first, stuck, fresh = ran_on[0], ran_on[2], ran_on[3]
+    assert ran_on[:3] == [first] * 3  # one thread, idle between calls
+    assert fresh != stuck and ran_on[4] == fresh  # the stuck one kept its call; a new one took over
+    RELEASE.set()  # the stuck call returns: its thread is idle again, and taken by the next call
+    while len(scorer._threads._idle) < 2:
+        time.sleep(0.01)
+    assert scorer.score_blocking("e", None, None) == 1.0 and ran_on[5] in (stuck, fresh)
 
 
 def test_a_reward_that_raises_timeout_error_counts_as_a_timeout():

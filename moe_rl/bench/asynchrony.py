@@ -11,7 +11,8 @@ each process reports are printed. `--no-pools` keeps CONFIG's layout, unpinned.
    short responses: training dominates). Reports the wall time of the training steps (start-up
    excluded), the speedup, and its ideal from the sync run: with gen = the trainer's wait for the
    batch and train = the rest of the step, overlapping them at best turns gen + train into
-   max(gen, train), so ideal = (gen + train) / max(gen, train) (2x when balanced);
+   max(gen, train), so ideal = (gen + train) / max(gen, train) (2x when balanced); and the
+   lockstep ideal, the same with the sync run's step-to-step spread (`overlap_ideal`);
 2. long-tailed response lengths (task `copy_digits_long_tail`: responses stop at any of
    `num_stop_tokens` tokens, else run to `long_tail_max_new_tokens`): drain-before-sync
    (`one_step_off`, staleness bound 1) vs partial rollouts (`fully_async`, pause_mode abort,
@@ -74,6 +75,8 @@ def _run(config_path: str, overrides: list[str], name: str, out: Path) -> dict:
         "reward_last": summary["reward_last"],
         "continued_requests": last["rollout/continued_requests"],
         "mean_step_s": mean("time/step_s"),
+        "step_s": [r["time/step_s"] for r in rows],
+        "trainer_wait_s": [r.get("time/trainer_wait_s", 0.0) for r in rows],
         "mean_sync_s": mean("time/sync_s"),
         "mean_trainer_wait_s": mean("time/trainer_wait_s"),
         "mean_train_step_s": mean("time/train_step_s"),
@@ -89,10 +92,21 @@ def _run(config_path: str, overrides: list[str], name: str, out: Path) -> dict:
 
 def overlap_ideal(sync_run: dict) -> dict:
     """From a sync run: gen = the trainer's wait for its batch, train = the rest of the step, and
-    the best fully_async can do by overlapping them, (gen + train) / max(gen, train)."""
+    the best fully_async can do by overlapping them, (gen + train) / max(gen, train).
+
+    `lockstep_ideal`: the same with the sync run's step-to-step spread. Under staleness bound 1
+    the engine generates round r + 1 while the trainer runs step r, and neither can run ahead of
+    the other, so a step lasts the longer of that step's two sides: on average max(gen_i, train_j)
+    over the sync run's steps i, j (paired every way: the two sides vary independently). A side
+    that is late one step and early the next loses the difference, which `ideal` does not count."""
     gen = sync_run["mean_trainer_wait_s"]
     train = sync_run["mean_step_s"] - gen
-    return {"gen_s": gen, "train_s": train, "ideal": (gen + train) / max(gen, train)}
+    ideal = {"gen_s": gen, "train_s": train, "ideal": (gen + train) / max(gen, train)}
+    gens = sync_run.get("trainer_wait_s")
+    if gens:
+        trains = [step - wait for step, wait in zip(sync_run["step_s"], gens)]
+        ideal["lockstep_ideal"] = (gen + train) / statistics.mean(max(g, t) for g in gens for t in trains)
+    return ideal
 
 
 def run(options: AsyncBench) -> dict:
@@ -172,8 +186,10 @@ def run(options: AsyncBench) -> dict:
             continue
         w = summary[name]
         print(
-            f"fully_async over sync, {name}: {_show(w, 'speedup')} (ideal {_show(w, 'ideal')}: gen {w['gen_s']:.3f} s, "
-            f"train {w['train_s']:.3f} s per sync step)"
+            f"fully_async over sync, {name}: {_show(w, 'speedup')}, {_percent(w, 'of_ideal')} of the ideal "
+            f"{_show(w, 'ideal')} (gen {w['gen_s']:.3f} s, train {w['train_s']:.3f} s per sync step); "
+            f"{_percent(w, 'of_lockstep_ideal')} of {_show(w, 'lockstep_ideal')}, the ideal with the sync run's "
+            "step-to-step spread"
         )
     if "long_tail" in summary:
         t = summary["long_tail"]
@@ -194,6 +210,9 @@ def _ratios(runs: dict) -> dict:
         if f"{name}_sync" in runs:
             sync_run, async_run = runs[f"{name}_sync"], runs[f"{name}_fully_async"]
             ratios[name] = {"speedup": sync_run["train_s"] / async_run["train_s"], **overlap_ideal(sync_run)}
+            for ideal in ("ideal", "lockstep_ideal"):
+                if ideal in ratios[name]:
+                    ratios[name][f"of_{ideal}"] = ratios[name]["speedup"] / ratios[name][ideal]
     if "long_tail_drain" not in runs:
         return ratios
     drain, partial = runs["long_tail_drain"], runs["long_tail_partial"]
@@ -218,6 +237,13 @@ def _show(summary: dict, key: str) -> str:
     values = summary[f"{key}_all"]
     spread = f" ({min(values):.2f}-{max(values):.2f})" if len(values) > 1 else ""
     return f"{summary[key]:.2f}x{spread}"
+
+
+def _percent(summary: dict, key: str) -> str:
+    """`88%`, or with repeats `88% (78-99%)`."""
+    values = summary[f"{key}_all"]
+    spread = f" ({100 * min(values):.0f}-{max(values):.0%})" if len(values) > 1 else ""
+    return f"{summary[key]:.0%}{spread}"
 
 
 def _describe_pools(config) -> str:

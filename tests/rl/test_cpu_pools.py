@@ -138,7 +138,7 @@ def test_rl_cluster_pins_trainer_engine_and_rollout_worker(tmp_path):
 
 
 def test_bench_async_pools_and_ideal():
-    from moe_rl.bench.asynchrony import _ratios, _show, _spread, overlap_ideal, pool_overrides
+    from moe_rl.bench.asynchrony import _percent, _ratios, _show, _spread, overlap_ideal, pool_overrides
 
     assert pool_overrides([0, 1]) == [
         "trainer.world_size=1",
@@ -149,6 +149,11 @@ def test_bench_async_pools_and_ideal():
     assert pool_overrides([0, 1, 2, 3])[-1] == "cpu_pools={trainer: [0, 1], engines: [[2, 3]]}"
     assert overlap_ideal({"mean_trainer_wait_s": 0.5, "mean_step_s": 1.0})["ideal"] == 2.0  # balanced
     assert overlap_ideal({"mean_trainer_wait_s": 0.1, "mean_step_s": 0.5})["ideal"] == pytest.approx(1.25)
+    # gen 0.1 / 0.3 and train 0.3 / 0.1 a step: balanced on average (2x), but three of the four
+    # pairings last 0.3 s: a lockstep step averages 0.25 s, so 0.4 / 0.25
+    spread = {"mean_trainer_wait_s": 0.2, "mean_step_s": 0.4, "trainer_wait_s": [0.1, 0.3], "step_s": [0.4, 0.4]}
+    assert overlap_ideal(spread)["ideal"] == pytest.approx(2.0)
+    assert overlap_ideal(spread)["lockstep_ideal"] == pytest.approx(1.6)
     run = lambda train_s, wait_s, step_s, drain_s=0.0: {  # noqa: E731
         "train_s": train_s,
         "mean_trainer_wait_s": wait_s,
@@ -168,4 +173,5 @@ def test_bench_async_pools_and_ideal():
     faster = _ratios({**runs, "balanced_fully_async": run(5, 0.1, 0.5)})
     balanced = _spread([r["balanced"] for r in (_ratios(runs), faster, _ratios(runs))])
     assert _show(balanced, "speedup") == "1.67x (1.67-2.00)" and balanced["ideal"] == 2.0  # median, range
+    assert _percent(balanced, "of_ideal") == "83% (83-100%)"
     assert _ratios(runs)["long_tail"]["ideal_steps_per_s"] == pytest.approx(0.8 / 0.6)

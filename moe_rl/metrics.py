@@ -39,9 +39,9 @@ class MetricsLogger:
         self._tb = None
         if tensorboard:
             # heavy: tensorboard, only when metrics are logged
-            from torch.utils.tensorboard import SummaryWriter
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            self._tb = EventFileWriter(str(self.run_dir / "tensorboard"))
         self._wandb = None
         if wandb_project:
             import wandb  # optional extra: pip install moe-rl[wandb]
@@ -55,8 +55,7 @@ class MetricsLogger:
         self._jsonl.write(json.dumps({"step": step, "time": time.time(), **flat}) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
-            for key, value in flat.items():
-                self._tb.add_scalar(key, value, step)
+            self._tb.add_event(_scalars_event(step, flat))
         if self._wandb is not None:
             self._wandb.log({**flat, "step": step})
 
@@ -66,6 +65,17 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _scalars_event(step: int, flat: dict[str, float]):
+    """A row as one TensorBoard event holding every scalar: one record in the event file, where an
+    event per scalar (SummaryWriter.add_scalar) cost the driver ~5 ms of its core a step in file
+    appends (~150 scalars; without TensorFlow each record is an open-append-close)."""
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    values = [Summary.Value(tag=key, simple_value=value) for key, value in flat.items()]
+    return Event(wall_time=time.time(), step=step, summary=Summary(value=values))
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:

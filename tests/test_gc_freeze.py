@@ -1,12 +1,13 @@
 """`moe_rl.gc_freeze.freeze_setup`: setup's garbage is collected first, what is alive is frozen out
-of later passes, and what the loop allocates afterwards is collected as before."""
+of later passes, what the loop allocates afterwards is collected as before, and `thaw` gives the
+frozen objects back."""
 
 from __future__ import annotations
 
 import gc
 import weakref
 
-from moe_rl.gc_freeze import freeze_setup
+from moe_rl.gc_freeze import freeze_setup, thaw
 
 
 class _Node:
@@ -28,5 +29,11 @@ def test_freeze_setup_collects_then_freezes():
         del later
         gc.collect()
         assert gone() is None  # the loop's objects are still collected
+        kept_ref = weakref.ref(kept)
+        del kept
+        gc.collect()
+        assert kept_ref() is not None  # frozen in its cycle: no pass frees it
     finally:
-        gc.unfreeze()
+        thaw()
+    gc.collect()
+    assert kept_ref() is None  # thawed, it is collected

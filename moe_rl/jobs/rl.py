@@ -34,7 +34,7 @@ import ray
 
 from moe_rl.config import RunConfig, dump_config, to_dict
 from moe_rl.engine.client import engine_name
-from moe_rl.gc_freeze import freeze_setup
+from moe_rl.gc_freeze import freeze_setup, thaw
 from moe_rl.jobs.evaluations import DriverEvaluations
 from moe_rl.metrics import MetricsLogger
 from moe_rl.progress import StepProgress
@@ -342,6 +342,7 @@ def _attempt(config: RunConfig, restore: RunCheckpoint | None, stop: StopSignals
     finally:
         ledger = cluster.close()
         logger.close()
+        thaw()  # a driver that goes on (tests, a notebook) may collect what this start froze
     return Attempt(setup_s, train_s, ledger, preempted)
 
 

@@ -78,7 +78,9 @@ class RewardScorer:
         return {f"{self.prefix}/reward_errors": self.errors, f"{self.prefix}/reward_timeouts": self.timeouts}
 
     def close(self) -> None:
-        """Nothing to release: a call still running is a daemon thread that ends with the process."""
+        """End the idle threads; a call still running keeps its daemon thread until it returns (or
+        the process ends)."""
+        self._threads.close()
 
     def _start(self, text: str, answer: Any, sample: Any) -> tuple[concurrent.futures.Future, threading.Thread]:
         return self._threads.submit(lambda: float(self.fn(text, answer, sample)))
@@ -126,6 +128,14 @@ class _Threads:
         self.name = name
         self._idle: list[tuple[queue.SimpleQueue, threading.Thread]] = []
         self._lock = threading.Lock()
+        self._closed = False
+
+    def close(self) -> None:
+        """End every idle thread now, and every busy one when its call returns."""
+        with self._lock:
+            self._closed, idle, self._idle = True, self._idle, []
+        for inbox, _ in idle:
+            inbox.put(None)
 
     def submit(self, fn: Callable[[], Any]) -> tuple[concurrent.futures.Future, threading.Thread]:
         """Run `fn` on an idle thread (or a new one); its future and the thread running it."""
@@ -141,8 +151,8 @@ class _Threads:
 
     def _serve(self, inbox: queue.SimpleQueue) -> None:
         me = (inbox, threading.current_thread())
-        while True:
-            fn, future = inbox.get()
+        while (call := inbox.get()) is not None:  # None: closed
+            fn, future = call
             ran = future.set_running_or_notify_cancel()  # False: cancelled before it ran
             result = error = None
             if ran:
@@ -151,7 +161,10 @@ class _Threads:
                 except BaseException as raised:  # everything goes to the waiter
                     error = raised
             with self._lock:  # idle again before the waiter hears: its next call may come here
-                self._idle.append(me)
+                if self._closed:
+                    inbox.put(None)
+                else:
+                    self._idle.append(me)
             if ran and error is not None:
                 future.set_exception(error)
             elif ran:

@@ -106,6 +106,29 @@ def test_threads_are_reused_except_one_stuck_in_its_call():
     assert scorer.score_blocking("e", None, None) == 1.0 and ran_on[5] in (stuck, fresh)
 
 
+def test_close_ends_idle_threads_now_and_a_stuck_one_when_its_call_returns():
+    ran_on = {}
+
+    def reward(text, answer, sample):
+        ran_on[text] = threading.get_ident()
+        return stuck_reward(text, answer, sample)
+
+    scorer = RewardScorer(reward, timeout_s=0.3, workers=2)
+
+    async def main():
+        return await asyncio.gather(scorer.score("hang", None, None), scorer.score("fine", None, None))
+
+    assert asyncio.run(main()) == [0.0, 1.0]
+    threads = {thread.ident: thread for thread in threading.enumerate()}
+    stuck, idle = threads[ran_on["hang"]], threads[ran_on["fine"]]
+    scorer.close()
+    idle.join(timeout=30)
+    assert not idle.is_alive() and stuck.is_alive()
+    RELEASE.set()
+    stuck.join(timeout=30)
+    assert not stuck.is_alive()
+
+
 def test_a_reward_that_raises_timeout_error_counts_as_a_timeout():
     def grader_past_its_limit(text, answer, sample):
         raise TimeoutError("the grader's child ran past 10 s")

@@ -6,7 +6,9 @@ walks every one of them, holding the GIL all the while: in the async bench's rol
 pass took 117 ms and stopped request submission while the trainer waited for its batch (the
 timeline's "gc" lane shows each pass). `freeze_setup` collects once and moves what survives into
 the permanent generation, which later passes skip; what the loop allocates afterwards (samples,
-batches) is still collected as before. Each process calls it once, at the end of its setup; a
+batches) is still collected as before. Each process calls it once, at the end of its setup (the
+embedded engine freezes its models itself, `moe_rl.engine.embedded.runner`, again once its spare
+model exists); a
 process that goes on after the run (the driver inside tests or a notebook) calls `thaw`, since a
 frozen object in a reference cycle is never collected.
 """

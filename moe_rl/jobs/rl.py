@@ -242,7 +242,7 @@ def _attempt(config: RunConfig, restore: RunCheckpoint | None, stop: StopSignals
         if faults.since is not None:
             faults.restart_s, faults.since = faults.restart_s + time.perf_counter() - faults.since, None
         clock = StepClock(
-            cluster.rollout_metrics()["engines/active_s"],
+            cluster.engines_active_s(),
             colocate=config.rl.colocate,
             full_weight_sync=config.lora is None,
         )

@@ -269,9 +269,10 @@ class RLCluster:
         recovers engines while waiting for it."""
         return self._wait(asked)
 
-    def rollout_metrics(self) -> dict[str, float]:
-        """The rollout worker's counters (`RolloutManager.metrics` plus the engines' active seconds)."""
-        return self._ask(self.rollout.metrics.remote(), "metrics")
+    def engines_active_s(self) -> float:
+        """The mean engine's active seconds so far (the rollout worker's `engines/active_s`), read
+        without taking the counters' window: episodes finished before the first step stay in its row."""
+        return self._ask(self.rollout.engines_active_s.remote(), "engines_active_s")
 
     def admit(self, version: int) -> ray.ObjectRef:
         """Tell the rollout worker that engines serve `version` now (the buffer admits by it);
@@ -279,7 +280,7 @@ class RLCluster:
         return self.rollout.admit.remote(version)
 
     def admitted(self, ref: ray.ObjectRef) -> dict[str, float]:
-        """The answer of `admit`: the worker's counters read just before (`rollout_metrics`)."""
+        """The answer of `admit`: the worker's counters read just before (`RolloutWorker.metrics`)."""
         return self._ask(ref, "admit")
 
     def start_eval(self) -> None:

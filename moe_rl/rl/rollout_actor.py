@@ -423,6 +423,10 @@ class RolloutWorker:
             "rollout/generated_tokens_per_s": self.pool.generated_tokens / (time.perf_counter() - self.started),
         }
 
+    async def engines_active_s(self) -> float:
+        """`engines/active_s` alone (`metrics` also takes the windowed counters, such as the agents')."""
+        return self._mean_active_s()
+
     def _mean_active_s(self) -> float:
         """Cumulative active seconds of the mean engine: each call adds the busy seconds since the
         last one over the engines present now, so the count changing (`moe-rl engines`) does not

@@ -43,7 +43,7 @@ from moe_rl.rl import resume as resume_state
 from moe_rl.rl import stacks
 from moe_rl.rl.cluster import RLCluster
 from moe_rl.rl.colocate import engines_released
-from moe_rl.rl.consistency_probe import PROBE_PREFIX, ProbeRequest, probe_due
+from moe_rl.rl.consistency_probe import ProbeRequest, probe_due, probe_metrics
 from moe_rl.rl.preemption import StopSignals
 from moe_rl.rl.resume import RunCheckpoint
 from moe_rl.rl.rollout_actor import BatchRequest
@@ -68,6 +68,9 @@ class StepRow:
     info: BatchInfo
     records: list | None
     admitted: ray.ObjectRef
+    probe: ray.ObjectRef | None = None
+    """The engines' scoring of this step's consistency probe, which the next step's train step
+    compares before its update: the row waits for that step's metrics."""
 
 
 @dataclass
@@ -282,11 +285,18 @@ def _attempt(config: RunConfig, restore: RunCheckpoint | None, stop: StopSignals
                     clock.training(),
                     engines_released(cluster.engines, config.engines.kind, config.rl.colocate, metrics),
                 ):
-                    training = cluster.trainer.start_step(batch.tensors, config.algorithm, version + 1)
-                    if row is not None:
+                    probing = row.probe if row is not None else None  # the last step's probe (5)
+                    training = cluster.trainer.start_step(batch.tensors, config.algorithm, version + 1, probing)
+                    if probing is None and row is not None:
                         write_row(row)
                         row = None
+                    if probing is not None:
+                        _probe_scored(cluster, probing, version)
                     metrics.update(cluster.trainer.step_result(training))
+                    if probing is not None:
+                        row.metrics.update(probe_metrics(metrics))
+                        write_row(row)
+                        row = None
                     checkpoints.complete()  # run checkpoints whose background writes are done
                 # 3. update the engines' weights to version + 1 (eval.hold_sync: after the running evaluation)
                 with TRACER.span("weight sync"):
@@ -300,14 +310,23 @@ def _attempt(config: RunConfig, restore: RunCheckpoint | None, stop: StopSignals
                 with TRACER.span("evaluations"):
                     metrics.update(evaluations.step_done(version + 1, config.steps))
                 # 5. every trainer.consistency_probe_every steps: an engine scores a few of the batch's
-                #    sequences under version + 1 and the trainer runs the same ids (the rollout goes on)
+                #    sequences under version + 1, beside the rollout, and the trainer runs the same ids
+                #    on the same weights: in the next step, before its update (the scoring's wait is
+                #    then that step's forward-backward), or now when no next step was asked for or
+                #    colocated engines give their memory back while it trains
+                scoring = None
                 if batch.probe_ids is not None:
-                    with TRACER.span("consistency probe"):
-                        metrics.update(_probe(cluster, config, batch.probe_ids, version + 1))
+                    scoring = cluster.start_probe(batch.probe_ids, _probe_request(config, version + 1))
+                    if asked is None or config.rl.colocate:
+                        with TRACER.span("consistency probe"):
+                            _probe_scored(cluster, scoring, version + 1)
+                            metrics.update(cluster.trainer.probe([scoring]))
+                        scoring = None
                 # 6. the step's row: written while the next step trains, now if this step
                 #    checkpoints or ends the run
                 metrics.update(clock.end(metrics))
-                row = StepRow(version + 1, metrics, info, batch.records if dumps is not None else None, admitted)
+                records = batch.records if dumps is not None else None
+                row = StepRow(version + 1, metrics, info, records, admitted, probe=scoring)
                 stopping = stop.requested is not None and asked is None and not last
                 if last or stopping or checkpoint_due(version + 1):
                     write_row(row)
@@ -378,21 +397,18 @@ def _update_weights(cluster: RLCluster, config: RunConfig, version: int) -> dict
     return metrics
 
 
-def _probe(cluster: RLCluster, config: RunConfig, ids: list[list[int]], version: int) -> dict[str, float]:
-    """The consistency probe of `version` (the engines serve it now; `moe_rl.rl.consistency_probe`):
-    the rollout worker scores `ids` (a few of the step's sequences), the trainer ranks compare. A
-    probe the engines cannot answer on `version` is skipped, and says so."""
-    start = time.perf_counter()
-    request = ProbeRequest(
+def _probe_request(config: RunConfig, version: int) -> ProbeRequest:
+    """How the engines score the consistency probe of `version` (`moe_rl.rl.consistency_probe`)."""
+    return ProbeRequest(
         version,
         routing=config.trainer.routing_replay,
         lora_path=adapter_name(version) if config.lora is not None else None,
     )
-    scored = cluster.score_probe(ids, request)
+
+
+def _probe_scored(cluster: RLCluster, scoring: ray.ObjectRef, version: int) -> None:
+    """Wait for the engines' scoring of the probe of `version` (engines recover meanwhile; the
+    trainer ranks take it themselves) and say why when they could not score it on that version."""
+    scored = cluster.probe_scored(scoring)
     if isinstance(scored, str):
         log.warning("consistency probe of version %d skipped: %s", version, scored)
-        metrics = {f"{PROBE_PREFIX}skipped": 1.0}
-    else:
-        metrics = {**cluster.trainer.probe(scored), f"{PROBE_PREFIX}skipped": 0.0}
-    metrics["time/consistency_probe_s"] = time.perf_counter() - start
-    return metrics

@@ -295,10 +295,16 @@ class RLCluster:
         """Wait until no group is generating (drain-before-sync); recovers engines meanwhile."""
         return self._wait(self.rollout.drain.remote())
 
-    def score_probe(self, ids: list[list[int]], request: ProbeRequest) -> ProbeBatch | str:
-        """The rollout worker scores the consistency probe's sequences (`TrainBatch.probe_ids`;
-        `moe_rl.rl.consistency_probe`); recovers engines while it waits."""
-        return self._wait(self.rollout.score_probe.remote(ids, request))
+    def start_probe(self, ids: list[list[int]], request: ProbeRequest) -> ray.ObjectRef:
+        """The rollout worker starts scoring the consistency probe's sequences (`TrainBatch.probe_ids`;
+        `moe_rl.rl.consistency_probe`) beside the rollout; returns at once: the trainer ranks take
+        the ref, `probe_scored` waits for it."""
+        return self.rollout.score_probe.remote(ids, request)
+
+    def probe_scored(self, scoring: ray.ObjectRef) -> ProbeBatch | str:
+        """The answer of `start_probe`: the probe batch, or why it is skipped; recovers engines
+        while it waits (a restarted engine scores it)."""
+        return self._wait(scoring)
 
     def start_trace(self) -> None:
         """Every process records its spans (`moe_rl.trace`): the driver, each trainer rank, the

@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # megatron-core loads only where a trainer runs, not in the r
     from moe_rl.trainer.megatron_trainer import MegatronTrainer
 
 PROBE_PREFIX = "consistency/probe/"
+PROBE_TIME = "time/consistency_probe_s"
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,20 @@ def compare(trainer: MegatronTrainer, probe: ProbeBatch) -> dict[str, float]:
         # every MoE layer counts the same tokens: the mean over layers is the mean over decisions
         metrics[f"{PROBE_PREFIX}routing_agreement"] = sum(agreement.values()) / len(agreement)
     metrics[f"{PROBE_PREFIX}tokens"] = float(mask.sum())
+    metrics[f"{PROBE_PREFIX}skipped"] = 0.0
     return metrics
+
+
+def skipped_probe() -> dict[str, float]:
+    """The metrics of a probe the engines could not answer on the trainer's version."""
+    return {f"{PROBE_PREFIX}skipped": 1.0}
+
+
+def probe_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """The probe's entries of a train step's metrics (`consistency/probe/*` and its cost), taken
+    out of them: they belong to the row of the step whose version was probed."""
+    names = [name for name in metrics if name.startswith(PROBE_PREFIX) or name == PROBE_TIME]
+    return {name: metrics.pop(name) for name in names}
 
 
 def _padded(trainer: MegatronTrainer, probe: ProbeBatch) -> dict[str, torch.Tensor]:

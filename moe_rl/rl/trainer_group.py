@@ -30,7 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from moe_rl.algorithms import AlgorithmConfig
 from moe_rl.cpu_pools import pin_process, process_cores
 from moe_rl.gc_freeze import freeze_setup
-from moe_rl.rl.consistency_probe import ProbeBatch, compare
+from moe_rl.rl.consistency_probe import PROBE_TIME, ProbeBatch, compare, skipped_probe
 from moe_rl.rl.stacks import RunProcess, enable_stack_dumps
 from moe_rl.rollout.train_batch import RLBatch
 from moe_rl.trace import TRACER
@@ -192,20 +192,43 @@ class TrainerRank:
         return self.weight_sync.sync(request)
 
     @collective
-    def step(self, batch: list[ray.ObjectRef], algorithm: AlgorithmConfig, step: int) -> dict[str, float]:
+    def step(
+        self,
+        batch: list[ray.ObjectRef],
+        algorithm: AlgorithmConfig,
+        step: int,
+        probe: list[ray.ObjectRef] | None = None,
+    ) -> dict[str, float]:
         """`moe_rl.trainer.rl_step.rl_step` of RL `step` on this rank (collective). `batch`: the
         rollout worker's ObjectRef of the `RLBatch`, in a list so that Ray passes the ref and this
-        rank fetches the tensors itself (the timeline's "batch transfer")."""
+        rank fetches the tensors itself (the timeline's "batch transfer"). `probe`: the previous
+        step's consistency probe, the engines' scoring as an ObjectRef in a list, compared before
+        this step's first optimizer step (its metrics come back beside the step's)."""
         with TRACER.span("batch transfer"):
             tensors = ray.get(batch[0])
+        probed: dict[str, float] = {}
+        before_update = (lambda: probed.update(self._probe(probe[0]))) if probe else None
         with TRACER.span("train step", step=step):
-            return rl_step(self.trainer, tensors, algorithm, self.model_path, step=step)
+            metrics = rl_step(self.trainer, tensors, algorithm, self.model_path, step=step, before_update=before_update)
+        if probed:  # the probe ran inside the train step's time: not the step's own
+            metrics["time/train_step_s"] -= probed[PROBE_TIME]
+        return {**metrics, **probed}
 
     @collective
-    def probe(self, probe: ProbeBatch) -> dict[str, float]:
-        """`moe_rl.rl.consistency_probe.compare` on this rank (collective)."""
+    def probe(self, scored: list[ray.ObjectRef]) -> dict[str, float]:
+        """The consistency probe on this rank's weights now (collective): `scored` holds the
+        rollout worker's scoring (`RolloutWorker.score_probe`) as an ObjectRef in a list."""
+        return self._probe(scored[0])
+
+    def _probe(self, scored: ray.ObjectRef) -> dict[str, float]:
+        """`compare` against the engines' scores once they are in, or the skip they answered
+        (the driver logs why); `time/consistency_probe_s` is what it cost this rank."""
+        start = time.perf_counter()
         with TRACER.span("consistency probe"):
-            return compare(self.trainer, probe)
+            answer: ProbeBatch | str = ray.get(scored)
+            metrics = skipped_probe() if isinstance(answer, str) else compare(self.trainer, answer)
+        metrics[PROBE_TIME] = time.perf_counter() - start
+        return metrics
 
     def enable_stack_dumps(self, run_dir: str) -> RunProcess:
         """SIGUSR2 dumps this rank's stacks (`moe_rl.rl.stacks`)."""
@@ -263,12 +286,19 @@ class TrainerGroup:
         self._all(TrainerRank.setup, master, trainer_config, model_config, lora)
 
     # -- the ranks' methods, each run on every rank at once (see TrainerRank for what they do) --
-    def start_step(self, batch: ray.ObjectRef | RLBatch, algorithm: AlgorithmConfig, step: int) -> list:
+    def start_step(
+        self,
+        batch: ray.ObjectRef | RLBatch,
+        algorithm: AlgorithmConfig,
+        step: int,
+        probe: ray.ObjectRef | None = None,
+    ) -> list:
         """Start RL `step` on every rank; returns at once (`step_result` waits). `batch`: the rollout
         worker's ObjectRef (each rank fetches it; the tensors never pass through the driver) or an
-        `RLBatch` (put once here)."""
+        `RLBatch` (put once here). `probe`: the rollout worker's scoring of the previous step's
+        consistency probe, compared before this step's update (`TrainerRank.step`)."""
         ref = ray.put(batch) if isinstance(batch, RLBatch) else batch
-        return self._submit(TrainerRank.step, [ref], algorithm, step)
+        return self._submit(TrainerRank.step, [ref], algorithm, step, [probe] if probe is not None else None)
 
     def step_result(self, refs: list) -> dict[str, float]:
         """Rank 0's metrics of the step `start_step` started."""

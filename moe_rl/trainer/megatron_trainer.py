@@ -313,7 +313,12 @@ class MegatronTrainer:
 
     # -- training -----------------------------------------------------------------------------
     def train_step(
-        self, batch: Batch, loss_fn: LossFn = next_token_loss, mini_batches: int = 1, keep_logprobs: bool = False
+        self,
+        batch: Batch,
+        loss_fn: LossFn = next_token_loss,
+        mini_batches: int = 1,
+        keep_logprobs: bool = False,
+        before_update: Callable[[], None] | None = None,
     ) -> StepResult:
         """Optimizer steps on a global batch (every rank passes the same whole batch): one, or one
         per block of rows with `mini_batches` (PPO mini-batches), each normalised by its own
@@ -321,7 +326,10 @@ class MegatronTrainer:
         trainer.global_batch_size sequences, or more in whole multiples of the mini-batches'
         microbatches (agent episodes forked by history edits add rows; see rollout.train_batch).
         `keep_logprobs` (one mini-batch): the result also holds the forward's logprobs, gathered
-        like `forward_logprobs` gives them (the RL step's old logprobs, without a pass of their own)."""
+        like `forward_logprobs` gives them (the RL step's old logprobs, without a pass of their own).
+        `before_update`: called once after the first block's backward, before its optimizer step,
+        on the weights the step began with (the consistency probe's compare runs there, so that
+        the engines' scoring it waits for has the forward-backward's time to arrive)."""
         rows = self._check_rows(batch, mini_batches)
         if keep_logprobs and mini_batches != 1:
             raise ValueError(f"train_step keep_logprobs with mini_batches={mini_batches}: it keeps one forward, use 1")
@@ -344,10 +352,12 @@ class MegatronTrainer:
             if keep_logprobs:
                 logprobs = self._gather_rows(reports, "logprobs", batch["tokens"].shape[1] - 1)
                 reports = [{key: value for key, value in report.items() if key != "logprobs"} for report in reports]
+            mtp = _taken_mtp_losses(sum(1 for report in reports if report["rows"]), self.config.cp > 1)
+            if before_update is not None and index == 0:  # grads are reduced; forwards leave them be
+                before_update()
             with TRACER.span("optimizer", mini_batch=index):
                 updated, grad_norm, _ = self.optimizer.step()
             self.step += 1
-            mtp = _taken_mtp_losses(sum(1 for report in reports if report["rows"]), self.config.cp > 1)
             for key, value in self._reduce_reports(reports + mtp).items():
                 sums[key] = sums.get(key, 0.0) + value
             norms.append(float(grad_norm) if grad_norm is not None else float("nan"))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ def rl_step(
     algorithm: AlgorithmConfig,
     model_path: str | None = None,
     step: int = 1,
+    before_update: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Old logprobs (behaviour policy, with R3 when configured), reference logprobs (kl_coef > 0),
     the off-policy gap, then one optimizer step per PPO mini-batch, all against these old
@@ -42,7 +43,8 @@ def rl_step(
     training forward itself (`train_step(keep_logprobs=True)`), not from a pass of their own.
     `model_path`: where the KL reference comes from unless algorithm.ref_model_path says.
     `step`: the RL step being trained (the logged step, version + 1); with R3 the routing-off
-    forward runs when `no_replay_forward_due(step)`."""
+    forward runs when `no_replay_forward_due(step)`. `before_update`: run before the first
+    optimizer step, on the weights the step began with (`MegatronTrainer.train_step`)."""
     mask = batch.loss_mask[:, 1:].bool()
     recompute = algorithm.num_mini_batches > 1
     metrics: dict[str, float] = {}
@@ -68,7 +70,11 @@ def rl_step(
         metrics["time/no_replay_forward_s"] = time.perf_counter() - start
     start = time.perf_counter()
     result = trainer.train_step(
-        batch.tensors(), make_policy_loss(algorithm), algorithm.num_mini_batches, keep_logprobs=not recompute
+        batch.tensors(),
+        make_policy_loss(algorithm),
+        algorithm.num_mini_batches,
+        keep_logprobs=not recompute,
+        before_update=before_update,
     )
     metrics["time/train_step_s"] = time.perf_counter() - start
     if not recompute:

@@ -44,16 +44,32 @@ def _step_rank():
     from moe_rl.algorithms import AlgorithmConfig
     from moe_rl.trainer.rl_step import rl_step
 
+    algorithm = AlgorithmConfig(num_mini_batches=2)
     trainer = _trainer()
-    metrics = rl_step(trainer, _batch(), AlgorithmConfig(num_mini_batches=2))
-    return metrics, trainer.step
+    start = trainer.forward_logprobs(_batch().tensors())
+    seen = []  # what a forward inside the step sees, where the consistency probe compares
+    metrics = rl_step(
+        trainer, _batch(), algorithm, before_update=lambda: seen.append(trainer.forward_logprobs(_batch().tensors()))
+    )
+    end = trainer.forward_logprobs(_batch().tensors())
+    plain = _trainer()  # the same step without the hook
+    unhooked = rl_step(plain, _batch(), algorithm)
+    hook = {"calls": len(seen), "saw_start": torch.equal(seen[0], start), "end_moved": not torch.equal(end, start)}
+    same_update = torch.equal(end, plain.forward_logprobs(_batch().tensors()))
+    return metrics, trainer.step, hook, same_update, _untimed(unhooked)
+
+
+def _untimed(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if not k.startswith("time/")}
 
 
 def test_rl_step_on_two_ranks():
-    """Old logprobs once, two PPO mini-batches, the same metrics on every rank."""
-    (metrics, steps), (other, other_steps) = spawn(_step_rank, 2)
-    untimed = {k: v for k, v in metrics.items() if not k.startswith("time/")}
-    assert untimed == {k: v for k, v in other.items() if not k.startswith("time/")}
+    """Old logprobs once, two PPO mini-batches, the same metrics on every rank. `before_update`
+    runs once, on the weights the step began with, and a forward there leaves the update as it was."""
+    (metrics, steps, hook, same_update, unhooked), (other, other_steps, *_) = spawn(_step_rank, 2)
+    untimed = _untimed(metrics)
+    assert untimed == _untimed(other) == unhooked
+    assert hook == {"calls": 1, "saw_start": True, "end_moved": True} and same_update
     assert steps == other_steps == 2
     for key in (
         "offpolicy/logprob_diff_mean",

@@ -3,8 +3,8 @@
 `offpolicy/logprob_diff_*` compares the engine's rollout logprobs with the trainer's old logprobs;
 under `max_staleness >= 1` most tokens come from an older version, so it mostly measures how far the
 policy moved. The probe takes the policy's movement out (docs/algorithm.md). Every
-`trainer.consistency_probe_every` RL steps, right after the weight sync (engines and trainer then
-hold the same version until the next step):
+`trainer.consistency_probe_every` RL steps, after the weight sync (engines and trainer then hold
+the same version until the next step's optimizer step):
   1. the rollout worker, building the step's batch, keeps the ids of
      `trainer.consistency_probe_samples` of its sequences (rows with trained tokens, evenly spaced;
      `probe_ids`; the driver holds only these); after the sync an engine scores each as it is: a
@@ -13,11 +13,13 @@ hold the same version until the next step):
   2. an engine answering with another weight version (with LoRA: without the version's adapter)
      skips the probe (`consistency/probe/skipped`): it never compares across versions;
   3. the trainer runs the same ids, replaying the engine's routing with `trainer.routing_replay`,
-     and again with natural routing, recorded, for the routing agreement;
+     and again with natural routing, recorded, for the routing agreement: inside the next step,
+     between its forward-backward and its first optimizer step (the engine scores meanwhile), or
+     at once when no next step follows in the same start or engines are colocated;
   4. it logs `consistency/probe/logprob_diff_mean` and `_max` (|engine - trainer| over every scored
      token: each token after the first of each sequence), `logprob_diff_no_replay_mean` and
      `routing_agreement` (trainer natural top-k vs the engine's, over those tokens of MoE layers),
-     and the probe's cost, `time/consistency_probe_s`.
+     and the probe's cost to the trainer, `time/consistency_probe_s`.
 The driver runs the steps in order (`moe_rl.jobs.rl`); the rollout worker does 1-2 (`probe_ids`,
 `score_rows`), every trainer rank 3-4 (`compare`).
 """

@@ -287,13 +287,13 @@ def _attempt(config: RunConfig, restore: RunCheckpoint | None, stop: StopSignals
                 ):
                     probing = row.probe if row is not None else None  # the last step's probe (5)
                     training = cluster.trainer.start_step(batch.tensors, config.algorithm, version + 1, probing)
-                    if probing is None and row is not None:
-                        write_row(row)
-                        row = None
                     if probing is not None:
                         _probe_scored(cluster, probing, version)
+                    elif row is not None:
+                        write_row(row)
+                        row = None
                     metrics.update(cluster.trainer.step_result(training))
-                    if probing is not None:
+                    if probing is not None:  # that row waited for the probe's metrics
                         row.metrics.update(probe_metrics(metrics))
                         write_row(row)
                         row = None

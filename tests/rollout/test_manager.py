@@ -99,8 +99,9 @@ def test_slow_engine_makes_the_trainer_wait_within_the_bound(engine, model_dirs)
 
 
 def test_oversampling_and_zero_variance_groups_are_accounted(engine, model_dirs):
-    # Round 0 starts g0-0..g0-3: g0-0 scores flat (dropped, no refill: 3 still run for 2 places),
-    # two of the other three are kept and the third is oversampled.
+    # Round 0 starts g0-0..g0-3: g0-0 and g0-3 score flat, never delivered (no refill: the other
+    # two take the 2 places). A flat group that ends before the places are taken is dropped as
+    # zero_variance, one that ends after as oversampled: which comes first is the engine's order.
     config = RolloutConfig(
         groups_per_step=2,
         n_samples_per_prompt=4,
@@ -114,7 +115,7 @@ def test_oversampling_and_zero_variance_groups_are_accounted(engine, model_dirs)
     counts = manager.accounting()
     assert counts["delivered"] == 8 and max(seen) == 0, counts
     assert counts.get("dropped_zero_variance", 0) > 0 and counts.get("dropped_oversampled", 0) > 0, counts
-    assert manager.buffer.dropped["g0-0"] == "zero_variance"
+    assert manager.buffer.dropped["g0-0"] in ("zero_variance", "oversampled")
     for gid in manager.buffer.delivered:
         assert gid not in manager.buffer.dropped and int(gid.rsplit("-", 1)[1]) % 3 != 0
     check_ledger(manager)

@@ -8,9 +8,8 @@ timeline's "gc" lane shows each pass). `freeze_setup` collects once and moves wh
 the permanent generation, which later passes skip; what the loop allocates afterwards (samples,
 batches) is still collected as before. Each process calls it once, at the end of its setup (the
 embedded engine freezes its models itself, `moe_rl.engine.embedded.runner`, again once its spare
-model exists); a
-process that goes on after the run (the driver inside tests or a notebook) calls `thaw`, since a
-frozen object in a reference cycle is never collected.
+model exists); a process that goes on after the run (the driver inside tests or a notebook) calls
+`thaw`, since a frozen object in a reference cycle is never collected.
 """
 
 from __future__ import annotations

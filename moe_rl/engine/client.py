@@ -86,6 +86,18 @@ def engine_index(name: str) -> int:
     return int(name.removeprefix("engine-"))
 
 
+def _generate_options(
+    return_logprob: bool, return_routed_experts: bool, routed_experts_start_len: int, lora_path: str | None
+) -> dict:
+    """The /generate fields beside the prompt and its sampling (those at SGLang's default left out)."""
+    options = {"return_logprob": return_logprob, "return_routed_experts": return_routed_experts}
+    if routed_experts_start_len:
+        options["routed_experts_start_len"] = routed_experts_start_len
+    if lora_path is not None:
+        options["lora_path"] = lora_path
+    return options
+
+
 class EngineClient:
     def __init__(
         self,
@@ -202,19 +214,43 @@ class EngineClient:
         lora_path: str | None = None,
     ) -> GenerateResult:
         """POST /generate for one prompt, sampled as `sampling` says; see `GenerateResult`."""
+        rid = rid or uuid.uuid4().hex
         body = {
-            "rid": rid or uuid.uuid4().hex,
+            "rid": rid,
             "input_ids": list(input_ids),
             "sampling_params": sampling.body(),
-            "return_logprob": return_logprob,
-            "return_routed_experts": return_routed_experts,
+            **_generate_options(return_logprob, return_routed_experts, routed_experts_start_len, lora_path),
         }
-        if routed_experts_start_len:
-            body["routed_experts_start_len"] = routed_experts_start_len
-        if lora_path is not None:
-            body["lora_path"] = lora_path
         data = await self._request("POST", "/generate", body, timeout_s=self.generate_timeout_s, idempotent=False)
-        return await self._result(body["rid"], data)
+        return await self._result(rid, data)
+
+    async def generate_batch(
+        self,
+        input_ids: list[list[int]],
+        sampling: list[SamplingParams],
+        *,
+        return_logprob: bool = True,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
+        rids: list[str] | None = None,
+        lora_path: str | None = None,
+    ) -> list[GenerateResult]:
+        """SGLang's batch form of POST /generate: one exchange for several prompts (`input_ids` a list
+        of lists, one `sampling_params` and one `rid` each; the other options are the batch's),
+        answered once every item has ended, with one `GenerateResult` per item in order."""
+        if len(sampling) != len(input_ids) or (rids is not None and len(rids) != len(input_ids)):
+            raise ValueError("generate_batch: give one sampling (and one rid) per input_ids entry")
+        rids = rids or [uuid.uuid4().hex for _ in input_ids]
+        body = {
+            "rid": rids,
+            "input_ids": [list(ids) for ids in input_ids],
+            "sampling_params": [params.body() for params in sampling],
+            **_generate_options(return_logprob, return_routed_experts, routed_experts_start_len, lora_path),
+        }
+        data = await self._request("POST", "/generate", body, timeout_s=self.generate_timeout_s, idempotent=False)
+        if not isinstance(data, list) or len(data) != len(rids):
+            raise EngineError(self.name, "/generate", None, f"a batch of {len(rids)} got {str(data)[:200]!r}")
+        return [await self._result(rid, item) for rid, item in zip(rids, data)]
 
     async def score(
         self, input_ids: list[int], *, return_routed_experts: bool = True, lora_path: str | None = None

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from typing import Awaitable, Callable, TypeVar
 
 from moe_rl.engine.client import EngineClient, EngineError, GenerateResult, ScoreResult
@@ -65,6 +66,7 @@ class EnginePool:
         self._checks: dict[int, asyncio.Task] = {}  # running health check per engine
         self._any_live = asyncio.Event()
         self._any_live.set()
+        self._forming: dict[tuple, GroupBatch] = {}  # batches taking requests in this loop pass
 
     def pick(self, group_id: str | None = None) -> int:
         """Index of the live engine for the next request of `group_id` (recorded for the group)."""
@@ -83,12 +85,48 @@ class EnginePool:
         self._groups.pop(group_id, None)
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, *, group_id: str | None = None, **kwargs
+        self, input_ids: list[int], sampling: SamplingParams, *, group_id: str | None = None, **options
     ) -> GenerateResult:
-        """`EngineClient.generate` on the engine `pick(group_id)` chose; resubmitted if it dies."""
-        index, result = await self._on_live_engine(
-            group_id, lambda client: client.generate(input_ids, sampling, **kwargs)
-        )
+        """`EngineClient.generate` on the engine `pick(group_id)` chose; resubmitted if it dies. A
+        group's requests made in one pass of the event loop with the same `options` (a group's
+        samples, started together) go as one batch request (`GroupBatch`)."""
+        if group_id is None:
+            index, result = await self._on_live_engine(
+                None, lambda client: client.generate(input_ids, sampling, **options)
+            )
+            self._count(index, result)
+            return result
+        key = (group_id, tuple(sorted(options.items())))
+        batch = self._forming.get(key)
+        if batch is None:
+            batch = self._forming[key] = GroupBatch(group_id, options)
+            asyncio.get_running_loop().call_soon(self._send, key)  # after this pass's other requests
+        return await batch.add(input_ids, sampling)
+
+    def _send(self, key: tuple) -> None:
+        batch = self._forming.pop(key)
+        batch.drop_cancelled()
+        if batch.waiters:
+            batch.task = asyncio.get_running_loop().create_task(self._run_batch(batch))
+
+    async def _run_batch(self, batch: GroupBatch) -> None:
+        def call(client: EngineClient) -> Awaitable[list[GenerateResult]]:
+            batch.engine = client
+            if len(batch.inputs) == 1:  # SGLang's single form: what the batch would be without batching
+                single = client.generate(batch.inputs[0], batch.sampling[0], rid=batch.rids[0], **batch.options)
+                return _as_list(single)
+            return client.generate_batch(batch.inputs, batch.sampling, rids=batch.rids, **batch.options)
+
+        try:
+            index, results = await self._on_live_engine(batch.group_id, call, len(batch.inputs))
+        except Exception as error:  # noqa: BLE001 - every caller of the batch gets it
+            batch.fail(error)
+            return
+        for result in results:
+            self._count(index, result)
+        batch.resolve(results)
+
+    def _count(self, index: int, result: GenerateResult) -> None:
         self.generated_tokens += len(result.output_ids)
         if result.meta_info.get("spec_verify_ct"):  # SGLang's speculative meta info (none without it)
             for name in SPEC_META:
@@ -98,7 +136,6 @@ class EnginePool:
             low, high = min(result.weight_versions), max(result.weight_versions)
             seen = self.versions[index]
             self.versions[index] = (low, high) if seen is None else (min(seen[0], low), max(seen[1], high))
-        return result
 
     async def score(self, input_ids: list[int], **kwargs) -> ScoreResult:
         """`EngineClient.score` (a prefill-only request of its own, in no group) on the live engine
@@ -107,34 +144,34 @@ class EnginePool:
         return result
 
     async def _on_live_engine(
-        self, group_id: str | None, call: Callable[[EngineClient], Awaitable[Served]]
+        self, group_id: str | None, call: Callable[[EngineClient], Awaitable[Served]], requests: int = 1
     ) -> tuple[int, Served]:
         """(engine index, `call(client)`) on the engine `pick(group_id)` chose, again on another
-        one if it died."""
+        one if it died; `call` makes `requests` requests (a batch's items)."""
         while True:
             await self._any_live.wait()
             index = self.pick(group_id)
             client = self.clients[index]
-            self._enter(index)
+            self._enter(index, requests)
             try:
                 result = await call(client)
             except EngineError as error:
                 if error.status is not None or not await self._died(index, client):
                     raise
-                self.resubmitted += 1
+                self.resubmitted += requests
                 continue
             finally:
-                self._leave(index)
-            self.served[index] += 1
+                self._leave(index, requests)
+            self.served[index] += requests
             return index, result
 
-    def _enter(self, index: int) -> None:
+    def _enter(self, index: int, requests: int) -> None:
         if self.in_flight[index] == 0:
             self._active_since[index] = time.time()
-        self.in_flight[index] += 1
+        self.in_flight[index] += requests
 
-    def _leave(self, index: int) -> None:
-        self.in_flight[index] -= 1
+    def _leave(self, index: int, requests: int) -> None:
+        self.in_flight[index] -= requests
         if self.in_flight[index] == 0:
             now = time.time()
             self._active_s[index] += now - self._active_since[index]
@@ -237,6 +274,72 @@ class EnginePool:
         for client in self.clients:
             if client is not None:
                 await client.close()
+
+
+class GroupBatch:
+    """Requests of one group, with the same options, made in one pass of the event loop: sent as
+    one batch request (SGLang's batch /generate), which answers when all of them have ended. A
+    group's samples end about together, and the group waits for its last one anyway; one exchange
+    instead of one per sample saves the engine's and the caller's per-request work (HTTP, JSON, the
+    loop's wakeups), which runs on the engine's core between its forwards. A caller that stops
+    waiting (cancelled) has its item aborted on the engine; when every caller has, the batch's
+    request is cancelled, and the engine aborts what is left of it."""
+
+    def __init__(self, group_id: str, options: dict):
+        self.group_id, self.options = group_id, options
+        self.inputs: list[list[int]] = []
+        self.sampling: list[SamplingParams] = []
+        self.rids: list[str] = []
+        self.waiters: list[asyncio.Future] = []
+        self.task: asyncio.Task | None = None  # the request, once sent
+        self.engine: EngineClient | None = None  # where it was sent
+        self._aborts: set[asyncio.Task] = set()
+
+    def add(self, input_ids: list[int], sampling: SamplingParams) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        future.add_done_callback(self._left)
+        self.inputs.append(list(input_ids))
+        self.sampling.append(sampling)
+        self.rids.append(uuid.uuid4().hex)
+        self.waiters.append(future)
+        return future
+
+    def drop_cancelled(self) -> None:
+        """Forget the items whose callers stopped waiting before the batch was sent."""
+        kept = [i for i, waiter in enumerate(self.waiters) if not waiter.cancelled()]
+        for name in ("inputs", "sampling", "rids", "waiters"):
+            setattr(self, name, [getattr(self, name)[i] for i in kept])
+
+    def resolve(self, results: list[GenerateResult]) -> None:
+        for waiter, result in zip(self.waiters, results):
+            if not waiter.done():
+                waiter.set_result(result)
+
+    def fail(self, error: Exception) -> None:
+        for waiter in self.waiters:
+            if not waiter.done():
+                waiter.set_exception(error)
+
+    def _left(self, waiter: asyncio.Future) -> None:
+        if not waiter.cancelled() or self.task is None or self.task.done():
+            return
+        if all(w.cancelled() for w in self.waiters):
+            self.task.cancel()  # the engine aborts every item when the request goes away
+        elif self.engine is not None:  # the others still wait: abort this item alone
+            abort = asyncio.ensure_future(self._abort(self.engine, self.rids[self.waiters.index(waiter)]))
+            self._aborts.add(abort)
+            abort.add_done_callback(self._aborts.discard)
+
+    @staticmethod
+    async def _abort(engine: EngineClient, rid: str) -> None:
+        try:
+            await engine.abort_request(rid)
+        except EngineError:  # the engine went away: nothing of the batch runs there any more
+            pass
+
+
+async def _as_list(single: Awaitable[GenerateResult]) -> list[GenerateResult]:
+    return [await single]
 
 
 _ABORT_POLL_S = 0.02  # `remove`: how often it aborts again while requests are still in flight

@@ -394,13 +394,48 @@ def weight_version_number(label: object) -> int | None:
     return version if version >= 0 else None
 
 
+BATCH_ITEM_FIELDS = ("rid", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "lora_path")
+"""The /generate fields that SGLang's batch form (`GenerateReqInput.normalize_batch_and_arguments`)
+takes per item when they are lists; every other field is the batch's as it is (one
+`routed_experts_start_len`, one `return_routed_experts`)."""
+
+
+def split_batch(body: dict) -> list[dict] | None:
+    """A batch /generate body (`input_ids` a list of lists) as one body per item, as SGLang's
+    normalisation splits it: a list in a `BATCH_ITEM_FIELDS` field gives each item its entry, a
+    string `rid` gives item i `f"{rid}_{i}"`, anything else is every item's. None for a single
+    request."""
+    ids = body.get("input_ids")
+    if not (isinstance(ids, list) and ids and isinstance(ids[0], list)):
+        return None
+    n = len(ids)
+    for field in BATCH_ITEM_FIELDS:
+        value = body.get(field)
+        if isinstance(value, list) and len(value) != n:
+            raise ValueError(f"{field}: a list of {len(value)} for a batch of {n} input_ids; give one entry per item")
+    items = []
+    for i in range(n):
+        item = {**body, "input_ids": ids[i]}
+        for field in BATCH_ITEM_FIELDS:
+            if isinstance(body.get(field), list):
+                item[field] = body[field][i]
+        if isinstance(body.get("rid"), str):
+            item["rid"] = f"{body['rid']}_{i}"
+        items.append(item)
+    return items
+
+
 def unknown_fields(path: str, body: dict) -> list[str]:
     """Names in `body` that the embedded engine does not take for `path` (sampling params included)."""
     extra = EMBEDDED_EXTENSIONS.get(path, frozenset()) | (ROUTER_IGNORED if path == "/generate" else frozenset())
     known = REQUEST_FIELDS[path] if path in REQUEST_FIELDS else EMBEDDED_ROUTES[path]
     bad = sorted(set(body) - known - extra)
-    if path == "/generate" and isinstance(body.get("sampling_params"), dict):
-        bad += sorted(f"sampling_params.{k}" for k in set(body["sampling_params"]) - SAMPLING_FIELDS)
+    if path == "/generate":
+        params = body.get("sampling_params")
+        given = [
+            p for p in (params if isinstance(params, list) else [params]) if isinstance(p, dict)
+        ]  # a batch: one per item
+        bad += sorted(f"sampling_params.{k}" for k in set().union(*given) - SAMPLING_FIELDS)
     return bad
 
 

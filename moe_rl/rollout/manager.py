@@ -9,7 +9,8 @@ for zero reward variance is replaced by a fresh prompt in the same round. Severa
 once, up to `max_staleness` ahead of the trainer.
 
 A group = `n_samples_per_prompt` generations of one prompt through the `EnginePool` (which keeps
-a group on one engine), each with logprobs and routed experts, then the rewards, through a
+a group on one engine and sends samples started together as one batch request), each with
+logprobs and routed experts, then the rewards, through a
 `RewardScorer` (`moe_rl.rollout.scoring`: off the loop, time-limited; a reward that raises or
 hangs scores 0, counted), or a served `Judge` (`rollout.reward: judge`, `moe_rl.signals.judge`);
 with a distillation `Teacher` the group's tokens are scored beside its rewards

@@ -2,12 +2,14 @@
 0.5.23's own request classes (conformance tier): the class SGLang's handler builds from the body
 (io_struct, through the same pydantic schema as its FastAPI layer), no field the class lacks
 (SGLang would drop it silently), `/generate` normalized as the tokenizer manager does and its
-sampling params verified by SGLang's `SamplingParams`."""
+sampling params verified by SGLang's `SamplingParams`; a batch body's items as SGLang splits them
+are the items `protocol.split_batch` gives the embedded engine."""
 
 from __future__ import annotations
 
 import pytest
 
+from moe_rl.engine import protocol
 from moe_rl.engine.client import EngineClient
 from moe_rl.engine.sampling import SamplingParams
 from tests.conformance import sglang_oracle
@@ -32,6 +34,13 @@ def _client_bodies() -> list[tuple[str, dict]]:
             lora_path="a",
         )
         await client.generate([1], SamplingParams(max_new_tokens=1))
+        await client.generate_batch(
+            [[1, 2, 3], [4]],
+            [SamplingParams(max_new_tokens=4, sampling_seed=s) for s in (1, 2)],
+            return_routed_experts=True,
+            routed_experts_start_len=1,
+            rids=["a", "b"],
+        )
         for mode in ("abort", "retract", "in_place"):
             await client.pause_generation(mode)
         await client.continue_generation()
@@ -73,8 +82,17 @@ def _check_with_sglang(bodies: list[tuple[str, dict]], classes: dict[str, str], 
             request = pydantic.TypeAdapter(cls).validate_python(body)
             if path == "/generate":
                 request.normalize_batch_and_arguments()
-                params = SamplingParams(**request.sampling_params)
-                params.verify(vocab)
+                if request.is_single:
+                    SamplingParams(**request.sampling_params).verify(vocab)
+                    continue
+                for i, item in enumerate(protocol.split_batch(body)):  # SGLang's item i is ours
+                    sub = request[i]
+                    SamplingParams(**sub.sampling_params).verify(vocab)
+                    for field in ("rid", "input_ids", "sampling_params", "return_logprob", "routed_experts_start_len"):
+                        if getattr(sub, field) != item.get(field, getattr(sub, field)):
+                            problems.append(
+                                f"/generate batch item {i}: {field} {getattr(sub, field)!r} != {item[field]!r}"
+                            )
         except Exception as error:  # noqa: BLE001 - reported per body
             problems.append(f"{path}: {type(error).__name__}: {error}")
     return problems
@@ -92,6 +110,7 @@ def test_every_body_the_client_sends_is_valid_for_sglang():
         "/update_weights_from_tensor",
         "/load_lora_adapter",
     }, sent
+    assert sum(isinstance(body["input_ids"][0], list) for path, body in bodies if path == "/generate") == 1
     assert sglang_oracle.call(_check_with_sglang, bodies, REQUEST_CLASSES, VOCAB) == []
     distributed = next(body for path, body in bodies if path == "/update_weights_from_distributed")
     assert "checksum" not in distributed and "weight_version" not in distributed  # see sync.engine_api

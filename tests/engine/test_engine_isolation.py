@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import numpy as np
 import pytest
 
 from moe_rl.engine.client import EngineClient
@@ -13,7 +14,7 @@ from moe_rl.engine.embedded.request import Request
 from moe_rl.engine.embedded.runner import ModelRunner
 from moe_rl.engine.embedded.scheduler import Scheduler
 from moe_rl.engine.sampling import SamplingParams
-from tests.engine.engine_helpers import run
+from tests.engine.engine_helpers import run, wait_for_load
 from tests.engine.test_engine_requests import post
 
 pytestmark = pytest.mark.world  # starts processes: a world, an engine, Ray or a CLI (tests/conftest.py)
@@ -50,6 +51,33 @@ def test_a_tiny_temperature_is_greedy_and_harms_no_other_request(qwen3_engine):
     greedy, results = run(go())
     assert results[0].output_ids == greedy.output_ids
     assert all(len(r.output_ids) == 6 and r.finish_reason == "length" for r in results)
+
+
+def test_a_batch_request_gives_each_item_what_it_alone_would_get(qwen3_engine):
+    """SGLang's batch form of /generate: one answer per item, in order, each what the same request
+    sent alone gets (seeded sampling); an item aborted by its rid ends alone."""
+    seeded = [SamplingParams(max_new_tokens=6, temperature=1.0, sampling_seed=i, ignore_eos=True) for i in range(3)]
+    prompts = [PROMPT, PROMPT[:2], PROMPT]
+
+    async def go():
+        client = EngineClient(qwen3_engine.url)
+        alone = [await client.generate(p, s, return_routed_experts=True) for p, s in zip(prompts, seeded)]
+        batch = await client.generate_batch(prompts, seeded, return_routed_experts=True)
+        long = SamplingParams(max_new_tokens=400, ignore_eos=True)
+        cut = asyncio.ensure_future(client.generate_batch([PROMPT, PROMPT], [long, seeded[0]], rids=["victim", "kept"]))
+        await wait_for_load(client.url, lambda load: load["num_used_tokens"] >= len(PROMPT) + 8, "decoding the batch")
+        await client.abort_request("victim")
+        victim, kept = await asyncio.wait_for(cut, 60)
+        await client.close()
+        return alone, batch, victim, kept
+
+    alone, batch, victim, kept = run(go())
+    for one, item in zip(alone, batch):
+        # a batch's forwards hold other rows: float32 sums in another order, the tokens the same
+        assert item.output_ids == one.output_ids and np.allclose(item.logprobs, one.logprobs, atol=1e-4)
+        assert np.array_equal(item.routed_experts, one.routed_experts)
+    assert victim.rid == "victim" and victim.finish_reason == "abort" and len(victim.output_ids) < 400
+    assert kept.output_ids == alone[0].output_ids and kept.finish_reason == "length"
 
 
 def test_a_failing_forward_fails_its_requests_and_loses_none_queued_meanwhile(qwen3_dir):

@@ -43,6 +43,10 @@ BAD = [
     ({"input_ids": [], "sampling_params": {"max_new_tokens": 2}}, "input_ids"),
     ({"input_ids": [1, 2], "lora_path": "nope"}, "not loaded"),
     ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 511}}, "exceeds the model's 512 positions"),
+    ({"input_ids": [[1, 2], [3]], "sampling_params": [{"max_new_tokens": 2}]}, "sampling_params: a list of 1"),
+    ({"input_ids": [[1, 2], [3]], "rid": ["a", "a"]}, "must be distinct within a batch"),
+    ({"input_ids": [[1, 2], [3, 256]]}, "outside the vocabulary"),
+    ({"input_ids": [[1, 2], [3]], "sampling_params": [{}, {"max_tokens": 3}]}, "sampling_params.max_tokens"),
 ]
 
 
@@ -76,6 +80,7 @@ class RecordingEngine:
     def __init__(self, fail_first: int = 0, version_label: str = "3"):
         self.bodies: list[tuple[str, dict]] = []
         self.fail_first, self.version_label = fail_first, version_label
+        self.hold: asyncio.Event | None = None  # when set up, /generate answers once it is set
 
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.json() if request.can_read_body else {}
@@ -83,18 +88,31 @@ class RecordingEngine:
         if self.fail_first > 0:
             self.fail_first -= 1
             return web.Response(status=503)
-        if request.path == "/generate":
-            n = body["sampling_params"]["max_new_tokens"]
-            meta = {
-                "id": body["rid"],
-                "finish_reason": {"type": "length", "length": n},
-                "weight_version": self.version_label,
-                "output_token_logprobs": [[-1.0, 5, None]] * n,
-            }
-            return web.json_response({"output_ids": [5] * n, "meta_info": meta})
+        if request.path == "/generate" and self.hold is not None:
+            await self.hold.wait()
+        if request.path == "/generate":  # a batch (SGLang's list form) gets a list
+            items = protocol.split_batch(body)
+            answers = [self._generated(item) for item in items or [body]]
+            return web.json_response(answers if items is not None else answers[0])
         if request.path == "/model_info":
             return web.json_response({"weight_version": "3"})
         return web.json_response({"success": True, "message": ""})
+
+    def _generated(self, body: dict) -> dict:
+        """`max_new_tokens` copies of the prompt's first id (so a batch's answers show their order)."""
+        n = body["sampling_params"]["max_new_tokens"]
+        meta = {
+            "id": body["rid"],
+            "finish_reason": {"type": "length", "length": n},
+            "weight_version": self.version_label,
+            "output_token_logprobs": [[-1.0, body["input_ids"][0], None]] * n,
+        }
+        return {"output_ids": [body["input_ids"][0]] * n, "meta_info": meta}
+
+    def generated(self) -> list[dict]:
+        """The /generate requests received, a batch's items each (`protocol.split_batch`)."""
+        bodies = [body for path, body in self.bodies if path == "/generate"]
+        return [item for body in bodies for item in protocol.split_batch(body) or [body]]
 
     async def start(self) -> str:
         app = web.Application()
@@ -169,7 +187,7 @@ def test_retries_transient_errors_then_gives_up():
         return result, info, len(dead.bodies)
 
     result, info, attempts = run(go())
-    assert result.output_ids == [5, 5, 5] and result.weight_versions == [3] * 3 and info["weight_version"] == "3"
+    assert result.output_ids == [1, 1, 1] and result.weight_versions == [3] * 3 and info["weight_version"] == "3"
     assert attempts == 3
 
 
@@ -200,8 +218,68 @@ def test_pool_keeps_groups_together_and_balances_the_rest():
         await pool.close()
         for e in engines:
             await e.runner.cleanup()
-        return [len(e.bodies) for e in engines], pool
+        return [(len(e.bodies), len(e.generated())) for e in engines], pool
 
     counts, pool = run(go())
-    assert sorted(counts) == [6, 6, 6]  # 3 groups of 4 on distinct engines, then 2 each
+    # 3 groups of 4 on distinct engines, each group one batch request; then 2 requests each
+    assert counts == [(3, 6)] * 3
     assert pool.in_flight == [0, 0, 0]
+
+
+def test_a_group_started_together_is_one_batch_request_answered_in_order():
+    """Requests of one group made in one pass of the loop, with the same options, go as one
+    SGLang batch body; other options or another pass make their own; each caller gets its item."""
+
+    async def go():
+        engine = RecordingEngine()
+        pool = EnginePool([EngineClient(await engine.start())])
+        ask = lambda first, **options: pool.generate([first, 9], SamplingParams(max_new_tokens=2), **options)  # noqa: E731
+        together = await asyncio.gather(*(ask(i, group_id="g") for i in range(1, 6)))
+        split = await asyncio.gather(ask(1, group_id="g"), ask(2, group_id="g", routed_experts_start_len=1))
+        later = await ask(3, group_id="g")
+        await pool.close()
+        await engine.runner.cleanup()
+        return engine, together, split, later
+
+    engine, together, split, later = run(go())
+    assert [r.output_ids for r in together] == [[i, i] for i in range(1, 6)]
+    assert [r.output_ids for r in split] == [[1, 1], [2, 2]] and later.output_ids == [3, 3]
+    first, *rest = [body for path, body in engine.bodies if path == "/generate"]
+    assert first["input_ids"] == [[i, 9] for i in range(1, 6)] and len(set(first["rid"])) == 5
+    assert [isinstance(b["input_ids"][0], int) for b in rest] == [True, True, True]  # one request: the single form
+
+
+def test_a_caller_that_stops_waiting_has_its_item_aborted_and_the_others_go_on():
+    async def go():
+        engine = RecordingEngine()
+        engine.hold = asyncio.Event()
+        pool = EnginePool([EngineClient(await engine.start())])
+
+        def ask(first: int) -> asyncio.Future:
+            return asyncio.ensure_future(pool.generate([first], SamplingParams(max_new_tokens=1), group_id="g"))
+
+        calls = [ask(1), ask(2)]
+        while not engine.generated():  # the batch reached the engine
+            await asyncio.sleep(0.01)
+        calls[0].cancel()
+        while len(engine.bodies) < 2:
+            await asyncio.sleep(0.01)
+        engine.hold.set()
+        kept = await calls[1]
+        engine.hold.clear()
+        both = [ask(3), ask(4)]  # every caller gone: the request itself is cancelled, nothing to abort
+        while len(engine.generated()) < 4:
+            await asyncio.sleep(0.01)
+        for call in both:
+            call.cancel()
+        await asyncio.gather(*both, return_exceptions=True)
+        in_flight = list(pool.in_flight)
+        await pool.close()
+        await engine.runner.cleanup()
+        return engine.bodies, kept, in_flight
+
+    bodies, kept, in_flight = run(go())
+    (_, batch), (path, abort) = bodies[:2]
+    assert path == "/abort_request" and abort["rid"] == batch["rid"][0]  # the cancelled item alone
+    assert kept.output_ids == [2] and kept.finish_reason == "length"
+    assert [path for path, _ in bodies[2:]] == ["/generate"] and in_flight == [0]

@@ -61,14 +61,18 @@ class LoraRoutes:
 
     # -- uses by /generate -------------------------------------------------------------------------
 
-    def acquire(self, name: str | None) -> None:
-        if name is None:
-            return
-        if name not in self.paths:
+    def check(self, name: str | None) -> None:
+        """Raise (HTTP 400) unless `name` is None or a loaded adapter."""
+        if name is not None and name not in self.paths:
             raise ValueError(
                 f"lora_path: the following requested LoRA adapters are not loaded: {name}; "
                 f"loaded adapters: {sorted(self.paths)} (call /load_lora_adapter first)"
             )
+
+    def acquire(self, name: str | None) -> None:
+        self.check(name)
+        if name is None:
+            return
         self._users[name] += 1
         self._idle.setdefault(name, asyncio.Event()).clear()
 

@@ -203,9 +203,9 @@ class EmbeddedServer:
 
     @property
     def max_body_bytes(self) -> int:
-        """The largest body a request can need: a /generate of a full context (about 8 bytes of
-        JSON per token id) plus room for the rest; larger bodies get 413 before they are read."""
-        return (1 << 20) + 8 * min(self.max_positions, 1 << 24)
+        """The largest body a request can need: a /generate batch of max_batch full contexts (about
+        8 bytes of JSON per token id) plus room for the rest; larger bodies get 413 before they are read."""
+        return (1 << 20) + 8 * min(self.max_positions, 1 << 24) * self.scheduler.max_batch
 
     async def _body(self, request: web.Request) -> dict:
         if not request.can_read_body:
@@ -231,10 +231,16 @@ class EmbeddedServer:
     # -- generation --------------------------------------------------------------------------------
 
     async def generate(self, http: web.Request) -> web.Response:
+        """One request, or SGLang's batch form (`input_ids` a list of lists: one response list, in
+        order, once every item has ended; `split_batch`)."""
         body = await self._body(http)
+        items = protocol.split_batch(body)
         small = http.content_length is not None and http.content_length <= _INLINE_BYTES
+        parse = lambda: [self._parse_generate(item) for item in items or [body]]  # noqa: E731
         # per-id checks of a long prompt off the loop
-        request = self._parse_generate(body) if small else await asyncio.to_thread(self._parse_generate, body)
+        requests = parse() if small else await asyncio.to_thread(parse)
+        if len({r.rid for r in requests}) < len(requests):
+            raise BadRequest(f"rid: {[r.rid for r in requests]} must be distinct within a batch")
         if self.runner.weights_state != "loaded":  # an answered commit may be loading them (colocated)
             await self._swapped()
         if self.released or self.runner.weights_state != "loaded":
@@ -242,6 +248,20 @@ class EmbeddedServer:
                 f"/generate refused: memory released {sorted(self.released)}, weights "
                 f"{self.runner.weights_state}; call /resume_memory_occupation and update the weights"
             )
+        if items is None:
+            return web.json_response(await self._run(requests[0]))
+        for request in requests:  # an unknown adapter fails the batch before any item starts
+            self.lora.check(request.lora_name)
+        tasks = [asyncio.ensure_future(self._run(request)) for request in requests]
+        try:
+            return web.json_response(list(await asyncio.gather(*tasks)))
+        finally:  # an item that failed (or the client leaving) ends the others: each aborts its request
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run(self, request: Request) -> dict:
+        """Submit `request` and wait for its result; a cancelled wait (the client went away) aborts it."""
         self.lora.acquire(request.lora_name)  # an unknown adapter fails this request only
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
@@ -249,8 +269,8 @@ class EmbeddedServer:
         self._rids.add(request.rid)
         try:
             self.scheduler.submit(request)
-            return web.json_response(await done)
-        except asyncio.CancelledError:  # the client went away: stop generating for it
+            return await done
+        except asyncio.CancelledError:  # stop generating for it
             self.scheduler.call(lambda: self.scheduler.abort(request.rid))
             raise
         finally:

@@ -3,8 +3,9 @@
 All samples of a group (same prompt, GRPO) go to one engine, so its prefix cache (SGLang's radix
 tree) computes the shared prompt once; a group's first request, and any request without a group,
 goes to the live engine with the fewest requests in flight (ties: the first). The mapping lives
-until `release_group`. Control calls (pause, continue, weight updates) go to every engine through
-the clients themselves (or `sync`'s sender); the pool only routes generation (and scoring: `score`).
+until `release_group`. A group's requests made together go as one batch request (`GroupBatch`).
+Control calls (pause, continue, weight updates) go to every engine through the clients themselves
+(or `sync`'s sender); the pool only routes generation (and scoring: `score`).
 
 Faults: a generate call that gets no HTTP answer (connection refused or reset) makes the pool ask
 the engine's `/health` (one check shared by every request that failed on it). An engine that does

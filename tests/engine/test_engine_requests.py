@@ -274,6 +274,7 @@ def test_a_caller_that_stops_waiting_has_its_item_aborted_and_the_others_go_on()
             call.cancel()
         await asyncio.gather(*both, return_exceptions=True)
         in_flight = list(pool.in_flight)
+        engine.hold.set()  # the abandoned request's handler ends (the server's cleanup waits for it)
         await pool.close()
         await engine.runner.cleanup()
         return engine.bodies, kept, in_flight

@@ -111,12 +111,11 @@ class EnginePool:
             batch.task = asyncio.get_running_loop().create_task(self._run_batch(batch))
 
     async def _run_batch(self, batch: GroupBatch) -> None:
-        def call(client: EngineClient) -> Awaitable[list[GenerateResult]]:
+        async def call(client: EngineClient) -> list[GenerateResult]:
             batch.engine = client
             if len(batch.inputs) == 1:  # SGLang's single form: what the batch would be without batching
-                single = client.generate(batch.inputs[0], batch.sampling[0], rid=batch.rids[0], **batch.options)
-                return _as_list(single)
-            return client.generate_batch(batch.inputs, batch.sampling, rids=batch.rids, **batch.options)
+                return [await client.generate(batch.inputs[0], batch.sampling[0], rid=batch.rids[0], **batch.options)]
+            return await client.generate_batch(batch.inputs, batch.sampling, rids=batch.rids, **batch.options)
 
         try:
             index, results = await self._on_live_engine(batch.group_id, call, len(batch.inputs))
@@ -337,10 +336,6 @@ class GroupBatch:
             await engine.abort_request(rid)
         except EngineError:  # the engine went away: nothing of the batch runs there any more
             pass
-
-
-async def _as_list(single: Awaitable[GenerateResult]) -> list[GenerateResult]:
-    return [await single]
 
 
 _ABORT_POLL_S = 0.02  # `remove`: how often it aborts again while requests are still in flight

@@ -432,10 +432,10 @@ def unknown_fields(path: str, body: dict) -> list[str]:
     bad = sorted(set(body) - known - extra)
     if path == "/generate":
         params = body.get("sampling_params")
-        given = [
-            p for p in (params if isinstance(params, list) else [params]) if isinstance(p, dict)
-        ]  # a batch: one per item
-        bad += sorted(f"sampling_params.{k}" for k in set().union(*given) - SAMPLING_FIELDS)
+        per_item = params if isinstance(params, list) else [params]  # a batch has one per item
+        bad += sorted(
+            {f"sampling_params.{k}" for p in per_item if isinstance(p, dict) for k in p.keys() - SAMPLING_FIELDS}
+        )
     return bad
 
 
